@@ -1,0 +1,1 @@
+"""The user-facing surface: OpenAI-compatible gateway, notebook client, CLI helpers."""

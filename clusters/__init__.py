@@ -1,0 +1,1 @@
+"""Cluster factories: local CPU, local CUDA, SSH, Kubernetes, SLURM."""

@@ -1,0 +1,1 @@
+"""Engines behind the Engine contract: sim (latency model) and vllm (real vLLM)."""

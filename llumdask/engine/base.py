@@ -1,0 +1,149 @@
+"""The Engine contract: what a llumlet needs from an instance, at block granularity.
+
+Both engines implement it: `sim` (vLLM's block manager, batching and preemption with a latency
+model instead of a model) and `vllm` (a real vLLM instance). The llumlet never touches tensors;
+the engine never knows about other instances.
+
+Migration primitives follow the paper's protocol (section 4.2):
+reserve_blocks / import_blocks on the destination, completed_blocks / export_blocks / pause /
+unpause / free_migrated on the source, resume on the destination at COMMIT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from llumdask.request import FinishReason, Priority, Request, RequestTiming, SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """New tokens of one request from one step. `first_index` is the position of
+    `token_ids[0]` in the request's output: the sequence number the frontend orders by."""
+
+    request_id: str
+    first_index: int
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: tuple[TokenOutput, ...] = ()
+    preempted: tuple[str, ...] = ()
+    # Seconds the step took (modeled by the sim engine, measured by a real one).
+    duration: float = 0.0
+    num_prefill_tokens: int = 0
+    batch_size: int = 0
+
+
+@dataclass(frozen=True)
+class RequestLoad:
+    """One request's share of an instance's load, for Algorithm 1 and for picking a migrant."""
+
+    request_id: str
+    running: bool
+    num_blocks: int
+    num_tokens: int
+    num_prompt_tokens: int
+    execution_priority: Priority
+    scheduling_priority: Priority
+    migratable: bool = True
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    total_blocks: int
+    block_size: int
+    free_blocks: int
+    reserved_blocks: int
+    # Running requests in batch order, waiting requests in queue order (head first).
+    running: tuple[RequestLoad, ...] = ()
+    waiting: tuple[RequestLoad, ...] = ()
+    num_preemptions: int = 0
+
+
+@dataclass
+class MigrationState:
+    """Everything the destination needs to continue a request exactly where the source paused it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    scheduling_priority: Priority
+    execution_priority: Priority
+    arrival_time: float
+    # Timing travels with the request so metrics span its whole life, across instances.
+    timing: RequestTiming | None = None
+    # Engine-specific continuation (RNG state, counters); opaque to the llumlet.
+    engine_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class MigrationRefused(Exception):
+    """A migration primitive cannot proceed (no blocks, request gone, not migratable)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One model instance. All methods are synchronous and called from one thread at a time."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def total_blocks(self) -> int: ...
+
+    # ------------------------------------------------------------------ serving
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it can never fit (prompt + max_tokens > capacity)."""
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its blocks; unknown ids are ignored."""
+
+    def step(self) -> StepResult:
+        """Schedule, run one iteration (prefills and one decode token per running request), postprocess."""
+
+    def has_work(self) -> bool: ...
+
+    def snapshot(self) -> EngineSnapshot: ...
+
+    def get_request(self, request_id: str) -> Request | None: ...
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless free + used + reserved == total and no block has two owners."""
+
+    # ------------------------------------------------------------------ migration, source side
+    def completed_blocks(self, request_id: str) -> int:
+        """Blocks of the request whose every slot holds computed KV (safe to copy now)."""
+
+    def export_blocks(self, request_id: str, start: int, end: int) -> Any:
+        """Block fusion: the request's blocks [start, end) gathered into one contiguous buffer."""
+
+    def pause(self, request_id: str) -> MigrationState:
+        """Take a running request out of the batch (blocks kept) and return its continuation state."""
+
+    def unpause(self, request_id: str) -> None:
+        """Rollback: put a paused request back into the running batch, as if nothing happened."""
+
+    def free_migrated(self, request_id: str) -> None:
+        """After COMMIT: forget a paused request and free its blocks."""
+
+    # ------------------------------------------------------------------ migration, destination side
+    def reserve_blocks(self, migration_id: str, num_blocks: int) -> bool:
+        """Set aside blocks for an incoming migration; False when they are not free."""
+
+    def release_reservation(self, migration_id: str) -> None:
+        """Free every block reserved or imported under this migration (abort path); idempotent."""
+
+    def import_blocks(self, migration_id: str, start: int, buffer: Any) -> None:
+        """Write a fused buffer into the migration's blocks, starting at block index `start`."""
+
+    def resume(self, migration_id: str, state: MigrationState) -> None:
+        """COMMIT: turn the migration's blocks into a running request continuing from `state`."""

@@ -1,0 +1,126 @@
+"""Virtual usage (paper Algorithm 1) and freeness, computed from a constant-size load report.
+
+An instance reports sums, not per-request lists, so the global scheduler's work per report and
+per decision is O(1) in the number of requests. The sums are exactly what Algorithm 1 needs:
+
+- waiting requests: only the head of the line counts, with its demand (blocks for its prompt);
+- running normal-priority requests: their physical blocks;
+- running high-priority requests: physical blocks + headroom[p] / n_p each, which sums to
+  headroom[p] for the whole class whenever n_p > 0;
+- a terminating instance: +inf (a fake request that drains it by migration).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from llumdask.request import Priority
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """One instance's load report. Plain data: it crosses process boundaries as a dict."""
+
+    instance_id: str
+    total_blocks: int
+    block_size: int
+    free_blocks: int
+    num_running: int
+    num_waiting: int
+    # Physical blocks held by running requests, and how many running requests, per execution priority.
+    running_blocks: Mapping[Priority, int] = field(default_factory=dict)
+    running_count: Mapping[Priority, int] = field(default_factory=dict)
+    # Blocks the head-of-line waiting request needs for its prompt (0 when nothing waits).
+    head_of_line_demand: int = 0
+    # Blocks every waiting request needs (INFaaS++ counts the whole queue).
+    waiting_demand: int = 0
+    # Prompt tokens not yet prefilled, over running and waiting requests (LMetric's signal).
+    pending_prefill_tokens: int = 0
+    reserved_blocks: int = 0
+    num_migrating_out: int = 0
+    num_migrating_in: int = 0
+    num_preemptions: int = 0
+    # Requests this instance has ever been handed (dispatch accounting on the scheduler side).
+    num_received: int = 0
+    terminating: bool = False
+    timestamp: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.total_blocks <= 0 or self.block_size <= 0:
+            raise ValueError(f"{self.instance_id}: total_blocks and block_size must be positive")
+        if not 0 <= self.free_blocks <= self.total_blocks:
+            raise ValueError(f"{self.instance_id}: free_blocks {self.free_blocks} outside [0, {self.total_blocks}]")
+        object.__setattr__(self, "running_blocks", {Priority(p): int(b) for p, b in self.running_blocks.items()})
+        object.__setattr__(self, "running_count", {Priority(p): int(c) for p, c in self.running_count.items()})
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.free_blocks
+
+    def to_dict(self) -> dict:
+        """msgpack-native form (enum keys become ints) for scheduler comms."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["running_blocks"] = {int(p): b for p, b in self.running_blocks.items()}
+        d["running_count"] = {int(p): c for p, c in self.running_count.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "InstanceLoad":
+        d = dict(d)
+        d["running_blocks"] = {Priority(int(p)): b for p, b in d.get("running_blocks", {}).items()}
+        d["running_count"] = {Priority(int(p)): c for p, c in d.get("running_count", {}).items()}
+        return cls(**d)
+
+
+def headroom_blocks(headroom_tokens: Mapping[Priority, int], block_size: int) -> dict[Priority, int]:
+    """Convert per-priority headroom from tokens (the config's unit) to blocks."""
+    return {Priority(p): -(-int(t) // block_size) for p, t in headroom_tokens.items()}
+
+
+def virtual_usage(
+    load: InstanceLoad,
+    headroom: Mapping[Priority, int],
+    *,
+    extra_demand: int = 0,
+    normal_only: bool = False,
+) -> float:
+    """Sum of the virtual usages of an instance's requests, in blocks (Algorithm 1).
+
+    `headroom` is in blocks per execution priority. `extra_demand` adds the demand of requests
+    dispatched to the instance but not yet in its report. `normal_only` ignores the priority
+    headroom (the scaling policy measures normal-priority load only).
+    """
+    if load.terminating:
+        return math.inf
+    usage = float(sum(load.running_blocks.values()) + load.head_of_line_demand + extra_demand)
+    if not normal_only:
+        for priority, count in load.running_count.items():
+            if count > 0:
+                usage += headroom.get(priority, 0)
+    return usage
+
+
+def freeness(load: InstanceLoad, headroom: Mapping[Priority, int], *, extra_demand: int = 0, normal_only: bool = False) -> float:
+    """F = (M - ΣV) / B; higher is freer, everywhere in llumdask.
+
+    Two definitions the paper leaves open, chosen so that F is a total order that adding load
+    never raises:
+    - B = 0 divides by 1, so an empty instance has F = M, the largest value any instance of that
+      capacity can reach (F <= M - ΣV <= M whenever B >= 1).
+    - When the instance is overloaded (M - ΣV < 0) the deficit is multiplied by B instead of
+      divided: the paper's division would make a more crowded overloaded instance look freer.
+    A terminating instance has F = -inf. F is never NaN.
+    """
+    usage = virtual_usage(load, headroom, extra_demand=extra_demand, normal_only=normal_only)
+    if math.isinf(usage):
+        return -math.inf
+    surplus = load.total_blocks - usage
+    batch = max(load.num_running, 1)
+    return surplus / batch if surplus >= 0 else surplus * batch
+
+
+def freeness_key(instance_id: str, value: float) -> tuple[float, str]:
+    """Sort key giving a strict total order over instances: freeness, then id to break ties."""
+    return (value, instance_id)

@@ -1,0 +1,1 @@
+"""Dispatch, migration-pairing and scaling policies: small pure functions behind registries."""

@@ -1,0 +1,68 @@
+"""Messages of the live-migration handshake (paper section 4.2, Figure 7).
+
+Source -> destination: PreAlloc (before each stage), StageData (a fused block buffer; the last
+one also carries the request state), Abort. Destination -> source: PreAllocReply (ACK or
+refusal), StageAck, Committed, Abort. Every message names its migration, so one comm per
+migration keeps stages ordered and a late message of a dead migration is simply dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from llumdask.engine.base import MigrationState
+
+
+@dataclass(frozen=True)
+class PreAlloc:
+    migration_id: str
+    source: str
+    destination: str
+    request_id: str
+    stage: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class PreAllocReply:
+    migration_id: str
+    stage: int
+    accepted: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class StageData:
+    migration_id: str
+    stage: int
+    start_block: int
+    end_block: int
+    payload: Any
+    # Only on the last stage: the paused request's continuation.
+    state: MigrationState | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.state is not None
+
+
+@dataclass(frozen=True)
+class StageAck:
+    migration_id: str
+    stage: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    migration_id: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    migration_id: str
+    reason: str
+
+
+MigrationMessage = Union[PreAlloc, PreAllocReply, StageData, StageAck, Committed, Abort]

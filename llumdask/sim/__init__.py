@@ -1,0 +1,1 @@
+"""Discrete-event cluster simulator running the same core code on a virtual clock."""
