@@ -7,7 +7,8 @@ per decision is O(1) in the number of requests. The sums are exactly what Algori
 - running normal-priority requests: their physical blocks;
 - running high-priority requests: physical blocks + headroom[p] / n_p each, which sums to
   headroom[p] for the whole class whenever n_p > 0;
-- a terminating instance: +inf (a fake request that drains it by migration).
+- a terminating instance: +inf (a fake request that drains it by migration);
+- blocks reserved for an incoming migration: counted as used (the request is on its way).
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from llumdask.request import Priority
+
+
+# The counters of a report; none can be negative.
+_COUNTS = (
+    "num_running", "num_waiting", "head_of_line_demand", "waiting_demand", "pending_prefill_tokens",
+    "reserved_blocks", "num_migrating_out", "num_migrating_in", "num_preemptions", "num_received",
+)
 
 
 @dataclass(frozen=True)
@@ -52,8 +60,14 @@ class InstanceLoad:
             raise ValueError(f"{self.instance_id}: total_blocks and block_size must be positive")
         if not 0 <= self.free_blocks <= self.total_blocks:
             raise ValueError(f"{self.instance_id}: free_blocks {self.free_blocks} outside [0, {self.total_blocks}]")
+        for name in _COUNTS:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{self.instance_id}: {name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "running_blocks", {Priority(p): int(b) for p, b in self.running_blocks.items()})
         object.__setattr__(self, "running_count", {Priority(p): int(c) for p, c in self.running_count.items()})
+        for name in ("running_blocks", "running_count"):
+            if any(v < 0 for v in getattr(self, name).values()):
+                raise ValueError(f"{self.instance_id}: {name} must be >= 0 for every priority, got {getattr(self, name)}")
 
     @property
     def used_blocks(self) -> int:
@@ -94,7 +108,8 @@ def virtual_usage(
     """
     if load.terminating:
         return math.inf
-    usage = float(sum(load.running_blocks.values()) + load.head_of_line_demand + extra_demand)
+    # Blocks reserved for incoming migrations are spoken for: count them like a running request's.
+    usage = float(sum(load.running_blocks.values()) + load.reserved_blocks + load.head_of_line_demand + extra_demand)
     if not normal_only:
         for priority, count in load.running_count.items():
             if count > 0:

@@ -55,13 +55,15 @@ class InProcessTransport:
             handler(sender, message)
         return True
 
+    def deliver_round(self) -> int:
+        """Deliver what is queued now, one message per pair; replies they trigger wait for the next round."""
+        return sum(self.deliver_one(pair) for pair in self.pending_pairs())
+
     def deliver_all(self, limit: int = 100_000) -> int:
         """Deliver until quiet (handlers may send more); returns how many were delivered."""
         delivered = 0
         while delivered < limit:
-            pairs = self.pending_pairs()
-            if not pairs:
+            if not self.pending_pairs():
                 return delivered
-            for pair in pairs:
-                delivered += self.deliver_one(pair)
+            delivered += self.deliver_round()
         raise RuntimeError(f"transport did not go quiet after {limit} messages")

@@ -1,0 +1,37 @@
+# make test / make serve bootstrap .venv from scratch when it is missing, and reinstall when
+# pyproject.toml (or EXTRAS) changes. Optional dependency groups are added in EXTRAS only.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch lies in this machine's local wheel store; installing it first keeps
+# pip from resolving a multi-GB CUDA build while it installs the package.
+TORCH := torch==2.13.0
+EXTRAS := test
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+
+.PHONY: venv test test-fast serve clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not vllm"
+
+# An in-process demo of the core until the HTTP gateway lands.
+serve: $(STAMP)
+	$(BIN)/llumdask demo
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,299 @@
+"""The global scheduler: an instance table turned into dispatch, migration and scaling decisions.
+
+It keeps instance-level state only: each instance's last load report (constant size) plus a
+FIFO of the requests dispatched there that no report shows yet. Each decision is one pass over
+the instances; the clock is passed in; decisions are returned as plain data and acted on by
+the host (the Dask scheduler plugin, or the simulator), never performed here.
+
+Dispatch-time accounting: a dispatched request counts as demand (blocks for its prompt) in its
+instance's virtual usage until a report's `num_received` shows the instance has it; migrations
+do not count as received. Each instance's freeness (pending demand included) is cached and
+recomputed only when its report, its pending requests or its state change.
+
+Every call takes `now` so that a host passes one clock everywhere; the table records the time
+of each instance's last report, and scaling's hysteresis runs on it.
+
+Reports from an instance that was never registered (or was removed) are rejected with
+`UnknownInstance`: registration carries capacity and readiness, and a late report from a
+removed instance must not bring it back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from llumdask.config import LlumdaskConfig
+from llumdask.load import InstanceLoad, freeness, freeness_key, headroom_blocks
+from llumdask.policy.dispatch import DispatchInfo, make_dispatch_policy
+from llumdask.policy.migration import MigrationPair, pair_migrations
+from llumdask.policy.scaling import ScaleAction, ScaleDecision, ScalingPolicy
+from llumdask.request import Priority, blocks_for
+
+__all__ = [
+    "DispatchInfo",
+    "GlobalScheduler",
+    "InstanceView",
+    "MigrationPair",
+    "NoInstanceAvailable",
+    "ScaleDecision",
+    "UnknownInstance",
+]
+
+
+class NoInstanceAvailable(RuntimeError):
+    """No ready, non-terminating instance to dispatch to."""
+
+
+class UnknownInstance(KeyError):
+    """An instance id the scheduler does not know (never registered, or removed)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """One row of the instance table, for dashboards and notebooks."""
+
+    instance_id: str
+    ready: bool
+    terminating: bool
+    freeness: float
+    load: InstanceLoad
+    num_pending: int
+    pending_blocks: int
+    last_report_at: float | None
+
+
+class _Instance:
+    """The scheduler's record of one instance; dispatch policies read it as their `Candidate`."""
+
+    __slots__ = (
+        "instance_id", "total_blocks", "block_size", "headroom", "ready", "terminating",
+        "reported_since_terminating", "removal_decided", "load", "last_report_at", "handed",
+        "pending", "num_pending", "pending_blocks", "pending_prompt_tokens", "freeness", "key",
+    )
+
+    def __init__(self, instance_id: str, total_blocks: int, block_size: int, headroom: dict[Priority, int]) -> None:
+        self.instance_id = instance_id
+        self.total_blocks = total_blocks
+        self.block_size = block_size
+        self.headroom = headroom
+        self.ready = False
+        self.terminating = False
+        self.reported_since_terminating = False
+        self.removal_decided = False
+        # Until its first report an instance is known to be empty.
+        self.load = InstanceLoad(instance_id, total_blocks, block_size, free_blocks=total_blocks, num_running=0, num_waiting=0)
+        self.last_report_at: float | None = None
+        # `handed`: requests the instance has received or is about to, as far as we know. Each
+        # pending entry is (its position in that count, prompt blocks, prompt tokens).
+        self.handed = 0
+        self.pending: deque[tuple[int, int, int]] = deque()
+        self.num_pending = 0
+        self.pending_blocks = 0
+        self.pending_prompt_tokens = 0
+        self.freeness = 0.0
+        self.key = (0.0, instance_id)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute the cached freeness after anything it depends on changed."""
+        if self.terminating:
+            self.freeness = -math.inf
+        else:
+            self.freeness = freeness(self.load, self.headroom, extra_demand=self.pending_blocks)
+        self.key = freeness_key(self.instance_id, self.freeness)
+
+    def add_pending(self, info: DispatchInfo) -> None:
+        blocks = blocks_for(info.num_prompt_tokens, self.block_size)
+        self.pending.append((self.handed, blocks, info.num_prompt_tokens))
+        self.handed += 1
+        self.num_pending += 1
+        self.pending_blocks += blocks
+        self.pending_prompt_tokens += info.num_prompt_tokens
+        self.refresh()
+
+    def absorb(self, load: InstanceLoad) -> None:
+        """Take a new report; drop the pending requests it shows the instance has received."""
+        received = load.num_received
+        if received < self.load.num_received:
+            raise ValueError(
+                f"instance {self.instance_id}: num_received went back from {self.load.num_received} to {received}; "
+                "a restarted instance must be removed and registered again"
+            )
+        pending = self.pending
+        while pending and pending[0][0] < received:
+            _, blocks, tokens = pending.popleft()
+            self.num_pending -= 1
+            self.pending_blocks -= blocks
+            self.pending_prompt_tokens -= tokens
+        # Requests handed to it by someone else (e.g. before this scheduler started) move the count on.
+        self.handed = max(self.handed, received)
+        self.load = load
+        if load.terminating and not self.terminating:
+            self.terminating = True
+        if self.terminating:
+            self.reported_since_terminating = True
+        self.refresh()
+
+    @property
+    def drained(self) -> bool:
+        """Terminating, seen so by a report, and nothing left on it or on its way to it."""
+        load = self.load
+        return (
+            self.terminating
+            and self.reported_since_terminating
+            and self.num_pending == 0
+            and load.num_running == 0
+            and load.num_waiting == 0
+            and load.num_migrating_out == 0
+            and load.num_migrating_in == 0
+        )
+
+    def normal_freeness(self) -> float:
+        """F from normal-priority usage only: what scaling measures."""
+        return freeness(self.load, self.headroom, extra_demand=self.pending_blocks, normal_only=True)
+
+    def view(self) -> InstanceView:
+        return InstanceView(
+            self.instance_id, self.ready, self.terminating, self.freeness, self.load,
+            self.num_pending, self.pending_blocks, self.last_report_at,
+        )
+
+
+class GlobalScheduler:
+    """Instance table -> dispatch target, migration pairs, scale decisions. Not thread-safe:
+    the host calls it from one thread (the Dask scheduler's event loop)."""
+
+    def __init__(self, config: LlumdaskConfig) -> None:
+        self._config = config
+        self._dispatch_policy = make_dispatch_policy(config.dispatch)
+        self._scaling_policy = ScalingPolicy(config.scaling)
+        self._instances: dict[str, _Instance] = {}
+        # Ready, non-terminating instances; rebuilt only when membership changes.
+        self._candidates: list[_Instance] | None = None
+
+    # ------------------------------------------------------------------ instance table
+
+    def register_instance(self, instance_id: str, total_blocks: int, block_size: int, now: float) -> None:
+        """Add a starting instance; it receives nothing until `mark_ready`."""
+        if not isinstance(instance_id, str) or not instance_id:
+            raise ValueError(f"instance_id must be a non-empty string, got {instance_id!r}")
+        if instance_id in self._instances:
+            raise ValueError(f"instance {instance_id!r} is already registered")
+        for name, value in (("total_blocks", total_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"instance {instance_id}: {name} must be an integer >= 1, got {value!r}")
+        headroom = headroom_blocks(self._config.headroom_tokens, block_size)
+        self._instances[instance_id] = _Instance(instance_id, total_blocks, block_size, headroom)
+
+    def mark_ready(self, instance_id: str, now: float) -> None:
+        self._get(instance_id).ready = True
+        self._candidates = None
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Forget an instance (closed, or lost), with its pending-dispatch accounting."""
+        self._get(instance_id)
+        del self._instances[instance_id]
+        self._candidates = None
+
+    def set_terminating(self, instance_id: str, now: float) -> None:
+        """Drain an instance: F = -inf, no new requests, everything migrates out. Idempotent."""
+        instance = self._get(instance_id)
+        if not instance.terminating:
+            instance.terminating = True
+            instance.reported_since_terminating = False
+            instance.refresh()
+            self._candidates = None
+
+    def report(self, load: InstanceLoad, now: float) -> None:
+        """Replace an instance's last load report."""
+        instance = self._get(load.instance_id)
+        if load.total_blocks != instance.total_blocks or load.block_size != instance.block_size:
+            raise ValueError(
+                f"instance {load.instance_id}: report has {load.total_blocks} blocks of {load.block_size} tokens, "
+                f"registered with {instance.total_blocks} blocks of {instance.block_size}"
+            )
+        was_terminating = instance.terminating
+        instance.absorb(load)
+        instance.last_report_at = now
+        if instance.terminating and not was_terminating:
+            self._candidates = None
+
+    def freeness(self, instance_id: str) -> float:
+        """The instance's F, counting requests dispatched there but not yet reported."""
+        return self._get(instance_id).freeness
+
+    def instances(self) -> list[InstanceView]:
+        """The whole table, in registration order."""
+        return [instance.view() for instance in self._instances.values()]
+
+    # ------------------------------------------------------------------ decisions
+
+    def dispatch(self, info: DispatchInfo, now: float) -> str:
+        """Choose the instance for a new request and count it as pending demand there."""
+        candidates = self._candidates
+        if candidates is None:
+            candidates = self._candidates = [i for i in self._instances.values() if i.ready and not i.terminating]
+        if not candidates:
+            raise NoInstanceAvailable(f"no ready, non-terminating instance among {len(self._instances)} registered")
+        chosen = self._dispatch_policy.choose(candidates, info)
+        instance = self._instances.get(chosen)
+        if instance is None or not instance.ready or instance.terminating:
+            raise RuntimeError(f"dispatch policy {self._config.dispatch.policy!r} chose {chosen!r}, not a candidate")
+        instance.add_pending(info)
+        return chosen
+
+    def pair_migrations(self, now: float) -> list[MigrationPair]:
+        """This round's migration pairs among ready instances (the host calls it every interval)."""
+        return pair_migrations((i for i in self._instances.values() if i.ready), self._config.migration)
+
+    def scale(self, now: float) -> ScaleDecision:
+        """Scaling decision at `now`; instances to terminate are marked terminating here already.
+
+        Drained terminating instances are listed in `remove` once each; the host closes them and
+        calls `remove_instance`. With scaling disabled only `remove` is ever filled.
+        """
+        remove = []
+        for instance in self._instances.values():
+            if instance.drained and not instance.removal_decided:
+                instance.removal_decided = True
+                remove.append(instance.instance_id)
+        scaling = self._config.scaling
+        if not scaling.enabled:
+            return ScaleDecision(remove=tuple(remove))
+        live = [i for i in self._instances.values() if i.ready and not i.terminating]
+        starting = any(not i.ready and not i.terminating for i in self._instances.values())
+        mean = sum(i.normal_freeness() for i in live) / len(live) if live else None
+        action = self._scaling_policy.observe(
+            now,
+            mean,
+            # Capacity still starting counts as coming; every registered instance (draining
+            # ones too) holds resources until removed.
+            can_add=not starting and len(self._instances) < scaling.max_instances,
+            can_terminate=len(live) > scaling.min_instances,
+        )
+        if action is ScaleAction.ADD:
+            return ScaleDecision(add=1, remove=tuple(remove))
+        if action is ScaleAction.TERMINATE:
+            victim = _fewest_running(live)
+            self.set_terminating(victim, now)
+            return ScaleDecision(terminate=(victim,), remove=tuple(remove))
+        return ScaleDecision(remove=tuple(remove))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _get(self, instance_id: str) -> _Instance:
+        try:
+            return self._instances[instance_id]
+        except KeyError:
+            raise UnknownInstance(f"unknown instance {instance_id!r}: never registered, or already removed") from None
+
+
+def _fewest_running(instances: list[_Instance]) -> str:
+    """The instance cheapest to drain: fewest running requests, then the freest (one total order)."""
+    fewest = min(i.load.num_running + i.num_pending for i in instances)
+    return max((i for i in instances if i.load.num_running + i.num_pending == fewest), key=lambda i: i.key).instance_id

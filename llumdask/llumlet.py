@@ -1,0 +1,434 @@
+"""The llumlet: one instance's agent. Reports load, picks migrants, runs live migration.
+
+Sans-IO: the llumlet never waits. It is driven by four calls from its host (a Dask worker, the
+simulator, a test): `step()` after each engine iteration, `on_message()` for each migration
+message, `tick()` for timeouts, and `peer_lost()` when a peer dies. It talks to peers only through
+the injected `Transport`, so the same code runs on a virtual clock and across processes.
+
+Protocol (paper section 4.2). Source, per stage k: PRE-ALLOC n blocks -> ACK -> send the blocks
+completed so far as one fused buffer -> StageAck -> next stage, while the request keeps decoding.
+When little is left (or the stage budget is spent) the last stage pauses the request, sends the
+remaining blocks and its state; the destination resumes it and answers Committed; the source then
+frees it. Any refusal, abort, timeout, finish, preemption or dead peer ends the migration with
+every reserved block released and the request running on its source.
+
+Commit ownership: the source stays authoritative until it sees Committed. If it gives up first
+(timeout), its Abort makes a destination that already resumed the request drop its copy; greedy
+and seeded tokens are identical on both, and receivers drop duplicate sequence numbers.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from llumdask.config import LlumdaskConfig
+from llumdask.engine.base import Engine, MigrationRefused, MigrationState, StepResult, TokenOutput
+from llumdask.load import InstanceLoad
+from llumdask.protocol import Abort, Committed, MigrationMessage, PreAlloc, PreAllocReply, StageAck, StageData
+from llumdask.request import Priority, Request, RequestStatus, blocks_for
+from llumdask.transport import Transport
+
+# Committed incoming migrations remembered so that a late Abort from their source can be honoured.
+_COMMITTED_MEMORY = 1024
+
+
+class MigrationEventKind(enum.Enum):
+    STARTED = "started"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class MigrationEvent:
+    kind: MigrationEventKind
+    migration_id: str
+    request_id: str
+    source: str
+    destination: str
+    time: float
+    stages: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    downtime: float = 0.0
+    reason: str = ""
+
+
+class _Phase(enum.Enum):
+    AWAIT_PREALLOC = "await-prealloc"
+    AWAIT_STAGE_ACK = "await-stage-ack"
+    AWAIT_COMMIT = "await-commit"
+
+
+@dataclass
+class _Outgoing:
+    """Source-side state of one migration."""
+
+    migration_id: str
+    request_id: str
+    destination: str
+    started: float
+    preemptions_at_start: int
+    deadline: float
+    phase: _Phase = _Phase.AWAIT_PREALLOC
+    stage: int = 0
+    sent_blocks: int = 0
+    stage_blocks: int = 0
+    bytes: int = 0
+    state: MigrationState | None = None
+    paused_at: float | None = None
+
+
+@dataclass
+class _Incoming:
+    """Destination-side state of one migration."""
+
+    migration_id: str
+    request_id: str
+    source: str
+    deadline: float
+    reserved_blocks: int = 0
+
+
+def _noop(_: Any) -> None:
+    return None
+
+
+class Llumlet:
+    """Per-instance agent; every method must be called from one thread at a time."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        engine: Engine,
+        transport: Transport,
+        config: LlumdaskConfig,
+        clock: Callable[[], float],
+        on_tokens: Callable[[TokenOutput], None] | None = None,
+        on_event: Callable[[MigrationEvent], None] | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.engine = engine
+        self._transport = transport
+        self._migration = config.migration
+        self._clock = clock
+        self._on_tokens = on_tokens or _noop
+        self._on_event = on_event or _noop
+        self._received = 0
+        self._migration_numbers = itertools.count()
+        self._terminating = False
+        self._outgoing: dict[str, _Outgoing] = {}
+        self._outgoing_by_request: dict[str, str] = {}
+        self._incoming: dict[str, _Incoming] = {}
+        self._committed_in: OrderedDict[str, str] = OrderedDict()
+
+    # ------------------------------------------------------------------ serving
+    def add_request(self, request: Request) -> None:
+        """Accept a dispatched request (the engine validates that it can ever fit)."""
+        self.engine.add_request(request)
+        self._received += 1
+
+    def abort_request(self, request_id: str) -> None:
+        migration_id = self._outgoing_by_request.get(request_id)
+        if migration_id is not None:
+            self._abort_outgoing(self._outgoing[migration_id], "request aborted", notify=True)
+        self.engine.abort_request(request_id)
+
+    def step(self) -> StepResult:
+        """One engine iteration; forward tokens; abort migrations whose request finished or was preempted."""
+        result = self.engine.step()
+        for output in result.outputs:
+            self._on_tokens(output)
+        for out in list(self._outgoing.values()):
+            if out.state is None:
+                reason = self._source_lost_reason(out)
+                if reason:
+                    self._abort_outgoing(out, reason, notify=True)
+        return result
+
+    def set_terminating(self, flag: bool) -> None:
+        """A terminating instance reports infinite usage (drained by migration) and takes no migrants."""
+        self._terminating = flag
+
+    @property
+    def terminating(self) -> bool:
+        return self._terminating
+
+    def load_report(self) -> InstanceLoad:
+        snap = self.engine.snapshot()
+        running_blocks: dict[Priority, int] = {}
+        running_count: dict[Priority, int] = {}
+        for r in snap.running:
+            running_blocks[r.execution_priority] = running_blocks.get(r.execution_priority, 0) + r.num_blocks
+            running_count[r.execution_priority] = running_count.get(r.execution_priority, 0) + 1
+        waiting_demand = [blocks_for(w.num_tokens, snap.block_size) for w in snap.waiting]
+        return InstanceLoad(
+            instance_id=self.instance_id,
+            total_blocks=snap.total_blocks,
+            block_size=snap.block_size,
+            free_blocks=snap.free_blocks,
+            num_running=len(snap.running),
+            num_waiting=len(snap.waiting),
+            running_blocks=running_blocks,
+            running_count=running_count,
+            head_of_line_demand=waiting_demand[0] if waiting_demand else 0,
+            waiting_demand=sum(waiting_demand),
+            pending_prefill_tokens=sum(w.num_tokens for w in snap.waiting),
+            reserved_blocks=snap.reserved_blocks,
+            num_migrating_out=len(self._outgoing),
+            num_migrating_in=len(self._incoming),
+            num_preemptions=snap.num_preemptions,
+            num_received=self._received,
+            terminating=self._terminating,
+            timestamp=self._clock(),
+        )
+
+    def migrations_in_flight(self) -> int:
+        return len(self._outgoing) + len(self._incoming)
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    # ------------------------------------------------------------------ source side
+    def choose_migrant(self) -> str | None:
+        """Lower execution priority first, then shorter sequence (cheapest to move, least harm)."""
+        snap = self.engine.snapshot()
+        candidates = [
+            r for r in snap.running if r.migratable and r.request_id not in self._outgoing_by_request
+        ]
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda r: (int(r.execution_priority), r.num_tokens, r.request_id))
+        return best.request_id
+
+    def migrate_out(self, destination: str, request_id: str | None = None) -> str | None:
+        """Start migrating one running request; None when nothing can move now."""
+        if destination == self.instance_id or len(self._outgoing) >= self._migration.max_concurrent:
+            return None
+        if request_id is None:
+            request_id = self.choose_migrant()
+        elif request_id in self._outgoing_by_request or not self._is_running(request_id):
+            return None
+        if request_id is None:
+            return None
+        now = self._clock()
+        request = self.engine.get_request(request_id)
+        assert request is not None
+        migration_id = f"{self.instance_id}:{next(self._migration_numbers)}:{request_id}"
+        out = _Outgoing(
+            migration_id=migration_id,
+            request_id=request_id,
+            destination=destination,
+            started=now,
+            preemptions_at_start=request.timing.preemptions,
+            deadline=now + self._migration.handshake_timeout,
+        )
+        self._outgoing[migration_id] = out
+        self._outgoing_by_request[request_id] = migration_id
+        self._emit(MigrationEventKind.STARTED, out)
+        self._next_stage(out)
+        return migration_id
+
+    def _next_stage(self, out: _Outgoing) -> None:
+        """Either another copy stage while decoding goes on, or the last stage (pause + rest + state)."""
+        remaining = self.engine.completed_blocks(out.request_id) - out.sent_blocks
+        last = remaining <= self._migration.last_stage_blocks or out.stage >= self._migration.max_stages - 1
+        if last:
+            out.state = self.engine.pause(out.request_id)
+            out.paused_at = self._clock()
+            remaining = blocks_for(out.state.num_tokens, self.engine.block_size) - out.sent_blocks
+        out.stage_blocks = remaining
+        out.phase = _Phase.AWAIT_PREALLOC
+        out.deadline = self._clock() + self._migration.handshake_timeout
+        self._send(
+            out.destination,
+            PreAlloc(out.migration_id, self.instance_id, out.destination, out.request_id, out.stage, remaining),
+        )
+
+    def _on_prealloc_reply(self, out: _Outgoing, reply: PreAllocReply) -> None:
+        if not reply.accepted:
+            # A refusing destination has already released everything it held for this migration.
+            self._abort_outgoing(out, f"destination refused: {reply.reason}", notify=False)
+            return
+        if out.state is None:
+            reason = self._source_lost_reason(out)
+            if reason:
+                self._abort_outgoing(out, reason, notify=True)
+                return
+        start, end = out.sent_blocks, out.sent_blocks + out.stage_blocks
+        payload = self.engine.export_blocks(out.request_id, start, end)
+        out.bytes += int(getattr(payload, "nbytes", 0))
+        out.phase = _Phase.AWAIT_COMMIT if out.state is not None else _Phase.AWAIT_STAGE_ACK
+        out.deadline = self._clock() + self._migration.handshake_timeout
+        self._send(out.destination, StageData(out.migration_id, out.stage, start, end, payload, out.state))
+
+    def _on_stage_ack(self, out: _Outgoing, ack: StageAck) -> None:
+        out.sent_blocks += out.stage_blocks
+        out.stage += 1
+        reason = self._source_lost_reason(out)
+        if reason:
+            self._abort_outgoing(out, reason, notify=True)
+            return
+        self._next_stage(out)
+
+    def _on_committed(self, out: _Outgoing) -> None:
+        self.engine.free_migrated(out.request_id)
+        self._forget_outgoing(out)
+        now = self._clock()
+        downtime = now - out.paused_at if out.paused_at is not None else 0.0
+        self._emit(MigrationEventKind.COMMITTED, out, downtime=downtime)
+
+    def _source_lost_reason(self, out: _Outgoing) -> str:
+        """Why a migration can no longer go on from the source ("" when it can)."""
+        request = self.engine.get_request(out.request_id)
+        if request is None or request.status.is_done:
+            return "request finished"
+        if request.status is not RequestStatus.RUNNING or request.timing.preemptions != out.preemptions_at_start:
+            return "request preempted"
+        return ""
+
+    def _abort_outgoing(self, out: _Outgoing, reason: str, *, notify: bool) -> None:
+        if notify:
+            self._send(out.destination, Abort(out.migration_id, reason))
+        if out.state is not None:
+            self.engine.unpause(out.request_id)
+        self._forget_outgoing(out)
+        self._emit(MigrationEventKind.ABORTED, out, reason=reason)
+
+    def _forget_outgoing(self, out: _Outgoing) -> None:
+        del self._outgoing[out.migration_id]
+        del self._outgoing_by_request[out.request_id]
+
+    def _is_running(self, request_id: str) -> bool:
+        request = self.engine.get_request(request_id)
+        return request is not None and request.status is RequestStatus.RUNNING
+
+    # ------------------------------------------------------------------ destination side
+    def _on_prealloc(self, sender: str, msg: PreAlloc) -> None:
+        inc = self._incoming.get(msg.migration_id)
+        if inc is None:
+            refusal = self._refuse_new_migrant()
+            if refusal:
+                self._send(sender, PreAllocReply(msg.migration_id, msg.stage, False, refusal))
+                return
+            inc = _Incoming(msg.migration_id, msg.request_id, sender, deadline=0.0)
+            self._incoming[msg.migration_id] = inc
+        if not self.engine.reserve_blocks(msg.migration_id, msg.num_blocks):
+            self._drop_incoming(inc)
+            self._send(sender, PreAllocReply(msg.migration_id, msg.stage, False, "out of blocks"))
+            return
+        inc.reserved_blocks += msg.num_blocks
+        inc.deadline = self._clock() + self._migration.handshake_timeout
+        self._send(sender, PreAllocReply(msg.migration_id, msg.stage, True))
+
+    def _refuse_new_migrant(self) -> str:
+        if self._terminating:
+            return "destination is terminating"
+        if len(self._incoming) >= self._migration.max_concurrent:
+            return "destination at max concurrent migrations"
+        return ""
+
+    def _on_stage_data(self, sender: str, msg: StageData) -> None:
+        inc = self._incoming.get(msg.migration_id)
+        if inc is None:
+            self._send(sender, Abort(msg.migration_id, "unknown migration at destination"))
+            return
+        try:
+            self.engine.import_blocks(msg.migration_id, msg.start_block, msg.payload)
+            if msg.state is not None:
+                self.engine.resume(msg.migration_id, msg.state)
+        except MigrationRefused as exc:
+            self._drop_incoming(inc)
+            self._send(sender, Abort(msg.migration_id, f"destination failed: {exc}"))
+            return
+        if msg.state is None:
+            inc.deadline = self._clock() + self._migration.handshake_timeout
+            self._send(sender, StageAck(msg.migration_id, msg.stage))
+            return
+        del self._incoming[msg.migration_id]
+        self._remember_committed(msg.migration_id, msg.state.request_id)
+        self._send(sender, Committed(msg.migration_id, msg.state.request_id))
+
+    def _on_abort_at_destination(self, msg: Abort) -> None:
+        inc = self._incoming.get(msg.migration_id)
+        if inc is not None:
+            self._drop_incoming(inc)
+            return
+        request_id = self._committed_in.pop(msg.migration_id, None)
+        if request_id is not None:
+            # The source gave up before it saw our Committed and goes on with the request itself.
+            self.engine.abort_request(request_id)
+
+    def _drop_incoming(self, inc: _Incoming) -> None:
+        self.engine.release_reservation(inc.migration_id)
+        self._incoming.pop(inc.migration_id, None)
+
+    def _remember_committed(self, migration_id: str, request_id: str) -> None:
+        self._committed_in[migration_id] = request_id
+        while len(self._committed_in) > _COMMITTED_MEMORY:
+            self._committed_in.popitem(last=False)
+
+    # ------------------------------------------------------------------ driving
+    def on_message(self, sender: str, message: MigrationMessage) -> None:
+        """Route one migration message to its role's handler; stale messages are dropped."""
+        if isinstance(message, PreAlloc):
+            self._on_prealloc(sender, message)
+        elif isinstance(message, StageData):
+            self._on_stage_data(sender, message)
+        elif isinstance(message, (PreAllocReply, StageAck, Committed)):
+            out = self._outgoing.get(message.migration_id)
+            if out is None or out.destination != sender:
+                return
+            if isinstance(message, PreAllocReply) and out.phase is _Phase.AWAIT_PREALLOC:
+                self._on_prealloc_reply(out, message)
+            elif isinstance(message, StageAck) and out.phase is _Phase.AWAIT_STAGE_ACK:
+                self._on_stage_ack(out, message)
+            elif isinstance(message, Committed) and out.phase is _Phase.AWAIT_COMMIT:
+                self._on_committed(out)
+        elif isinstance(message, Abort):
+            out = self._outgoing.get(message.migration_id)
+            if out is not None and out.destination == sender:
+                self._abort_outgoing(out, f"destination aborted: {message.reason}", notify=False)
+            else:
+                self._on_abort_at_destination(message)
+        else:
+            raise TypeError(f"not a migration message: {type(message).__name__}")
+
+    def tick(self) -> None:
+        """Expire handshakes: the source aborts (request continues here), the destination releases."""
+        now = self._clock()
+        for out in [o for o in self._outgoing.values() if now > o.deadline]:
+            self._abort_outgoing(out, f"timeout waiting in {out.phase.value}", notify=True)
+        for inc in [i for i in self._incoming.values() if now > i.deadline]:
+            self._drop_incoming(inc)
+
+    def peer_lost(self, instance_id: str) -> None:
+        """A peer died: nothing more will come from it; abort and release without messaging it."""
+        for out in [o for o in self._outgoing.values() if o.destination == instance_id]:
+            self._abort_outgoing(out, f"destination {instance_id} lost", notify=False)
+        for inc in [i for i in self._incoming.values() if i.source == instance_id]:
+            self._drop_incoming(inc)
+
+    # ------------------------------------------------------------------ helpers
+    def _send(self, receiver: str, message: MigrationMessage) -> None:
+        self._transport.send(self.instance_id, receiver, message)
+
+    def _emit(self, kind: MigrationEventKind, out: _Outgoing, *, downtime: float = 0.0, reason: str = "") -> None:
+        self._on_event(
+            MigrationEvent(
+                kind=kind,
+                migration_id=out.migration_id,
+                request_id=out.request_id,
+                source=self.instance_id,
+                destination=out.destination,
+                time=self._clock(),
+                stages=out.stage + (1 if kind is MigrationEventKind.COMMITTED else 0),
+                blocks=out.sent_blocks + (out.stage_blocks if kind is MigrationEventKind.COMMITTED else 0),
+                bytes=out.bytes,
+                downtime=downtime,
+                reason=reason,
+            )
+        )

@@ -1,0 +1,161 @@
+"""Dispatch policies: which ready instance receives a new request.
+
+Each policy is a small object whose `choose(candidates, info)` returns an instance id. The
+candidates are the global scheduler's per-instance records (read-only here): the last load
+report plus the requests dispatched there that the report does not show yet ("pending"), so
+that every policy sees a burst that has not been reported and does not pile it onto one
+instance. Policies only loop over the candidates once: O(#instances) per request.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Protocol, Sequence
+
+from llumdask.config import DispatchConfig
+from llumdask.load import InstanceLoad
+from llumdask.policy.registry import Registry
+from llumdask.request import Priority
+
+
+@dataclass(frozen=True)
+class DispatchInfo:
+    """What the scheduler knows about a request at dispatch: no tokens, only sizes and priorities."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    scheduling_priority: Priority = Priority.NORMAL
+    execution_priority: Priority = Priority.NORMAL
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        for name in ("num_prompt_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"request {self.request_id}: {name} must be an integer >= 1, got {value!r}")
+        object.__setattr__(self, "scheduling_priority", Priority.parse(self.scheduling_priority))
+        object.__setattr__(self, "execution_priority", Priority.parse(self.execution_priority))
+
+
+class Candidate(Protocol):
+    """The view of one dispatchable instance that policies read."""
+
+    instance_id: str
+    load: InstanceLoad
+    # Requests dispatched to it but not yet in `load`: their prompt blocks and prompt tokens.
+    pending_blocks: int
+    pending_prompt_tokens: int
+    # Freeness F counting the pending blocks as demand; key = freeness_key(instance_id, freeness).
+    freeness: float
+    key: tuple[float, str]
+
+
+class DispatchPolicy:
+    """Base of the dispatch policies. `candidates` is never empty (the scheduler checks)."""
+
+    @classmethod
+    def from_config(cls, config: DispatchConfig) -> DispatchPolicy:
+        return cls()
+
+    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+        raise NotImplementedError
+
+
+class LlumnixDispatch(DispatchPolicy):
+    """Llumnix: the freest instance (max F including pending demand).
+
+    Ties follow `freeness_key`, the one total order of instances: the larger id wins.
+    """
+
+    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+        return max(candidates, key=attrgetter("key")).instance_id
+
+
+class RoundRobinDispatch(DispatchPolicy):
+    """Round-robin over instance ids in sorted order.
+
+    It remembers the last id rather than a position, so instances joining or leaving do not
+    make it skip or repeat one.
+    """
+
+    def __init__(self) -> None:
+        self._last: str | None = None
+
+    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+        last = self._last
+        ids = [c.instance_id for c in candidates]
+        later = [i for i in ids if i > last] if last is not None else ()
+        self._last = min(later) if later else min(ids)
+        return self._last
+
+
+class InfaasDispatch(DispatchPolicy):
+    """INFaaS++: least memory load, counting the demand of every queued request.
+
+    load = (used blocks + blocks the whole waiting queue needs + pending blocks) / total blocks;
+    ties go to the smaller id.
+    """
+
+    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+        def memory_load(c: Candidate) -> tuple[float, str]:
+            load = c.load
+            demand = load.total_blocks - load.free_blocks + load.waiting_demand + c.pending_blocks
+            return (demand / load.total_blocks, c.instance_id)
+
+        return min(candidates, key=memory_load).instance_id
+
+
+class LMetricDispatch(DispatchPolicy):
+    """LMetric: the least (new prefill tokens) x (batch size) after adding this request.
+
+    score = (prompt tokens not yet prefilled on the instance + prompt tokens of the requests
+    dispatched there but not reported + this request's prompt tokens) x (running requests + 1).
+    The first factor approximates the prefill work this request waits behind, the second the
+    decode interference it adds; the product needs no tuning knob. Ties go to the smaller id.
+    """
+
+    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+        prompt = info.num_prompt_tokens
+
+        def score(c: Candidate) -> tuple[int, str]:
+            load = c.load
+            return ((load.pending_prefill_tokens + c.pending_prompt_tokens + prompt) * (load.num_running + 1), c.instance_id)
+
+        return min(candidates, key=score).instance_id
+
+
+class PowerOfTwoDispatch(DispatchPolicy):
+    """Power of two choices: two distinct random candidates (seeded), the freer by F wins."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    @classmethod
+    def from_config(cls, config: DispatchConfig) -> DispatchPolicy:
+        return cls(config.seed)
+
+    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+        if len(candidates) == 1:
+            return candidates[0].instance_id
+        return max(self._rng.sample(candidates, 2), key=attrgetter("key")).instance_id
+
+
+DISPATCH_POLICIES: Registry[type[DispatchPolicy]] = Registry(
+    "dispatch policy",
+    {
+        "llumnix": LlumnixDispatch,
+        "round_robin": RoundRobinDispatch,
+        "infaas": InfaasDispatch,
+        "lmetric": LMetricDispatch,
+        "power_of_two": PowerOfTwoDispatch,
+    },
+)
+
+
+def make_dispatch_policy(config: DispatchConfig) -> DispatchPolicy:
+    """The policy `config.policy` names; an unknown name is a ValueError listing the known ones."""
+    return DISPATCH_POLICIES[config.policy].from_config(config)

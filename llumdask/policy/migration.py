@@ -1,0 +1,60 @@
+"""Migration pairing (paper section 4.4.3): move load from the least free to the freest instances.
+
+Each round the sources are the instances below the low freeness threshold (terminating ones,
+F = -inf, first), the destinations those above the high threshold; the least free source is
+paired with the freest destination, and so on. The thresholds are apart (low < high), so an
+instance is never both, and each appears at most once per round. Which request moves is the
+source llumlet's choice, not the scheduler's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Iterable, Protocol
+
+from llumdask.config import MigrationConfig
+from llumdask.load import InstanceLoad
+
+
+@dataclass(frozen=True)
+class MigrationPair:
+    """Ask `source`'s llumlet to migrate one running request to `destination`."""
+
+    source: str
+    destination: str
+
+
+class PairingView(Protocol):
+    """What pairing reads about one ready instance."""
+
+    instance_id: str
+    load: InstanceLoad
+    terminating: bool
+    freeness: float
+    key: tuple[float, str]
+
+
+def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig) -> list[MigrationPair]:
+    """This round's pairs; none when migration is disabled.
+
+    A source needs a running request to give away (only running requests migrate) and fewer
+    than `max_concurrent` migrations out; a destination fewer than `max_concurrent` in, both as
+    of its last report.
+    """
+    if not config.enabled:
+        return []
+    limit = config.max_concurrent
+    sources: list[PairingView] = []
+    destinations: list[PairingView] = []
+    for view in instances:
+        load = view.load
+        if view.terminating or view.freeness < config.low_threshold:
+            if load.num_running > 0 and load.num_migrating_out < limit:
+                sources.append(view)
+        elif view.freeness > config.high_threshold and load.num_migrating_in < limit:
+            destinations.append(view)
+    by_key = attrgetter("key")
+    sources.sort(key=by_key)
+    destinations.sort(key=by_key, reverse=True)
+    return [MigrationPair(s.instance_id, d.instance_id) for s, d in zip(sources, destinations)]

@@ -1,0 +1,67 @@
+"""Scaling (paper section 4.4.3): keep the cluster's mean freeness inside a band.
+
+Mean F below the band for a sustained period -> add an instance; above it -> drain one.
+Hysteresis keeps a load step or a load oscillating around a band edge from flapping the
+cluster: the timer restarts whenever the condition breaks, and after a decision the same
+condition must hold for another full period before the next one.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from llumdask.config import ScalingConfig
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    """`add` new instances; `terminate`: mark draining (F = -inf, everything migrates out);
+    `remove`: terminating instances now drained and empty, to close now."""
+
+    add: int = 0
+    terminate: tuple[str, ...] = ()
+    remove: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.add or self.terminate or self.remove)
+
+
+class ScaleAction(enum.Enum):
+    ADD = "add"
+    TERMINATE = "terminate"
+
+
+class ScalingPolicy:
+    """The band and the hysteresis timer; which instance to drain is the scheduler's choice."""
+
+    def __init__(self, config: ScalingConfig) -> None:
+        self._low, self._high = config.band
+        self._period = config.sustained_period
+        self._condition: ScaleAction | None = None
+        self._since = 0.0
+
+    def observe(self, now: float, mean_freeness: float | None, *, can_add: bool, can_terminate: bool) -> ScaleAction | None:
+        """Feed one observation (None: no instance to measure); returns the action due, if any.
+
+        An action the caller cannot take now (`can_add`/`can_terminate` False) is not taken and
+        does not restart the timer, so it happens as soon as it becomes possible.
+        """
+        condition = self._condition_of(mean_freeness)
+        if condition is not self._condition:
+            self._condition, self._since = condition, now
+        if condition is None or now - self._since < self._period:
+            return None
+        if not (can_add if condition is ScaleAction.ADD else can_terminate):
+            return None
+        self._since = now
+        return condition
+
+    def _condition_of(self, mean_freeness: float | None) -> ScaleAction | None:
+        if mean_freeness is None:
+            return None
+        if mean_freeness < self._low:
+            return ScaleAction.ADD
+        if mean_freeness > self._high:
+            return ScaleAction.TERMINATE
+        return None

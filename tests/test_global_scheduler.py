@@ -1,0 +1,394 @@
+"""The global scheduler: instance table, dispatch accounting, pairing and scaling on plain data."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llumdask.config import DispatchConfig, LlumdaskConfig, MigrationConfig, ScalingConfig
+from llumdask.global_scheduler import (
+    DispatchInfo,
+    GlobalScheduler,
+    MigrationPair,
+    NoInstanceAvailable,
+    ScaleDecision,
+    UnknownInstance,
+)
+from llumdask.load import InstanceLoad, freeness, headroom_blocks
+from llumdask.request import Priority
+
+BLOCKS, BLOCK_SIZE = 100, 16
+SCALING = ScalingConfig(enabled=True, band=(10.0, 60.0), sustained_period=30.0, min_instances=1, max_instances=4)
+
+
+def scheduler(n: int = 0, *, policy: str = "llumnix", **config) -> GlobalScheduler:
+    """A scheduler with `n` ready, empty instances i0..i{n-1} of BLOCKS blocks."""
+    gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(policy=policy), **config))
+    for k in range(n):
+        gs.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
+        gs.mark_ready(f"i{k}", 0.0)
+    return gs
+
+
+def load(instance_id: str, *, used: int = 0, running: int | None = None, waiting: int = 0, head: int = 0,
+         received: int = 0, out: int = 0, into: int = 0, terminating: bool = False) -> InstanceLoad:
+    running = (1 if used else 0) if running is None else running
+    return InstanceLoad(
+        instance_id, BLOCKS, BLOCK_SIZE, BLOCKS - used, running, waiting,
+        running_blocks={Priority.NORMAL: used}, running_count={Priority.NORMAL: running},
+        head_of_line_demand=head, waiting_demand=head, num_received=received,
+        num_migrating_out=out, num_migrating_in=into, terminating=terminating,
+    )
+
+
+def info(k: int | str = 0, tokens: int = 16 * 5) -> DispatchInfo:
+    return DispatchInfo(f"r{k}", tokens, 10)
+
+
+# ---------------------------------------------------------------- instance table and input checks
+
+
+def test_an_instance_takes_requests_only_once_ready():
+    gs = scheduler()
+    gs.register_instance("a", BLOCKS, BLOCK_SIZE, 0.0)
+    with pytest.raises(NoInstanceAvailable):
+        gs.dispatch(info(), 0.0)
+    gs.mark_ready("a", 1.0)
+    assert gs.dispatch(info(), 1.0) == "a"
+
+
+def test_no_instance_at_all():
+    with pytest.raises(NoInstanceAvailable, match="0 registered"):
+        scheduler().dispatch(info(), 0.0)
+
+
+@pytest.mark.parametrize("call", [
+    lambda gs: gs.report(load("ghost"), 0.0),
+    lambda gs: gs.mark_ready("ghost", 0.0),
+    lambda gs: gs.set_terminating("ghost", 0.0),
+    lambda gs: gs.remove_instance("ghost"),
+    lambda gs: gs.freeness("ghost"),
+])
+def test_unknown_instances_are_rejected_by_name(call):
+    with pytest.raises(UnknownInstance, match="unknown instance 'ghost': never registered"):
+        call(scheduler(1))
+    assert issubclass(UnknownInstance, KeyError)
+
+
+def test_a_removed_instance_cannot_come_back_through_a_late_report():
+    gs = scheduler(2)
+    gs.remove_instance("i1")
+    with pytest.raises(UnknownInstance):
+        gs.report(load("i1"), 1.0)
+    assert [v.instance_id for v in gs.instances()] == ["i0"]
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (("i0", BLOCKS, BLOCK_SIZE), "already registered"),
+    (("", BLOCKS, BLOCK_SIZE), "instance_id"),
+    (("x", 0, BLOCK_SIZE), "total_blocks"),
+    (("x", BLOCKS, -16), "block_size"),
+    (("x", 10.5, BLOCK_SIZE), "total_blocks"),
+])
+def test_register_rejects_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        scheduler(1).register_instance(*args, 0.0)
+
+
+def test_a_report_must_match_the_registered_capacity():
+    gs = scheduler(1)
+    with pytest.raises(ValueError, match="registered with 100 blocks"):
+        gs.report(InstanceLoad("i0", BLOCKS + 1, BLOCK_SIZE, BLOCKS, 0, 0), 0.0)
+
+
+def test_num_received_cannot_go_back():
+    gs = scheduler(1)
+    gs.report(load("i0", received=5), 0.0)
+    with pytest.raises(ValueError, match="num_received went back from 5 to 4"):
+        gs.report(load("i0", received=4), 1.0)
+
+
+def test_negative_tokens_are_rejected():
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        scheduler(1).dispatch(DispatchInfo("r", -3, 10), 0.0)
+
+
+def test_instances_table():
+    gs = scheduler(2)
+    gs.register_instance("starting", BLOCKS, BLOCK_SIZE, 0.0)
+    gs.report(load("i1", used=30, received=0), 2.5)
+    gs.dispatch(info(), 3.0)
+    gs.set_terminating("i1", 3.0)
+    rows = {v.instance_id: v for v in gs.instances()}
+    assert list(rows) == ["i0", "i1", "starting"]
+    assert rows["starting"].ready is False and rows["starting"].freeness == BLOCKS
+    assert rows["i0"].num_pending == 1 and rows["i0"].pending_blocks == 5 and rows["i0"].freeness == BLOCKS - 5
+    assert rows["i1"].terminating and rows["i1"].freeness == -math.inf
+    assert rows["i1"].load.used_blocks == 30 and rows["i1"].last_report_at == 2.5
+    assert rows["i0"].last_report_at is None
+
+
+# ---------------------------------------------------------------- dispatch and its accounting
+
+
+def test_dispatch_goes_to_the_freest_and_counts_the_request_there():
+    gs = scheduler(3)
+    gs.report(load("i0", used=50), 0.0)
+    gs.report(load("i2", used=10), 0.0)
+    assert gs.dispatch(info(tokens=16 * 30), 0.0) == "i1"
+    assert gs.freeness("i1") == BLOCKS - 30
+    assert gs.dispatch(info(tokens=16 * 30), 0.0) == "i2"  # (100 - 10) / 1 = 90 > 70
+
+
+def test_headroom_of_the_config_is_applied():
+    gs = scheduler(1, headroom_tokens={Priority.HIGH: 320, Priority.NORMAL: 0})
+    report = InstanceLoad("i0", BLOCKS, BLOCK_SIZE, BLOCKS - 10, 1, 0,
+                          running_blocks={Priority.HIGH: 10}, running_count={Priority.HIGH: 1})
+    gs.report(report, 0.0)
+    assert gs.freeness("i0") == BLOCKS - 10 - 20
+    assert gs.freeness("i0") == freeness(report, headroom_blocks({Priority.HIGH: 320}, BLOCK_SIZE))
+
+
+@pytest.mark.parametrize("policy", ["llumnix", "infaas", "lmetric", "round_robin"])
+@given(k=st.integers(1, 12), n=st.integers(0, 100))
+def test_a_burst_spreads_evenly_before_any_report(policy, k, n):
+    gs = scheduler(k, policy=policy)
+    counts = Counter(gs.dispatch(info(j), 0.0) for j in range(n))
+    per_instance = [counts.get(f"i{i}", 0) for i in range(k)]
+    assert max(per_instance) - min(per_instance) <= 1
+
+
+@given(k=st.integers(2, 8), prompts=st.lists(st.integers(1, 16 * 20), max_size=60))
+def test_a_burst_of_mixed_prompts_balances_blocks(k, prompts):
+    gs = scheduler(k)
+    for j, tokens in enumerate(prompts):
+        gs.dispatch(info(j, tokens), 0.0)
+    pending = [v.pending_blocks for v in gs.instances()]
+    assert max(pending) - min(pending) <= 20  # at most one prompt's blocks apart
+
+
+def test_reports_absorb_pending_requests_in_dispatch_order():
+    gs = scheduler(1)
+    for j, blocks in enumerate([3, 5, 7]):
+        gs.dispatch(info(j, 16 * blocks), 0.0)
+    assert gs.freeness("i0") == BLOCKS - 15
+    gs.report(load("i0", used=3, received=1, head=5, waiting=1), 1.0)  # the first runs, the second waits
+    (row,) = gs.instances()
+    assert (row.num_pending, row.pending_blocks) == (2, 12)
+    assert gs.freeness("i0") == BLOCKS - 3 - 5 - 12
+    gs.report(load("i0", used=15, running=3, received=3), 2.0)
+    (row,) = gs.instances()
+    assert (row.num_pending, row.pending_blocks) == (0, 0)
+    assert gs.freeness("i0") == (BLOCKS - 15) / 3
+
+
+def test_incoming_migrations_are_not_received_requests():
+    gs = scheduler(1)
+    gs.dispatch(info(0, 16 * 4), 0.0)
+    gs.report(load("i0", used=40, received=0, into=1), 1.0)  # a migrated request arrived, not ours
+    assert gs.instances()[0].pending_blocks == 4
+
+
+def test_requests_received_before_the_scheduler_started_do_not_swallow_pending_ones():
+    gs = scheduler(1)
+    gs.report(load("i0", used=20, received=50), 0.0)
+    gs.dispatch(info(0, 16 * 4), 1.0)
+    gs.report(load("i0", used=20, received=50), 2.0)
+    assert gs.instances()[0].num_pending == 1
+    gs.report(load("i0", used=24, received=51), 3.0)
+    assert gs.instances()[0].num_pending == 0
+
+
+def test_terminating_instances_take_no_requests():
+    gs = scheduler(2)
+    gs.set_terminating("i1", 0.0)
+    assert gs.freeness("i1") == -math.inf
+    assert {gs.dispatch(info(j), 0.0) for j in range(5)} == {"i0"}
+    gs.set_terminating("i0", 0.0)
+    with pytest.raises(NoInstanceAvailable):
+        gs.dispatch(info(), 0.0)
+
+
+def test_a_report_that_says_terminating_is_adopted():
+    gs = scheduler(2)
+    gs.report(load("i1", terminating=True), 0.0)
+    assert gs.instances()[1].terminating
+    assert {gs.dispatch(info(j), 0.0) for j in range(3)} == {"i0"}
+
+
+def test_removed_instances_leave_the_candidates():
+    gs = scheduler(2)
+    gs.remove_instance("i0")
+    assert {gs.dispatch(info(j), 0.0) for j in range(3)} == {"i1"}
+
+
+# ---------------------------------------------------------------- migration pairing
+
+
+def test_pairs_the_least_free_with_the_freest_ready_instances():
+    gs = scheduler(4)
+    gs.register_instance("starting", BLOCKS, BLOCK_SIZE, 0.0)  # empty but not ready: no destination
+    gs.report(load("i0", used=99, running=1), 0.0)   # F = 1
+    gs.report(load("i1", used=100, running=2, head=10), 0.0)  # overloaded
+    gs.report(load("i2", used=50, running=1), 0.0)  # F = 50
+    assert gs.pair_migrations(0.0) == [MigrationPair("i1", "i3"), MigrationPair("i0", "i2")]
+
+
+def test_pending_demand_counts_when_pairing():
+    gs = scheduler(2)
+    gs.report(load("i0", used=100, running=2), 0.0)
+    gs.dispatch(info(0, 16 * 90), 0.0)  # lands on i1 and fills it
+    assert gs.pair_migrations(0.0) == []
+
+
+def test_terminating_instances_drain_first():
+    gs = scheduler(3)
+    gs.report(load("i0", used=100, running=3, head=50), 0.0)
+    gs.report(load("i1", used=10, running=1), 0.0)
+    gs.set_terminating("i1", 0.0)
+    assert gs.pair_migrations(0.0) == [MigrationPair("i1", "i2")]
+
+
+def test_pairing_respects_in_flight_migrations_and_the_switch():
+    gs = scheduler(2)
+    gs.report(load("i0", used=100, running=2, out=1), 0.0)
+    assert gs.pair_migrations(0.0) == []
+    gs.report(load("i0", used=100, running=2), 0.1)
+    assert gs.pair_migrations(0.1) == [MigrationPair("i0", "i1")]
+    off = scheduler(2, migration=MigrationConfig(enabled=False))
+    off.report(load("i0", used=100, running=2), 0.0)
+    assert off.pair_migrations(0.0) == []
+
+
+# ---------------------------------------------------------------- scaling
+
+
+def run_scale(gs: GlobalScheduler, until: float, step: float = 1.0, start: float = 0.0) -> list[tuple[float, ScaleDecision]]:
+    decisions, now = [], start
+    while now <= until:
+        decision = gs.scale(now)
+        if decision:
+            decisions.append((now, decision))
+        now += step
+    return decisions
+
+
+def busy(gs: GlobalScheduler, instance_id: str, running: int = 10) -> None:
+    """Load an instance so that its F is 1 (below the band)."""
+    gs.report(load(instance_id, used=BLOCKS - running, running=running), 0.0)
+
+
+def test_sustained_low_freeness_adds_one_instance():
+    gs = scheduler(2, scaling=SCALING)
+    busy(gs, "i0")
+    busy(gs, "i1")
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(add=1))]
+
+
+def test_no_add_while_an_instance_is_starting_or_at_max():
+    gs = scheduler(2, scaling=SCALING)
+    busy(gs, "i0")
+    busy(gs, "i1")
+    gs.register_instance("new", BLOCKS, BLOCK_SIZE, 0.0)
+    assert run_scale(gs, 40.0) == []
+    gs.register_instance("new2", BLOCKS, BLOCK_SIZE, 0.0)
+    gs.remove_instance("new")
+    gs.remove_instance("new2")
+    assert run_scale(gs, 41.0, start=41.0) == [(41.0, ScaleDecision(add=1))]  # the timer kept running
+    full = scheduler(4, scaling=SCALING)
+    for k in range(4):
+        busy(full, f"i{k}")
+    assert run_scale(full, 100.0) == []
+
+
+def test_sustained_high_terminates_the_instance_with_fewest_running_requests():
+    gs = scheduler(3, scaling=SCALING)
+    gs.report(load("i0", used=2, running=2), 0.0)  # F = 49
+    gs.report(load("i1", used=2, running=1), 0.0)  # F = 98
+    gs.report(load("i2", used=4, running=2), 0.0)  # F = 48: mean 65, above the band
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i1",)))]
+    assert gs.instances()[1].terminating
+    assert gs.freeness("i1") == -math.inf
+
+
+def test_terminate_counts_unreported_requests_as_running():
+    gs = scheduler(2, scaling=SCALING)
+    gs.report(load("i0", used=2, running=1), 0.0)
+    gs.dispatch(info(0, 16), 0.0)  # lands on i1, which is empty
+    gs.dispatch(info(1, 16), 0.0)
+    assert run_scale(gs, 30.0)[0][1].terminate == ("i0",)
+
+
+def test_terminate_respects_the_minimum():
+    gs = scheduler(2, scaling=ScalingConfig(enabled=True, min_instances=2, max_instances=4))
+    assert run_scale(gs, 100.0) == []
+    gs = scheduler(3, scaling=ScalingConfig(enabled=True, min_instances=2, max_instances=4))
+    decisions = run_scale(gs, 100.0)
+    assert [d.terminate for _, d in decisions] == [("i2",)]
+
+
+def test_a_load_step_does_not_flap():
+    gs = scheduler(2, scaling=SCALING)
+    # Idle (F = 100, above the band) for 20 s, then busy (below it): neither lasts a period.
+    assert run_scale(gs, 20.0) == []
+    busy(gs, "i0")
+    busy(gs, "i1")
+    assert run_scale(gs, 45.0, start=21.0) == []
+    assert run_scale(gs, 60.0, start=46.0) == [(51.0, ScaleDecision(add=1))]
+
+
+def test_oscillating_load_around_the_band_edge_yields_no_decision():
+    gs = scheduler(1, scaling=SCALING)
+    for t in range(300):
+        f_target = 9 if (t // 10) % 2 else 11  # F = (100 - used) / 1
+        gs.report(load("i0", used=BLOCKS - f_target, running=1), float(t))
+        assert not gs.scale(float(t))
+
+
+def test_mean_freeness_ignores_priority_headroom():
+    # i0 runs one high-priority request: F = 100 - 10 - 100 (headroom) = -10, but 90 normal-only.
+    # Mean with headroom (-10 + 80) / 2 is inside the band; without, (90 + 80) / 2 is above it.
+    gs = scheduler(2, scaling=SCALING)
+    high = InstanceLoad("i0", BLOCKS, BLOCK_SIZE, BLOCKS - 10, 1, 0,
+                        running_blocks={Priority.HIGH: 10}, running_count={Priority.HIGH: 1})
+    gs.report(high, 0.0)
+    gs.report(load("i1", used=20, running=1), 0.0)
+    assert gs.freeness("i0") == -10
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i1",)))]
+
+
+def test_drained_terminating_instances_are_removed_once():
+    gs = scheduler(2)  # scaling disabled: removal still happens
+    gs.report(load("i1", used=10, running=1), 0.0)
+    gs.set_terminating("i1", 1.0)
+    assert gs.scale(1.0) == ScaleDecision()  # no report since it was marked
+    gs.report(load("i1", used=10, running=1, out=1), 2.0)
+    assert gs.scale(2.0) == ScaleDecision()  # still migrating its request out
+    gs.report(load("i1", into=1), 3.0)
+    assert gs.scale(3.0) == ScaleDecision()  # something still on its way in
+    gs.report(load("i1"), 4.0)
+    assert gs.scale(4.0) == ScaleDecision(remove=("i1",))
+    assert gs.scale(5.0) == ScaleDecision()
+    gs.remove_instance("i1")
+    assert [v.instance_id for v in gs.instances()] == ["i0"]
+
+
+def test_a_terminating_instance_with_unreported_requests_is_not_drained():
+    gs = scheduler(1)
+    gs.dispatch(info(), 0.0)
+    gs.set_terminating("i0", 0.0)
+    gs.report(load("i0"), 1.0)  # the request has not arrived yet
+    assert gs.scale(1.0) == ScaleDecision()
+    gs.report(load("i0", received=1), 2.0)
+    assert gs.scale(2.0) == ScaleDecision(remove=("i0",))
+
+
+def test_scaling_disabled_never_adds_or_terminates():
+    gs = scheduler(2)
+    busy(gs, "i0")
+    busy(gs, "i1")
+    assert run_scale(gs, 200.0) == []

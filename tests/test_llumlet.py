@@ -1,0 +1,224 @@
+"""Live migration between in-process llumlets: exact tokens, every abort path, no leaked block."""
+
+from __future__ import annotations
+
+import pytest
+
+from inprocess import InProcessCluster, make_request, reference_tokens, small_config
+from llumdask.llumlet import MigrationEventKind
+from llumdask.protocol import PreAlloc, StageData
+from llumdask.request import Priority
+
+
+def run_with_migration(steps_before: int, *, prompt_len: int = 10, max_tokens: int = 40, **sampling) -> InProcessCluster:
+    cluster = InProcessCluster(2)
+    cluster["i0"].add_request(make_request("r", prompt_len, max_tokens, **sampling))
+    for _ in range(steps_before):
+        cluster.step_all()
+    assert cluster["i0"].migrate_out("i1", "r") is not None
+    cluster.run_until_idle()
+    return cluster
+
+
+@pytest.mark.parametrize("steps_before", [1, 2, 5, 20, 37])
+def test_migrated_tokens_identical_at_every_point(steps_before):
+    cluster = run_with_migration(steps_before)
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 10, 40))
+    assert len(cluster.committed()) == 1
+    assert cluster.log.finished == {"r": 1}
+    cluster.assert_no_leaks()
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.8, "seed": 7}, {"temperature": 0.8}])
+def test_sampled_tokens_survive_migration(sampling):
+    cluster = run_with_migration(6, **sampling)
+    migrated = cluster.log.sequence("r")
+    if "seed" in sampling:
+        assert migrated == reference_tokens(make_request("r", 10, 40, **sampling))
+    assert len(migrated) == 40
+    cluster.assert_no_leaks()
+
+
+def test_long_prompt_takes_several_stages_and_short_downtime():
+    cluster = run_with_migration(3, prompt_len=120, max_tokens=60)
+    (event,) = cluster.committed()
+    assert event.stages >= 2
+    assert event.blocks >= 120 // 4
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 120, 60))
+    cluster.assert_no_leaks()
+
+
+def test_destination_out_of_blocks_refuses_and_request_completes_at_source():
+    config = small_config(total_blocks=8)
+    cluster = InProcessCluster(2, config)
+    cluster["i1"].add_request(make_request("filler", 28, 4))
+    cluster.step_all()
+    cluster["i0"].add_request(make_request("r", 20, 5))
+    cluster.step_all()
+    assert cluster["i0"].migrate_out("i1", "r") is not None
+    cluster.run_until_idle()
+    (aborted,) = cluster.aborted()
+    assert "refused" in aborted.reason
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 20, 5), config)
+    cluster.assert_no_leaks()
+
+
+def test_request_finishing_mid_stage_aborts_and_releases():
+    cluster = InProcessCluster(2)
+    cluster["i0"].add_request(make_request("r", 40, 3))
+    cluster.step_all()
+    cluster["i0"].migrate_out("i1", "r")
+    # Let the source decode to completion before the destination answers anything.
+    while cluster["i0"].engine.has_work():
+        cluster["i0"].step()
+    cluster.run_until_idle()
+    assert [e.kind for e in cluster.events] == [MigrationEventKind.STARTED, MigrationEventKind.ABORTED]
+    assert cluster.log.finished == {"r": 1}
+    cluster.assert_no_leaks()
+
+
+def test_source_preemption_mid_stage_aborts():
+    config = small_config(total_blocks=12)
+    cluster = InProcessCluster(2, config)
+    cluster["i0"].add_request(make_request("old", 16, 30, arrival=0.0))
+    cluster["i0"].add_request(make_request("r", 16, 30, arrival=1.0))
+    cluster.step_all()
+    assert cluster["i0"].migrate_out("i1", "r") is not None
+    # Step the source alone until it must preempt the latest arrival ("r") for lack of blocks.
+    for _ in range(40):
+        cluster["i0"].step()
+        if cluster.aborted():
+            break
+    assert cluster.aborted() and cluster.aborted()[0].reason == "request preempted"
+    cluster.run_until_idle()
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 16, 30), config)
+    cluster.assert_no_leaks()
+
+
+def test_destination_killed_mid_stage_source_continues():
+    cluster = InProcessCluster(2)
+    cluster["i0"].add_request(make_request("r", 60, 20))
+    cluster.step_all()
+    cluster["i0"].migrate_out("i1", "r")
+    cluster.transport.deliver_round()  # PreAlloc reaches i1, which reserves and acks
+    cluster.transport.deliver_round()  # the ack reaches i0, which sends stage 0
+    cluster.kill("i1")
+    cluster.run_until_idle()
+    assert cluster.aborted() and "lost" in cluster.aborted()[0].reason
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 60, 20))
+    cluster.assert_no_leaks()
+
+
+def test_source_killed_destination_releases_reservation():
+    cluster = InProcessCluster(2)
+    cluster["i0"].add_request(make_request("r", 60, 20))
+    cluster.step_all()
+    cluster["i0"].migrate_out("i1", "r")
+    cluster.transport.deliver_round()
+    assert cluster["i1"].engine.snapshot().reserved_blocks > 0
+    cluster.kill("i0")
+    assert cluster["i1"].engine.snapshot().reserved_blocks == 0
+    cluster["i1"].check_integrity()
+
+
+def test_silent_destination_times_out_and_both_sides_release():
+    cluster = InProcessCluster(2, small_config(handshake_timeout=0.05))
+    cluster["i0"].add_request(make_request("r", 60, 40))
+    cluster.step_all()
+    cluster["i0"].migrate_out("i1", "r")
+    cluster.transport.deliver_round()  # i1 reserves and acks
+    cluster.transport.deliver_round()  # i0 sends stage 0
+    # i1 goes silent: drop everything it would receive from now on.
+    cluster.transport.unregister("i1")
+    cluster.clock.advance(0.1)
+    cluster["i0"].tick()
+    cluster["i1"].tick()
+    assert cluster.aborted() and "timeout" in cluster.aborted()[0].reason
+    assert cluster["i1"].engine.snapshot().reserved_blocks == 0
+    cluster.transport.register("i1", cluster["i1"].on_message)
+    cluster.run_until_idle()
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 60, 40))
+    cluster.assert_no_leaks()
+
+
+def test_late_abort_after_commit_drops_destination_copy():
+    cluster = InProcessCluster(2, small_config(handshake_timeout=0.05))
+    cluster["i0"].add_request(make_request("r", 6, 40))
+    cluster.step_all()
+    cluster["i0"].migrate_out("i1", "r")
+    # Deliver only i0 -> i1 and i1 -> i0 until i1 has committed, but hold back the Committed reply.
+    while not cluster["i1"].engine.get_request("r"):
+        for pair in cluster.transport.pending_pairs():
+            cluster.transport.deliver_one(pair)
+    cluster.clock.advance(0.1)
+    cluster["i0"].tick()  # source gives up first, unpauses, sends Abort
+    cluster.run_until_idle()
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 6, 40))
+    assert cluster["i1"].engine.get_request("r") is None or cluster["i1"].engine.get_request("r").status.is_done
+    cluster.assert_no_leaks()
+
+
+def test_terminating_destination_refuses():
+    cluster = InProcessCluster(2)
+    cluster["i1"].set_terminating(True)
+    cluster["i0"].add_request(make_request("r", 10, 10))
+    cluster.step_all()
+    cluster["i0"].migrate_out("i1", "r")
+    cluster.run_until_idle()
+    assert "terminating" in cluster.aborted()[0].reason
+    cluster.assert_no_leaks()
+
+
+def test_max_concurrent_and_self_migration_rejected():
+    cluster = InProcessCluster(2)
+    for name in ("a", "b"):
+        cluster["i0"].add_request(make_request(name, 10, 30))
+    cluster.step_all()
+    assert cluster["i0"].migrate_out("i0") is None
+    assert cluster["i0"].migrate_out("i1") is not None
+    assert cluster["i0"].migrate_out("i1") is None  # max_concurrent defaults to 1
+    cluster.run_until_idle()
+    cluster.assert_no_leaks()
+
+
+def test_choose_migrant_prefers_normal_priority_then_shorter():
+    cluster = InProcessCluster(1)
+    llumlet = cluster["i0"]
+    high = make_request("high", 4, 30)
+    high.execution_priority = Priority.HIGH
+    llumlet.add_request(high)
+    llumlet.add_request(make_request("long", 40, 30))
+    llumlet.add_request(make_request("short", 8, 30))
+    cluster.step_all()
+    assert llumlet.choose_migrant() == "short"
+
+
+def test_load_report_follows_algorithm_inputs():
+    cluster = InProcessCluster(1)
+    llumlet = cluster["i0"]
+    high = make_request("high", 8, 30)
+    high.execution_priority = Priority.HIGH
+    llumlet.add_request(high)
+    llumlet.add_request(make_request("n", 12, 30))
+    cluster.step_all()
+    llumlet.add_request(make_request("w", 20, 30))
+    report = llumlet.load_report()
+    assert report.num_received == 3
+    assert report.running_count == {Priority.HIGH: 1, Priority.NORMAL: 1}
+    # The token sampled by the prefill gets its KV slot in the next step, as in vLLM.
+    assert report.running_blocks[Priority.NORMAL] == 12 // 4
+    assert report.num_waiting == 1 and report.head_of_line_demand == 5
+    assert report.used_blocks == sum(report.running_blocks.values())
+
+
+def test_stale_and_foreign_messages_are_dropped():
+    cluster = InProcessCluster(2)
+    cluster["i0"].add_request(make_request("r", 10, 10))
+    cluster.step_all()
+    cluster["i1"].on_message("i0", StageData("nope", 0, 0, 1, b"", None))
+    cluster.transport.deliver_all()  # i1 answered Abort for an unknown migration; i0 ignores it
+    cluster["i0"].on_message("i1", PreAlloc("x", "i1", "i0", "ghost", 0, 1000))
+    cluster.transport.deliver_all()
+    cluster.run_until_idle()
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 10, 10))
+    cluster.assert_no_leaks()

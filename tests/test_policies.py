@@ -1,0 +1,369 @@
+"""Each dispatch policy's choice, migration pairing and the scaling hysteresis, on hand-built clusters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+import llumdask
+from llumdask.config import DispatchConfig, MigrationConfig, ScalingConfig
+from llumdask.load import InstanceLoad, freeness, freeness_key
+from llumdask.policy.dispatch import (
+    DISPATCH_POLICIES,
+    DispatchInfo,
+    InfaasDispatch,
+    LlumnixDispatch,
+    LMetricDispatch,
+    PowerOfTwoDispatch,
+    RoundRobinDispatch,
+    make_dispatch_policy,
+)
+from llumdask.policy.migration import MigrationPair, pair_migrations
+from llumdask.policy.scaling import ScaleAction, ScaleDecision, ScalingPolicy
+from llumdask.request import Priority
+
+INFO = DispatchInfo("r", num_prompt_tokens=100, max_tokens=10)
+
+
+@dataclass
+class View:
+    """A stand-in for the scheduler's per-instance record."""
+
+    instance_id: str
+    load: InstanceLoad
+    terminating: bool = False
+    num_pending: int = 0
+    pending_blocks: int = 0
+    pending_prompt_tokens: int = 0
+    freeness: float = field(init=False)
+    key: tuple[float, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.freeness = -math.inf if self.terminating else freeness(self.load, {}, extra_demand=self.pending_blocks)
+        self.key = freeness_key(self.instance_id, self.freeness)
+
+
+def view(
+    instance_id: str,
+    *,
+    total: int = 100,
+    used: int = 0,
+    running: int | None = None,
+    head: int = 0,
+    queued: int = 0,
+    prefill: int = 0,
+    out: int = 0,
+    into: int = 0,
+    **kwargs,
+) -> View:
+    running = (1 if used else 0) if running is None else running
+    load = InstanceLoad(
+        instance_id, total, 16, total - used, running, 1 if queued else 0,
+        running_blocks={Priority.NORMAL: used}, running_count={Priority.NORMAL: running},
+        head_of_line_demand=head, waiting_demand=queued, pending_prefill_tokens=prefill,
+        num_migrating_out=out, num_migrating_in=into,
+    )
+    return View(instance_id, load, **kwargs)
+
+
+def with_freeness(instance_id: str, f: float, **kwargs) -> View:
+    """A view with one running request on 1000 blocks and freeness `f` (rounded to an integer)."""
+    if f == -math.inf:
+        return view(instance_id, total=1000, used=10, terminating=True, **kwargs)
+    usage = round(1000 - f)
+    return view(instance_id, total=1000, used=min(usage, 1000), head=max(usage - 1000, 0), running=1, **kwargs)
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_registry_names_match_the_config_schema():
+    schema = yaml.safe_load((Path(llumdask.__file__).parent / "llumdask-schema.yaml").read_text())
+    enum = schema["properties"]["llumdask"]["properties"]["dispatch"]["properties"]["policy"]["enum"]
+    assert set(DISPATCH_POLICIES.names()) == set(enum)
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("llumnix", LlumnixDispatch), ("round_robin", RoundRobinDispatch), ("infaas", InfaasDispatch),
+     ("lmetric", LMetricDispatch), ("power_of_two", PowerOfTwoDispatch)],
+)
+def test_registry_builds_each_policy(name, cls):
+    assert name in DISPATCH_POLICIES
+    assert type(make_dispatch_policy(DispatchConfig(policy=name))) is cls
+
+
+def test_unknown_policy_lists_the_registered_names():
+    with pytest.raises(ValueError, match="unknown dispatch policy 'fastest'; registered: infaas, llumnix, lmetric"):
+        DISPATCH_POLICIES["fastest"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"request_id": ""}, {"num_prompt_tokens": 0}, {"num_prompt_tokens": -5}, {"max_tokens": 0}, {"num_prompt_tokens": 1.5}],
+)
+def test_dispatch_info_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        DispatchInfo(**{"request_id": "r", "num_prompt_tokens": 10, "max_tokens": 10, **kwargs})
+
+
+def test_dispatch_info_parses_priorities():
+    info = DispatchInfo("r", 10, 10, scheduling_priority="high", execution_priority=1)
+    assert info.scheduling_priority is Priority.HIGH and info.execution_priority is Priority.HIGH
+
+
+# ---------------------------------------------------------------- dispatch policies
+
+
+def test_llumnix_picks_the_freest_counting_pending_demand():
+    cluster = [view("a", used=50), view("b", used=20), view("c", used=30)]
+    assert LlumnixDispatch().choose(cluster, INFO) == "b"
+    cluster[1] = view("b", used=20, num_pending=1, pending_blocks=60)  # a burst sent there, unreported
+    assert LlumnixDispatch().choose(cluster, INFO) == "c"
+
+
+def test_llumnix_prefers_fewer_running_at_equal_usage():
+    # F = (M - V) / B: same blocks in use, smaller batch -> freer.
+    cluster = [view("a", used=40, running=4), view("b", used=40, running=2)]
+    assert LlumnixDispatch().choose(cluster, INFO) == "b"
+
+
+def test_llumnix_breaks_ties_by_the_freeness_key():
+    cluster = [view("a"), view("c"), view("b")]
+    assert LlumnixDispatch().choose(cluster, INFO) == max("abc")
+
+
+def test_round_robin_cycles_over_sorted_ids_and_survives_membership_changes():
+    policy = RoundRobinDispatch()
+    cluster = [view("b"), view("a"), view("c")]
+    assert [policy.choose(cluster, INFO) for _ in range(4)] == ["a", "b", "c", "a"]
+    assert policy.choose([view("a"), view("c")], INFO) == "c"  # b left: no repeat, no skip
+    assert policy.choose([view("a"), view("b"), view("c"), view("d")], INFO) == "d"
+    assert policy.choose([view("a"), view("b")], INFO) == "a"
+
+
+def test_infaas_counts_the_whole_queue_where_llumnix_counts_its_head():
+    # a: little in use, a long queue behind a small head; b: more in use, nothing queued.
+    a = view("a", used=10, head=5, queued=80)
+    b = view("b", used=40)
+    assert LlumnixDispatch().choose([a, b], INFO) == "a"
+    assert InfaasDispatch().choose([a, b], INFO) == "b"
+
+
+def test_infaas_normalises_by_capacity_and_counts_pending():
+    small, big = view("small", total=100, used=30), view("big", total=400, used=80)
+    assert InfaasDispatch().choose([small, big], INFO) == "big"
+    big = view("big", total=400, used=80, num_pending=2, pending_blocks=60)  # (80 + 60) / 400 > 30 / 100
+    assert InfaasDispatch().choose([small, big], INFO) == "small"
+
+
+@pytest.mark.parametrize(("prompt", "expected"), [(200, "queued"), (10, "busy")])
+def test_lmetric_multiplies_prefill_tokens_by_batch_size(prompt, expected):
+    # queued: (1000 + prompt) x 1; busy: (0 + prompt) x 10.
+    queued = view("queued", prefill=1000, running=0)
+    busy = view("busy", used=50, running=9)
+    assert LMetricDispatch().choose([queued, busy], DispatchInfo("r", prompt, 10)) == expected
+
+
+def test_lmetric_counts_unreported_prompt_tokens():
+    a, b = view("a"), view("b", num_pending=1, pending_prompt_tokens=500)
+    assert LMetricDispatch().choose([a, b], INFO) == "a"
+
+
+def test_power_of_two_picks_the_freer_of_two_and_never_the_least_free():
+    policy = PowerOfTwoDispatch(seed=3)
+    pair = [view("a", used=50), view("b", used=10)]
+    assert {policy.choose(pair, INFO) for _ in range(20)} == {"b"}
+    cluster = [view(f"i{k}", used=10 * k) for k in range(6)]
+    chosen = [policy.choose(cluster, INFO) for _ in range(300)]
+    assert "i5" not in chosen
+    assert len(set(chosen)) >= 3
+    assert policy.choose([view("only", used=90)], INFO) == "only"
+
+
+def test_power_of_two_is_seeded_from_the_config():
+    cluster = [view(f"i{k}", used=k) for k in range(16)]
+
+    def picks(seed: int) -> list[str]:
+        policy = make_dispatch_policy(DispatchConfig(policy="power_of_two", seed=seed))
+        return [policy.choose(cluster, INFO) for _ in range(40)]
+
+    assert picks(1) == picks(1)
+    assert picks(1) != picks(2)
+
+
+# ---------------------------------------------------------------- migration pairing
+
+MIGRATION = MigrationConfig(low_threshold=2.0, high_threshold=16.0, max_concurrent=1)
+
+
+def pairs(views, config=MIGRATION) -> list[tuple[str, str]]:
+    return [(p.source, p.destination) for p in pair_migrations(views, config)]
+
+
+def test_pairs_lowest_with_highest():
+    cluster = [
+        with_freeness("s1", 0), with_freeness("d1", 20), with_freeness("s2", -3), with_freeness("mid", 8),
+        with_freeness("d2", 100), with_freeness("s3", 1), with_freeness("d3", 50),
+    ]
+    assert pairs(cluster) == [("s2", "d2"), ("s1", "d3"), ("s3", "d1")]
+    assert all(isinstance(p, MigrationPair) for p in pair_migrations(cluster, MIGRATION))
+
+
+def test_thresholds_are_strict():
+    assert pairs([with_freeness("s", 2.0), with_freeness("d", 100)]) == []
+    assert pairs([with_freeness("s", 1.0), with_freeness("d", 16.0)]) == []
+    assert pairs([with_freeness("s", 1.0), with_freeness("d", 17.0)]) == [("s", "d")]
+
+
+def test_terminating_instances_are_the_first_sources():
+    cluster = [with_freeness("overloaded", -500), with_freeness("retiring", -math.inf), with_freeness("d", 100)]
+    assert pairs(cluster) == [("retiring", "d")]
+
+
+def test_a_terminating_instance_is_never_a_destination():
+    free_but_retiring = view("r", total=1000, terminating=True)
+    assert pairs([with_freeness("s", 0), free_but_retiring]) == []
+
+
+def test_more_sources_than_destinations_pairs_only_as_many():
+    cluster = [with_freeness("s1", 0), with_freeness("s2", 1), with_freeness("d", 30)]
+    assert pairs(cluster) == [("s1", "d")]
+
+
+def test_max_concurrent_from_the_reports():
+    busy_source, busy_dest = with_freeness("s", 0, out=1), with_freeness("d", 100, into=1)
+    assert pairs([busy_source, with_freeness("d2", 50)]) == []
+    assert pairs([with_freeness("s2", 0), busy_dest]) == []
+    two = MigrationConfig(low_threshold=2.0, high_threshold=16.0, max_concurrent=2)
+    assert pairs([busy_source, busy_dest], two) == [("s", "d")]
+
+
+def test_a_source_needs_a_running_request_to_give():
+    queued_only = view("q", total=100, head=99, queued=99, running=0)
+    assert queued_only.freeness < MIGRATION.low_threshold
+    assert pairs([queued_only, with_freeness("d", 100)]) == []
+
+
+def test_disabled_migration_pairs_nothing():
+    cluster = [with_freeness("s", -math.inf), with_freeness("d", 100)]
+    assert pairs(cluster, MigrationConfig(enabled=False)) == []
+
+
+freeness_values = st.one_of(st.just(-math.inf), st.floats(-200, 200, allow_nan=False))
+
+
+@given(st.lists(st.tuples(freeness_values, st.integers(0, 2), st.integers(0, 2)), max_size=20), st.integers(1, 2))
+def test_pairing_properties(spec, max_concurrent):
+    cluster = [with_freeness(f"i{k:02d}", f, out=o, into=i) for k, (f, o, i) in enumerate(spec)]
+    by_id = {v.instance_id: v for v in cluster}
+    config = MigrationConfig(low_threshold=2.0, high_threshold=16.0, max_concurrent=max_concurrent)
+    result = pair_migrations(cluster, config)
+    sources = [by_id[p.source] for p in result]
+    destinations = [by_id[p.destination] for p in result]
+    ids = [p.source for p in result] + [p.destination for p in result]
+    assert len(ids) == len(set(ids))  # an instance appears once per round
+    assert all(s.freeness < 2.0 and s.load.num_migrating_out < max_concurrent for s in sources)
+    assert all(d.freeness > 16.0 and not d.terminating and d.load.num_migrating_in < max_concurrent for d in destinations)
+    assert [s.key for s in sources] == sorted(s.key for s in sources)
+    assert [d.key for d in destinations] == sorted((d.key for d in destinations), reverse=True)
+    eligible_sources = [v for v in cluster if v.freeness < 2.0 and v.load.num_migrating_out < max_concurrent]
+    eligible_destinations = [v for v in cluster if v.freeness > 16.0 and v.load.num_migrating_in < max_concurrent]
+    assert len(result) == min(len(eligible_sources), len(eligible_destinations))
+    # No unpaired eligible source is less free than a paired one.
+    if result:
+        assert all(v.key >= sources[-1].key for v in eligible_sources if v not in sources)
+
+
+# ---------------------------------------------------------------- scaling hysteresis
+
+SCALING = ScalingConfig(enabled=True, band=(10.0, 60.0), sustained_period=30.0)
+
+
+def feed(policy: ScalingPolicy, observations, *, can_add=True, can_terminate=True) -> list[tuple[float, ScaleAction]]:
+    decisions = []
+    for now, mean in observations:
+        action = policy.observe(now, mean, can_add=can_add, can_terminate=can_terminate)
+        if action is not None:
+            decisions.append((now, action))
+    return decisions
+
+
+def test_oscillating_around_a_band_edge_never_decides():
+    lower_edge = [(t, 9.0 if (t // 10) % 2 else 11.0) for t in range(0, 600)]
+    upper_edge = [(t, 59.0 if (t // 25) % 2 else 61.0) for t in range(0, 600)]
+    assert feed(ScalingPolicy(SCALING), lower_edge) == []
+    assert feed(ScalingPolicy(SCALING), upper_edge) == []
+
+
+def test_sustained_low_adds_after_the_period_then_waits_another():
+    decisions = feed(ScalingPolicy(SCALING), [(t / 2, 5.0) for t in range(0, 200)])
+    assert decisions == [(30.0, ScaleAction.ADD), (60.0, ScaleAction.ADD), (90.0, ScaleAction.ADD)]
+
+
+def test_sustained_high_terminates():
+    assert feed(ScalingPolicy(SCALING), [(t, 80.0) for t in range(0, 31)]) == [(30, ScaleAction.TERMINATE)]
+
+
+def test_a_break_restarts_the_timer():
+    observations = [(t, 5.0) for t in range(0, 21)] + [(25, 30.0)] + [(t, 5.0) for t in range(26, 60)]
+    assert feed(ScalingPolicy(SCALING), observations) == [(56, ScaleAction.ADD)]
+
+
+def test_a_load_step_restarts_the_timer_for_the_new_condition():
+    observations = [(t, 5.0) for t in range(0, 20)] + [(t, 80.0) for t in range(20, 51)]
+    assert feed(ScalingPolicy(SCALING), observations) == [(50, ScaleAction.TERMINATE)]
+
+
+def test_no_instance_to_measure_is_no_condition():
+    observations = [(0, 5.0), (20, None), (31, 5.0), (50, 5.0)]
+    assert feed(ScalingPolicy(SCALING), observations) == []
+
+
+def test_an_action_not_possible_waits_without_restarting_the_timer():
+    policy = ScalingPolicy(SCALING)
+    assert feed(policy, [(t, 5.0) for t in range(0, 40)], can_add=False) == []
+    assert policy.observe(40, 5.0, can_add=True, can_terminate=True) is ScaleAction.ADD
+    assert policy.observe(41, 5.0, can_add=True, can_terminate=True) is None
+
+
+def test_zero_period_decides_at_once():
+    policy = ScalingPolicy(ScalingConfig(enabled=True, sustained_period=0.0))
+    assert policy.observe(0.0, 5.0, can_add=True, can_terminate=True) is ScaleAction.ADD
+
+
+def test_scale_decision_is_falsy_when_empty():
+    assert not ScaleDecision()
+    assert ScaleDecision(add=1) and ScaleDecision(remove=("a",))
+
+
+means = st.one_of(st.none(), st.floats(0, 100, allow_nan=False))
+
+
+@given(st.lists(st.tuples(st.floats(0, 5, allow_nan=False), means), max_size=80))
+def test_every_decision_follows_a_full_period_of_its_condition(steps):
+    policy = ScalingPolicy(SCALING)
+    now, observed, decisions = 0.0, [], []
+    for dt, mean in steps:
+        now += dt
+        condition = None if mean is None else ScaleAction.ADD if mean < 10 else ScaleAction.TERMINATE if mean > 60 else None
+        observed.append((now, condition))
+        action = policy.observe(now, mean, can_add=True, can_terminate=True)
+        if action is not None:
+            decisions.append((now, action, len(observed)))
+    for now, action, count in decisions:
+        # The streak of this condition up to the decision started at least a period earlier...
+        streak = observed[:count]
+        start = count
+        while start > 0 and streak[start - 1][1] is action:
+            start -= 1
+        assert now - streak[start][0] >= SCALING.sustained_period
+    # ...and decisions are a full period apart.
+    times = [t for t, _, _ in decisions]
+    assert all(b - a >= SCALING.sustained_period for a, b in zip(times, times[1:]))
