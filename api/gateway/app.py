@@ -1,0 +1,45 @@
+"""The gateway app factory: routes, API-key middleware, and a lifespan that owns the backend.
+
+The backend (for a cluster: an asynchronous Dask client and the token listener) is opened in
+the lifespan, on the server's event loop, and closed when the server stops; handlers only
+ever await it. Nothing lives in module globals, so one process may hold several apps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+
+from llumdask.api.gateway.auth import APIKeys, AuthMiddleware
+from llumdask.api.gateway.backend import Backend
+from llumdask.api.gateway.errors import EXCEPTION_HANDLERS
+from llumdask.api.gateway.generation import InFlight
+from llumdask.api.gateway.metrics import GatewayMetrics
+from llumdask.api.gateway.routes import ROUTES, Gateway
+from llumdask.api.gateway.settings import GatewaySettings
+from llumdask.api.gateway.tokenizer import Tokenizer
+
+BackendFactory = Callable[[], AbstractAsyncContextManager[Backend]]
+
+
+def create_app(open_backend: BackendFactory, tokenizer: Tokenizer,
+               settings: GatewaySettings | None = None) -> Starlette:
+    """An OpenAI-compatible app serving the model of the backend that `open_backend()` opens."""
+    settings = settings or GatewaySettings()
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Gateway]]:
+        async with open_backend() as backend:
+            in_flight = InFlight(settings.max_in_flight, settings.retry_after, metrics.in_flight)
+            yield {"gateway": Gateway(backend, tokenizer, settings, metrics, in_flight)}
+
+    return Starlette(
+        routes=ROUTES,
+        middleware=[Middleware(AuthMiddleware, keys=APIKeys(settings.api_keys), on_reject=metrics.error)],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )

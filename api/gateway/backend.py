@@ -1,0 +1,71 @@
+"""What the HTTP layer needs from the cluster, and its Dask implementation.
+
+The routes speak only this protocol: submit token ids, iterate token batches, abort. That keeps
+HTTP concerns (validation, SSE, errors) testable without a cluster, and the cluster side free
+of HTTP. `DaskBackend` implements it over the notebook client (`llumdask.api.client`), so the
+gateway gets dispatch, ordered token streams and failover from the same code a notebook uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from llumdask.request import FinishReason, Priority, SamplingParams
+
+
+class BackendUnavailable(Exception):
+    """No instance can take the request now (none ready, or the cluster is unreachable)."""
+
+
+class BackendRejected(Exception):
+    """The instance refused the request for good (it can never fit); the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The one model this gateway serves."""
+
+    name: str
+    # Prompt plus completion tokens one request may hold.
+    max_context: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    owned_by: str = "llumdask"
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("the served model name must be non-empty")
+        if not isinstance(self.max_context, int) or self.max_context < 2:
+            raise ValueError(f"max_context must be an integer >= 2, got {self.max_context!r}")
+
+
+class TokenBatches(Protocol):
+    """One submitted request's output: token batches in order, then `finish_reason` is set."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def finish_reason(self) -> FinishReason | None: ...
+
+    def __aiter__(self) -> AsyncIterator[list[int]]: ...
+
+
+class Backend(Protocol):
+    model: ModelInfo
+
+    async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                     priority: Priority) -> TokenBatches:
+        """Dispatch a request; returns once an instance accepted it.
+
+        Raises BackendUnavailable (no instance now) or BackendRejected (never fits).
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request wherever it runs and free its blocks; a finished or unknown id is a no-op."""
+        ...
+
+    async def ready_instances(self) -> int: ...

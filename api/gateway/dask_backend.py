@@ -1,0 +1,86 @@
+"""The gateway's Backend over a llumdask cluster, through the notebook client.
+
+`DaskBackend.connect` opens an asynchronous Dask client on the running loop (the server's) and
+wraps it in a `LlumdaskClient`, whose requester places requests, receives their token batches
+on its own listener and resubmits requests whose instance died. Nothing here blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from distributed import Client
+
+from llumdask.api.client import LlumdaskClient, NoLlumdaskScheduler, RequestRejected
+from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable, ModelInfo
+from llumdask.global_scheduler import NoInstanceAvailable
+from llumdask.plugins.requester import Requester
+from llumdask.plugins.streams import TokenStream
+from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
+
+
+class DaskTokenBatches:
+    """One request's token batches from the requester's stream."""
+
+    def __init__(self, requester: Requester, request_id: str, stream: TokenStream) -> None:
+        self.request_id = request_id
+        self.finish_reason: FinishReason | None = None
+        self._requester = requester
+        self._stream = stream
+
+    async def __aiter__(self) -> AsyncIterator[list[int]]:
+        try:
+            while tokens := await self._stream.next_tokens():
+                yield tokens
+        except RuntimeError as exc:  # the stream failed: not placed again after its instance died, or refused
+            raise BackendUnavailable(str(exc)) from None
+        self.finish_reason = self._stream.sequence.finish_reason
+        # Finished: nothing to abort. An unfinished request stays known so that abort finds its instance.
+        self._requester.forget(self.request_id)
+
+
+class DaskBackend:
+    def __init__(self, client: LlumdaskClient, model: ModelInfo) -> None:
+        if client.asynchronous is False:
+            raise TypeError("the gateway needs a LlumdaskClient over an asynchronous Dask client")
+        self.model = model
+        self._client = client
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, scheduler_address: str, model: ModelInfo, *, connect_timeout: float = 30.0,
+                      **requester_options: Any) -> AsyncIterator["DaskBackend"]:
+        """Open on the running event loop; `requester_options` go to `LlumdaskClient`."""
+        dask_client = await Client(scheduler_address, asynchronous=True, timeout=connect_timeout)
+        llum = LlumdaskClient(dask_client, owns_client=True, **requester_options)
+        try:
+            yield cls(llum, model)
+        finally:
+            await llum.close()
+
+    @property
+    def requester(self) -> Requester:
+        return self._client.requester
+
+    async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                     priority: Priority) -> DaskTokenBatches:
+        request = Request(new_request_id(), list(prompt_token_ids), sampling, scheduling_priority=priority,
+                          execution_priority=priority, arrival_time=time.time())
+        try:
+            stream = await self.requester.submit(request)
+        except RequestRejected as exc:
+            raise BackendRejected(str(exc)) from None
+        except (NoInstanceAvailable, NoLlumdaskScheduler, OSError, asyncio.TimeoutError) as exc:
+            raise BackendUnavailable(str(exc) or type(exc).__name__) from None
+        return DaskTokenBatches(self.requester, request.request_id, stream)
+
+    async def abort(self, request_id: str) -> None:
+        await self.requester.abort(request_id)
+
+    async def ready_instances(self) -> int:
+        reply = await self.requester.status()
+        return sum(1 for row in reply["instances"] if row["ready"] and row["state"] != "terminating")

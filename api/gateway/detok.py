@@ -1,0 +1,84 @@
+"""Token ids -> text deltas as they arrive, with stop strings.
+
+Decoding one token at a time is wrong for byte-level and sentencepiece tokenizers: a character
+may span tokens (the partial bytes decode to U+FFFD) and a token's leading space depends on its
+left neighbour. So each new run is decoded together with the previous run as context and only
+the difference is emitted, holding back a trailing U+FFFD until the next token completes it.
+
+Stop strings are matched on the text; the text that could still turn into a stop string
+(its last `max(len(stop)) - 1` characters) is held back, so a stream never shows a stop string
+or a piece of one. After a stop, the caller aborts the request: the engine knows only token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llumdask.api.gateway.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    # True once a stop string was found: `text` ends just before it and nothing follows.
+    stopped: bool = False
+
+
+class IncrementalText:
+    """Feed token batches with `add`, then `finish` for the rest; `text` is what was emitted."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context run
+        self._read = 0  # tokens before this index are decoded into `_decoded`
+        self._decoded = ""  # all text decoded so far (emitted or held back)
+        self._emitted = 0  # characters of `_decoded` given out
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        return self._decoded[: self._emitted]
+
+    def add(self, token_ids: Sequence[int]) -> TextDelta:
+        if self.stopped:
+            return TextDelta("", stopped=True)
+        self._ids.extend(token_ids)
+        context = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        full = self._tokenizer.decode(self._ids[self._prefix :])
+        if len(full) > len(context) and not full.endswith(REPLACEMENT):
+            self._decoded += full[len(context) :]
+            self._prefix, self._read = self._read, len(self._ids)
+        return self._release(final=False)
+
+    def finish(self) -> TextDelta:
+        """Everything still held back (a trailing partial character included)."""
+        if not self.stopped:
+            context = self._tokenizer.decode(self._ids[self._prefix : self._read])
+            full = self._tokenizer.decode(self._ids[self._prefix :])
+            self._decoded += full[len(context) :]
+            self._prefix = self._read = len(self._ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> TextDelta:
+        if self.stopped:
+            return TextDelta("", stopped=True)
+        # A stop string may straddle what was emitted and what is new: search from there.
+        start = max(0, self._emitted - self._hold)
+        hits = [i for i in (self._decoded.find(s, start) for s in self._stop) if i >= 0]
+        if hits:
+            end = min(hits)
+            self.stopped = True
+            self._decoded = self._decoded[:end]
+        else:
+            end = len(self._decoded) if final else max(self._emitted, len(self._decoded) - self._hold)
+        delta = self._decoded[self._emitted : end]
+        self._emitted = end
+        return TextDelta(delta, stopped=self.stopped)

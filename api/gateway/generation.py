@@ -1,0 +1,125 @@
+"""One generation request from admission to its last text delta.
+
+Admission (`InFlight`) bounds the requests a gateway serves at once: past the bound a client
+gets 429 + retry-after at once instead of a queue that grows without limit. A `Generation`
+submits to the backend, turns token batches into text (stop strings included), counts the
+tokens the client received (that is the usage it reports) and records latency metrics. If it
+ends early (client gone, stop string, error) `close` aborts the request on its instance, so
+its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from prometheus_client import Gauge
+
+from llumdask.api.gateway.backend import Backend, BackendRejected, BackendUnavailable, TokenBatches
+from llumdask.api.gateway.detok import IncrementalText
+from llumdask.api.gateway.errors import InvalidRequest, Overloaded, Unavailable
+from llumdask.api.gateway.metrics import GatewayMetrics
+from llumdask.api.gateway.responses import Usage
+from llumdask.api.gateway.tokenizer import Tokenizer
+from llumdask.request import FinishReason, Priority, SamplingParams
+
+
+class InFlight:
+    """At most `limit` generations at once; `acquire` raises Overloaded (429) past it."""
+
+    def __init__(self, limit: int, retry_after: float, gauge: Gauge) -> None:
+        self.limit = limit
+        self.retry_after = retry_after
+        self._count = 0
+        self._gauge = gauge
+
+    def acquire(self) -> None:
+        if self._count >= self.limit:
+            raise Overloaded(self.limit, self.retry_after)
+        self._count += 1
+        self._gauge.set(self._count)
+
+    def release(self) -> None:
+        self._count -= 1
+        self._gauge.set(self._count)
+
+
+class Generation:
+    """Use as: `await start()`, iterate `deltas()`, then read `finish_reason` / `usage`; always `close()`."""
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, metrics: GatewayMetrics, endpoint: str,
+                 prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
+                 stop: Sequence[str] = ()) -> None:
+        self._backend = backend
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self._prompt = list(prompt_token_ids)
+        self._sampling = sampling
+        self._priority = priority
+        self._text = IncrementalText(tokenizer, stop)
+        self._batches: TokenBatches | None = None
+        self._finished = False  # by the engine: nothing to abort
+        self._started = time.perf_counter()
+        self._first_token: float | None = None
+        self._last_token: float | None = None
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(len(self._prompt), self.num_output_tokens)
+
+    async def start(self) -> None:
+        try:
+            self._batches = await self._backend.submit(self._prompt, self._sampling, self._priority)
+        except BackendUnavailable as exc:
+            raise Unavailable(f"No instance can take the request now: {exc}") from None
+        except BackendRejected as exc:
+            raise InvalidRequest(f"The request was rejected: {exc}", code="request_rejected") from None
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text deltas (never empty) until the request finishes or hits a stop string."""
+        assert self._batches is not None, "start() first"
+        try:
+            async for batch in self._batches:
+                self._last_token = time.perf_counter()
+                if self._first_token is None:
+                    self._first_token = self._last_token
+                self.num_output_tokens += len(batch)
+                delta = self._text.add(batch)
+                if delta.text:
+                    yield delta.text
+                if delta.stopped:  # the engine still runs it: close() aborts it
+                    self._end("stop")
+                    return
+        except BackendUnavailable as exc:
+            raise Unavailable(f"The request was lost: {exc}") from None
+        self._finished = True
+        rest = self._text.finish()
+        self._end("stop" if rest.stopped else _finish_reason(self._batches.finish_reason))
+        if rest.text:
+            yield rest.text
+
+    def _end(self, finish_reason: str) -> None:
+        self.finish_reason = finish_reason
+        self._metrics.finished(self._endpoint, len(self._prompt), self.num_output_tokens, self._first_token,
+                               self._last_token, self._started)
+
+    async def text(self) -> str:
+        """The whole completion (non-streaming responses)."""
+        return "".join([delta async for delta in self.deltas()])
+
+    async def close(self) -> None:
+        """Abort the request unless it finished; safe to call in any state, even while cancelled."""
+        if self._batches is None or self._finished:
+            return
+        self._finished = True
+        await asyncio.shield(self._backend.abort(self._batches.request_id))
+
+
+def _finish_reason(reason: FinishReason | None) -> str:
+    """OpenAI's names; an engine abort (rare: the instance gave up on it) is reported as such, like vLLM does."""
+    if reason is None:
+        return "stop"
+    return reason.value

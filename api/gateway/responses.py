@@ -1,0 +1,93 @@
+"""OpenAI response bodies and stream chunks for /v1/completions and /v1/chat/completions.
+
+The two endpoints differ only in shape (``text`` versus a ``message`` / ``delta``), so each
+shape is a small class and the serving logic in routes.py is written once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+@dataclass(frozen=True)
+class ResponseFormat(ABC):
+    """Fields shared by every body and chunk of one response."""
+
+    id: str
+    created: int
+    model: str
+
+    object = ""
+    chunk_object = ""
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def body(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
+        body = self._envelope(self.object, [self._choice(text, finish_reason)])
+        body["usage"] = usage.to_dict()
+        return body
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """Chunks sent before the first token (chat announces the role)."""
+        return []
+
+    def text_chunk(self, text: str) -> dict[str, Any]:
+        return self._envelope(self.chunk_object, [self._delta(text, None)])
+
+    def final_chunk(self, finish_reason: str | None) -> dict[str, Any]:
+        return self._envelope(self.chunk_object, [self._delta(None, finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """stream_options.include_usage: one last chunk with no choices and the usage."""
+        chunk = self._envelope(self.chunk_object, [])
+        chunk["usage"] = usage.to_dict()
+        return chunk
+
+    @abstractmethod
+    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def _delta(self, text: str | None, finish_reason: str | None) -> dict[str, Any]: ...
+
+
+class CompletionFormat(ResponseFormat):
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def _delta(self, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+        return self._choice(text or "", finish_reason)
+
+
+class ChatFormat(ResponseFormat):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def _delta(self, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+        delta = {} if text is None else {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        chunk = self._envelope(self.chunk_object, [self._delta("", None)])
+        chunk["choices"][0]["delta"]["role"] = "assistant"
+        return [chunk]

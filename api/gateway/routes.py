@@ -1,0 +1,268 @@
+"""The HTTP routes: OpenAI's completions, chat completions and models, plus /health and /metrics.
+
+Order of checks for a generation request, cheapest and most specific first: body size (413),
+JSON and field types (400), model (404), prompt tokens and context length (400), admission
+(429), dispatch (503 when no instance is ready). Only then does a response start, so every
+refusal gets its own status; what fails after the first streamed byte arrives as an error event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llumdask.api.gateway.backend import Backend
+from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
+from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
+from llumdask.api.gateway.generation import Generation, InFlight
+from llumdask.api.gateway.metrics import GatewayMetrics
+from llumdask.api.gateway.responses import ChatFormat, CompletionFormat, ResponseFormat
+from llumdask.api.gateway.schemas import GenerationOptions, parse_chat, parse_completion, parse_priority
+from llumdask.api.gateway.settings import GatewaySettings
+from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
+from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer
+from llumdask.request import Priority, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PRIORITY_HEADER = "x-llumdask-priority"
+# Sent as the status of a request whose client left (nginx's convention); nobody reads it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass
+class Gateway:
+    """Everything a route needs; one per app, made by the lifespan (routes get it as request.state.gateway)."""
+
+    backend: Backend
+    tokenizer: Tokenizer
+    settings: GatewaySettings
+    metrics: GatewayMetrics
+    in_flight: InFlight
+
+
+Handler = Callable[[Request, Gateway], Awaitable[Response]]
+
+
+def endpoint(name: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """Wrap a handler: APIError -> its JSON error, anything else -> a logged 500; count both."""
+
+    async def run(request: Request) -> Response:
+        gateway: Gateway = request.state.gateway
+        try:
+            response = await handler(request, gateway)
+        except APIError as exc:
+            response = exc.response()
+            gateway.metrics.error(exc.code)
+        except ClientDisconnected:
+            response = Response(status_code=CLIENT_CLOSED_REQUEST)
+            gateway.metrics.error("client_disconnected")
+        except Exception as exc:  # a bug; never show its trace to the client
+            error = unexpected(exc, request)
+            response = error.response()
+            gateway.metrics.error(error.code)
+        gateway.metrics.response(name, response.status_code)
+        return response
+
+    return run
+
+
+# ------------------------------------------------------------------ generation endpoints
+async def completions(request: Request, gateway: Gateway) -> Response:
+    parsed = parse_completion(await read_json(request, gateway.settings.max_body_bytes))
+    check_model(gateway.backend, parsed.options.model)
+    if isinstance(parsed.prompt, str):
+        prompt_ids = gateway.tokenizer.encode(parsed.prompt)
+    else:
+        prompt_ids = list(parsed.prompt)
+        check_token_ids(prompt_ids, gateway.tokenizer.vocab_size, "prompt")
+    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), gateway.backend.model.name)
+    return await generate(request, gateway, "completions", fmt, prompt_ids, parsed.options)
+
+
+async def chat_completions(request: Request, gateway: Gateway) -> Response:
+    parsed = parse_chat(await read_json(request, gateway.settings.max_body_bytes))
+    check_model(gateway.backend, parsed.options.model)
+    try:
+        text = gateway.tokenizer.render_chat(parsed.messages)
+    except ChatTemplateError as exc:
+        raise InvalidRequest(str(exc), param="messages", code="invalid_value") from None
+    prompt_ids = gateway.tokenizer.encode(text, add_special_tokens=False)
+    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), gateway.backend.model.name)
+    return await generate(request, gateway, "chat_completions", fmt, prompt_ids, parsed.options)
+
+
+async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseFormat,
+                   prompt_ids: list[int], options: GenerationOptions) -> Response:
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
+    sampling = sampling_params(gateway, options, len(prompt_ids))
+    priority = request_priority(request, options)
+    generation = Generation(gateway.backend, gateway.tokenizer, gateway.metrics, name, prompt_ids, sampling,
+                            priority, options.stop)
+    gateway.in_flight.acquire()
+    try:
+        # Not cancelled by a disconnect: until it returns there is no request id to abort with.
+        # A client gone meanwhile is noticed right after, while waiting for tokens.
+        await generation.start()
+        if options.stream:
+            async def on_close(complete: bool) -> None:
+                if not complete:
+                    gateway.metrics.error("client_disconnected")
+                await finish(gateway, generation)
+
+            events = stream_events(request, gateway, fmt, generation, options.include_usage)
+            return EventStreamResponse(events, on_close)  # owns the generation and the slot from here
+        text = await until_disconnect(request.receive, generation.text())
+    except BaseException:
+        await finish(gateway, generation)
+        raise
+    await finish(gateway, generation)
+    return JSONResponse(fmt.body(text, generation.finish_reason, generation.usage))
+
+
+async def finish(gateway: Gateway, generation: Generation) -> None:
+    """Abort the request if it is still running somewhere, and free its admission slot."""
+    try:
+        await generation.close()
+    finally:
+        gateway.in_flight.release()
+
+
+async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat, generation: Generation,
+                        include_usage: bool) -> AsyncGenerator[bytes, None]:
+    for chunk in fmt.opening_chunks():
+        yield event(chunk)
+    try:
+        async for text in generation.deltas():
+            yield event(fmt.text_chunk(text))
+        yield event(fmt.final_chunk(generation.finish_reason))
+        if include_usage:
+            yield event(fmt.usage_chunk(generation.usage))
+    except APIError as exc:
+        gateway.metrics.error(exc.code)
+        yield event(exc.body())
+    except Exception as exc:  # a bug; the client gets a generic error event
+        error = unexpected(exc, request)
+        gateway.metrics.error(error.code)
+        yield event(error.body())
+    yield DONE
+
+
+def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tokens: int) -> SamplingParams:
+    max_tokens = max_tokens_within_context(options.max_tokens, num_prompt_tokens, gateway.backend.model.max_context)
+    stop_ids = list(options.stop_token_ids)
+    check_token_ids(stop_ids, gateway.tokenizer.vocab_size, "stop_token_ids")
+    eos = gateway.tokenizer.eos_token_id
+    if eos is not None and not options.ignore_eos and eos not in stop_ids:
+        stop_ids.append(eos)
+    return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
+                          seed=options.seed, stop_token_ids=tuple(stop_ids), ignore_eos=options.ignore_eos)
+
+
+def max_tokens_within_context(requested: int | None, num_prompt_tokens: int, max_context: int) -> int:
+    """`requested`, or all the room left in the context when None; 400 with the numbers if it does not fit."""
+    if num_prompt_tokens >= max_context:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_context} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion",
+            param="prompt", code="context_length_exceeded")
+    if requested is None:
+        return max_context - num_prompt_tokens
+    if num_prompt_tokens + requested > max_context:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_context} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for the "
+            "completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def request_priority(request: Request, options: GenerationOptions) -> Priority:
+    """The body's priority, else the x-llumdask-priority header, else normal."""
+    if options.priority is not None:
+        return options.priority
+    header = request.headers.get(PRIORITY_HEADER)
+    return Priority.NORMAL if header is None else parse_priority(header, PRIORITY_HEADER)
+
+
+def check_model(backend: Backend, model: str) -> None:
+    if model != backend.model.name:
+        raise ModelNotFound(model, backend.model.name)
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{param} has token id {bad}, outside the vocabulary of {vocab_size} tokens",
+                             param=param, code="invalid_value")
+
+
+async def read_json(request: Request, limit: int) -> object:
+    """The body as JSON; 413 past `limit` bytes (declared or actually sent), 400 if it is not JSON."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLarge(limit)
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+# ------------------------------------------------------------------ models, health, metrics
+def model_card(backend: Backend) -> dict:
+    model = backend.model
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": model.owned_by,
+            "max_model_len": model.max_context}
+
+
+async def list_models(request: Request, gateway: Gateway) -> Response:
+    return JSONResponse({"object": "list", "data": [model_card(gateway.backend)]})
+
+
+async def get_model(request: Request, gateway: Gateway) -> Response:
+    check_model(gateway.backend, request.path_params["model"])
+    return JSONResponse(model_card(gateway.backend))
+
+
+async def health(request: Request, gateway: Gateway) -> Response:
+    """200 when at least one instance is ready to take requests, 503 otherwise."""
+    try:
+        ready = await gateway.backend.ready_instances()
+    except Exception as exc:  # the cluster is unreachable: that is what health reports
+        logger.warning("health check could not reach the cluster: %s", exc)
+        ready = 0
+    status = 200 if ready > 0 else 503
+    return JSONResponse({"status": "ok" if ready > 0 else "unavailable", "ready_instances": ready},
+                        status_code=status)
+
+
+async def metrics(request: Request, gateway: Gateway) -> Response:
+    return gateway.metrics.render()
+
+
+ROUTES = [
+    Route("/v1/completions", endpoint("completions", completions), methods=["POST"]),
+    Route("/v1/chat/completions", endpoint("chat_completions", chat_completions), methods=["POST"]),
+    Route("/v1/models", endpoint("models", list_models), methods=["GET"]),
+    Route("/v1/models/{model:path}", endpoint("models", get_model), methods=["GET"]),
+    Route("/health", endpoint("health", health), methods=["GET"]),
+    Route("/metrics", endpoint("metrics", metrics), methods=["GET"]),
+]

@@ -1,0 +1,291 @@
+"""OpenAI request bodies -> validated, typed requests; every problem is a 400 naming the field.
+
+Fields OpenAI defines that this server cannot honour (n > 1, logprobs, penalties, tools, ...)
+are refused with a 400 rather than silently ignored: a client relying on them would otherwise
+get a different answer than it asked for. Fields not listed anywhere (``user``, ``metadata``)
+are ignored, as OpenAI-compatible servers commonly do. Extensions also accepted by vLLM's
+server: ``stop_token_ids``, ``ignore_eos``; llumdask's own: ``priority``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llumdask.api.gateway.errors import InvalidRequest
+from llumdask.request import Priority
+
+MAX_SEED = (1 << 63) - 1
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+# field -> (is the value the harmless default?, what to say when it is not)
+_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v in (None, 1), "only n=1 is supported; send one request per completion"),
+    "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
+    "logprobs": (lambda v: v in (None, False), "logprobs are not supported"),
+    "top_logprobs": (lambda v: v in (None, 0), "top_logprobs are not supported"),
+    "echo": (lambda v: v in (None, False), "echo is not supported"),
+    "suffix": (lambda v: v in (None, ""), "suffix is not supported"),
+    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
+    "presence_penalty": (lambda v: v in (None, 0), "presence_penalty is not supported (only 0)"),
+    "frequency_penalty": (lambda v: v in (None, 0), "frequency_penalty is not supported (only 0)"),
+    "tools": (lambda v: not v, "tools are not supported"),
+    "functions": (lambda v: not v, "functions are not supported"),
+    "response_format": (lambda v: v is None or (isinstance(v, Mapping) and v.get("type") == "text"),
+                        "response_format other than text is not supported"),
+}
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What both endpoints share once validated."""
+
+    model: str
+    # None: up to the model's context (chat); completions default to 16 as OpenAI's do.
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    priority: Priority | None
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    options: GenerationOptions
+    # Text, or token ids given directly.
+    prompt: str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    options: GenerationOptions
+    # {"role": str, "content": str} (content parts joined), plus "name" where given.
+    messages: tuple[dict[str, str], ...]
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    body = _object(body)
+    options = _options(body, max_tokens_default=16, max_tokens_fields=("max_tokens",))
+    return CompletionRequest(options, _prompt(body))
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    body = _object(body)
+    if body.get("tool_choice") not in (None, "none"):
+        raise InvalidRequest("tool_choice is not supported", param="tool_choice", code="unsupported_parameter")
+    options = _options(body, max_tokens_default=None, max_tokens_fields=("max_completion_tokens", "max_tokens"))
+    return ChatRequest(options, _messages(body))
+
+
+# ------------------------------------------------------------------ shared fields
+def _object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise InvalidRequest(f"The request body must be a JSON object, not {_json_type(body)}", code="invalid_type")
+    return body
+
+
+def _options(body: Mapping[str, Any], *, max_tokens_default: int | None,
+             max_tokens_fields: tuple[str, ...]) -> GenerationOptions:
+    for name, (is_default, message) in _UNSUPPORTED.items():
+        if not is_default(body.get(name)):
+            raise InvalidRequest(message, param=name, code="unsupported_parameter")
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest("you must provide a model parameter", param="model", code="missing_required_parameter")
+    stream = _bool(body, "stream", False)
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options",
+                                 code="invalid_value")
+        if not isinstance(stream_options, Mapping):
+            raise _wrong_type("stream_options", "an object", stream_options)
+    max_tokens = max_tokens_default
+    for name in max_tokens_fields:  # the first one given wins (max_completion_tokens over max_tokens)
+        if body.get(name) is not None:
+            max_tokens = _int(body, name, minimum=1)
+            break
+    return GenerationOptions(
+        model=_str(body, "model"),
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
+        top_p=_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True),
+        seed=_int(body, "seed", minimum=0, maximum=MAX_SEED) if body.get("seed") is not None else None,
+        stop=_stop(body.get("stop")),
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", allow_empty=True),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        stream=stream,
+        include_usage=_bool(stream_options or {}, "include_usage", False, param="stream_options.include_usage"),
+        priority=_priority(body.get("priority")),
+    )
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or any(not isinstance(s, str) for s in values):
+        raise _wrong_type("stop", "a string or a list of strings", value)
+    if any(not s for s in values):
+        raise InvalidRequest("stop strings must not be empty", param="stop", code="invalid_value")
+    return tuple(values)
+
+
+def _priority(value: Any) -> Priority | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _wrong_type("priority", "'high' or 'normal'", value)
+    return parse_priority(value, "priority")
+
+
+def parse_priority(value: str, param: str) -> Priority:
+    """'high' or 'normal' (any case), from the body or the x-llumdask-priority header."""
+    try:
+        return Priority.parse(value)
+    except ValueError:
+        raise InvalidRequest(f"{param} must be 'high' or 'normal', got {value!r}", param=param,
+                             code="invalid_value") from None
+
+
+# ------------------------------------------------------------------ prompts and messages
+def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise InvalidRequest("you must provide a prompt", param="prompt", code="missing_required_parameter")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise InvalidRequest("batched prompts are not supported; send one prompt per request",
+                                 param="prompt", code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt", code="invalid_value")
+        return prompt
+    if isinstance(prompt, list):
+        return _token_ids(prompt, "prompt", allow_empty=False)
+    raise _wrong_type("prompt", "a string or a list of token ids", prompt)
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
+    messages = body.get("messages")
+    if messages is None:
+        raise InvalidRequest("you must provide messages", param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list):
+        raise _wrong_type("messages", "a list of messages", messages)
+    if not messages:
+        raise InvalidRequest("messages must not be empty", param="messages", code="invalid_value")
+    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+
+
+def _message(message: Any, param: str) -> dict[str, str]:
+    if not isinstance(message, Mapping):
+        raise _wrong_type(param, "an object", message)
+    role = message.get("role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise InvalidRequest(f"{param}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}",
+                             param=f"{param}.role", code="invalid_value")
+    if message.get("tool_calls") or message.get("function_call"):
+        raise InvalidRequest("tool calls are not supported", param=f"{param}.tool_calls", code="unsupported_parameter")
+    out = {"role": role, "content": _content(message.get("content"), role, f"{param}.content")}
+    if message.get("name") is not None:
+        out["name"] = _str(message, "name", param=f"{param}.name")
+    return out
+
+
+def _content(content: Any, role: str, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"{param}[{i}] must be a text part ({{'type': 'text', 'text': ...}}); "
+                                     "only text is supported", param=f"{param}[{i}]", code="unsupported_parameter")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _wrong_type(param, "a string or a list of text parts", content)
+
+
+# ------------------------------------------------------------------ typed field readers
+def _token_ids(value: Any, param: str, *, allow_empty: bool) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or any(not _is_int(t) or t < 0 for t in value):
+        raise _wrong_type(param, "a list of non-negative integer token ids", value)
+    if not value and not allow_empty:
+        raise InvalidRequest(f"{param} is empty", param=param, code="invalid_value")
+    return tuple(value)
+
+
+def _str(body: Mapping[str, Any], name: str, *, param: str | None = None) -> str:
+    value = body.get(name)
+    if not isinstance(value, str):
+        raise _wrong_type(param or name, "a string", value)
+    return value
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool, *, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _wrong_type(param or name, "a boolean", value)
+    return value
+
+
+def _int(body: Mapping[str, Any], name: str, *, minimum: int, maximum: int | None = None) -> int:
+    value = body.get(name)
+    if not _is_int(value):
+        raise _wrong_type(name, "an integer", value)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        raise InvalidRequest(f"{name} must be {bound}, got {value}", param=name, code="invalid_value")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, *, minimum: float, maximum: float,
+            exclusive_minimum: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise _wrong_type(name, "a number", value)
+    if value < minimum or value > maximum or (exclusive_minimum and value == minimum):
+        low = "(" if exclusive_minimum else "["
+        raise InvalidRequest(f"{name} must be in {low}{minimum:g}, {maximum:g}], got {value}", param=name,
+                             code="invalid_value")
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _wrong_type(param: str, expected: str, value: Any) -> InvalidRequest:
+    return InvalidRequest(f"{param} must be {expected}, not {_json_type(value)}", param=param, code="invalid_type")
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__

@@ -1,0 +1,58 @@
+"""Server-sent events as OpenAI streams them: ``data: {json}`` events, then ``data: [DONE]``.
+
+`EventStreamResponse` stops the event source as soon as the client disconnects (see
+disconnect.py), whether the stream is writing or waiting for the next token, and then always
+runs `on_close`, even if the source never started (an unstarted generator runs no `finally`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class EventStreamResponse:
+    """An ASGI response streaming the encoded events of `events` (each a complete SSE event)."""
+
+    headers = [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+        # Proxies such as nginx would otherwise buffer the stream.
+        (b"x-accel-buffering", b"no"),
+    ]
+
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[bool], Awaitable[None]]) -> None:
+        """`on_close(complete)`: complete is True when every event reached the client."""
+        self._events = events
+        self._on_close = on_close
+        self.status_code = 200
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        complete = False
+        try:
+            await until_disconnect(receive, self._pump(send))
+            complete = True
+        except (ClientDisconnected, OSError):
+            pass  # nobody is listening
+        finally:
+            await self._on_close(complete)
+
+    async def _pump(self, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.headers})
+            async for chunk in self._events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self._events.aclose()

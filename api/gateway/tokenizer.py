@@ -1,0 +1,166 @@
+"""Text <-> token ids and chat templates for the served model.
+
+A model directory with a ``tokenizer.json`` (every fast Hugging Face tokenizer has one) is
+loaded with the `tokenizers` library and its chat template rendered with jinja2, the way
+transformers renders it; that starts in milliseconds. Anything else (a hub name, a slow
+tokenizer) goes through transformers' AutoTokenizer, imported only then: it takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+
+# Special tokens a chat template may refer to by name.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template rejected the messages."""
+
+
+class Tokenizer(Protocol):
+    """What the gateway needs from a tokenizer."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids`, special tokens left out."""
+        ...
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        """The prompt text for `messages`, ending where the assistant's reply starts."""
+        ...
+
+
+def max_context_of(directory: str | Path) -> int | None:
+    """The context length a model directory declares (config.json, tokenizer_config.json), if any."""
+    directory = Path(directory)
+    declared = (_read_json(directory / "config.json").get("max_position_embeddings"),
+                _read_json(directory / "tokenizer_config.json").get("model_max_length"))
+    # transformers writes 1e30 as model_max_length for "no limit".
+    limits = [v for v in declared if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 40]
+    return min(limits) if limits else None
+
+
+class FastTokenizer:
+    """A ``tokenizer.json`` plus ``tokenizer_config.json`` (special tokens, chat template)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        directory = Path(directory)
+        self._tokenizer = RustTokenizer.from_file(str(directory / "tokenizer.json"))
+        config = _read_json(directory / "tokenizer_config.json")
+        self._special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS}
+        eos = self._special["eos_token"]
+        self._eos_id = None if eos is None else self._tokenizer.token_to_id(eos)
+        self._template = _compile_template(config.get("chat_template"))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=True,
+                                         **{k: v or "" for k, v in self._special.items()})
+        except TemplateError as exc:
+            raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
+
+
+class TransformersTokenizer:
+    """Anything AutoTokenizer can load (hub names, slow tokenizers)."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self._tokenizer = hf_tokenizer
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str) -> "TransformersTokenizer":
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(name_or_path))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tokenizer.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        if not self._tokenizer.chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            return self._tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja2 and transformers raise several kinds for a bad conversation
+            raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
+
+
+def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
+    """The fast path for a directory with tokenizer.json, transformers otherwise."""
+    path = Path(name_or_path)
+    if (path / "tokenizer.json").is_file():
+        return FastTokenizer(path)
+    return TransformersTokenizer.from_pretrained(str(name_or_path))
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _compile_template(source: Any):
+    """Compile a chat template as transformers does: sandboxed, trim/lstrip blocks, raise_exception."""
+    if isinstance(source, list):  # several named templates: use "default"
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    if not isinstance(source, str):
+        return None
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)

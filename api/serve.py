@@ -1,0 +1,249 @@
+"""``llumdask serve``: the OpenAI-compatible gateway over a llumdask cluster, in one command.
+
+With no arguments: a local Dask cluster of 2 instances (scheduler plugin, one engine per worker
+process, the Dask dashboard) serving the offline tiny model, and the gateway on
+127.0.0.1:8000. ``--scheduler ADDRESS`` attaches the gateway to a running cluster instead.
+Ctrl-C (or SIGTERM) stops the gateway first, then the cluster it started.
+
+Options the command does not know are engine options, passed through: for the sim engine they
+are keys of the ``llumdask.sim-engine`` config section (``--total-blocks 128``), for vLLM they
+are engine arguments (``--max-num-seqs 64``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import dask.config
+import yaml
+from distributed import Client, WorkerPlugin
+
+from llumdask.config import ConfigError, load_config
+
+DEFAULT_INSTANCES = 2
+DEFAULT_PORT = 8000
+TINY_MODEL_NAME = "llumdask-tiny-llama"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llumdask serve",
+        description="Serve a model with an OpenAI-compatible API over a llumdask cluster.",
+        epilog="Unknown --options are engine options: sim-engine config keys for --engine sim "
+               "(e.g. --total-blocks 128), engine arguments for --engine vllm (e.g. --max-num-seqs 64).",
+    )
+    p.add_argument("--instances", type=_positive_int, default=DEFAULT_INSTANCES,
+                   help=f"engine instances of the local cluster (default {DEFAULT_INSTANCES})")
+    p.add_argument("--engine", choices=("sim", "vllm"), default=None,
+                   help="engine of the local cluster (default: llumdask.engine from the config, 'sim')")
+    p.add_argument("--model", default=None,
+                   help="model directory or hub name (default: the offline tiny model, built on first use)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context length (default: what the model's files declare)")
+    p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gateway port, 0 for any (default {DEFAULT_PORT})")
+    p.add_argument("--scheduler", metavar="ADDRESS", default=None,
+                   help="attach to the Dask scheduler at ADDRESS instead of starting a local cluster")
+    p.add_argument("--config", metavar="FILE", type=Path, default=None,
+                   help="a Dask-style YAML file (llumdask:, llumdask-gateway:, ... sections)")
+    p.add_argument("--dashboard-address", default="127.0.0.1:8787",
+                   help="Dask dashboard of the local cluster (default 127.0.0.1:8787; another port if taken)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' (repeat for several keys)")
+    p.add_argument("--max-in-flight", type=_positive_int, default=None, help="requests served at once before 429")
+    p.add_argument("--placement-timeout", type=float, default=10.0,
+                   help="seconds to find an instance for a request before answering 503 (default 10)")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def parse_engine_args(rest: Sequence[str]) -> dict[str, Any]:
+    """``--key value`` / ``--flag`` pairs -> {"key": value}; values are read as YAML scalars (128, true, 0.5)."""
+    options: dict[str, Any] = {}
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ValueError(f"unexpected argument {arg!r}; engine options look like --name VALUE")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                value = rest[i + 1]
+                i += 1
+            else:
+                value = "true"
+        options[name.replace("_", "-")] = yaml.safe_load(value)
+        i += 1
+    return options
+
+
+def engine_overrides(engine: str, model: str, vocab_size: int, engine_args: dict[str, Any]) -> dict[str, Any]:
+    """The llumdask config section the cluster's instances need for `engine` and `model`.
+
+    The sim engine draws token ids below the tokenizer's vocabulary, so that its output decodes.
+    """
+    if engine == "sim":
+        return {"engine": "sim", "sim-engine": {"vocab-size": vocab_size, **engine_args}}
+    return {"engine": "vllm", "vllm-engine": {"model": model, "engine-args": engine_args}}
+
+
+def default_model_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "llumdask" / "tiny-llama"
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        engine_args = parse_engine_args(rest)
+    except ValueError as exc:
+        parser.error(str(exc))
+    # SIGTERM gets the clean shutdown Ctrl-C gets (uvicorn handles both while serving).
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return _serve(args, engine_args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"llumdask serve: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("llumdask serve: stopped", file=sys.stderr)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    # Imported here so that `llumdask serve --help` answers at once.
+    import uvicorn
+
+    from llumdask.api.gateway import GatewaySettings, ModelInfo, create_app
+    from llumdask.api.gateway.dask_backend import DaskBackend
+    from llumdask.api.gateway.tokenizer import load_tokenizer, max_context_of
+
+    if args.config is not None:
+        dask.config.update(dask.config.config, yaml.safe_load(args.config.read_text()) or {}, priority="new")
+    engine = args.engine or load_config().engine
+    if args.model is None:
+        from llumdask.engine.vllm.tiny_model import build_tiny_model
+
+        model, default_name = str(build_tiny_model(default_model_dir())), TINY_MODEL_NAME
+    else:
+        model, default_name = args.model, args.model
+    tokenizer = load_tokenizer(model)
+    max_context = args.max_model_len or (max_context_of(model) if Path(model).is_dir() else None)
+    if max_context is None:
+        raise ValueError(f"{model} declares no context length; pass --max-model-len")
+    model_info = ModelInfo(args.served_model_name or default_name, max_context)
+    settings = GatewaySettings.from_dask(api_keys=args.api_key, max_in_flight=args.max_in_flight)
+
+    with contextlib.ExitStack() as stack:
+        if args.scheduler is None:
+            from llumdask.clusters.local import local_cluster
+
+            overrides = dask.config.merge(dask.config.get("llumdask", default={}),
+                                          engine_overrides(engine, model, tokenizer.vocab_size, engine_args))
+            load_config(overrides)  # a bad engine option fails here, naming its key
+            print(f"llumdask serve: starting {args.instances} {engine} instances...", file=sys.stderr, flush=True)
+            cluster = local_cluster(args.instances, engine, overrides, dashboard_address=args.dashboard_address)
+            stack.callback(cluster.close)
+            with Client(cluster) as client:
+                client.register_plugin(IgnoreTerminalInterrupt())
+            address, dashboard = cluster.scheduler_address, cluster.dashboard_link
+            where = f"{args.instances} {engine} instances (local cluster)"
+        else:
+            if engine_args:
+                raise ValueError("engine options apply to a local cluster; the cluster at --scheduler has its own")
+            address, dashboard, where = args.scheduler, None, f"the cluster at {args.scheduler}"
+
+        app = create_app(
+            lambda: DaskBackend.connect(address, model_info, placement_timeout=args.placement_timeout),
+            tokenizer, settings)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                               lifespan="on", timeout_graceful_shutdown=5))
+
+        def on_started(port: int) -> None:
+            print(banner(model_info.name, where, f"http://{_url_host(args.host)}:{port}", address, dashboard,
+                         bool(settings.api_keys)), flush=True)
+
+        asyncio.run(_run(server, on_started))
+        if not server.started:
+            print("llumdask serve: the gateway did not start (see the log above)", file=sys.stderr)
+            return 1
+    return 0
+
+
+class IgnoreTerminalInterrupt(WorkerPlugin):
+    """Worker processes of ``llumdask serve`` ignore SIGINT.
+
+    A Ctrl-C in the terminal goes to the whole process group. Without this every worker would
+    die at once with a traceback while the gateway still streams; with it, only `serve` reacts:
+    it stops the gateway (finishing its lifespan), then closes the cluster, workers included.
+    """
+
+    name = "llumdask-ignore-terminal-interrupt"
+    idempotent = True
+
+    def setup(self, worker: Any) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+async def _run(server: Any, on_started: Callable[[int], None]) -> None:
+    """Serve until stopped; call `on_started(port)` once the socket listens (port 0 resolved)."""
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        on_started(server.servers[0].sockets[0].getsockname()[1])
+    await serving
+
+
+def banner(model: str, where: str, url: str, scheduler: str, dashboard: str | None, needs_key: bool) -> str:
+    auth = ' -H "Authorization: Bearer $LLUMDASK_API_KEY"' if needs_key else ""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+    lines = [
+        f"llumdask is serving {model} on {where}",
+        f"  OpenAI API:  {url}/v1",
+        f"  health:      {url}/health",
+        f"  metrics:     {url}/metrics",
+        f"  scheduler:   {scheduler}",
+    ]
+    if dashboard:
+        lines.append(f"  dashboard:   {dashboard}")
+    lines += [
+        "Try:",
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f"-d {shlex.quote(json.dumps(body))}",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main(sys.argv[1:]))

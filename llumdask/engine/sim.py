@@ -1,0 +1,555 @@
+"""A simulated instance: vLLM's scheduling and memory behaviour, a latency model instead of a model.
+
+What is real: a paged KV pool (`BlockManager`), a waiting queue ordered by scheduling priority
+then arrival, admission only when every block of the prompt fits, continuous batching, and
+preemption by recompute of the latest-arrived running request when a decode needs a block and
+none is free. What is modelled: each step's duration (`LatencyProfile`).
+
+KV content is real too, so that migration correctness is observable. Every token slot holds
+`kv_bytes_per_token` bytes derived from (token id, position, prompt hash), and the next token is
+a function of the bytes of the last slot and of three earlier slots picked pseudo-randomly per
+position, read through the block table. A migration that loses, misplaces or corrupts a block
+therefore changes later tokens, while a faithful one (or a recompute) reproduces them exactly.
+Sampling: greedy uses that function alone; temperature > 0 mixes in a value derived from
+(seed, position) when seeded, or drawn from a per-request numpy Generator whose state travels in
+`MigrationState.engine_state` when not. The sim has no EOS token: a request ends at max_tokens
+or when a generated token is one of its stop_token_ids.
+
+With `kv_bytes_per_token = 0` there is no content: tokens are a function of the prompt hash and
+position only (plus the sampling value), exported buffers have shape (blocks, block_size, 0) and
+so carry only their size, and migrations cannot corrupt anything. Large simulations use this.
+
+Per step the Python work is O(batch) with small constants; KV writes and reads of all sequences
+in the step go through a handful of vectorized numpy calls.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from llumdask.engine.base import (
+    EngineSnapshot,
+    MigrationRefused,
+    MigrationState,
+    RequestLoad,
+    StepResult,
+    TokenOutput,
+)
+from llumdask.engine.block_manager import BlockManager
+from llumdask.engine.latency import LatencyProfile, load_profile
+from llumdask.request import FinishReason, Request, RequestStatus, blocks_for
+
+if TYPE_CHECKING:
+    from llumdask.config import LlumdaskConfig, SimEngineConfig
+
+_U64 = np.uint64
+_MASK64 = (1 << 64) - 1
+# Odd multipliers of splitmix64 and of the hash inputs (any fixed odd constants would do).
+_MIX1, _MIX2 = _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
+_K_TOKEN, _K_POS, _K_PICK = _U64(0x9E3779B97F4A7C15), _U64(0xC2B2AE3D27D4EB4F), _U64(0x165667B19E3779F9)
+_SEED_SALT = 0xD6E8FEB86659FD93
+# Earlier slots each generated token reads besides the last one.
+_NUM_LOOKBACK = 3
+_CONSTANTS_SEED = 20240710
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on a uint64 array: a bijection that spreads every input bit."""
+    x = x ^ (x >> _U64(30))
+    x = x * _MIX1
+    x = x ^ (x >> _U64(27))
+    x = x * _MIX2
+    return x ^ (x >> _U64(31))
+
+
+def _prompt_hash(prompt: list[int]) -> int:
+    tokens = np.asarray(prompt, dtype=_U64)
+    positions = np.arange(len(prompt), dtype=_U64)
+    return int(_mix(_mix(tokens * _K_TOKEN + positions).sum(keepdims=True))[0])
+
+
+@dataclass(eq=False, slots=True)
+class _Seq:
+    """Engine-side bookkeeping of one request (the `Request` itself is shared with the caller)."""
+
+    request: Request
+    request_id: str
+    key: tuple[int, float, str]
+    prompt_hash: int
+    # request.num_tokens, kept here because the step reads it several times per sequence.
+    num_tokens: int
+    greedy: bool
+    # Temperature > 0: a key derived from the seed, or a per-request sampler when there is none.
+    seed_key: int
+    rng: np.random.Generator | None
+
+
+def _new_seq(request: Request, rng_state: dict[str, Any] | None = None) -> _Seq:
+    sampling = request.sampling
+    rng = None
+    if not sampling.greedy and sampling.seed is None:
+        rng = np.random.default_rng()
+        if rng_state is not None:
+            rng.bit_generator.state = rng_state
+    return _Seq(
+        request=request,
+        request_id=request.request_id,
+        key=request.queue_key(),
+        prompt_hash=_prompt_hash(request.prompt_token_ids),
+        num_tokens=request.num_tokens,
+        greedy=sampling.greedy,
+        seed_key=((sampling.seed or 0) * _SEED_SALT) & _MASK64,
+        rng=rng,
+    )
+
+
+def _u64(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=_U64)
+
+
+def _odd_constants(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, 2**63, n, dtype=_U64) * _U64(2) + _U64(1)
+
+
+def _queue_key(seq: _Seq) -> tuple[int, float, str]:
+    return seq.key
+
+
+class SimEngine:
+    """Implements `llumdask.engine.base.Engine`. Single-threaded, like every engine."""
+
+    def __init__(
+        self,
+        config: SimEngineConfig,
+        *,
+        block_size: int,
+        clock: Callable[[], float],
+        instance_id: str = "",
+    ) -> None:
+        self._name = f"sim engine {instance_id!r}" if instance_id else "sim engine"
+        self.profile: LatencyProfile = load_profile(config.profile)
+        total = config.total_blocks if config.total_blocks is not None else self.profile.capacity_tokens // block_size
+        for field_name, value, low in (
+            ("kv_bytes_per_token", config.kv_bytes_per_token, 0),
+            ("vocab_size", config.vocab_size, 2),
+            ("max_num_seqs", config.max_num_seqs, 1),
+            ("max_num_batched_tokens", config.max_num_batched_tokens, 1),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{self._name}: sim_engine.{field_name} must be an integer >= {low}, got {value!r}")
+        self._blocks = BlockManager(total, block_size)
+        self._clock = clock
+        self._real_time = config.real_time
+        self._vocab = _U64(config.vocab_size)
+        self._max_num_seqs = config.max_num_seqs
+        self._max_batched_tokens = config.max_num_batched_tokens
+        self._kv = np.zeros((total, block_size, config.kv_bytes_per_token), dtype=np.uint8)
+        constants = np.random.default_rng(_CONSTANTS_SEED)
+        # Byte j of a slot is the top byte of h * spread[j]; a slot's digest is sum(byte_j * weight_j).
+        # Odd weights make the digest change whenever any single byte does.
+        self._spread = _odd_constants(constants, config.kv_bytes_per_token)
+        self._weights = _odd_constants(constants, config.kv_bytes_per_token)
+        self._combine = _odd_constants(constants, _NUM_LOOKBACK + 1)
+        self._seqs: dict[str, _Seq] = {}
+        # Both sorted by queue key: the head of waiting is admitted first, the tail of running is
+        # the preemption victim.
+        self._waiting: list[_Seq] = []
+        self._running: list[_Seq] = []
+        # Out of the batch for the last stage of a migration; blocks kept.
+        self._paused: dict[str, _Seq] = {}
+        self._num_preemptions = 0
+        self._snapshot: EngineSnapshot | None = None
+
+    @classmethod
+    def from_config(cls, config: LlumdaskConfig, *, clock: Callable[[], float], instance_id: str = "") -> "SimEngine":
+        return cls(config.sim_engine, block_size=config.block_size, clock=clock, instance_id=instance_id)
+
+    @property
+    def block_size(self) -> int:
+        return self._blocks.block_size
+
+    @property
+    def total_blocks(self) -> int:
+        return self._blocks.total_blocks
+
+    # ------------------------------------------------------------------ serving
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._seqs:
+            raise ValueError(f"{self._name}: request {rid!r} is already here")
+        capacity = self.total_blocks * self.block_size
+        if request.num_prompt_tokens + request.sampling.max_tokens > capacity:
+            raise ValueError(
+                f"{self._name}: request {rid!r} can never fit: {request.num_prompt_tokens} prompt tokens + "
+                f"max_tokens {request.sampling.max_tokens} > capacity {capacity} tokens"
+            )
+        request.status = RequestStatus.WAITING
+        seq = _new_seq(request)
+        self._seqs[rid] = seq
+        bisect.insort(self._waiting, seq, key=_queue_key)
+        self._snapshot = None
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if request_id in self._paused:
+            del self._paused[request_id]
+        elif seq.request.status is RequestStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self._blocks.free(request_id)
+        self._finish(seq, RequestStatus.ABORTED, FinishReason.ABORT, self._clock())
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        seq = self._seqs.get(request_id)
+        return seq.request if seq is not None else None
+
+    def step(self) -> StepResult:
+        """Schedule (decodes first, preempting if needed; then admissions), run, postprocess."""
+        if not self.has_work():
+            return StepResult()
+        self._snapshot = None
+        now = self._clock()
+        preempted = self._schedule_decodes(now)
+        decodes = list(self._running)
+        # As vLLM: no admissions in a step that preempted, or the victim would bounce straight back.
+        prefills = [] if preempted else self._admit(len(decodes), now)
+        seqs = prefills + decodes
+        lengths = [s.num_tokens for s in seqs]
+        prefill_lengths = lengths[: len(prefills)]
+        context = sum(lengths) - sum(prefill_lengths)
+        duration = self.profile.step_time(prefill_lengths, len(decodes), context)
+        tokens = self._forward(seqs, len(prefills), lengths) if seqs else []
+        end = now + duration
+        outputs = [self._append_token(seq, token, end) for seq, token in zip(seqs, tokens)]
+        for seq in prefills:
+            timing = seq.request.timing
+            if timing.preempted_at is not None:
+                timing.preemption_loss += end - timing.preempted_at
+                timing.preempted_at = None
+        # Requests that finished this step have left _seqs but are still in the batch list.
+        if len(self._seqs) < len(self._running) + len(self._waiting) + len(self._paused):
+            self._running = [s for s in self._running if s.request_id in self._seqs]
+        if self._real_time and duration > 0:
+            time.sleep(duration)
+        return StepResult(
+            outputs=tuple(outputs),
+            preempted=tuple(preempted),
+            duration=duration,
+            num_prefill_tokens=sum(prefill_lengths),
+            batch_size=len(seqs),
+            finished=tuple(seq.request for seq, output in zip(seqs, outputs) if output.finished),
+        )
+
+    def snapshot(self) -> EngineSnapshot:
+        """Cached until the next change; O(requests) to rebuild."""
+        if self._snapshot is None:
+            running = [self._load(s, True, True) for s in self._running]
+            running += [self._load(s, True, False) for s in self._paused.values()]
+            self._snapshot = EngineSnapshot(
+                total_blocks=self.total_blocks,
+                block_size=self.block_size,
+                free_blocks=self._blocks.free_blocks,
+                reserved_blocks=self._blocks.reserved_blocks,
+                running=tuple(running),
+                waiting=tuple(self._load(s, False, True) for s in self._waiting),
+                num_preemptions=self._num_preemptions,
+            )
+        return self._snapshot
+
+    def check_integrity(self) -> None:
+        self._blocks.check_integrity()
+        holders = self._running + list(self._paused.values())
+        name = self._name
+        assert len(self._seqs) == len(holders) + len(self._waiting), f"{name}: a request is in two places or none"
+        assert self._blocks.owners() == {s.request_id for s in holders}, f"{name}: a request not running holds blocks"
+        for seq in self._seqs.values():
+            assert seq.num_tokens == seq.request.num_tokens, f"{name}: request {seq.request_id!r} changed outside the engine"
+        for seq in holders:
+            n, held = seq.num_tokens, len(self._blocks.table(seq.request_id))
+            assert blocks_for(n - 1, self.block_size) <= held <= blocks_for(n, self.block_size), (
+                f"{self._name}: request {seq.request_id!r} holds {held} blocks for {n} tokens"
+            )
+
+    # ------------------------------------------------------------------ migration, source side
+    def completed_blocks(self, request_id: str) -> int:
+        seq = self._seq(request_id)
+        if seq.request.status is not RequestStatus.RUNNING:
+            return 0
+        # A running request has KV for every token but the last sampled one.
+        return (seq.num_tokens - 1) // self.block_size
+
+    def export_blocks(self, request_id: str, start: int, end: int) -> np.ndarray:
+        """A copy of blocks [start, end) as one (end - start, block_size, kv_bytes_per_token) uint8 array.
+
+        While the request runs only completed blocks may be exported. Once it is paused, every block
+        up to blocks_for(num_tokens) may: its KV is final, and a block past the ones it holds (the
+        one the next token's KV will go to) comes back as zeros.
+        """
+        seq = self._seq(request_id)
+        if request_id in self._paused:
+            limit = blocks_for(seq.num_tokens, self.block_size)
+        else:
+            limit = self.completed_blocks(request_id)
+        if not 0 <= start <= end <= limit:
+            raise ValueError(f"{self._name}: request {request_id!r}: cannot export blocks [{start}, {end}); {limit} can be")
+        table = self._blocks.table(request_id)
+        if end <= len(table):
+            return self._kv[table[start:end]]
+        buffer = np.zeros((end - start,) + self._kv.shape[1:], dtype=np.uint8)
+        held = table[start:]
+        buffer[: len(held)] = self._kv[held]
+        return buffer
+
+    def pause(self, request_id: str) -> MigrationState:
+        seq = self._seq(request_id)
+        if request_id in self._paused or seq.request.status is not RequestStatus.RUNNING:
+            raise MigrationRefused(f"{self._name}: request {request_id!r} is not in the running batch")
+        self._running.remove(seq)
+        self._paused[request_id] = seq
+        self._snapshot = None
+        return MigrationState.capture(seq.request, None if seq.rng is None else {"rng_state": seq.rng.bit_generator.state})
+
+    def unpause(self, request_id: str) -> None:
+        """Back into the batch at its queue position; an id aborted meanwhile is ignored."""
+        seq = self._paused.pop(request_id, None)
+        if seq is None:
+            self._require_absent(request_id, "unpause")
+            return
+        bisect.insort(self._running, seq, key=_queue_key)
+        self._snapshot = None
+
+    def free_migrated(self, request_id: str) -> None:
+        """The request now lives on its destination; an id aborted meanwhile is ignored."""
+        seq = self._paused.pop(request_id, None)
+        if seq is None:
+            self._require_absent(request_id, "free")
+            return
+        del self._seqs[request_id]
+        self._blocks.free(request_id)
+        self._snapshot = None
+
+    # ------------------------------------------------------------------ migration, destination side
+    def reserve_blocks(self, migration_id: str, num_blocks: int) -> bool:
+        """Adds to the migration's reservation: each stage reserves the blocks it will import."""
+        self._snapshot = None
+        return self._blocks.reserve(migration_id, num_blocks)
+
+    def release_reservation(self, migration_id: str) -> None:
+        self._snapshot = None
+        self._blocks.release(migration_id)
+
+    def import_blocks(self, migration_id: str, start: int, buffer: Any) -> None:
+        if migration_id not in self._blocks.migrations():
+            raise MigrationRefused(f"{self._name}: no reservation for migration {migration_id!r}")
+        reserved = self._blocks.reservation(migration_id)
+        shape = self._kv.shape[1:]
+        if not isinstance(buffer, np.ndarray) or buffer.dtype != np.uint8 or buffer.ndim != 3 or buffer.shape[1:] != shape:
+            got = f"{buffer.dtype} {buffer.shape}" if isinstance(buffer, np.ndarray) else type(buffer).__name__
+            raise MigrationRefused(
+                f"{self._name}: migration {migration_id!r}: expected uint8 blocks of shape (n, {shape[0]}, {shape[1]}), got {got}"
+            )
+        end = start + len(buffer)
+        if not 0 <= start <= end <= len(reserved):
+            raise MigrationRefused(
+                f"{self._name}: migration {migration_id!r}: blocks [{start}, {end}) outside the {len(reserved)} reserved"
+            )
+        self._kv[reserved[start:end]] = buffer
+
+    def resume(self, migration_id: str, state: MigrationState) -> None:
+        """The reserved blocks become the request's block table (spare ones beyond its tokens are freed)."""
+        rid = state.request_id
+        if rid in self._seqs:
+            raise MigrationRefused(f"{self._name}: request {rid!r} is already here")
+        if not state.output_token_ids:
+            raise MigrationRefused(f"{self._name}: request {rid!r} has no output yet; only running requests migrate")
+        capacity = self.total_blocks * self.block_size
+        if len(state.prompt_token_ids) + state.sampling.max_tokens > capacity:
+            raise MigrationRefused(f"{self._name}: request {rid!r} can never finish within {capacity} tokens")
+        needed = blocks_for(state.num_tokens - 1, self.block_size)
+        reserved = len(self._blocks.reservation(migration_id))
+        if reserved < needed:
+            raise MigrationRefused(
+                f"{self._name}: migration {migration_id!r} reserved {reserved} blocks, request {rid!r} needs {needed}"
+            )
+        request = state.to_request()
+        seq = _new_seq(request, state.engine_state.get("rng_state"))
+        self._blocks.adopt(migration_id, rid, blocks_for(state.num_tokens, self.block_size))
+        self._seqs[rid] = seq
+        bisect.insort(self._running, seq, key=_queue_key)
+        self._snapshot = None
+
+    # ------------------------------------------------------------------ scheduling
+    def _schedule_decodes(self, now: float) -> list[str]:
+        """Give every running request the block its next KV slot needs, preempting from the tail."""
+        running, blocks, size = self._running, self._blocks, self.block_size
+        preempted: list[str] = []
+        i = 0
+        while i < len(running):
+            seq = running[i]
+            if len(blocks.table(seq.request_id)) * size < seq.num_tokens:
+                while not blocks.can_allocate(1) and running[-1] is not seq:
+                    preempted.append(self._preempt(running.pop(), now))
+                if not blocks.can_allocate(1):
+                    running.pop()
+                    preempted.append(self._preempt(seq, now))
+                    break
+                blocks.allocate(seq.request_id, 1)
+            i += 1
+        return preempted
+
+    def _preempt(self, seq: _Seq, now: float) -> str:
+        """Recompute later: free the blocks, back to waiting (its queue key puts it ahead of later arrivals)."""
+        self._blocks.free(seq.request_id)
+        request = seq.request
+        request.status = RequestStatus.WAITING
+        request.timing.preemptions += 1
+        request.timing.preempted_at = now
+        self._num_preemptions += 1
+        bisect.insort(self._waiting, seq, key=_queue_key)
+        return seq.request_id
+
+    def _admit(self, num_decodes: int, now: float) -> list[_Seq]:
+        """Head of the queue first, while its blocks fit (FCFS: a head that does not fit blocks the rest)."""
+        budget = self._max_batched_tokens - num_decodes
+        room = self._max_num_seqs - num_decodes
+        admitted: list[_Seq] = []
+        while self._waiting and room > 0:
+            seq = self._waiting[0]
+            n = seq.num_tokens
+            if admitted and n > budget:
+                break
+            needed = blocks_for(n, self.block_size)
+            if not self._blocks.can_allocate(needed):
+                break
+            del self._waiting[0]
+            self._blocks.allocate(seq.request_id, needed)
+            seq.request.status = RequestStatus.RUNNING
+            if seq.request.timing.first_scheduled is None:
+                seq.request.timing.first_scheduled = now
+            admitted.append(seq)
+            budget -= n
+            room -= 1
+        for seq in admitted:
+            bisect.insort(self._running, seq, key=_queue_key)
+        return admitted
+
+    # ------------------------------------------------------------------ model
+    def _forward(self, seqs: list[_Seq], num_prefills: int, lengths: list[int]) -> list[int]:
+        """Write the KV this step computes, then sample one token per sequence (prefills first).
+
+        A prefill computes every token the request has (its prompt, or prompt + output when it
+        recomputes after a preemption); a decode computes the last sampled token. The token at
+        position q comes from the content of slot q - 1 and three earlier slots picked by q.
+        """
+        n = _u64(lengths)
+        hashes = np.fromiter((s.prompt_hash for s in seqs), dtype=_U64, count=len(seqs))
+        if self._kv.shape[2]:
+            logits = self._run_kv(seqs, num_prefills, lengths, n, hashes)
+        else:
+            logits = _mix(hashes ^ (n * _K_POS))
+        if not all(s.greedy for s in seqs):
+            logits ^= _u64([0 if s.greedy else self._salt(s, q) for s, q in zip(seqs, lengths)])
+        return (_mix(logits) % self._vocab).tolist()
+
+    @staticmethod
+    def _salt(seq: _Seq, position: int) -> int:
+        """Temperature > 0: a value from (seed, position), or the next draw of the request's RNG."""
+        if seq.rng is not None:
+            return int(seq.rng.integers(0, 2**63, dtype=np.int64))
+        return (seq.seed_key + position) & _MASK64
+
+    def _run_kv(self, seqs: list[_Seq], num_prefills: int, lengths: list[int], n: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        size = self.block_size
+        picks = np.empty((len(seqs), _NUM_LOOKBACK + 1), dtype=_U64)
+        picks[:, 0] = n - _U64(1)
+        for k in range(1, _NUM_LOOKBACK + 1):
+            picks[:, k] = _mix(hashes ^ (n * _K_PICK + _U64(k))) % n
+        slots = picks.astype(np.int64)
+        tables = [self._blocks.table(s.request_id) for s in seqs]
+        read_blocks = [[table[p // size] for p in row] for table, row in zip(tables, slots.tolist())]
+        # Writes: every slot of each prefill, then the last slot of each decode (read slot 0 above).
+        tokens, positions, owners, blocks = [], [], [], []
+        for i in range(num_prefills):
+            request, count = seqs[i].request, lengths[i]
+            tokens.append(np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=_U64))
+            positions.append(np.arange(count, dtype=np.int64))
+            owners.append(np.full(count, i, dtype=np.intp))
+            blocks.append(np.asarray(tables[i], dtype=np.int64)[positions[-1] // size])
+        decodes = range(num_prefills, len(seqs))
+        if decodes:
+            tokens.append(_u64([seqs[i].request.output_token_ids[-1] for i in decodes]))
+            positions.append(slots[num_prefills:, 0])
+            owners.append(np.arange(num_prefills, len(seqs), dtype=np.intp))
+            blocks.append(np.fromiter((read_blocks[i][0] for i in decodes), dtype=np.int64, count=len(decodes)))
+        position = np.concatenate(positions)
+        self._kv[np.concatenate(blocks), position % size] = self._slot_bytes(
+            np.concatenate(tokens), position.astype(_U64), hashes[np.concatenate(owners)]
+        )
+        digests = self._kv[np.array(read_blocks, dtype=np.int64), slots % size].astype(_U64) @ self._weights
+        return _mix((digests * self._combine).sum(axis=1) ^ n)
+
+    def _slot_bytes(self, tokens: np.ndarray, positions: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        h = _mix(tokens * _K_TOKEN ^ positions * _K_POS ^ hashes)
+        return ((h[:, None] * self._spread[None, :]) >> _U64(56)).astype(np.uint8)
+
+    # ------------------------------------------------------------------ helpers
+    def _append_token(self, seq: _Seq, token: int, now: float) -> TokenOutput:
+        request = seq.request
+        output = request.output_token_ids
+        output.append(token)
+        seq.num_tokens += 1
+        timing = request.timing
+        if timing.first_token is None:
+            timing.first_token = now
+        timing.last_token = now
+        sampling = request.sampling
+        reason = None
+        if token in sampling.stop_token_ids:
+            reason = FinishReason.STOP
+        elif len(output) >= sampling.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            del self._seqs[seq.request_id]
+            self._blocks.free(seq.request_id)
+            self._finish(seq, RequestStatus.FINISHED, reason, now)
+        return TokenOutput(seq.request_id, len(output) - 1, (token,), reason is not None, reason)
+
+    def _finish(self, seq: _Seq, status: RequestStatus, reason: FinishReason, now: float) -> None:
+        seq.request.status = status
+        seq.request.finish_reason = reason
+        seq.request.timing.finished = now
+        self._snapshot = None
+
+    def _load(self, seq: _Seq, running: bool, migratable: bool) -> RequestLoad:
+        request = seq.request
+        return RequestLoad(
+            request_id=seq.request_id,
+            running=running,
+            num_blocks=len(self._blocks.table(seq.request_id)),
+            num_tokens=seq.num_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            execution_priority=request.execution_priority,
+            scheduling_priority=request.scheduling_priority,
+            migratable=migratable,
+        )
+
+    def _seq(self, request_id: str) -> _Seq:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise MigrationRefused(f"{self._name}: no request {request_id!r}")
+        return seq
+
+    def _require_absent(self, request_id: str, action: str) -> None:
+        if request_id in self._seqs:
+            raise MigrationRefused(f"{self._name}: cannot {action} request {request_id!r}: it is not paused")

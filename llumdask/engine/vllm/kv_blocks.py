@@ -1,0 +1,75 @@
+"""Block-level reads and writes of vLLM's paged KV cache.
+
+A fused buffer is a uint8 numpy array of shape (blocks, ranks, layers, bytes per block): block
+fusion gathers any set of blocks into one contiguous copy that any transport can ship, and the
+byte view makes bfloat16 (which numpy lacks) travel like any other dtype.
+
+The layer tensors are the attention layers' `kv_cache` in vLLM's static forward context (the
+same objects a step's `ForwardContext.no_compile_layers` holds), ordered by layer name so that
+every engine of one model agrees on the order; block dimension first (vLLM's standardized
+[blocks, heads, tokens, channels] layout). gather_blocks / scatter_blocks run on each worker
+through `LLMEngine.collective_rpc`. tests/vllm/test_contract.py pins the attributes used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def kv_tensors(layers: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The KV tensor of every attention layer, by layer name."""
+    tensors = [getattr(layers[name], "kv_cache", None) for name in sorted(layers)]
+    tensors = [kv for kv in tensors if isinstance(kv, torch.Tensor)]
+    if not tensors:
+        raise NotImplementedError("llumdask migration needs one KV tensor per attention layer")
+    return tensors
+
+
+def tensor_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def write_blocks(layers: list[torch.Tensor], block_ids: list[int], buffer: np.ndarray) -> None:
+    """Write (blocks, layers, bytes) of one rank into the given blocks of every layer."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
+    data = torch.from_numpy(np.ascontiguousarray(buffer))
+    for layer, kv in enumerate(layers):
+        blocks = data[:, layer].contiguous().view(kv.dtype).reshape(len(block_ids), *kv.shape[1:])
+        kv.index_copy_(0, index, blocks.to(kv.device))
+
+
+def copy_blocks(layers: list[torch.Tensor], source: list[int], target: list[int]) -> None:
+    """Device-local block copies, every layer."""
+    src = torch.tensor(source, dtype=torch.long, device=layers[0].device)
+    dst = torch.tensor(target, dtype=torch.long, device=layers[0].device)
+    for kv in layers:
+        kv.index_copy_(0, dst, kv.index_select(0, src))
+
+
+def _worker_layers(worker: Any) -> list[torch.Tensor]:
+    return kv_tensors(worker.model_runner.compilation_config.static_forward_context)
+
+
+def gather_blocks(worker: Any, block_ids: list[int]) -> np.ndarray:
+    """This rank's share of a fused buffer: (blocks, layers, bytes per block), uint8."""
+    layers = _worker_layers(worker)
+    index = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
+    fused = torch.stack([kv.index_select(0, index) for kv in layers], dim=1)
+    return fused.reshape(len(block_ids), len(layers), -1).view(torch.uint8).cpu().numpy()
+
+
+def scatter_blocks(worker: Any, block_ids: list[int], buffer: np.ndarray) -> None:
+    """Write this rank's slice of a fused buffer into the given blocks."""
+    write_blocks(_worker_layers(worker), block_ids, buffer[:, tensor_parallel_rank()])
+
+
+def block_bytes(worker: Any) -> tuple[int, int]:
+    """(layers, bytes per block) of this rank's KV cache: the shape a fused buffer must have."""
+    layers = _worker_layers(worker)
+    return len(layers), layers[0][0].numel() * layers[0].element_size()

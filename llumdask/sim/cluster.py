@@ -1,0 +1,310 @@
+"""Discrete-event cluster: the production core (global scheduler, llumlets, sim engines) on a virtual clock.
+
+Nothing here decides anything: dispatch, pairing and scaling come from `GlobalScheduler`, which
+migrant and how it moves from `Llumlet`, batching and preemption from `SimEngine`. The simulator
+only supplies time: engine steps last their modelled duration, messages take latency plus bytes
+over bandwidth, load reports arrive `report_delay` late, new instances take `startup_delay`.
+
+Migration messages are handled when they arrive, also while the instance is in the middle of a
+step: KV copies and handshakes run beside the model's compute, as in Llumnix. A request paused or
+resumed mid-step leaves or joins the batch from the next step on.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from llumdask.config import LlumdaskConfig
+from llumdask.engine.latency import LatencyProfile
+from llumdask.engine.sim import SimEngine
+from llumdask.global_scheduler import DispatchInfo, GlobalScheduler, NoInstanceAvailable
+from llumdask.llumlet import Llumlet, MigrationEvent
+from llumdask.load import InstanceLoad
+from llumdask.protocol import MigrationMessage, StageData
+from llumdask.request import Request, SamplingParams
+from llumdask.sim.metrics import ClusterSample
+from llumdask.sim.workload import TraceRequest
+
+# An idle engine that still holds work it cannot schedule (waiting behind a reservation) polls.
+_IDLE_POLL = 0.005
+
+
+@dataclass(frozen=True)
+class SimulatorSettings:
+    """The simulated cluster's fabric; every field is a knob a user tunes before touching GPUs."""
+
+    report_delay: float = 0.0
+    dispatch_delay: float = 0.0
+    bandwidth: float = 8e9  # bytes/s between instances: 64 Gb/s as in the paper's testbed
+    stage_overhead: float = 0.001  # per StageData: launch, gather into the fused buffer, handshake
+    message_latency: float = 0.0002  # control messages (PRE-ALLOC, ACK, COMMIT)
+    sample_interval: float = 1.0  # metric samples of cluster memory and instance count
+    scale_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("report_delay", "dispatch_delay", "stage_overhead", "message_latency"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("bandwidth", "sample_interval", "scale_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+@dataclass
+class SimInstance:
+    instance_id: str
+    llumlet: Llumlet
+    busy_until: float = 0.0
+    step_scheduled: bool = False
+    alive: bool = True
+
+
+@dataclass
+class SimOutcome:
+    """What a run produced, for metrics: every request, cluster samples, migration events."""
+
+    requests: list[Request]
+    samples: list[ClusterSample]
+    migrations: list[MigrationEvent]
+    duration: float
+    rejected: list[str] = field(default_factory=list)
+
+
+class _EventQueue:
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.now = 0.0
+
+    def at(self, time: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (max(time, self.now), next(self._seq), action))
+
+    def run_next(self) -> bool:
+        if not self._heap:
+            return False
+        self.now, _, action = heapq.heappop(self._heap)
+        action()
+        return True
+
+
+class SimTransport:
+    """Delays each message by latency (+ modelled bytes over bandwidth for KV stages), FIFO per pair."""
+
+    def __init__(self, cluster: "SimCluster", bytes_per_block: int) -> None:
+        self._cluster = cluster
+        self._bytes_per_block = bytes_per_block
+        self._pair_clock: dict[tuple[str, str], float] = {}
+        self.bytes_moved = 0
+
+    def send(self, sender: str, receiver: str, message: MigrationMessage) -> None:
+        settings = self._cluster.settings
+        delay = settings.message_latency
+        if isinstance(message, StageData):
+            nbytes = (message.end_block - message.start_block) * self._bytes_per_block
+            self.bytes_moved += nbytes
+            delay += settings.stage_overhead + nbytes / settings.bandwidth
+        pair = (sender, receiver)
+        arrival = max(self._cluster.events.now + delay, self._pair_clock.get(pair, 0.0))
+        self._pair_clock[pair] = arrival
+        self._cluster.events.at(arrival, lambda: self._cluster.deliver(sender, receiver, message))
+
+
+class SimCluster:
+    def __init__(
+        self,
+        config: LlumdaskConfig,
+        profile: LatencyProfile,
+        num_instances: int,
+        settings: SimulatorSettings | None = None,
+        on_finish: Callable[[Request], None] | None = None,
+    ) -> None:
+        if num_instances < 1:
+            raise ValueError("num_instances must be >= 1")
+        self.config = config
+        self.profile = profile
+        self.settings = settings or SimulatorSettings()
+        self.events = _EventQueue()
+        self.scheduler = GlobalScheduler(config)
+        self.transport = SimTransport(self, profile.model_kv_bytes_per_token * config.block_size)
+        self.instances: dict[str, SimInstance] = {}
+        self.requests: dict[str, Request] = {}
+        self.migrations: list[MigrationEvent] = []
+        self.samples: list[ClusterSample] = []
+        self.rejected: list[str] = []
+        self._loads: dict[str, InstanceLoad] = {}
+        self._unfinished = 0
+        self._names = itertools.count()
+        self._on_finish = on_finish
+        for _ in range(num_instances):
+            self._start_instance(ready_at=0.0)
+
+    # ------------------------------------------------------------------ instances
+    def _start_instance(self, ready_at: float) -> str:
+        instance_id = f"instance-{next(self._names)}"
+        engine_config = replace(self.config.sim_engine, real_time=False)
+        engine = SimEngine(engine_config, block_size=self.config.block_size, clock=self._clock, instance_id=instance_id)
+        llumlet = Llumlet(
+            instance_id,
+            engine,
+            self.transport,
+            self.config,
+            self._clock,
+            on_event=self.migrations.append,
+        )
+        self.instances[instance_id] = SimInstance(instance_id, llumlet)
+        self.scheduler.register_instance(instance_id, engine.total_blocks, engine.block_size, self.events.now)
+        self.events.at(ready_at, lambda: self._ready(instance_id))
+        return instance_id
+
+    def _ready(self, instance_id: str) -> None:
+        self.scheduler.mark_ready(instance_id, self.events.now)
+        self._report(self.instances[instance_id])
+
+    def _clock(self) -> float:
+        return self.events.now
+
+    def _wake(self, inst: SimInstance) -> None:
+        if inst.alive and not inst.step_scheduled:
+            inst.step_scheduled = True
+            self.events.at(inst.busy_until, lambda: self._step(inst))
+
+    def _step(self, inst: SimInstance) -> None:
+        inst.step_scheduled = False
+        if inst.alive and inst.llumlet.engine.has_work():
+            result = inst.llumlet.step()
+            for request in result.finished:
+                self._finished(request)
+            inst.busy_until = self.events.now + (result.duration or _IDLE_POLL)
+            self._wake(inst)
+
+    def deliver(self, sender: str, receiver: str, message: MigrationMessage) -> None:
+        inst = self.instances.get(receiver)
+        if inst is not None and inst.alive and sender in self.instances:
+            inst.llumlet.on_message(sender, message)
+            self._wake(inst)
+
+    def _finished(self, request: Request) -> None:
+        """Keep the finishing engine's Request: after a migration it is a new object with the full timing."""
+        known = self.requests[request.request_id]
+        if known is not request and known.status.is_done:
+            return  # a second copy: its migration was rolled back after the destination had resumed it
+        self.requests[request.request_id] = request
+        self._unfinished -= 1
+        if self._on_finish is not None:
+            self._on_finish(request)
+
+    # ------------------------------------------------------------------ periodic loops
+    def _report(self, inst: SimInstance) -> None:
+        load = inst.llumlet.load_report()
+        self._loads[inst.instance_id] = load
+        self.events.at(self.events.now + self.settings.report_delay, lambda: self._receive_report(load))
+
+    def _receive_report(self, load: InstanceLoad) -> None:
+        inst = self.instances.get(load.instance_id)
+        if inst is not None and inst.alive:
+            self.scheduler.report(load, self.events.now)
+
+    def _report_loop(self) -> None:
+        for inst in self.instances.values():
+            if inst.alive:
+                self._report(inst)
+        self._repeat(self.config.report_interval, self._report_loop)
+
+    def _pairing_loop(self) -> None:
+        for inst in self.instances.values():
+            if inst.alive:
+                inst.llumlet.tick()
+        for pair in self.scheduler.pair_migrations(self.events.now):
+            source = self.instances[pair.source]
+            if source.alive and source.llumlet.migrate_out(pair.destination):
+                self._wake(source)
+        self._repeat(self.config.migration.interval, self._pairing_loop)
+
+    def _scaling_loop(self) -> None:
+        decision = self.scheduler.scale(self.events.now)
+        for _ in range(decision.add):
+            self._start_instance(ready_at=self.events.now + self.config.scaling.startup_delay)
+        for instance_id in decision.terminate:
+            self.scheduler.set_terminating(instance_id, self.events.now)
+            self.instances[instance_id].llumlet.set_terminating(True)
+        for instance_id in decision.remove:
+            self.instances[instance_id].alive = False
+            self.scheduler.remove_instance(instance_id)
+            self._loads.pop(instance_id, None)
+        self._repeat(self.settings.scale_interval, self._scaling_loop)
+
+    def _sample_loop(self) -> None:
+        self.samples.append(ClusterSample.from_loads(self.events.now, list(self._loads.values())))
+        idle = all(not i.llumlet.engine.has_work() and not i.llumlet.migrations_in_flight() for i in self.instances.values() if i.alive)
+        if idle and self._unfinished > 0 and self._pending_arrivals == 0 and self.scheduler_has_ready():
+            raise RuntimeError(f"simulation stalled at t={self.events.now:.1f}s: {self._unfinished} requests never finished")
+        self._repeat(self.settings.sample_interval, self._sample_loop)
+
+    def _repeat(self, interval: float, loop: Callable[[], None]) -> None:
+        if self._unfinished > 0 or self._pending_arrivals > 0:
+            self.events.at(self.events.now + interval, loop)
+
+    def scheduler_has_ready(self) -> bool:
+        return any(view.ready for view in self.scheduler.instances())
+
+    # ------------------------------------------------------------------ workload
+    def _arrive(self, trace: TraceRequest, request_id: str) -> None:
+        self._pending_arrivals -= 1
+        request = Request(
+            request_id,
+            [1 + (i % 1000) for i in range(trace.input_len)],
+            SamplingParams(max_tokens=trace.output_len, ignore_eos=True),
+            scheduling_priority=trace.priority,
+            execution_priority=trace.priority,
+            arrival_time=self.events.now,
+        )
+        info = DispatchInfo(request_id, trace.input_len, trace.output_len, trace.priority, trace.priority)
+        try:
+            target = self.scheduler.dispatch(info, self.events.now)
+        except NoInstanceAvailable:
+            # No ready instance (all starting or draining): retry shortly, as a frontend would.
+            self._pending_arrivals += 1
+            self.events.at(self.events.now + _IDLE_POLL * 10, lambda: self._arrive(trace, request_id))
+            return
+        request.timing.dispatched = self.events.now
+        self.requests[request_id] = request
+        self._unfinished += 1
+        self.events.at(self.events.now + self.settings.dispatch_delay, lambda: self._admit(target, request))
+
+    def _admit(self, target: str, request: Request) -> None:
+        inst = self.instances[target]
+        try:
+            inst.llumlet.add_request(request)
+        except ValueError:
+            self.rejected.append(request.request_id)
+            self._unfinished -= 1
+            return
+        self._wake(inst)
+
+    def run(self, workload: list[TraceRequest]) -> SimOutcome:
+        """Replay the workload to completion; the global scheduler sees reports at the configured interval."""
+        self._pending_arrivals = len(workload)
+        for index, trace in enumerate(workload):
+            request_id = f"req-{index}"
+            self.events.at(trace.arrival, lambda t=trace, r=request_id: self._arrive(t, r))
+        self.events.at(0.0, self._report_loop)
+        self.events.at(0.0, self._sample_loop)
+        if self.config.migration.enabled:
+            self.events.at(self.config.migration.interval, self._pairing_loop)
+        if self.config.scaling.enabled:
+            self.events.at(self.settings.scale_interval, self._scaling_loop)
+        while self.events.run_next():
+            pass
+        for inst in self.instances.values():
+            if inst.alive:
+                inst.llumlet.check_integrity()
+        return SimOutcome(
+            requests=[r for r in self.requests.values()],
+            samples=self.samples,
+            migrations=self.migrations,
+            duration=self.events.now,
+            rejected=self.rejected,
+        )

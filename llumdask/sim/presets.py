@@ -1,0 +1,50 @@
+"""Named scheduling setups compared in benchmarks: the paper's baselines, Llumnix, and 2026 peers.
+
+A preset is only a view of the configuration (dispatch policy, migration on/off, priorities
+on/off), so every preset runs the same production code paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llumdask.config import LlumdaskConfig
+from llumdask.request import Priority
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    dispatch: str
+    migration: bool
+    priorities: bool
+    description: str
+
+    def apply(self, config: LlumdaskConfig) -> LlumdaskConfig:
+        headroom = dict(config.headroom_tokens) if self.priorities else {p: 0 for p in Priority}
+        return replace(
+            config,
+            headroom_tokens=headroom,
+            dispatch=replace(config.dispatch, policy=self.dispatch),
+            migration=replace(config.migration, enabled=self.migration),
+        )
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("round_robin", "round_robin", False, False, "round-robin dispatch, no migration"),
+        Preset("infaas", "infaas", False, False, "INFaaS++: least memory load counting queued demand, no migration"),
+        Preset("lmetric", "lmetric", False, False, "LMetric: pending prefill tokens x batch size, no migration"),
+        Preset("power_of_two", "power_of_two", False, False, "two random choices, freer wins, no migration"),
+        Preset("llumnix_base", "llumnix", True, False, "Llumnix without priorities (no headroom)"),
+        Preset("llumnix", "llumnix", True, True, "Llumnix: freeness dispatch, live migration, priority headroom"),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(PRESETS)}") from None

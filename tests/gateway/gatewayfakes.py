@@ -1,0 +1,102 @@
+"""A scripted in-memory Backend for tests of the HTTP layer only (routes, validation, SSE, auth).
+
+It follows the engine's token semantics (the stop token is emitted and ends the request with
+"stop"; max_tokens ends it with "length") so that responses can be checked exactly. Tests of
+the real serving path use `llumdask serve` over a cluster instead (test_serve.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from llumdask.api.gateway.backend import BackendUnavailable, ModelInfo
+from llumdask.request import FinishReason, Priority, SamplingParams
+
+# The model the fake serves.
+MODEL = "tiny-test"
+MAX_CONTEXT = 256
+
+
+@dataclass
+class Submitted:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: Priority
+
+
+class ScriptedBatches:
+    def __init__(self, backend: "FakeBackend", request_id: str, sampling: SamplingParams) -> None:
+        self.request_id = request_id
+        self.finish_reason: FinishReason | None = None
+        self._backend = backend
+        self._sampling = sampling
+
+    async def __aiter__(self) -> AsyncIterator[list[int]]:
+        b = self._backend
+        emitted = 0
+        script = b.script[: self._sampling.max_tokens]
+        for start in range(0, len(script), b.batch_size):
+            if b.stall_after is not None and emitted >= b.stall_after:
+                b.stalled.set()
+                await asyncio.Event().wait()  # until aborted (cancelled)
+            if b.fail_after is not None and emitted >= b.fail_after:
+                raise BackendUnavailable("the instance died and no other could take the request")
+            batch = script[start : start + b.batch_size]
+            stop_at = next((i for i, t in enumerate(batch) if t in self._sampling.stop_token_ids), None)
+            if stop_at is not None:
+                batch = batch[: stop_at + 1]
+            await asyncio.sleep(b.delay)
+            emitted += len(batch)
+            yield batch
+            if stop_at is not None:
+                self.finish_reason = FinishReason.STOP
+                return
+        self.finish_reason = FinishReason.LENGTH
+
+
+@dataclass
+class FakeBackend:
+    model: ModelInfo
+    # Output tokens every request gets (cut at max_tokens or at a stop token).
+    script: list[int]
+    batch_size: int = 1
+    delay: float = 0.0
+    ready: int = 2
+    submit_error: Exception | None = None
+    # Wait forever after this many tokens (a long request), or fail mid-stream.
+    stall_after: int | None = None
+    fail_after: int | None = None
+    submitted: list[Submitted] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    # Set (from the server's loop) when a request reached stall_after; tests wait on it from theirs.
+    stalled: threading.Event = field(default_factory=threading.Event)
+    opened: int = 0
+    closed: int = 0
+
+    async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                     priority: Priority) -> ScriptedBatches:
+        if self.submit_error is not None:
+            raise self.submit_error
+        request_id = f"req-{len(self.submitted)}"
+        self.submitted.append(Submitted(request_id, list(prompt_token_ids), sampling, priority))
+        return ScriptedBatches(self, request_id, sampling)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def ready_instances(self) -> int:
+        return self.ready
+
+    @asynccontextmanager
+    async def open(self) -> AsyncIterator["FakeBackend"]:
+        self.opened += 1
+        try:
+            yield self
+        finally:
+            self.closed += 1
+

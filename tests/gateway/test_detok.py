@@ -1,0 +1,66 @@
+"""Incremental detokenization: however tokens are batched, the text equals one decode of all of them,
+and a stop string cuts it exactly before the first occurrence, never showing any piece of it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llumdask.api.gateway.detok import IncrementalText
+
+VOCAB = 512
+
+
+def batches_of(tokens: list[int], cuts: list[int]) -> list[list[int]]:
+    points = sorted({c % (len(tokens) + 1) for c in cuts} | {0, len(tokens)})
+    return [tokens[a:b] for a, b in zip(points, points[1:], strict=False)]
+
+
+def run(tokenizer, batches, stop=()):
+    text = IncrementalText(tokenizer, stop)
+    deltas = [text.add(b) for b in batches] + [text.finish()]
+    return text, deltas
+
+
+token_lists = st.lists(st.integers(0, VOCAB - 1), max_size=60)
+cut_lists = st.lists(st.integers(0, 1000), max_size=10)
+
+
+@settings(max_examples=300)
+@given(tokens=token_lists, cuts=cut_lists)
+def test_deltas_add_up_to_the_decoded_text(tokenizer, tokens, cuts):
+    text, deltas = run(tokenizer, batches_of(tokens, cuts))
+    assert "".join(d.text for d in deltas) == tokenizer.decode(tokens) == text.text
+    assert not any(d.stopped for d in deltas)
+
+
+@settings(max_examples=300)
+@given(tokens=token_lists, cuts=cut_lists, data=st.data())
+def test_stop_string_cuts_before_its_first_occurrence(tokenizer, tokens, cuts, data):
+    full = tokenizer.decode(tokens)
+    # A stop string taken from the text itself (so that it occurs), or an arbitrary one.
+    if full and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(full) - 1))
+        stop = full[i : i + data.draw(st.integers(1, 4))]
+    else:
+        stop = data.draw(st.text(min_size=1, max_size=3))
+    text, deltas = run(tokenizer, batches_of(tokens, cuts), [stop])
+    expected = full[: full.find(stop)] if stop in full else full
+    assert "".join(d.text for d in deltas) == expected == text.text
+    assert text.stopped == (stop in full)
+    stopped_at = next((i for i, d in enumerate(deltas) if d.stopped), len(deltas))
+    assert all(d.text == "" for d in deltas[stopped_at + 1 :])
+
+
+def test_partial_characters_are_held_back_until_complete(tokenizer):
+    tokens = tokenizer.encode("caf\u00e9 \u20ac", add_special_tokens=False)
+    text = IncrementalText(tokenizer)
+    shown = [text.add([t]).text for t in tokens]
+    assert all("\ufffd" not in s for s in shown)
+    assert "".join(shown) + text.finish().text == "caf\u00e9 \u20ac"
+
+
+def test_empty_stop_strings_are_refused(tokenizer):
+    with pytest.raises(ValueError, match="non-empty"):
+        IncrementalText(tokenizer, [""])

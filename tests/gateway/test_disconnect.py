@@ -1,0 +1,116 @@
+"""A client that leaves aborts its request at once: while streaming, and while waiting for a whole answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from gatewayfakes import MODEL
+
+from llumdask.api.gateway import create_app
+from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_stream_closed_by_the_client_aborts_the_request(make_client, backend):
+    backend.stall_after = 1  # the test client buffers nothing: the server writes as we read
+    client = make_client(backend)
+    body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 20}
+    with client.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert backend.stalled.wait(10)
+        assert backend.aborted == []
+    wait_for(lambda: backend.aborted == [backend.submitted[0].request_id])
+    text = client.get("/metrics").text
+    assert 'llumdask_gateway_errors_total{code="client_disconnected"} 1.0' in text
+    assert "llumdask_gateway_requests_in_flight 0.0" in text
+
+
+def test_non_streaming_request_is_aborted_when_the_client_leaves(backend, tokenizer):
+    """Raw ASGI: the client sends its body, then disconnects while the answer is being generated."""
+    backend.stall_after = 1
+    app = create_app(backend.open, tokenizer)
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 20}).encode()
+    sent: list[dict] = []
+
+    async def scenario() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            while not backend.stalled.is_set():
+                await asyncio.sleep(0.005)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async with app.router.lifespan_context(app) as state:
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                     "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": dict(state)}
+            await asyncio.wait_for(app(scope, receive, send), 10)
+
+    asyncio.run(scenario())
+    assert backend.aborted == [backend.submitted[0].request_id]
+    assert sent[0]["status"] == 499  # nobody reads it; the point is that nothing hangs
+
+
+def test_until_disconnect_returns_the_result_when_the_client_stays():
+    async def scenario():
+        async def receive():
+            await asyncio.sleep(3600)
+
+        async def work():
+            return 42
+
+        return await until_disconnect(receive, work())
+
+    assert asyncio.run(scenario()) == 42
+
+
+def test_until_disconnect_cancels_the_work_and_waits_for_its_cleanup():
+    cleaned = []
+
+    async def scenario():
+        async def receive():
+            await asyncio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+        async def work():
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                await asyncio.sleep(0.01)  # an abort RPC, say
+                cleaned.append(True)
+
+        await until_disconnect(receive, work())
+
+    with pytest.raises(ClientDisconnected):
+        asyncio.run(scenario())
+    assert cleaned == [True]
+
+
+def test_until_disconnect_passes_errors_of_the_work_through():
+    async def scenario():
+        async def receive():
+            await asyncio.sleep(3600)
+
+        async def work():
+            raise ValueError("boom")
+
+        await until_disconnect(receive, work())
+
+    with pytest.raises(ValueError, match="boom"):
+        asyncio.run(scenario())

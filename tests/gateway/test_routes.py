@@ -1,0 +1,247 @@
+"""The HTTP layer over a scripted backend: response shapes, streaming, usage, stop, priority, health, metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from gatewayfakes import MAX_CONTEXT, MODEL
+
+from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable
+from llumdask.request import FinishReason, Priority
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def sse_payloads(response) -> list:
+    """The data of each SSE event; the last must be [DONE]."""
+    events = [block for block in response.text.split("\n\n") if block]
+    assert all(e.startswith("data: ") for e in events), events
+    data = [e[len("data: "):] for e in events]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_completion_shape_text_and_usage(client, backend, tokenizer, script):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello world", "max_tokens": 5})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["id"].startswith("cmpl-") and isinstance(body["created"], int)
+    [choice] = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    assert choice["text"] == tokenizer.decode(script[:5])
+    prompt = tokenizer.encode("Hello world")
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5, "total_tokens": len(prompt) + 5}
+    [sub] = backend.submitted
+    assert sub.prompt_token_ids == prompt and sub.sampling.max_tokens == 5
+    assert sub.priority is Priority.NORMAL
+    assert backend.aborted == []  # finished by itself: nothing to abort
+
+
+def test_completions_default_to_16_tokens_as_openai(client, backend):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert r.status_code == 200
+    assert backend.submitted[0].sampling.max_tokens == 16
+
+
+def test_token_id_prompt_is_used_as_is(client, backend):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+    assert backend.submitted[0].prompt_token_ids == [5, 6, 7]
+
+
+def test_sampling_fields_reach_the_backend(client, backend, tokenizer):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "temperature": 0.7,
+                                             "top_p": 0.9, "seed": 42, "stop_token_ids": [7]})
+    assert r.status_code == 200
+    s = backend.submitted[0].sampling
+    assert (s.temperature, s.top_p, s.seed) == (0.7, 0.9, 42)
+    # The model's end-of-sequence token always stops a request, unless ignore_eos.
+    assert set(s.stop_token_ids) == {7, tokenizer.eos_token_id}
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+    assert backend.submitted[1].sampling.stop_token_ids == ()
+
+
+def test_chat_renders_the_template_and_answers_as_assistant(client, backend, tokenizer, script):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_completion_tokens": 4})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": tokenizer.decode(script[:4])}
+    expected = tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)
+    assert backend.submitted[0].prompt_token_ids == expected
+    assert body["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_chat_without_max_tokens_may_fill_the_context(client, backend):
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200
+    sub = backend.submitted[0]
+    assert sub.sampling.max_tokens == MAX_CONTEXT - len(sub.prompt_token_ids)
+
+
+def test_chat_content_parts_are_joined(client, backend, tokenizer):
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": parts}]})
+    expected = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "Hello"}]), add_special_tokens=False)
+    assert backend.submitted[0].prompt_token_ids == expected
+
+
+def test_stop_token_finishes_with_stop(client, backend, script, tokenizer):
+    stop = script[3]
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 10, "stop_token_ids": [stop]}
+    r = client.post("/v1/completions", json=body)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert r.json()["usage"]["completion_tokens"] == 4  # the stop token counts, as in vLLM
+    assert choice["text"] == tokenizer.decode(script[:4])
+
+
+def test_stop_string_cuts_the_text_and_aborts_the_rest(client, backend):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 30, "stop": ["fox", "cat"]})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "The quick brown "
+    assert choice["finish_reason"] == "stop"
+    assert backend.aborted == [backend.submitted[0].request_id]
+    assert 0 < r.json()["usage"]["completion_tokens"] < 30
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_completion_stream_matches_the_text(make_client, backend, tokenizer, script, batch_size):
+    backend.batch_size = batch_size
+    client = make_client(backend)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 8, "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_payloads(r)
+    *text_chunks, final, usage = chunks
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]} and all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == tokenizer.decode(script[:8])
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks)
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+
+
+def test_chat_stream_announces_the_role_then_content(client, tokenizer, script):
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 6, "stream": True})
+    chunks = sse_payloads(r)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == tokenizer.decode(script[:6])
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert "usage" not in chunks[-1]  # not asked for
+
+
+def test_stream_with_stop_string_never_shows_it(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 30, "stream": True,
+                                             "stop": "lazy"})
+    chunks = sse_payloads(r)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "The quick brown fox jumps over the "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_priority_from_body_or_header(client, backend):
+    base = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    client.post("/v1/completions", json={**base, "priority": "high"})
+    client.post("/v1/completions", json=base, headers={"x-llumdask-priority": "HIGH"})
+    client.post("/v1/completions", json={**base, "priority": "normal"}, headers={"x-llumdask-priority": "high"})
+    assert [s.priority for s in backend.submitted] == [Priority.HIGH, Priority.HIGH, Priority.NORMAL]
+
+
+def test_no_ready_instance_is_503(make_client, backend):
+    backend.submit_error = BackendUnavailable("no instance is ready")
+    client = make_client(backend)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True})
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "no_ready_instance" and "no instance is ready" in r.json()["error"]["message"]
+
+
+def test_rejected_by_the_instance_is_400(make_client, backend):
+    backend.submit_error = BackendRejected("needs 300 blocks, the instance has 128")
+    r = make_client(backend).post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert r.status_code == 400 and "300 blocks" in r.json()["error"]["message"]
+
+
+def test_request_lost_mid_stream_ends_with_an_error_event(make_client, backend):
+    backend.fail_after = 2
+    client = make_client(backend)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 8, "stream": True})
+    chunks = sse_payloads(r)
+    assert chunks[-1]["error"]["code"] == "no_ready_instance"
+    assert len(chunks) == 3  # two tokens, then the error, then [DONE]
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 8})
+    assert r.status_code == 503
+
+
+def test_overload_is_429_with_retry_after(make_client, backend):
+    client = make_client(backend, max_in_flight=1, retry_after=3)
+    backend.stall_after = 1
+    with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True}) as stream:
+        lines = stream.iter_lines()  # keep it: a dropped line iterator closes the response
+        assert next(lines).startswith("data: ")
+        assert backend.stalled.wait(10)
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "3"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert "llumdask_gateway_requests_in_flight 1.0" in client.get("/metrics").text
+    # The client left: its request is aborted and its slot is free again.
+    wait_for(lambda: backend.aborted == [backend.submitted[0].request_id])
+    backend.stall_after = None
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}).status_code == 200
+
+
+def test_models_lists_the_served_model(client):
+    r = client.get("/v1/models")
+    assert r.status_code == 200
+    [card] = r.json()["data"]
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == MAX_CONTEXT
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert client.get("/v1/models/other").status_code == 404
+
+
+def test_health_follows_ready_instances(make_client, backend):
+    client = make_client(backend)
+    assert client.get("/health").json() == {"status": "ok", "ready_instances": 2}
+    backend.ready = 0
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["ready_instances"] == 0
+
+
+def test_metrics_count_requests_tokens_latency_and_errors(client, script):
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
+    client.post("/v1/completions", json={"model": "nope", "prompt": "Hi"})
+    text = client.get("/metrics").text
+    assert 'llumdask_gateway_requests_total{endpoint="completions",status="200"} 1.0' in text
+    assert 'llumdask_gateway_requests_total{endpoint="completions",status="404"} 1.0' in text
+    assert 'llumdask_gateway_errors_total{code="model_not_found"} 1.0' in text
+    assert 'llumdask_gateway_generation_tokens_total{endpoint="completions"} 4.0' in text
+    assert 'llumdask_gateway_time_to_first_token_seconds_count{endpoint="completions"} 1.0' in text
+    assert 'llumdask_gateway_time_per_output_token_seconds_count{endpoint="completions"} 1.0' in text
+    assert 'llumdask_gateway_e2e_request_latency_seconds_count{endpoint="completions"} 1.0' in text
+
+
+def test_lifespan_opens_and_closes_the_backend(make_client, backend):
+    client = make_client(backend)
+    assert (backend.opened, backend.closed) == (1, 0)
+    client.__exit__(None, None, None)
+    assert (backend.opened, backend.closed) == (1, 1)
+
+
+def test_finish_reason_of_an_engine_abort_is_reported(make_client, backend, monkeypatch):
+    async def aborted(self):
+        yield [5]
+        self.finish_reason = FinishReason.ABORT
+
+    monkeypatch.setattr("gatewayfakes.ScriptedBatches.__aiter__", aborted)
+    r = make_client(backend).post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert r.json()["choices"][0]["finish_reason"] == "abort"

@@ -1,0 +1,287 @@
+"""`llumdask serve` as a user runs it: a separate process (local cluster of sim instances, the
+gateway on a free port), driven with the official `openai` client and raw HTTP.
+
+The sim engine is deterministic for greedy requests, so every answer is checked against the
+same request run alone in-process: the text is the decoded reference tokens, and the usage
+counts exactly the tokens the client received.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer
+from llumdask.config import load_config
+from llumdask.engine.sim import SimEngine
+from llumdask.request import Request, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key-0123456789"
+MODEL = "llumdask-tiny-llama"
+TOTAL_BLOCKS = 128
+STARTUP_BUDGET = 90.0  # seconds, on two cores
+
+
+@dataclass
+class Server:
+    url: str
+    scheduler: str
+    process: subprocess.Popen
+    startup_seconds: float
+    tokenizer: Tokenizer
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {KEY}"}
+
+    def openai(self, api_key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def _read_lines(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def start_serve(options: list[str], cache: Path, log) -> Server:
+    """Run `llumdask serve OPTIONS` (gateway on a free port) and wait for its banner."""
+    cmd = [sys.executable, "-m", "llumdask.api.serve", "--port", "0", "--api-key", KEY, *options]
+    started = time.monotonic()
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                               env={**os.environ, "XDG_CACHE_HOME": str(cache)}, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
+    banner = ""
+    try:
+        while "Ctrl-C" not in banner:
+            line = lines.get(timeout=max(0.1, STARTUP_BUDGET - (time.monotonic() - started)))
+            if line is None:
+                raise RuntimeError("llumdask serve exited")
+            banner += line
+    except (queue.Empty, RuntimeError) as exc:
+        process.kill()
+        log.seek(0)
+        pytest.fail(f"llumdask serve did not start ({exc!r}):\n{banner}\n{log.read()[-5000:]}")
+    url = re.search(r"OpenAI API:\s+(\S+)/v1", banner).group(1)
+    scheduler = re.search(r"scheduler:\s+(\S+)", banner).group(1)
+    tokenizer = load_tokenizer(cache / "llumdask" / "tiny-llama")
+    return Server(url, scheduler, process, time.monotonic() - started, tokenizer)
+
+
+def stop_serve(server: Server) -> None:
+    """Ctrl-C: the gateway stops (then the cluster it started); the command exits 0."""
+    server.process.send_signal(signal.SIGINT)
+    try:
+        assert server.process.wait(60) == 0
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")  # the tiny model is built here on first use
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, cache: Path):
+    with (tmp_path_factory.mktemp("log") / "serve.log").open("w+") as log:
+        server = start_serve(["--engine", "sim", "--instances", "2", "--dashboard-address", "127.0.0.1:0",
+                              "--total-blocks", str(TOTAL_BLOCKS)], cache, log)
+        yield server
+        stop_serve(server)
+
+
+def reference(server: Server, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of the request run alone on the same engine code and config as the instances."""
+    config = load_config({"sim-engine": {"vocab-size": server.tokenizer.vocab_size, "total-blocks": TOTAL_BLOCKS}})
+    engine = SimEngine.from_config(config, clock=lambda: 0.0)
+    engine.add_request(Request("reference", list(prompt), SamplingParams(
+        max_tokens=max_tokens, stop_token_ids=(server.tokenizer.eos_token_id,))))
+    tokens: dict[int, int] = {}
+    while engine.has_work():
+        for out in engine.step().outputs:
+            tokens.update({out.first_index + k: t for k, t in enumerate(out.token_ids)})
+    return [tokens[i] for i in range(len(tokens))]
+
+
+def chat_prompt(server: Server, messages: list[dict]) -> list[int]:
+    return server.tokenizer.encode(server.tokenizer.render_chat(messages), add_special_tokens=False)
+
+
+def finish_of(tokens: list[int], max_tokens: int) -> str:
+    return "length" if len(tokens) == max_tokens else "stop"
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story about a cat."}]
+
+
+def test_serve_starts_within_its_budget(server):
+    assert server.startup_seconds < STARTUP_BUDGET
+    r = httpx.get(f"{server.url}/health")
+    assert r.status_code == 200 and r.json()["ready_instances"] == 2
+
+
+def test_completion(server):
+    prompt = "Hello world"
+    result = server.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    expected = reference(server, server.tokenizer.encode(prompt), 12)
+    assert result.choices[0].text == server.tokenizer.decode(expected)
+    assert result.choices[0].finish_reason == finish_of(expected, 12)
+    assert result.usage.completion_tokens == len(expected)
+    assert result.usage.prompt_tokens == len(server.tokenizer.encode(prompt))
+    assert result.model == MODEL and result.id.startswith("cmpl-")
+
+
+def test_completion_stream(server):
+    prompt = "The quick brown fox"
+    chunks = list(server.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    expected = reference(server, server.tokenizer.encode(prompt), 20)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == server.tokenizer.decode(expected)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish_of(expected, 20)
+    assert chunks[-1].usage.completion_tokens == len(expected)
+
+
+def test_chat(server):
+    result = server.openai().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
+    expected = reference(server, chat_prompt(server, MESSAGES), 16)
+    message = result.choices[0].message
+    assert message.role == "assistant" and message.content == server.tokenizer.decode(expected)
+    assert result.usage.completion_tokens == len(expected)
+    assert result.usage.prompt_tokens == len(chat_prompt(server, MESSAGES))
+
+
+def test_chat_stream(server):
+    stream = server.openai().chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=16,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True})
+    chunks = list(stream)
+    expected = reference(server, chat_prompt(server, MESSAGES), 16)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == server.tokenizer.decode(expected)
+    assert chunks[-1].usage.completion_tokens == len(expected)
+
+
+def test_concurrent_streams_do_not_mix(server):
+    prompts = [f"Question {i}: what is the capital of France?" for i in range(4)]
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        stream = server.openai().completions.create(model=MODEL, prompt=prompts[i], max_tokens=10, temperature=0,
+                                                    stream=True)
+        results[i] = "".join(c.choices[0].text for c in stream if c.choices)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, prompt in enumerate(prompts):
+        assert results[i] == server.tokenizer.decode(reference(server, server.tokenizer.encode(prompt), 10))
+
+
+def test_api_key_is_enforced(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.openai(api_key="wrong").completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+BAD_INPUTS = [
+    # (id, body or raw bytes, status, code, words in the message)
+    ("unknown model", {"model": "gpt-9", "prompt": "Hi"}, 404, "model_not_found", "gpt-9"),
+    ("malformed json", b'{"model": ', 400, "invalid_json", "not valid JSON"),
+    ("wrong type", {"model": MODEL, "prompt": "Hi", "max_tokens": "many"}, 400, "invalid_type", "max_tokens"),
+    ("n > 1", {"model": MODEL, "prompt": "Hi", "n": 2}, 400, "unsupported_parameter", "n=1"),
+    ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "invalid_value", "empty"),
+    ("beyond the context", {"model": MODEL, "prompt": "Hi", "max_tokens": 5000}, 400, "context_length_exceeded",
+     "maximum context length is 4096 tokens"),
+    ("too large", {"model": MODEL, "prompt": "x" * (2 << 20)}, 413, "request_too_large", "bytes"),
+]
+
+
+@pytest.mark.parametrize("body, status, code, words", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_over_http(server, body, status, code, words):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.url}/v1/completions", content=content,
+                   headers={**server.auth, "content-type": "application/json"}, timeout=30)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
+    assert words in error["message"] and "Traceback" not in r.text
+
+
+def test_empty_messages_through_the_openai_client(server):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.openai().chat.completions.create(model=MODEL, messages=[])
+    assert info.value.status_code == 400 and "messages" in str(info.value)
+
+
+def test_models(server):
+    [model] = server.openai().models.list().data
+    assert model.id == MODEL
+
+
+def test_disconnect_frees_the_blocks(server):
+    from distributed import Client
+
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with Client(server.scheduler, timeout=30) as client:
+        def statuses() -> list[dict]:
+            return [client.sync(client.rpc(w).llumnix_worker_status) for w in client.scheduler_info()["workers"]]
+
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.auth, timeout=30) as r:
+            lines = r.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert all(line.startswith("data: ") or not line for line in received)
+            assert sum(s["num_running"] for s in statuses()) == 1
+        deadline = time.monotonic() + 15
+        while not all(not s["has_work"] and s["free_blocks"] == s["total_blocks"] for s in statuses()):
+            assert time.monotonic() < deadline, f"blocks not freed after the client left: {statuses()}"
+            time.sleep(0.1)
+        assert all(s["integrity_error"] is None for s in statuses())
+
+
+def test_metrics_count_what_was_served(server):
+    def served() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        assert "llumdask_gateway_requests_in_flight 0.0" in text
+        match = re.search(r'llumdask_gateway_time_to_first_token_seconds_count\{endpoint="completions"\} (\S+)', text)
+        return float(match.group(1)) if match else 0.0
+
+    before = served()
+    server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert served() == before + 1
+
+
+def test_a_second_gateway_serves_the_same_cluster(server, cache, tmp_path):
+    with (tmp_path / "second.log").open("w+") as log:
+        second = start_serve(["--scheduler", server.scheduler], cache, log)
+        try:
+            prompt = "Hello world"
+            result = second.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+            expected = reference(server, server.tokenizer.encode(prompt), 8)
+            assert result.choices[0].text == server.tokenizer.decode(expected)
+        finally:
+            stop_serve(second)
+    # The first gateway is unaffected by the second one leaving.
+    assert server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1

@@ -1,0 +1,134 @@
+"""The bad-input matrix: each case gets its status and an OpenAI-shaped error naming what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+from gatewayfakes import MAX_CONTEXT, MODEL
+
+USER = [{"role": "user", "content": "Hi"}]
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def ok(**fields):
+    return {"model": MODEL, "prompt": "Hello", **fields}
+
+
+def chat(**fields):
+    return {"model": MODEL, "messages": USER, **fields}
+
+
+CASES = [
+    # (id, path, body, status, code, param, words in the message)
+    ("not an object", C, [1, 2], 400, "invalid_type", None, "JSON object"),
+    ("model missing", C, {"prompt": "x"}, 400, "missing_required_parameter", "model", "model"),
+    ("model wrong type", C, ok(model=3), 400, "invalid_type", "model", "string"),
+    ("unknown model", C, ok(model="gpt-9"), 404, "model_not_found", "model", "gpt-9"),
+    ("prompt missing", C, {"model": MODEL}, 400, "missing_required_parameter", "prompt", "prompt"),
+    ("empty prompt", C, ok(prompt=""), 400, "invalid_value", "prompt", "empty"),
+    ("empty token prompt", C, ok(prompt=[]), 400, "invalid_value", "prompt", "empty"),
+    ("prompt of bools", C, ok(prompt=[True]), 400, "invalid_type", "prompt", "token ids"),
+    ("prompt token outside vocab", C, ok(prompt=[1, 99999]), 400, "invalid_value", "prompt", "99999"),
+    ("prompt number", C, ok(prompt=5), 400, "invalid_type", "prompt", "a number"),
+    ("batched prompts", C, ok(prompt=["a", "b"]), 400, "unsupported_parameter", "prompt", "one prompt"),
+    ("max_tokens string", C, ok(max_tokens="5"), 400, "invalid_type", "max_tokens", "integer"),
+    ("max_tokens float", C, ok(max_tokens=2.5), 400, "invalid_type", "max_tokens", "integer"),
+    ("max_tokens zero", C, ok(max_tokens=0), 400, "invalid_value", "max_tokens", ">= 1"),
+    ("too long for context", C, ok(max_tokens=MAX_CONTEXT), 400, "context_length_exceeded", "max_tokens",
+     f"maximum context length is {MAX_CONTEXT} tokens"),
+    ("prompt fills context", C, ok(prompt=[5] * MAX_CONTEXT), 400, "context_length_exceeded", "prompt",
+     f"{MAX_CONTEXT} tokens"),
+    ("temperature string", C, ok(temperature="hot"), 400, "invalid_type", "temperature", "number"),
+    ("temperature too high", C, ok(temperature=2.5), 400, "invalid_value", "temperature", "[0, 2]"),
+    ("top_p zero", C, ok(top_p=0), 400, "invalid_value", "top_p", "(0, 1]"),
+    ("seed negative", C, ok(seed=-1), 400, "invalid_value", "seed", "seed"),
+    ("stop number", C, ok(stop=3), 400, "invalid_type", "stop", "string"),
+    ("stop empty string", C, ok(stop=[""]), 400, "invalid_value", "stop", "empty"),
+    ("stream not bool", C, ok(stream="yes"), 400, "invalid_type", "stream", "boolean"),
+    ("stream_options without stream", C, ok(stream_options={"include_usage": True}), 400, "invalid_value",
+     "stream_options", "stream"),
+    ("include_usage not bool", C, ok(stream=True, stream_options={"include_usage": 1}), 400, "invalid_type",
+     "stream_options.include_usage", "boolean"),
+    ("n > 1", C, ok(n=2), 400, "unsupported_parameter", "n", "n=1"),
+    ("logprobs", C, ok(logprobs=3), 400, "unsupported_parameter", "logprobs", "logprobs"),
+    ("echo", C, ok(echo=True), 400, "unsupported_parameter", "echo", "echo"),
+    ("penalty", C, ok(presence_penalty=0.5), 400, "unsupported_parameter", "presence_penalty", "presence_penalty"),
+    ("priority unknown", C, ok(priority="urgent"), 400, "invalid_value", "priority", "'high' or 'normal'"),
+    ("priority number", C, ok(priority=1), 400, "invalid_type", "priority", "'high' or 'normal'"),
+    ("stop token outside vocab", C, ok(stop_token_ids=[100000]), 400, "invalid_value", "stop_token_ids", "100000"),
+    ("messages missing", CHAT, {"model": MODEL}, 400, "missing_required_parameter", "messages", "messages"),
+    ("messages empty", CHAT, chat(messages=[]), 400, "invalid_value", "messages", "empty"),
+    ("messages not a list", CHAT, chat(messages="hi"), 400, "invalid_type", "messages", "list"),
+    ("message not an object", CHAT, chat(messages=["hi"]), 400, "invalid_type", "messages[0]", "object"),
+    ("bad role", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "invalid_value",
+     "messages[0].role", "robot"),
+    ("content number", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "invalid_type",
+     "messages[0].content", "string"),
+    ("image part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, "unsupported_parameter", "messages[0].content[0]", "only text"),
+    ("tools", CHAT, chat(tools=[{"type": "function"}]), 400, "unsupported_parameter", "tools", "tools"),
+    ("chat too long", CHAT, chat(max_completion_tokens=MAX_CONTEXT), 400, "context_length_exceeded",
+     "max_tokens", "maximum context length"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, code, param, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(client, backend, path, body, status, code, param, words):
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["param"]) == (code, param)
+    assert words in error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert backend.submitted == []  # refused before anything reached the cluster
+
+
+@pytest.mark.parametrize("raw", [b"{", b"{'a': 1}", b"", b"\xff\xfe", b'{"model": NaN}'],
+                         ids=["truncated", "single quotes", "empty", "not utf-8", "NaN"])
+def test_malformed_json_is_400(client, raw):
+    r = client.post(C, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "invalid_json"
+
+
+def test_body_over_the_limit_is_413(make_client, backend):
+    client = make_client(backend, max_body_bytes=1000)
+    r = client.post(C, json=ok(prompt="x" * 2000))
+    assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]
+
+    def chunked():  # no content-length: the limit holds on what is actually sent
+        yield b'{"model": "tiny-test", "prompt": "'
+        for _ in range(20):
+            yield b"x" * 100
+        yield b'"}'
+
+    r = client.post(C, content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_priority_header_is_validated(client):
+    r = client.post(C, json=ok(), headers={"x-llumdask-priority": "asap"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-llumdask-priority"
+
+
+def test_unknown_route_and_method_are_openai_errors(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = client.get(C)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_a_bug_is_a_500_without_a_trace(make_client, backend, monkeypatch, caplog):
+    async def broken(*args):
+        raise KeyError("secret internal detail")
+
+    monkeypatch.setattr(backend, "submit", broken)
+    r = make_client(backend).post(C, json=ok())
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "internal_error"
+    assert "secret" not in r.text and "Traceback" not in r.text
+    assert "secret internal detail" in caplog.text  # the operator sees it in the log
+
+
+def test_unknown_fields_are_ignored(client):
+    assert client.post(C, json=ok(user="me", metadata={"a": 1}, max_tokens=2)).status_code == 200

@@ -1,0 +1,142 @@
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from llumdask.engine.block_manager import BlockManager, OutOfBlocks
+
+
+def test_allocate_and_free_return_blocks_to_the_pool():
+    bm = BlockManager(8, 4)
+    table = bm.allocate("a", 3)
+    assert len(table) == 3 and bm.free_blocks == 5 and bm.used_blocks == 3
+    bm.allocate("a", 1)
+    assert len(bm.table("a")) == 4
+    bm.free("a")
+    assert bm.free_blocks == 8 and bm.used_blocks == 0 and bm.table("a") == []
+    bm.free("a")  # no-op for an owner without blocks
+    bm.check_integrity()
+
+
+def test_allocating_more_than_free_raises_and_changes_nothing():
+    bm = BlockManager(4, 4)
+    bm.allocate("a", 3)
+    assert not bm.can_allocate(2)
+    with pytest.raises(OutOfBlocks, match="'b'.*2 blocks requested, 1 free"):
+        bm.allocate("b", 2)
+    assert bm.free_blocks == 1 and bm.table("b") == []
+    bm.check_integrity()
+
+
+def test_reservations_add_up_per_stage_and_release_is_idempotent():
+    bm = BlockManager(10, 4)
+    assert bm.reserve("m", 3)
+    assert bm.reserve("m", 2)
+    assert len(bm.reservation("m")) == 5 and bm.reserved_blocks == 5 and bm.free_blocks == 5
+    assert not bm.reserve("m", 6)
+    assert bm.reserved_blocks == 5
+    bm.release("m")
+    bm.release("m")
+    assert bm.free_blocks == 10 and bm.reserved_blocks == 0
+    bm.check_integrity()
+
+
+def test_adopt_turns_a_reservation_into_a_table_and_frees_the_spare():
+    bm = BlockManager(10, 4)
+    bm.reserve("m", 4)
+    reserved = list(bm.reservation("m"))
+    table = bm.adopt("m", "r", keep=3)
+    assert table == reserved[:3]
+    assert bm.used_blocks == 3 and bm.reserved_blocks == 0 and bm.free_blocks == 7
+    bm.reserve("m2", 1)
+    with pytest.raises(ValueError, match="already holds"):
+        bm.adopt("m2", "r", keep=1)
+    bm.release("m2")
+    bm.check_integrity()
+
+
+def test_integrity_check_catches_a_double_owned_block():
+    bm = BlockManager(4, 4)
+    bm.allocate("a", 1)
+    bm._tables["b"] = list(bm._tables["a"])  # corrupt on purpose
+    bm._used += 1
+    bm._free.pop()
+    with pytest.raises(AssertionError, match="owned twice"):
+        bm.check_integrity()
+
+
+@pytest.mark.parametrize("total, size", [(0, 4), (4, 0), (2.5, 4)])
+def test_bad_sizes_are_rejected(total, size):
+    with pytest.raises(ValueError):
+        BlockManager(total, size)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random allocate / free / reserve / release / adopt sequences against a counting model."""
+
+    TOTAL = 12
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(self.TOTAL, 4)
+        self.tables: dict[str, int] = {}
+        self.reservations: dict[str, int] = {}
+
+    owners = st.sampled_from(["a", "b", "c", "d"])
+    migrations = st.sampled_from(["m1", "m2", "m3"])
+
+    @rule(owner=owners, n=st.integers(0, 6))
+    def allocate(self, owner, n):
+        if self.bm.can_allocate(n):
+            self.bm.allocate(owner, n)
+            self.tables[owner] = self.tables.get(owner, 0) + n
+        else:
+            with pytest.raises(OutOfBlocks):
+                self.bm.allocate(owner, n)
+
+    @rule(owner=owners)
+    def free(self, owner):
+        self.bm.free(owner)
+        self.tables.pop(owner, None)
+
+    @rule(mid=migrations, n=st.integers(0, 6))
+    def reserve(self, mid, n):
+        fits = n <= self.free_in_model()
+        assert self.bm.reserve(mid, n) is fits
+        if fits:
+            self.reservations[mid] = self.reservations.get(mid, 0) + n
+
+    @rule(mid=migrations)
+    def release(self, mid):
+        self.bm.release(mid)
+        self.reservations.pop(mid, None)
+
+    @precondition(lambda self: self.reservations)
+    @rule(data=st.data(), owner=st.sampled_from(["x", "y"]))
+    def adopt(self, data, owner):
+        if owner in self.tables:
+            self.bm.free(owner)
+            del self.tables[owner]
+        mid = data.draw(st.sampled_from(sorted(self.reservations)))
+        keep = data.draw(st.integers(0, self.reservations[mid] + 1))
+        table = self.bm.adopt(mid, owner, keep)
+        kept = min(keep, self.reservations.pop(mid))
+        assert len(table) == kept
+        if kept:
+            self.tables[owner] = kept
+
+    def free_in_model(self):
+        return self.TOTAL - sum(self.tables.values()) - sum(self.reservations.values())
+
+    @invariant()
+    def never_leaks_or_double_owns(self):
+        self.bm.check_integrity()
+        assert self.bm.free_blocks == self.free_in_model()
+        assert self.bm.used_blocks == sum(self.tables.values())
+        assert self.bm.reserved_blocks == sum(self.reservations.values())
+        for owner, n in self.tables.items():
+            assert len(self.bm.table(owner)) == n
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,538 @@
+import time
+import zlib
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llumdask.config import SimEngineConfig, load_config
+from llumdask.engine.base import Engine, MigrationRefused
+from llumdask.engine.sim import SimEngine
+from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def make_engine():
+    """Engines made by a test are checked for block integrity when it ends."""
+    made = []
+
+    def make(total_blocks=64, block_size=4, kv_bytes=16, clock=None, **config):
+        engine = SimEngine(
+            SimEngineConfig(total_blocks=total_blocks, kv_bytes_per_token=kv_bytes, **config),
+            block_size=block_size,
+            clock=clock or Clock(),
+        )
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.check_integrity()
+
+
+def request(rid, prompt_len=10, max_tokens=20, arrival=0.0, **sampling):
+    prompt = [zlib.crc32(f"{rid}:{i}".encode()) % 30000 + 10 for i in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **sampling), arrival_time=arrival)
+
+
+def run(engine, clock=None, max_steps=10_000):
+    """Step until idle, advancing the clock by each step's duration; returns the step results."""
+    results = []
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return results
+        results.append(engine.step())
+        engine.check_integrity()
+        if clock is not None:
+            clock.now += results[-1].duration
+    raise AssertionError("engine did not go idle")
+
+
+def tokens_by_request(results, so_far=None):
+    """Each request's tokens, checking that sequence numbers continue from `so_far` without gaps."""
+    seen = {rid: list(tokens) for rid, tokens in (so_far or {}).items()}
+    for result in results:
+        for out in result.outputs:
+            seq = seen.setdefault(out.request_id, [])
+            assert out.first_index == len(seq), f"{out.request_id}: index {out.first_index} after {len(seq)} tokens"
+            seq.extend(out.token_ids)
+    return seen
+
+
+def reference(make_engine, req, kv_bytes=16, block_size=4):
+    """The tokens `req` produces alone on a roomy engine."""
+    engine = make_engine(total_blocks=256, block_size=block_size, kv_bytes=kv_bytes)
+    engine.add_request(replace_request(req))
+    return tokens_by_request(run(engine))[req.request_id]
+
+
+def replace_request(req):
+    return Request(req.request_id, list(req.prompt_token_ids), req.sampling, req.scheduling_priority,
+                   req.execution_priority, req.arrival_time)
+
+
+def test_implements_the_engine_protocol(make_engine):
+    assert isinstance(make_engine(), Engine)
+
+
+def test_from_config_sizes_the_pool_from_the_profile():
+    config = load_config()
+    engine = SimEngine.from_config(config, clock=Clock())
+    assert engine.block_size == 16
+    assert engine.total_blocks == 13616 // 16 == 851
+    assert engine.profile.name == "llama-7b-a10"
+    small = SimEngine.from_config(replace(config, sim_engine=replace(config.sim_engine, total_blocks=10)), clock=Clock())
+    assert small.total_blocks == 10
+
+
+@pytest.mark.parametrize("field, value", [("kv_bytes_per_token", -1), ("vocab_size", 1), ("max_num_seqs", 0)])
+def test_bad_engine_config_names_the_field(make_engine, field, value):
+    with pytest.raises(ValueError, match=f"sim_engine.{field}"):
+        SimEngine(SimEngineConfig(**{field: value}), block_size=16, clock=Clock())
+
+
+# ---------------------------------------------------------------------------------------------- serving
+
+
+def test_first_token_comes_from_the_prefill_step_and_timing_uses_the_clock(make_engine):
+    clock = Clock()
+    clock.now = 5.0
+    engine = make_engine(clock=clock)
+    req = request("a", prompt_len=10, max_tokens=3)
+    engine.add_request(req)
+    first = engine.step()
+    assert [(o.request_id, o.first_index, len(o.token_ids)) for o in first.outputs] == [("a", 0, 1)]
+    assert first.num_prefill_tokens == 10 and first.batch_size == 1
+    assert first.duration == pytest.approx(engine.profile.prefill_time([10]))
+    assert req.timing.first_scheduled == 5.0
+    assert req.timing.first_token == pytest.approx(5.0 + first.duration)
+    clock.now += first.duration
+    second = engine.step()
+    assert second.duration == pytest.approx(engine.profile.decode_time(1, 11))
+    clock.now += second.duration
+    third = engine.step()
+    assert third.outputs[0].finished and third.outputs[0].finish_reason is FinishReason.LENGTH
+    assert req.timing.last_token == req.timing.finished == pytest.approx(5.0 + first.duration + second.duration + third.duration)
+    assert req.timing.first_token == pytest.approx(5.0 + first.duration)
+    assert req.status is RequestStatus.FINISHED and req.num_output_tokens == 3
+    assert engine.get_request("a") is None and not engine.has_work()
+    assert engine.snapshot().free_blocks == engine.total_blocks
+
+
+def test_waiting_queue_is_fcfs_by_arrival_not_by_add_order(make_engine):
+    engine = make_engine(max_num_seqs=1)
+    for rid, arrival in [("c", 3.0), ("a", 1.0), ("b", 2.0)]:
+        engine.add_request(request(rid, max_tokens=2, arrival=arrival))
+    assert [w.request_id for w in engine.snapshot().waiting] == ["a", "b", "c"]
+    finished = [o.request_id for r in run(engine) for o in r.outputs if o.finished]
+    assert finished == ["a", "b", "c"]
+
+
+def test_higher_scheduling_priority_is_admitted_first(make_engine):
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request(request("running", max_tokens=3))
+    engine.step()
+    engine.add_request(request("early", max_tokens=2, arrival=1.0))
+    urgent = request("urgent", max_tokens=2, arrival=2.0)
+    urgent.scheduling_priority = Priority.HIGH
+    engine.add_request(urgent)
+    assert [w.request_id for w in engine.snapshot().waiting] == ["urgent", "early"]
+    first_tokens = [o.request_id for r in run(engine) for o in r.outputs if o.first_index == 0]
+    assert first_tokens == ["urgent", "early"]
+
+
+def test_admission_waits_until_every_prompt_block_fits(make_engine):
+    engine = make_engine(total_blocks=8, block_size=4)
+    engine.add_request(request("big", prompt_len=20, max_tokens=2))  # 5 blocks
+    engine.step()
+    # "big"'s decode takes a 6th block; 2 stay free, "long" needs 4: it waits, and FCFS keeps
+    # "short" (1 block, would fit) behind it.
+    engine.add_request(request("long", prompt_len=16, max_tokens=2, arrival=1.0))
+    engine.add_request(request("short", prompt_len=4, max_tokens=2, arrival=2.0))
+    result = engine.step()
+    assert [o.request_id for o in result.outputs] == ["big"] and result.num_prefill_tokens == 0
+    assert result.outputs[0].finished
+    result = engine.step()  # "big" is gone: both fit now, prefilled together
+    assert sorted(o.request_id for o in result.outputs) == ["long", "short"]
+    assert result.num_prefill_tokens == 20
+
+
+def test_continuous_batching_joins_a_newcomer_to_running_decodes(make_engine):
+    engine = make_engine()
+    engine.add_request(request("a", max_tokens=10))
+    engine.step()
+    engine.step()
+    engine.add_request(request("b", prompt_len=7, max_tokens=10))
+    result = engine.step()
+    assert {(o.request_id, o.first_index) for o in result.outputs} == {("a", 2), ("b", 0)}
+    assert result.batch_size == 2 and result.num_prefill_tokens == 7
+    assert result.duration == pytest.approx(engine.profile.prefill_time([7]) + engine.profile.decode_time(1, 12))
+
+
+def test_token_budget_caps_prefills_but_one_prompt_always_runs(make_engine):
+    engine = make_engine(max_num_batched_tokens=20)
+    engine.add_request(request("a", prompt_len=15, max_tokens=2))
+    engine.add_request(request("b", prompt_len=15, max_tokens=2, arrival=1.0))
+    assert [o.request_id for o in engine.step().outputs] == ["a"]
+    lone = make_engine(max_num_batched_tokens=20)
+    lone.add_request(request("huge", prompt_len=30, max_tokens=2))
+    assert [o.request_id for o in lone.step().outputs] == ["huge"]
+
+
+def test_preemption_recomputes_the_latest_arrival_and_keeps_its_tokens(make_engine):
+    clock = Clock()
+    engine = make_engine(total_blocks=5, block_size=4, clock=clock)
+    early = request("early", prompt_len=8, max_tokens=6, arrival=0.0)  # 2 blocks, needs a 3rd at its first decode
+    middle = request("middle", prompt_len=3, max_tokens=6, arrival=1.0)  # 1 block
+    late = request("late", prompt_len=7, max_tokens=6, arrival=2.0)  # 2 blocks, its first decode fits
+    for req in (early, middle, late):
+        engine.add_request(req)
+    results = [engine.step()]
+    assert engine.snapshot().free_blocks == 0
+    # Arrived before "late" but reached the engine after the first step; it would fit once
+    # "late" is preempted, yet a preempting step admits nobody.
+    tiny = request("tiny", prompt_len=2, max_tokens=3, arrival=0.5)
+    engine.add_request(tiny)
+    clock.now += results[0].duration
+    preempting = engine.step()
+    assert preempting.preempted == ("late",)
+    assert [o.request_id for o in preempting.outputs] == ["early", "middle"]
+    assert preempting.num_prefill_tokens == 0 and tiny.status is RequestStatus.WAITING
+    assert late.status is RequestStatus.WAITING and late.timing.preemptions == 1
+    assert late.timing.preempted_at == clock.now
+    snap = engine.snapshot()
+    assert snap.num_preemptions == 1 and [w.request_id for w in snap.waiting] == ["tiny", "late"]
+    assert snap.waiting[1].num_tokens == 8  # prompt + its first token: all recomputed
+    clock.now += preempting.duration
+    results += [preempting] + run(engine, clock)
+    recompute = next(r for r in results[2:] if any(o.request_id == "late" for o in r.outputs))
+    assert [o.first_index for o in recompute.outputs if o.request_id == "late"] == [1]
+    assert recompute.num_prefill_tokens >= 8
+    assert late.timing.preempted_at is None
+    assert late.timing.preemption_loss > preempting.duration
+    tokens = tokens_by_request(results)
+    for req in (early, middle, late, tiny):
+        assert tokens[req.request_id] == reference(make_engine, req)
+
+
+def test_a_request_needing_a_block_with_nothing_behind_it_preempts_itself(make_engine):
+    engine = make_engine(total_blocks=3, block_size=4)
+    req = request("a", prompt_len=8, max_tokens=3)
+    engine.add_request(req)
+    results = [engine.step()]
+    assert engine.reserve_blocks("incoming", 1)
+    result = engine.step()
+    assert result.preempted == ("a",) and result.outputs == ()
+    assert engine.snapshot().free_blocks == 2
+    assert not engine.step().outputs  # 9 tokens need 3 blocks: it waits for the reservation
+    engine.release_reservation("incoming")
+    results += run(engine)
+    assert tokens_by_request(results)["a"] == reference(make_engine, req)
+
+
+@pytest.mark.parametrize("kv_bytes", [16, 0])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 7}])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    specs=st.lists(
+        st.tuples(st.integers(1, 14), st.integers(1, 12), st.floats(0, 5, allow_nan=False)), min_size=1, max_size=6
+    )
+)
+def test_any_interleaving_with_preemptions_yields_each_requests_solo_tokens(make_engine, kv_bytes, sampling, specs):
+    """A tight pool forces preemptions; recompute must reproduce exactly what each request does alone."""
+    engine = make_engine(total_blocks=8, block_size=4, kv_bytes=kv_bytes)
+    reqs = [request(f"r{i}", p, m, arrival=a, **sampling) for i, (p, m, a) in enumerate(specs)]
+    for req in reqs:
+        engine.add_request(req)
+    produced = tokens_by_request(run(engine))
+    for req in reqs:
+        assert produced[req.request_id] == reference(make_engine, req, kv_bytes=kv_bytes)
+        assert req.status is RequestStatus.FINISHED
+    assert engine.snapshot().free_blocks == engine.total_blocks
+
+
+def test_stop_token_ends_the_request_and_frees_its_blocks(make_engine):
+    plain = reference(make_engine, request("a", max_tokens=20))
+    stop = plain[5]
+    engine = make_engine()
+    req = request("a", max_tokens=20, stop_token_ids=(stop,))
+    engine.add_request(req)
+    tokens = tokens_by_request(run(engine))["a"]
+    assert tokens == plain[: plain.index(stop) + 1]
+    assert req.finish_reason is FinishReason.STOP
+    assert engine.snapshot().free_blocks == engine.total_blocks
+
+
+def test_seeds_and_greedy_are_deterministic_and_distinct(make_engine):
+    greedy = reference(make_engine, request("a"))
+    assert greedy == reference(make_engine, request("a"))
+    seeded = reference(make_engine, request("a", temperature=1.0, seed=1))
+    assert seeded == reference(make_engine, request("a", temperature=1.0, seed=1))
+    assert seeded != greedy
+    assert seeded != reference(make_engine, request("a", temperature=1.0, seed=2))
+    assert all(0 <= t < 32000 for t in greedy + seeded)
+
+
+def test_requests_that_can_never_fit_are_rejected(make_engine):
+    engine = make_engine(total_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="'x' can never fit: 10 prompt tokens \\+ max_tokens 7 > capacity 16"):
+        engine.add_request(request("x", prompt_len=10, max_tokens=7))
+    engine.add_request(request("y", prompt_len=10, max_tokens=6))
+    with pytest.raises(ValueError, match="'y' is already here"):
+        engine.add_request(request("y"))
+
+
+def test_abort_frees_blocks_wherever_the_request_is(make_engine):
+    engine = make_engine(max_num_seqs=1)
+    running, waiting = request("running"), request("waiting", arrival=1.0)
+    engine.add_request(running)
+    engine.add_request(waiting)
+    engine.step()
+    engine.abort_request("waiting")
+    engine.abort_request("running")
+    engine.abort_request("unknown")
+    assert running.status is RequestStatus.ABORTED and running.finish_reason is FinishReason.ABORT
+    assert waiting.status is RequestStatus.ABORTED
+    assert not engine.has_work() and engine.snapshot().free_blocks == engine.total_blocks
+
+
+def test_snapshot_reports_blocks_tokens_and_paused_requests(make_engine):
+    engine = make_engine(max_num_seqs=2)
+    high = request("high", prompt_len=9)
+    high.execution_priority = Priority.HIGH
+    for req in (high, request("n", prompt_len=4, arrival=1.0), request("w", prompt_len=6, arrival=2.0)):
+        engine.add_request(req)
+    engine.step()
+    engine.pause("n")
+    snap = engine.snapshot()
+    assert snap is engine.snapshot()  # cached until something changes
+    loads = {r.request_id: r for r in snap.running}
+    assert loads["high"].num_blocks == blocks_for(9, 4) and loads["high"].num_tokens == 10
+    assert loads["high"].execution_priority is Priority.HIGH and loads["high"].migratable
+    assert not loads["n"].migratable and loads["n"].running
+    assert [(w.request_id, w.num_blocks, w.num_tokens, w.running) for w in snap.waiting] == [("w", 0, 6, False)]
+    assert snap.free_blocks == engine.total_blocks - 3 - 1
+
+
+def test_real_time_sleeps_the_modelled_duration(make_engine):
+    engine = make_engine(real_time=True)
+    engine.add_request(request("a", prompt_len=10, max_tokens=2))
+    began = time.perf_counter()
+    result = engine.step()
+    assert time.perf_counter() - began >= result.duration > 0
+
+
+# ---------------------------------------------------------------------------------------------- migration
+
+
+def migrate(source, destination, rid, *, steps_between=2, corrupt_block=None, drop_rng=False):
+    """Staged copy as the llumlet does it: completed blocks while decoding, then pause and the rest."""
+    mid = f"m-{rid}"
+    sent = 0
+    for _ in range(2):
+        done = source.completed_blocks(rid)
+        if done > sent:
+            assert destination.reserve_blocks(mid, done - sent)
+            destination.import_blocks(mid, sent, source.export_blocks(rid, sent, done))
+            sent = done
+        for _ in range(steps_between):
+            source.step()
+    state = source.pause(rid)
+    total = blocks_for(state.num_tokens, source.block_size)
+    assert destination.reserve_blocks(mid, total - sent)
+    buffer = source.export_blocks(rid, sent, total)
+    destination.import_blocks(mid, sent, buffer)
+    if corrupt_block is not None:
+        whole = source.export_blocks(rid, 0, total)
+        whole[corrupt_block] ^= 0x5A
+        destination.import_blocks(mid, 0, whole)
+    if drop_rng:
+        state.engine_state = {}
+    destination.resume(mid, state)
+    source.free_migrated(rid)
+    return state
+
+
+@pytest.mark.parametrize("kv_bytes", [16, 0])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "seed": 3}], ids=["greedy", "seeded"])
+# Paused after 7 tokens: 43 tokens, 42 computed (the last block half full), or 45 tokens, 44 computed
+# (11 full blocks; the 12th, where the next token's KV goes, travels as zeros).
+@pytest.mark.parametrize("prompt_len", [36, 38])
+def test_migrated_request_produces_the_tokens_it_would_have_in_place(make_engine, kv_bytes, sampling, prompt_len):
+    req = request("r", prompt_len=prompt_len, max_tokens=40, **sampling)
+    expected = reference(make_engine, req, kv_bytes=kv_bytes)
+    source, destination = make_engine(kv_bytes=kv_bytes), make_engine(kv_bytes=kv_bytes)
+    source.add_request(req)
+    source.add_request(request("other", max_tokens=30))
+    destination.add_request(request("resident", max_tokens=30))
+    before = [source.step() for _ in range(3)]
+    state = migrate(source, destination, "r")
+    assert "r" not in {r.request_id for r in source.snapshot().running}
+    moved = destination.get_request("r")
+    assert moved.status is RequestStatus.RUNNING and moved.timing.first_token == req.timing.first_token
+    assert tokens_by_request(before)["r"] == state.output_token_ids[:3]
+    produced = tokens_by_request(run(destination), {"r": state.output_token_ids})["r"]
+    assert produced == expected
+    run(source)
+
+
+def test_unseeded_sampling_continues_from_the_travelling_rng_state(make_engine):
+    source, destination, stripped = make_engine(), make_engine(), make_engine()
+    source.add_request(request("r", prompt_len=21, max_tokens=40, temperature=1.0))
+    for _ in range(3):
+        source.step()
+    state = source.pause("r")
+    mid_blocks = blocks_for(state.num_tokens, 4)
+    for engine, engine_state in ((destination, state.engine_state), (stripped, {})):
+        assert engine.reserve_blocks("m", mid_blocks)
+        engine.import_blocks("m", 0, source.export_blocks("r", 0, mid_blocks))
+        engine.resume("m", replace(state, engine_state=engine_state))
+    source.unpause("r")  # the source's own continuation is the reference
+    so_far = {"r": state.output_token_ids}
+    in_place = tokens_by_request(run(source), so_far)["r"]
+    assert tokens_by_request(run(destination), so_far)["r"] == in_place
+    assert tokens_by_request(run(stripped), so_far)["r"] != in_place
+
+
+def test_a_corrupted_block_changes_later_tokens(make_engine):
+    """Negative control: the output really depends on the migrated KV bytes."""
+    req = request("r", prompt_len=37, max_tokens=40)
+    expected = reference(make_engine, req)
+    source, destination = make_engine(), make_engine()
+    source.add_request(req)
+    source.step()
+    state = migrate(source, destination, "r", corrupt_block=3)
+    produced = tokens_by_request(run(destination), {"r": state.output_token_ids})["r"]
+    assert produced[: len(state.output_token_ids)] == expected[: len(state.output_token_ids)]
+    assert produced != expected
+
+
+def test_a_missing_block_changes_later_tokens(make_engine):
+    req = request("r", prompt_len=37, max_tokens=40)
+    expected = reference(make_engine, req)
+    source, destination = make_engine(), make_engine()
+    source.add_request(req)
+    source.step()
+    state = source.pause("r")
+    total = blocks_for(state.num_tokens, 4)
+    assert destination.reserve_blocks("m", total)
+    destination.import_blocks("m", 0, source.export_blocks("r", 0, 2))
+    destination.import_blocks("m", 3, source.export_blocks("r", 3, total))  # block 2 never arrives
+    destination.resume("m", state)
+    source.free_migrated("r")
+    produced = tokens_by_request(run(destination), {"r": state.output_token_ids})["r"]
+    assert produced != expected
+
+
+def test_content_free_mode_moves_only_sizes(make_engine):
+    source = make_engine(kv_bytes=0)
+    source.add_request(request("r", prompt_len=30))
+    source.step()
+    buffer = source.export_blocks("r", 0, source.completed_blocks("r"))
+    assert buffer.shape == (7, 4, 0) and buffer.nbytes == 0
+    source.abort_request("r")
+
+
+def test_pause_and_unpause_continue_identically(make_engine):
+    req = request("r", prompt_len=13, max_tokens=25)
+    expected = reference(make_engine, req)
+    engine = make_engine()
+    engine.add_request(req)
+    engine.add_request(request("other", max_tokens=30))
+    results = [engine.step(), engine.step()]
+    engine.pause("r")
+    with pytest.raises(MigrationRefused, match="not in the running batch"):
+        engine.pause("r")
+    paused_steps = [engine.step() for _ in range(3)]
+    assert all(o.request_id != "r" for r in paused_steps for o in r.outputs)
+    (load,) = [r for r in engine.snapshot().running if r.request_id == "r"]
+    assert load.num_blocks == blocks_for(13 + 2 - 1, 4) and not load.migratable  # blocks kept
+    engine.unpause("r")
+    results += paused_steps + run(engine)
+    assert tokens_by_request(results)["r"] == expected
+
+
+def test_paused_export_pads_the_block_of_the_next_token_with_zeros(make_engine):
+    engine = make_engine()
+    engine.add_request(request("r", prompt_len=12))
+    engine.step()  # 13 tokens, 12 computed: three full blocks
+    engine.pause("r")
+    assert engine.export_blocks("r", 0, 4).shape == (4, 4, 16)
+    tail = engine.export_blocks("r", 2, 4)
+    assert np.array_equal(tail[0], engine.export_blocks("r", 2, 3)[0]) and tail[0].any()
+    assert not tail[1].any()
+    engine.unpause("r")
+
+
+def test_rollback_calls_tolerate_an_aborted_request_but_not_a_running_one(make_engine):
+    engine = make_engine()
+    engine.add_request(request("r"))
+    engine.step()
+    with pytest.raises(MigrationRefused, match="not paused"):
+        engine.unpause("r")
+    with pytest.raises(MigrationRefused, match="not paused"):
+        engine.free_migrated("r")
+    engine.pause("r")
+    engine.abort_request("r")
+    engine.unpause("r")
+    engine.free_migrated("r")
+    assert engine.snapshot().free_blocks == engine.total_blocks
+
+
+def test_export_refuses_incomplete_blocks_while_running(make_engine):
+    engine = make_engine()
+    engine.add_request(request("r", prompt_len=10))
+    engine.step()
+    assert engine.completed_blocks("r") == 2  # 10 computed slots, blocks of 4
+    with pytest.raises(ValueError, match="cannot export blocks \\[0, 3\\)"):
+        engine.export_blocks("r", 0, 3)
+    engine.pause("r")
+    assert engine.export_blocks("r", 0, 3).shape == (3, 4, 16)
+    with pytest.raises(MigrationRefused, match="no request 'gone'"):
+        engine.export_blocks("gone", 0, 1)
+    engine.unpause("r")
+
+
+def test_release_reservation_frees_reserved_and_imported_blocks(make_engine):
+    source, destination = make_engine(), make_engine(total_blocks=10)
+    source.add_request(request("r", prompt_len=30))
+    source.step()
+    assert destination.reserve_blocks("m", 4)
+    assert destination.reserve_blocks("m", 3)
+    assert not destination.reserve_blocks("m", 4)
+    destination.import_blocks("m", 0, source.export_blocks("r", 0, 4))
+    assert destination.snapshot().reserved_blocks == 7 and destination.snapshot().free_blocks == 3
+    destination.release_reservation("m")
+    destination.release_reservation("m")
+    snap = destination.snapshot()
+    assert snap.reserved_blocks == 0 and snap.free_blocks == snap.total_blocks
+    with pytest.raises(MigrationRefused, match="no reservation"):
+        destination.import_blocks("m", 0, source.export_blocks("r", 0, 1))
+    source.abort_request("r")
+
+
+def test_destination_refuses_bad_buffers_and_short_reservations(make_engine):
+    source, destination = make_engine(), make_engine()
+    source.add_request(request("r", prompt_len=30))
+    source.step()
+    state = source.pause("r")
+    assert destination.reserve_blocks("m", 2)
+    with pytest.raises(MigrationRefused, match="outside the 2 reserved"):
+        destination.import_blocks("m", 1, source.export_blocks("r", 0, 2))
+    with pytest.raises(MigrationRefused, match="expected uint8 blocks of shape \\(n, 4, 16\\)"):
+        destination.import_blocks("m", 0, np.zeros((1, 4, 8), dtype=np.uint8))
+    with pytest.raises(MigrationRefused, match="reserved 2 blocks, request 'r' needs 8"):
+        destination.resume("m", state)
+    destination.release_reservation("m")
+    source.unpause("r")
+    run(source)

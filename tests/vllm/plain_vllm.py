@@ -1,0 +1,26 @@
+"""Greedy outputs from an unmodified `vllm.LLM`, run in its own process (vLLM's defaults, no
+llumdask code, no connector): the reference llumdask's engine must reproduce token for token.
+
+Usage: python plain_vllm.py MODEL_DIR ENGINE_ARGS_JSON PROMPTS_JSON -> JSON list of token lists.
+PROMPTS_JSON is a list of [prompt token ids, max_tokens].
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    model, engine_args, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    llm = LLM(model=model, enforce_eager=True, **engine_args)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids) for ids, _ in prompts],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in prompts],
+        use_tqdm=False,
+    )
+    print("PLAIN-VLLM-OUTPUT " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
+
+
+if __name__ == "__main__":
+    main()

