@@ -1,0 +1,293 @@
+"""The requester's side of serving (notebook client, gateway): placement, token streams, recovery.
+
+Placement: the scheduler's `llumnix_dispatch` names an instance (a few numbers go to the
+scheduler, never the prompt), then the request goes straight to that instance's worker. If the
+scheduler does not answer within `dispatch_timeout`, the requester enters bypass mode for
+`bypass_period`: it hands requests to known instances itself, in turn (no migration, no load
+balance beyond rotation), and tries the scheduler again afterwards. Transient failures (no
+instance ready yet, an instance that just died) are retried until `placement_timeout`.
+
+Recovery: the requester keeps every open request (prompt, sampling, tokens received so far).
+When the instance holding one is gone from the scheduler's instance table (checked every
+`liveness_interval`, and at once when that instance's token comm closes), it resubmits prompt +
+tokens so far elsewhere; the new instance recomputes them and continues, and the stream goes on
+with the next sequence number. A scheduler restart looks the same: the old instances are not in
+the new scheduler's table, so their requests are resubmitted to the new ones.
+
+Everything here runs on the Dask client's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from distributed import Client
+from distributed.utils import get_ip
+
+from llumdask.global_scheduler import NoInstanceAvailable
+from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream
+from llumdask.plugins.wire import request_to_msg
+from llumdask.request import FinishReason, Request
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(RuntimeError):
+    """The instance refused the request (it can never fit, or it is malformed)."""
+
+
+class NoLlumdaskScheduler(RuntimeError):
+    """The Dask scheduler answers, but runs no llumdask scheduler plugin."""
+
+
+@dataclass
+class _Open:
+    """An open request: everything needed to resubmit it elsewhere."""
+
+    request: Request
+    stream: TokenStream
+    # The instance the request was last handed to; the stream's owner once tokens come from elsewhere.
+    instance: str
+    recovering: bool = False
+
+    @property
+    def holder(self) -> str:
+        return self.stream.sequence.owner or self.instance
+
+
+class Requester:
+    """Submits requests, receives their tokens, and resubmits those whose instance died."""
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        listen_host: str | None = None,
+        liveness_interval: float = 1.0,
+        dispatch_timeout: float = 2.0,
+        bypass_period: float = 5.0,
+        placement_timeout: float = 60.0,
+        rpc_timeout: float = 10.0,
+    ) -> None:
+        for name, value in (("liveness_interval", liveness_interval), ("dispatch_timeout", dispatch_timeout),
+                            ("bypass_period", bypass_period), ("placement_timeout", placement_timeout),
+                            ("rpc_timeout", rpc_timeout)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self._client = client
+        self._listen_host = listen_host
+        self._liveness_interval = liveness_interval
+        self._dispatch_timeout = dispatch_timeout
+        self._bypass_period = bypass_period
+        self._placement_timeout = placement_timeout
+        self._rpc_timeout = rpc_timeout
+        self._listener: TokenListener | None = None
+        self._open: dict[str, _Open] = {}
+        self._watchdog: asyncio.Task | None = None
+        self._check_now = asyncio.Event()
+        self._bypass_until = 0.0
+        # Instances last seen in the scheduler's table (for bypass mode), in rotation order.
+        self._known: list[str] = []
+        self._rotation = itertools.count()
+        self.resubmissions = 0
+        self.bypassed = 0
+
+    # ------------------------------------------------------------------ requests
+    async def submit(self, request: Request) -> TokenStream:
+        """Place a request and return its token stream (open until it finishes or is forgotten)."""
+        listener = await self._ensure_listener()
+        stream = listener.open(request.request_id)
+        try:
+            instance = await self._place(request)
+        except BaseException:
+            listener.close_stream(request.request_id)
+            raise
+        self._open[request.request_id] = _Open(request, stream, instance)
+        return stream
+
+    def holder(self, request_id: str) -> str | None:
+        """The instance believed to hold an open request now."""
+        entry = self._open.get(request_id)
+        return None if entry is None else entry.holder
+
+    def forget(self, request_id: str) -> None:
+        self._open.pop(request_id, None)
+        if self._listener is not None:
+            self._listener.close_stream(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Best effort: drop an open request here and on the instance holding it."""
+        holder = self.holder(request_id)
+        self.forget(request_id)
+        if holder is not None:
+            try:
+                await asyncio.wait_for(self._client.rpc(holder).llumnix_abort(request_id=request_id), self._rpc_timeout)
+            except (OSError, asyncio.TimeoutError):
+                logger.info("could not abort %s on %s", request_id, holder)
+
+    async def status(self) -> dict:
+        """The scheduler's `llumnix_status`; also refreshes the instances known for bypass mode."""
+        reply = await asyncio.wait_for(self._client.scheduler.llumnix_status(), self._rpc_timeout)
+        if reply is None:
+            raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin")
+        self._known = [row["instance"] for row in reply["instances"] if row["ready"] and row["state"] != "terminating"]
+        return reply
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+            self._watchdog = None
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
+        self._open.clear()
+
+    # ------------------------------------------------------------------ placement
+    async def _place(self, request: Request) -> str:
+        """Choose an instance and hand the request over, retrying transient failures."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._placement_timeout
+        while True:
+            try:
+                instance = await self._choose(request)
+                await self._hand_over(request, instance)
+                return instance
+            except (OSError, asyncio.TimeoutError, NoInstanceAvailable) as exc:
+                if loop.time() > deadline:
+                    raise NoInstanceAvailable(
+                        f"request {request.request_id} not placed within {self._placement_timeout} s: {exc}"
+                    ) from exc
+                logger.debug("placing %s failed (%s); retrying", request.request_id, exc)
+                await asyncio.sleep(0.2)
+
+    async def _choose(self, request: Request) -> str:
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._bypass_until:
+            try:
+                return await asyncio.wait_for(self._dispatch(request), self._dispatch_timeout)
+            except (OSError, asyncio.TimeoutError):
+                logger.warning("the scheduler does not answer: dispatching directly for %s s", self._bypass_period)
+                self._bypass_until = loop.time() + self._bypass_period
+        if not self._known:
+            raise NoInstanceAvailable("the scheduler does not answer and no instance is known")
+        self.bypassed += 1
+        return self._known[next(self._rotation) % len(self._known)]
+
+    async def _dispatch(self, request: Request) -> str:
+        reply = await self._client.scheduler.llumnix_dispatch(
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_tokens,
+            max_tokens=request.remaining_tokens,
+            scheduling_priority=int(request.scheduling_priority),
+            execution_priority=int(request.execution_priority),
+        )
+        if reply is None:
+            raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin; start the cluster with "
+                                      "llumdask.clusters or register LlumnixSchedulerPlugin")
+        if reply["instance"] is None:
+            raise NoInstanceAvailable(reply["reason"])
+        return reply["instance"]
+
+    async def _hand_over(self, request: Request, instance: str) -> None:
+        try:
+            reply = await asyncio.wait_for(
+                self._client.rpc(instance).llumnix_add(request=request_to_msg(request), reply_to=self._listener.address),
+                self._rpc_timeout,
+            )
+        except (OSError, asyncio.TimeoutError):
+            if instance in self._known:
+                self._known.remove(instance)
+            raise
+        if reply is None:
+            raise RequestRejected(f"{instance} runs no llumlet (its worker plugin is gone)")
+        if not reply["accepted"]:
+            raise RequestRejected(reply["reason"])
+
+    # ------------------------------------------------------------------ recovery
+    async def _ensure_listener(self) -> TokenListener:
+        if self._listener is None:
+            host = self._listen_host or _host_reaching(self._client.scheduler.address)
+            self._listener = await TokenListener(f"tcp://{host}:0", on_sender_closed=self._on_sender_closed).start()
+            self._watchdog = asyncio.ensure_future(self._watch())
+            try:
+                await self.status()  # know some instances in case the scheduler stops answering
+            except (OSError, asyncio.TimeoutError, NoLlumdaskScheduler):
+                pass
+        return self._listener
+
+    def _on_sender_closed(self, instance: str) -> None:
+        """An owner's token comm closed: if it held open requests, check at once whether it died."""
+        if any(entry.holder == instance for entry in self._open.values()):
+            self._check_now.set()
+
+    async def _watch(self) -> None:
+        """While requests are open, check every `liveness_interval` that their instances live."""
+        while True:
+            try:
+                await asyncio.wait_for(self._check_now.wait(), self._liveness_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._check_now.clear()
+            if self._open:
+                await self._recover_lost()
+
+    async def _recover_lost(self) -> None:
+        try:
+            reply = await self.status()
+        except (OSError, asyncio.TimeoutError, NoLlumdaskScheduler):
+            return  # no instance table to go by: an unanswered check proves no death
+        alive = {row["instance"] for row in reply["instances"]}
+        for entry in list(self._open.values()):
+            if not entry.recovering and not entry.stream.sequence.done and entry.holder not in alive:
+                entry.recovering = True
+                asyncio.ensure_future(self._resubmit(entry))
+
+    async def _resubmit(self, entry: _Open) -> None:
+        """Hand prompt + tokens so far to another instance; it recomputes them and goes on."""
+        original = entry.request
+        sequence = entry.stream.sequence
+        request = Request(original.request_id, original.prompt_token_ids, original.sampling,
+                          original.scheduling_priority, original.execution_priority, original.arrival_time)
+        request.output_token_ids = sequence.delivered
+        reason = _finished_by(request)
+        try:
+            if reason is not None:
+                # Only the final message was lost: the tokens say the request is complete.
+                entry.stream.push(TokenBatch(request.request_id, len(request.output_token_ids), (),
+                                             entry.holder, finished=True, finish_reason=reason))
+                return
+            try:
+                instance = await self._place(request)
+            except RuntimeError as exc:  # not placed in time, refused, no llumdask scheduler
+                entry.stream.fail(exc)
+                return
+            entry.instance = instance
+            sequence.owner = None
+            self.resubmissions += 1
+            logger.info("request %s resubmitted to %s after %d tokens", request.request_id, instance,
+                        len(request.output_token_ids))
+        finally:
+            entry.recovering = False
+
+
+def _finished_by(request: Request) -> FinishReason | None:
+    """Whether the tokens a request already has complete it (its last message may be lost)."""
+    output = request.output_token_ids
+    if output and output[-1] in request.sampling.stop_token_ids:
+        return FinishReason.STOP
+    if request.remaining_tokens <= 0:
+        return FinishReason.LENGTH
+    return None
+
+
+def _host_reaching(address: str) -> str:
+    """The local IP through which `address` (a scheduler) is reachable: workers reach us there too."""
+    host = urlparse(address).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    return get_ip(host)

@@ -1,0 +1,301 @@
+"""The global scheduler on the Dask scheduler: a thin `SchedulerPlugin` around `GlobalScheduler`.
+
+The plugin only translates: comm messages in, `GlobalScheduler` calls, small messages out. It
+never sees tokens or KV blocks. Instance ids are worker addresses. An instance is dispatched to
+only after its llumlet said "ready" (the plugin's `add_worker` runs before a worker's plugins are
+set up). Everything it receives and sends is msgpack-native (scheduler comms do not deserialize).
+
+RPC handlers (reply dicts):
+    llumnix_register(instance, total_blocks, block_size) -> {"registered": bool}
+    llumnix_ready(instance)                              -> {"ready": bool}
+    llumnix_unregister(instance)                         -> {"removed": bool}
+    llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, scheduling_priority,
+                     execution_priority)                 -> {"instance": str | None, "reason": str}
+    llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
+    llumnix_drain(instance)                              -> {"draining": bool, "reason": str}
+    llumnix_migrate(request_id, source, destination)     -> {"migration_id": str | None, "reason": str}
+    llumnix_adaptive_target()                            -> {"target": int, "drained": [worker name, ...]}
+With `scaling.enabled` the plugin also answers Dask's own `adaptive_target` (an int), for
+autoscalers that take no Adaptive class (the Kubernetes operator); `valid_workers_downscaling`
+offers only drained instances to any retirement, so scale-in never drops a request.
+Stream ops from workers: llumnix_load(load), llumnix_event(event).
+Stream ops to workers: llumnix_migrate_to(destination), llumnix_set_terminating(flag),
+llumnix_peer_lost(peer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from typing import Any
+
+from distributed.core import CommClosedError
+from distributed.diagnostics.plugin import SchedulerPlugin
+from tornado.ioloop import PeriodicCallback
+
+from llumdask.config import LlumdaskConfig, load_config
+from llumdask.global_scheduler import (
+    DispatchInfo,
+    GlobalScheduler,
+    InstanceView,
+    NoInstanceAvailable,
+    UnknownInstance,
+)
+from llumdask.load import InstanceLoad
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "llumdask"
+
+
+def instance_row(view: InstanceView, state: str) -> dict[str, Any]:
+    """One instance as a msgpack-native row (for the notebook table and dashboards)."""
+    load = view.load
+    return {
+        "instance": view.instance_id,
+        "state": state,
+        "ready": view.ready,
+        "freeness": view.freeness,
+        "total_blocks": load.total_blocks,
+        "free_blocks": load.free_blocks,
+        "num_running": load.num_running,
+        "num_waiting": load.num_waiting,
+        "num_pending": view.num_pending,
+        "num_migrating_out": load.num_migrating_out,
+        "num_migrating_in": load.num_migrating_in,
+        "num_preemptions": load.num_preemptions,
+        "num_received": load.num_received,
+        "last_report_at": view.last_report_at,
+    }
+
+
+class LlumnixSchedulerPlugin(SchedulerPlugin):
+    """Hosts the `GlobalScheduler` on the Dask scheduler's event loop."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, config_overrides: dict | None = None) -> None:
+        # Overrides travel pickled; the config itself is read on the scheduler, where it runs.
+        self._overrides = dict(config_overrides or {})
+        self.config: LlumdaskConfig | None = None
+        self.global_scheduler: GlobalScheduler | None = None
+        self.scheduler = None
+        self._periodic: PeriodicCallback | None = None
+        self._last_pairs: dict[str, str] = {}
+        # Scaling: instances asked for and not yet arrived; drained instances, ready to close.
+        self._adds_wanted = 0
+        self._drained: set[str] = set()
+        self.scaling_log: deque[dict] = deque(maxlen=100)
+        self.migration_counts: Counter[str] = Counter()
+        self.migration_downtime = 0.0
+
+    # ------------------------------------------------------------------ plugin hooks
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self.config = load_config(self._overrides)
+        self.global_scheduler = GlobalScheduler(self.config)
+        scheduler.handlers.update(
+            {
+                "llumnix_register": self.register,
+                "llumnix_ready": self.ready,
+                "llumnix_unregister": self.unregister,
+                "llumnix_dispatch": self.dispatch,
+                "llumnix_status": self.status,
+                "llumnix_drain": self.drain,
+                "llumnix_migrate": self.migrate,
+                "llumnix_adaptive_target": self.adaptive_target,
+            }
+        )
+        if self.config.scaling.enabled:
+            scheduler.handlers["adaptive_target"] = self.dask_adaptive_target
+        scheduler.stream_handlers.update({"llumnix_load": self.on_load, "llumnix_event": self.on_event})
+        self._periodic = PeriodicCallback(self.tick, self.config.migration.interval * 1000)
+        self._periodic.start()
+
+    async def close(self) -> None:
+        if self._periodic is not None:
+            self._periodic.stop()
+            self._periodic = None
+
+    def add_worker(self, scheduler, worker: str) -> None:
+        # A new worker is the instance a scale-up asked for.
+        self._adds_wanted = max(self._adds_wanted - 1, 0)
+
+    def valid_workers_downscaling(self, scheduler, workers: list) -> list:
+        """Only drained instances may be retired: closing any other would drop its requests."""
+        return [ws for ws in workers if ws.address in self._drained]
+
+    def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        """A worker left: forget its instance and tell the others, whose migrations with it abort."""
+        self._drained.discard(worker)
+        if self._forget(worker):
+            for peer in self._instance_ids():
+                self._send(peer, {"op": "llumnix_peer_lost", "peer": worker})
+
+    # ------------------------------------------------------------------ RPC handlers
+    def register(self, instance: str, total_blocks: int, block_size: int) -> dict:
+        """A llumlet announces its capacity; a restarted one replaces its previous record."""
+        self._forget(instance)
+        self._scheduler().register_instance(instance, total_blocks, block_size, time.time())
+        return {"registered": True}
+
+    def ready(self, instance: str) -> dict:
+        try:
+            self._scheduler().mark_ready(instance, time.time())
+        except UnknownInstance:
+            return {"ready": False}
+        return {"ready": True}
+
+    def unregister(self, instance: str) -> dict:
+        return {"removed": self._forget(instance)}
+
+    def dispatch(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        scheduling_priority: int = 0,
+        execution_priority: int = 0,
+    ) -> dict:
+        info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, scheduling_priority, execution_priority)
+        try:
+            return {"instance": self._scheduler().dispatch(info, time.time()), "reason": ""}
+        except NoInstanceAvailable as exc:
+            return {"instance": None, "reason": str(exc)}
+
+    def status(self) -> dict:
+        return {
+            "instances": [instance_row(view, self._state_of(view)) for view in self._scheduler().instances()],
+            "migrations": {"committed": self.migration_counts["committed"],
+                           "aborted": self.migration_counts["aborted"],
+                           "started": self.migration_counts["started"],
+                           "downtime": self.migration_downtime},
+            "scaling": {"adds_wanted": self._adds_wanted, "drained": sorted(self._drained),
+                        "log": list(self.scaling_log)},
+        }
+
+    def drain(self, instance: str) -> dict:
+        """Operator drain: F = -inf, no new requests, its requests migrate out."""
+        try:
+            self._scheduler().set_terminating(instance, time.time())
+        except UnknownInstance as exc:
+            return {"draining": False, "reason": str(exc)}
+        self._send(instance, {"op": "llumnix_set_terminating", "flag": True})
+        return {"draining": True, "reason": ""}
+
+    async def migrate(self, request_id: str, source: str, destination: str) -> dict:
+        """Operator-forced migration of one request; the source llumlet runs it."""
+        known = {view.instance_id: view for view in self._scheduler().instances()}
+        for role, instance in (("source", source), ("destination", destination)):
+            if instance not in known or not known[instance].ready:
+                return {"migration_id": None, "reason": f"{role} {instance!r} is not a ready instance"}
+        if source == destination:
+            return {"migration_id": None, "reason": "source and destination are the same instance"}
+        if known[destination].terminating:
+            return {"migration_id": None, "reason": f"destination {destination!r} is terminating"}
+        reply = await self.scheduler.rpc(source).llumnix_migrate_out(request_id=request_id, destination=destination)
+        return {"migration_id": reply["migration_id"], "reason": reply["reason"]}
+
+    def adaptive_target(self) -> dict:
+        """Workers to keep (all but the drained, plus instances asked for) and which may close."""
+        workers = self.scheduler.workers
+        drained = [w for w in self._drained if w in workers]
+        return {"target": len(workers) - len(drained) + self._adds_wanted,
+                "drained": [workers[w].name for w in drained]}
+
+    def dask_adaptive_target(self, target_duration: Any = None) -> int:
+        """Dask's `adaptive_target` handler, answered from the freeness band."""
+        return self.adaptive_target()["target"]
+
+    # ------------------------------------------------------------------ stream handlers
+    # A stream handler that raises makes Dask drop the sending worker: these log and go on.
+    def on_load(self, load: dict, worker: str | None = None) -> None:
+        try:
+            self._scheduler().report(InstanceLoad.from_dict(load), time.time())
+        except UnknownInstance:
+            logger.debug("load report from unregistered instance %s ignored", load.get("instance_id"))
+        except (KeyError, TypeError, ValueError):
+            logger.exception("bad load report from %s ignored", worker)
+
+    def on_event(self, event: dict, worker: str | None = None) -> None:
+        kind = event.get("kind")
+        self.migration_counts[kind] += 1
+        if kind == "committed":
+            self.migration_downtime += float(event.get("downtime", 0.0))
+
+    # ------------------------------------------------------------------ periodic decisions
+    def tick(self) -> None:
+        self.pair()
+        self.scale()
+
+    def scale(self) -> None:
+        """Act on the scaling decision: drain victims, ask for instances, offer drained ones."""
+        now = time.time()
+        decision = self._scheduler().scale(now)
+        for victim in decision.terminate:
+            self._send(victim, {"op": "llumnix_set_terminating", "flag": True})
+            self.scaling_log.append({"time": now, "action": "terminate", "instance": victim})
+        if decision.add and not self._adds_wanted and not self._workers_starting():
+            self._adds_wanted = min(decision.add, self.config.scaling.max_instances - len(self.scheduler.workers))
+            if self._adds_wanted > 0:
+                self.scaling_log.append({"time": now, "action": "add", "instance": None})
+        for instance in decision.remove:
+            self._drained.add(instance)
+            self.scaling_log.append({"time": now, "action": "remove", "instance": instance})
+
+    def pair(self) -> None:
+        """Every migration interval: pair sources with destinations and tell each source."""
+        scheduler = self._scheduler()
+        pairs = scheduler.pair_migrations(time.time()) if self.config.migration.enabled else []
+        self._last_pairs = {p.source: p.destination for p in pairs}
+        for p in pairs:
+            self._send(p.source, {"op": "llumnix_migrate_to", "destination": p.destination})
+
+    # ------------------------------------------------------------------ helpers
+    def _scheduler(self) -> GlobalScheduler:
+        if self.global_scheduler is None:
+            raise RuntimeError("the llumdask scheduler plugin has not started")
+        return self.global_scheduler
+
+    def _instance_ids(self) -> list[str]:
+        return [view.instance_id for view in self._scheduler().instances()]
+
+    def _forget(self, instance: str) -> bool:
+        try:
+            self._scheduler().remove_instance(instance)
+        except UnknownInstance:
+            return False
+        self._last_pairs.pop(instance, None)
+        return True
+
+    def _workers_starting(self) -> bool:
+        """A worker whose llumlet has not registered yet is capacity on its way."""
+        return len(self.scheduler.workers) > len(self._scheduler().instances())
+
+    def _state_of(self, view: InstanceView) -> str:
+        if not view.ready:
+            return "starting"
+        if view.terminating:
+            return "terminating"
+        if view.instance_id in self._last_pairs:
+            return "source"
+        if view.instance_id in self._last_pairs.values():
+            return "destination"
+        return "normal"
+
+    def _send(self, worker: str, msg: dict) -> None:
+        """Fire-and-forget to a worker's llumlet over the scheduler's batched stream."""
+        stream = self.scheduler.stream_comms.get(worker) if self.scheduler is not None else None
+        if stream is None:
+            return
+        try:
+            stream.send(msg)
+        except CommClosedError:
+            logger.info("could not send %s to %s: stream closed", msg["op"], worker)
+
+
+async def dask_setup(scheduler) -> None:
+    """`dask scheduler --preload llumdask.plugins.scheduler`: configured from dask.config."""
+    scheduler.add_plugin(LlumnixSchedulerPlugin(), name=PLUGIN_NAME, idempotent=True)

@@ -1,0 +1,313 @@
+"""Token streams: the owning instance pushes batches straight to the requester's listener.
+
+Tokens never pass through the scheduler, nor through Dask Events or Queues (an RPC per item, or
+dropped early messages). The owner of a request keeps one comm per requester and batches token
+messages on it with a `BatchedSend`; the requester runs a small comm listener. The owner changes
+when a migration commits, so the last tokens of the source and the first of the destination may
+arrive interleaved or twice: `TokenSequence` puts them back in order by sequence number and drops
+duplicates. `TokenSequence` is pure (no I/O); `TokenStream` adds waiting on an asyncio loop.
+
+Wire format of one token message (msgpack-native, batched into lists by `BatchedSend`):
+    {"op": "llumnix_tokens", "request_id": str, "first_index": int, "token_ids": [int, ...],
+     "finished": bool, "finish_reason": "length" | "stop" | "abort" | None, "instance": str}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import timedelta
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Mapping
+
+from distributed.batched import BatchedSend
+from distributed.comm import Comm, CommClosedError, connect, listen
+
+from llumdask.engine.base import TokenOutput
+from llumdask.request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+TOKENS_OP = "llumnix_tokens"
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """One token message: a TokenOutput plus the instance that produced it (the current owner)."""
+
+    request_id: str
+    first_index: int
+    token_ids: tuple[int, ...]
+    instance: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+    @classmethod
+    def from_output(cls, output: TokenOutput, instance: str) -> "TokenBatch":
+        return cls(output.request_id, output.first_index, tuple(output.token_ids), instance,
+                   output.finished, output.finish_reason)
+
+    def to_msg(self) -> dict:
+        return {
+            "op": TOKENS_OP,
+            "request_id": self.request_id,
+            "first_index": self.first_index,
+            "token_ids": list(self.token_ids),
+            "finished": self.finished,
+            "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
+            "instance": self.instance,
+        }
+
+    @classmethod
+    def from_msg(cls, msg: Mapping) -> "TokenBatch":
+        reason = msg.get("finish_reason")
+        return cls(
+            request_id=msg["request_id"],
+            first_index=int(msg["first_index"]),
+            token_ids=tuple(int(t) for t in msg["token_ids"]),
+            instance=msg["instance"],
+            finished=bool(msg["finished"]),
+            finish_reason=None if reason is None else FinishReason(reason),
+        )
+
+
+class TokenSequence:
+    """Reassembles one request's output from batches that may arrive out of order or twice.
+
+    `add` returns the tokens that became deliverable (contiguous from the last delivered one).
+    A duplicate index is dropped; if it carries a different token it is counted in `conflicts`
+    (greedy and seeded sampling make both owners agree, so a conflict is a bug worth seeing).
+    The sequence is done once a finished batch fixed the length and every token up to it arrived.
+    """
+
+    def __init__(self, start_index: int = 0) -> None:
+        if start_index < 0:
+            raise ValueError(f"start_index must be >= 0, got {start_index}")
+        self._start = start_index
+        self._next = start_index
+        self._pending: dict[int, int] = {}
+        self._delivered: list[int] = []
+        self._length: int | None = None
+        self.finish_reason: FinishReason | None = None
+        self.conflicts = 0
+        self.owner: str | None = None
+
+    @property
+    def next_index(self) -> int:
+        """Sequence number of the next token to deliver (= tokens delivered so far, plus the start)."""
+        return self._next
+
+    @property
+    def delivered(self) -> list[int]:
+        return list(self._delivered)
+
+    @property
+    def done(self) -> bool:
+        return self._length is not None and self._next >= self._length
+
+    def add(self, batch: TokenBatch) -> list[int]:
+        if batch.first_index < 0:
+            raise ValueError(f"request {batch.request_id}: negative first_index {batch.first_index}")
+        end = batch.first_index + len(batch.token_ids)
+        if end > self._next or batch.finished:
+            self.owner = batch.instance
+        for offset, token in enumerate(batch.token_ids):
+            self._accept(batch.first_index + offset, token)
+        if batch.finished and self._length is None:
+            self._length = end
+            self.finish_reason = batch.finish_reason
+        return self._drain()
+
+    def _accept(self, index: int, token: int) -> None:
+        if index < self._next:
+            known = self._delivered[index - self._start] if index >= self._start else token
+        else:
+            known = self._pending.setdefault(index, token)
+        if known != token:
+            self.conflicts += 1
+
+    def _drain(self) -> list[int]:
+        new: list[int] = []
+        while self._next in self._pending:
+            new.append(self._pending.pop(self._next))
+            self._next += 1
+        self._delivered.extend(new)
+        return new
+
+
+class TokenStream:
+    """Async view of one request's tokens; lives on the listener's event loop."""
+
+    def __init__(self, request_id: str, start_index: int = 0) -> None:
+        self.request_id = request_id
+        self.sequence = TokenSequence(start_index)
+        self._ready: list[int] = []
+        self._changed = asyncio.Event()
+        self._error: BaseException | None = None
+
+    def push(self, batch: TokenBatch) -> None:
+        new = self.sequence.add(batch)
+        if new or self.sequence.done:
+            self._ready.extend(new)
+            self._changed.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with an error (request refused, requester closing)."""
+        self._error = error
+        self._changed.set()
+
+    @property
+    def done(self) -> bool:
+        return self.sequence.done and not self._ready
+
+    async def next_tokens(self) -> list[int]:
+        """Wait for the next contiguous run of tokens; [] once the request has finished."""
+        while not self._ready:
+            if self._error is not None:
+                raise self._error
+            if self.sequence.done:
+                return []
+            self._changed.clear()
+            await self._changed.wait()
+        ready, self._ready = self._ready, []
+        return ready
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        while tokens := await self.next_tokens():
+            for token in tokens:
+                yield token
+
+
+class TokenListener:
+    """The requester's end: a comm listener that routes token messages to open streams.
+
+    Must be started and used on one event loop. `on_sender_closed(instance)` is called when an
+    owner's comm closes, so that the requester can notice a dead instance.
+    """
+
+    def __init__(self, address: str = "tcp://127.0.0.1:0",
+                 on_sender_closed: Callable[[str], None] | None = None) -> None:
+        self._bind = address
+        self._listener = None
+        self._streams: dict[str, TokenStream] = {}
+        self._on_sender_closed = on_sender_closed
+        self.dropped = 0
+
+    async def start(self) -> "TokenListener":
+        self._listener = listen(self._bind, self._handle_comm, deserialize=False)
+        await self._listener.start()
+        return self
+
+    @property
+    def address(self) -> str:
+        if self._listener is None:
+            raise RuntimeError("the token listener is not started")
+        return self._listener.contact_address
+
+    def open(self, request_id: str, start_index: int = 0) -> TokenStream:
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id} already has an open token stream")
+        stream = TokenStream(request_id, start_index)
+        self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def streams(self) -> dict[str, TokenStream]:
+        return dict(self._streams)
+
+    async def _handle_comm(self, comm: Comm) -> None:
+        sender: str | None = None
+        try:
+            while True:
+                msgs = await comm.read()
+                for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
+                    if not isinstance(msg, dict) or msg.get("op") != TOKENS_OP:
+                        logger.warning("token listener dropped an unexpected message: %r", msg)
+                        continue
+                    batch = TokenBatch.from_msg(msg)
+                    sender = batch.instance
+                    self._route(batch)
+        except CommClosedError:
+            pass
+        finally:
+            await comm.close()
+            if sender is not None and self._on_sender_closed is not None:
+                self._on_sender_closed(sender)
+
+    def _route(self, batch: TokenBatch) -> None:
+        stream = self._streams.get(batch.request_id)
+        if stream is None:
+            self.dropped += 1
+            return
+        stream.push(batch)
+
+    async def close(self) -> None:
+        for stream in self._streams.values():
+            stream.fail(RuntimeError("token listener closed"))
+        self._streams.clear()
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
+
+
+class TokenPusher:
+    """The owner's end: one BatchedSend per requester address, opened on first use.
+
+    Runs on the worker's event loop. `on_unreachable(address)` fires when a requester cannot be
+    reached (connect failed or its comm closed), so that the owner can abort its requests.
+    """
+
+    def __init__(self, instance: str, interval: str = "2ms",
+                 on_unreachable: Callable[[str], None] | None = None,
+                 connect_timeout: float | None = None) -> None:
+        self.instance = instance
+        self._interval = interval
+        self._connect_timeout = connect_timeout
+        self._senders: dict[str, BatchedSend] = {}
+        self._connecting: dict[str, asyncio.Task] = {}
+        self._on_unreachable = on_unreachable
+
+    def push(self, reply_to: str, output: TokenOutput) -> None:
+        sender = self._senders.get(reply_to)
+        if sender is None:
+            sender = BatchedSend(interval=self._interval)
+            self._senders[reply_to] = sender
+            self._connecting[reply_to] = asyncio.ensure_future(self._connect(reply_to, sender))
+        try:
+            sender.send(TokenBatch.from_output(output, self.instance).to_msg())
+        except CommClosedError:
+            self._lost(reply_to)
+
+    async def _connect(self, address: str, sender: BatchedSend) -> None:
+        try:
+            comm = await connect(address, timeout=self._connect_timeout)
+        except (OSError, asyncio.TimeoutError):
+            logger.warning("requester %s is unreachable", address)
+            self._lost(address)
+            return
+        finally:
+            self._connecting.pop(address, None)
+        if self._senders.get(address) is sender:
+            sender.start(comm)
+        else:
+            await comm.close()
+
+    def _lost(self, address: str) -> None:
+        sender = self._senders.pop(address, None)
+        if sender is not None:
+            sender.abort()
+        if self._on_unreachable is not None:
+            self._on_unreachable(address)
+
+    async def close(self) -> None:
+        for task in list(self._connecting.values()):
+            await asyncio.wait([task], timeout=5)
+        senders, self._senders = self._senders, {}
+        for sender in senders.values():
+            try:
+                # tornado reads a bare number as an absolute deadline: pass a duration.
+                await sender.close(timeout=timedelta(seconds=5))
+            except Exception:  # closing a broken comm must not stop the others
+                logger.debug("closing a token comm failed", exc_info=True)

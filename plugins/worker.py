@@ -1,0 +1,415 @@
+"""The llumlet on a Dask worker: a `WorkerPlugin` hosting one engine instance and its llumlet.
+
+The llumlet is sans-IO and single-threaded; this host drives it. Every llumlet (and engine) call
+runs on one dedicated thread, in submission order, so engine steps never block the worker's
+event loop (heartbeats would stall) and migration messages of one comm are handled in order.
+The event loop does the I/O: load reports to the scheduler, migration comms (`CommTransport`),
+token batches to requesters (`TokenPusher`).
+
+Where a request's tokens go ("route": the requester's listener address) is known to the
+instance that owns the request. It arrives with the request (`llumnix_add`), travels to a
+migration's destination in the context of each `PreAlloc`, and becomes the destination's when it
+answers `Committed`; the source forgets it at COMMIT.
+
+Worker RPC handlers (reply dicts):
+    llumnix_add(request, reply_to)             -> {"accepted": bool, "reason": str}
+    llumnix_abort(request_id)                  -> {"aborted": bool}
+    llumnix_migrate_out(request_id, destination) -> {"migration_id": str | None, "reason": str}
+    llumnix_worker_status()                    -> see `LlumletHost.status`
+    llumnix_migration(sender, message, context) (one-way, see plugins/transport.py)
+Stream ops from the scheduler: llumnix_migrate_to, llumnix_set_terminating, llumnix_peer_lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Callable, TypeVar
+
+from distributed.core import Status
+from distributed.diagnostics.plugin import WorkerPlugin
+from tornado.ioloop import IOLoop, PeriodicCallback
+
+from llumdask.config import LlumdaskConfig, load_config
+from llumdask.engine.base import Engine, TokenOutput
+from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
+from llumdask.protocol import Abort, Committed, MigrationMessage, PreAlloc, PreAllocReply
+from llumdask.plugins.streams import TokenPusher
+from llumdask.plugins.transport import MIGRATION_OP, CommTransport
+from llumdask.plugins.wire import event_to_msg, request_from_msg
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "llumdask"
+T = TypeVar("T")
+
+# Stream ops the scheduler plugin sends to llumlets.
+_SCHEDULER_OPS = ("llumnix_migrate_to", "llumnix_set_terminating", "llumnix_peer_lost")
+
+
+def _ignore(**_: Any) -> None:
+    return None
+
+
+def make_engine(config: LlumdaskConfig, instance_id: str, clock: Callable[[], float]) -> Engine:
+    """The engine named by `llumdask.engine`.
+
+    The sim engine runs in real time here: the host's clock is the wall clock, so a step must
+    take its modelled duration for token timestamps, streaming and migration races to be real.
+    """
+    if config.engine == "sim":
+        from llumdask.engine.sim import SimEngine
+
+        real_time = replace(config, sim_engine=replace(config.sim_engine, real_time=True))
+        return SimEngine.from_config(real_time, clock=clock, instance_id=instance_id)
+    raise ValueError(f"llumdask.engine {config.engine!r} is not available on Dask workers yet; use 'sim'")
+
+
+class _Routes:
+    """Request id -> requester address, for requests this instance owns or is receiving.
+
+    Touched only on the engine thread. Incoming migrations keep their route aside until the
+    destination commits, and are swept if their migration silently expires.
+    """
+
+    def __init__(self, expiry: float) -> None:
+        self.owned: dict[str, str] = {}
+        self._incoming: dict[str, tuple[str, str, float]] = {}
+        self._expiry = expiry
+
+    def add_incoming(self, migration_id: str, request_id: str, reply_to: str, now: float) -> None:
+        self._incoming[migration_id] = (request_id, reply_to, now)
+
+    def commit_incoming(self, migration_id: str) -> None:
+        entry = self._incoming.pop(migration_id, None)
+        if entry is not None:
+            self.owned[entry[0]] = entry[1]
+
+    def drop_incoming(self, migration_id: str) -> None:
+        self._incoming.pop(migration_id, None)
+
+    def sweep(self, now: float, is_known: Callable[[str], bool]) -> None:
+        for migration_id, (_, _, since) in list(self._incoming.items()):
+            if now - since > self._expiry:
+                del self._incoming[migration_id]
+        for request_id in [r for r in self.owned if not is_known(r)]:
+            del self.owned[request_id]
+
+    def __len__(self) -> int:
+        return len(self.owned) + len(self._incoming)
+
+
+class LlumletHost:
+    """Runs one llumlet on a worker: engine thread, stepping loop, reports, comms."""
+
+    def __init__(self, worker, config: LlumdaskConfig) -> None:
+        self.worker = worker
+        self.config = config
+        self.instance_id: str = worker.address
+        self.loop: IOLoop = worker.loop
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llumlet")
+        migration = config.migration
+        self._routes = _Routes(expiry=2 * migration.handshake_timeout * (migration.max_stages + 1))
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._runner: asyncio.Task | None = None
+        self._registrar: asyncio.Task | None = None
+        self._reporter: PeriodicCallback | None = None
+        self.registered = False
+        self.started_at = time.time()
+        self.events: deque[dict] = deque(maxlen=256)
+        self.pusher = TokenPusher(self.instance_id, on_unreachable=self._requester_lost)
+        self.transport = CommTransport(
+            self.loop,
+            on_receive=self._on_migration_message,
+            on_peer_lost=self._peer_lost,
+            annotate=self._annotate,
+            connect_timeout=migration.handshake_timeout,
+        )
+        self.llumlet: Llumlet | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        engine = await self._call(make_engine, self.config, self.instance_id, time.time)
+        self.llumlet = Llumlet(
+            self.instance_id, engine, self.transport, self.config, time.time,
+            on_tokens=self._on_tokens, on_event=self._on_event,
+        )
+        self.worker.handlers.update(
+            {
+                "llumnix_add": self.add,
+                "llumnix_abort": self.abort,
+                "llumnix_migrate_out": self.migrate_out,
+                "llumnix_worker_status": self.status,
+                MIGRATION_OP: self.transport.handle,
+            }
+        )
+        self.worker.stream_handlers.update(
+            dict(zip(_SCHEDULER_OPS, (self.migrate_to, self.set_terminating, self.peer_lost)))
+        )
+        self._runner = asyncio.ensure_future(self._run())
+        self._reporter = PeriodicCallback(self._report, self.config.report_interval * 1000)
+        self._reporter.start()
+        self._registrar = asyncio.ensure_future(self._register())
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        if self._reporter is not None:
+            self._reporter.stop()
+        for task in (self._registrar, self._runner):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self.registered and self.worker.status == Status.running:
+            try:
+                await asyncio.wait_for(self.worker.scheduler.llumnix_unregister(instance=self.instance_id), 5)
+            except (OSError, asyncio.TimeoutError):
+                logger.info("could not unregister %s from the scheduler", self.instance_id)
+        self.registered = False
+        for name in ("llumnix_add", "llumnix_abort", "llumnix_migrate_out", "llumnix_worker_status", MIGRATION_OP):
+            self.worker.handlers.pop(name, None)
+        # Stream ops stay handled (ignored): the scheduler may still send some before it learns
+        # that this llumlet is gone, and an op without a handler would disconnect the worker.
+        for name in _SCHEDULER_OPS:
+            self.worker.stream_handlers[name] = _ignore
+        await self.transport.close()
+        await self.pusher.close()
+        self._executor.shutdown(wait=True)
+
+    async def _register(self) -> None:
+        """Register once this worker is known to the scheduler and the scheduler plugin answers."""
+        engine = self._llumlet().engine
+        delay = 0.05
+        while self.worker.status != Status.running:
+            await asyncio.sleep(delay)
+        while True:
+            try:
+                reply = await self.worker.scheduler.llumnix_register(
+                    instance=self.instance_id, total_blocks=engine.total_blocks, block_size=engine.block_size
+                )
+            except OSError as exc:
+                logger.info("registering %s failed: %s", self.instance_id, exc)
+                reply = None
+            # No scheduler plugin (yet) answers None: sending load reports then would get this
+            # worker disconnected, so wait for it.
+            if isinstance(reply, dict) and reply.get("registered"):
+                break
+            delay = min(delay * 2, 2.0)
+            await asyncio.sleep(delay)
+        self.registered = True
+        await self._report()
+        await self.worker.scheduler.llumnix_ready(instance=self.instance_id)
+
+    # ------------------------------------------------------------------ engine thread
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` on the engine thread after everything submitted before it."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Fire-and-forget on the engine thread; failures are logged, and the stepper woken."""
+        future = self._executor.submit(fn, *args)
+        future.add_done_callback(self._log_failure)
+        self._wake.set()
+
+    @staticmethod
+    def _log_failure(future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            logger.error("llumlet call failed", exc_info=future.exception())
+
+    def _llumlet(self) -> Llumlet:
+        if self.llumlet is None:
+            raise RuntimeError("the llumlet host has not started")
+        return self.llumlet
+
+    async def _run(self) -> None:
+        """Step while there is work; otherwise sleep until woken (new request, migration message)."""
+        while not self._closing:
+            self._wake.clear()
+            try:
+                busy = await self._call(self._step_once)
+            except Exception:
+                logger.exception("engine step failed on %s", self.instance_id)
+                busy = False
+            if not busy:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.config.report_interval)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _step_once(self) -> bool:
+        llumlet = self._llumlet()
+        if llumlet.engine.has_work():
+            llumlet.step()
+        return llumlet.engine.has_work()
+
+    def _report_once(self) -> dict:
+        llumlet = self._llumlet()
+        llumlet.tick()
+        self._routes.sweep(time.time(), lambda r: llumlet.engine.get_request(r) is not None)
+        return llumlet.load_report().to_dict()
+
+    async def _report(self) -> None:
+        load = await self._call(self._report_once)
+        if self.registered:
+            self.worker.batched_send({"op": "llumnix_load", "load": load})
+
+    # ------------------------------------------------------------------ callbacks from the llumlet (engine thread)
+    def _on_tokens(self, output: TokenOutput) -> None:
+        routes = self._routes.owned
+        reply_to = routes.pop(output.request_id, None) if output.finished else routes.get(output.request_id)
+        if reply_to is None:
+            logger.debug("tokens of %s have nowhere to go", output.request_id)
+            return
+        self.loop.add_callback(self.pusher.push, reply_to, output)
+
+    def _on_event(self, event: MigrationEvent) -> None:
+        if event.kind is MigrationEventKind.COMMITTED:
+            self._routes.owned.pop(event.request_id, None)
+        self.loop.add_callback(self._publish_event, event)
+
+    def _annotate(self, message: MigrationMessage) -> dict | None:
+        """Called as the llumlet sends: attach the route to PreAlloc, track incoming routes' fate."""
+        if isinstance(message, PreAlloc):
+            reply_to = self._routes.owned.get(message.request_id)
+            return {"reply_to": reply_to} if reply_to else None
+        if isinstance(message, Committed):
+            self._routes.commit_incoming(message.migration_id)
+        elif isinstance(message, Abort) or (isinstance(message, PreAllocReply) and not message.accepted):
+            self._routes.drop_incoming(message.migration_id)
+        return None
+
+    def _deliver(self, sender: str, message: MigrationMessage, context: dict | None) -> None:
+        if isinstance(message, PreAlloc) and context and context.get("reply_to"):
+            self._routes.add_incoming(message.migration_id, message.request_id, context["reply_to"], time.time())
+        elif isinstance(message, Abort):
+            self._routes.drop_incoming(message.migration_id)
+        self._llumlet().on_message(sender, message)
+
+    def _drop_requests_of(self, reply_to: str) -> None:
+        llumlet = self._llumlet()
+        for request_id in [r for r, a in self._routes.owned.items() if a == reply_to]:
+            del self._routes.owned[request_id]
+            llumlet.abort_request(request_id)
+
+    # ------------------------------------------------------------------ event-loop side
+    def _on_migration_message(self, sender: str, message: MigrationMessage, context: dict | None) -> None:
+        self._submit(self._deliver, sender, message, context)
+
+    def _peer_lost(self, peer: str) -> None:
+        self._submit(self._llumlet().peer_lost, peer)
+
+    def _requester_lost(self, reply_to: str) -> None:
+        self._submit(self._drop_requests_of, reply_to)
+
+    def _publish_event(self, event: MigrationEvent) -> None:
+        msg = event_to_msg(event)
+        self.events.append(msg)
+        if event.kind is not MigrationEventKind.STARTED:
+            self.transport.end_migration(event.destination, event.migration_id)
+        if self.registered:
+            self.worker.batched_send({"op": "llumnix_event", "event": msg})
+
+    # ------------------------------------------------------------------ RPC handlers
+    async def add(self, request: dict, reply_to: str) -> dict:
+        try:
+            parsed = request_from_msg(request)
+        except (KeyError, TypeError, ValueError) as exc:
+            return {"accepted": False, "reason": f"malformed request: {exc}"}
+        try:
+            await self._call(self._add, parsed, reply_to)
+        except ValueError as exc:
+            return {"accepted": False, "reason": str(exc)}
+        self._wake.set()
+        return {"accepted": True, "reason": ""}
+
+    def _add(self, request, reply_to: str) -> None:
+        self._llumlet().add_request(request)
+        self._routes.owned[request.request_id] = reply_to
+
+    async def abort(self, request_id: str) -> dict:
+        def _abort() -> bool:
+            known = self._llumlet().engine.get_request(request_id) is not None
+            self._llumlet().abort_request(request_id)
+            self._routes.owned.pop(request_id, None)
+            return known
+
+        return {"aborted": await self._call(_abort)}
+
+    async def migrate_out(self, request_id: str, destination: str) -> dict:
+        migration_id = await self._call(self._llumlet().migrate_out, destination, request_id)
+        if migration_id is None:
+            return {"migration_id": None,
+                    "reason": f"{self.instance_id} did not start it: the request is not running here, "
+                              "is already migrating, or migrations are at their limit"}
+        return {"migration_id": migration_id, "reason": ""}
+
+    async def status(self) -> dict:
+        return await self._call(self._status)
+
+    def _status(self) -> dict:
+        """Engine-level facts for tests and operators: integrity, blocks, work in flight."""
+        llumlet = self._llumlet()
+        try:
+            llumlet.check_integrity()
+            integrity_error = None
+        except AssertionError as exc:
+            integrity_error = str(exc) or "integrity check failed"
+        snap = llumlet.engine.snapshot()
+        return {
+            "instance": self.instance_id,
+            "started_at": self.started_at,
+            "registered": self.registered,
+            "integrity_error": integrity_error,
+            "total_blocks": snap.total_blocks,
+            "free_blocks": snap.free_blocks,
+            "reserved_blocks": snap.reserved_blocks,
+            "num_running": len(snap.running),
+            "num_waiting": len(snap.waiting),
+            "has_work": llumlet.engine.has_work(),
+            "migrations_in_flight": llumlet.migrations_in_flight(),
+            "terminating": llumlet.terminating,
+            "routes": len(self._routes),
+            "open_channels": self.transport.open_channels,
+            "events": list(self.events),
+        }
+
+    # ------------------------------------------------------------------ stream handlers (from the scheduler)
+    def migrate_to(self, destination: str) -> None:
+        self._submit(self._llumlet().migrate_out, destination)
+
+    def set_terminating(self, flag: bool) -> None:
+        self._submit(self._llumlet().set_terminating, flag)
+
+    def peer_lost(self, peer: str) -> None:
+        self._peer_lost(peer)
+
+
+class LlumletWorkerPlugin(WorkerPlugin):
+    """Installs a `LlumletHost` on each worker. Idempotent: registering it again keeps the engine."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, config_overrides: dict | None = None) -> None:
+        # Overrides travel pickled; the config is read on the worker, where dask.config applies.
+        self._overrides = dict(config_overrides or {})
+        self.host: LlumletHost | None = None
+
+    async def setup(self, worker) -> None:
+        self.host = LlumletHost(worker, load_config(self._overrides))
+        await self.host.start()
+
+    async def teardown(self, worker) -> None:
+        if self.host is not None:
+            await self.host.close()
+            self.host = None
+
+
+async def dask_setup(worker) -> None:
+    """`dask worker --preload llumdask.plugins.worker`: configured from dask.config."""
+    await worker.plugin_add(LlumletWorkerPlugin(), name=PLUGIN_NAME, catch_errors=False)

@@ -1,0 +1,69 @@
+"""Adaptive scaling on a real cluster: up on low freeness, down only after draining, no request lost."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from daskhelpers import assert_workers_clean, prompt_of, reference_tokens, wait_until
+
+from llumdask.api.client import connect
+from llumdask.clusters.local import local_cluster
+from llumdask.config import load_config
+
+pytestmark = pytest.mark.slow
+
+
+def n_workers(llum) -> int:
+    return len(llum.dask_client.scheduler_info()["workers"])
+
+
+def actions(llum) -> list[str]:
+    return [entry["action"] for entry in llum.dask_client.sync(llum.dask_client.scheduler.llumnix_status)["scaling"]["log"]]
+
+
+def test_scales_up_on_low_freeness_then_back_down_when_idle():
+    overrides = {
+        "sim-engine": {"total-blocks": 64},
+        "scaling": {"enabled": True, "band": [10.0, 60.0], "sustained-period": 0.5,
+                    "min-instances": 1, "max-instances": 2},
+    }
+    config = load_config(overrides)
+    with local_cluster(1, config_overrides=overrides) as cluster, connect(cluster) as llum:
+        # An idle instance has F = 64 > 60, but the minimum keeps it.
+        prompts = [prompt_of(60 + k, 80) for k in range(5)]
+        streams = [llum.stream(p, max_tokens=90) for p in prompts]
+        results: list[list[int]] = [[] for _ in streams]
+        readers = [threading.Thread(target=lambda i=i: results[i].extend(streams[i])) for i in range(len(streams))]
+        for reader in readers:
+            reader.start()
+        # 5 requests of 5+ blocks each on 64 blocks: mean F < 10 -> a second instance.
+        wait_until(lambda: n_workers(llum) == 2, 30, what="scale-up to two workers")
+        for reader in readers:
+            reader.join(60)
+        for got, prompt in zip(results, prompts):
+            assert got == reference_tokens(config, prompt, 90)
+        # Idle again: mean F > 60 -> one instance drained, then closed.
+        wait_until(lambda: n_workers(llum) == 1, 30, what="scale-down to one worker")
+        assert actions(llum)[:1] == ["add"] and {"terminate", "remove"} <= set(actions(llum))
+        assert_workers_clean(llum.dask_client)
+
+
+def test_a_drained_instance_closes_only_after_its_requests_migrated():
+    overrides = {"sim-engine": {"total-blocks": 256}}
+    config = load_config(overrides)
+    with local_cluster(2, config_overrides=overrides, adaptive=True) as cluster, connect(cluster) as llum:
+        prompts = [prompt_of(70 + k, 60) for k in range(4)]
+        streams = [llum.stream(p, max_tokens=100) for p in prompts]
+        tokens = [[next(s)] for s in streams]
+        victim = streams[0].instance
+        on_victim = [s.request_id for s in streams if s.instance == victim]
+        llum.drain(victim)
+        for got, stream in zip(tokens, streams):
+            got += list(stream)
+        for got, prompt in zip(tokens, prompts):
+            assert got == reference_tokens(config, prompt, 100)
+        assert victim not in {s.instance for s in streams} and on_victim
+        wait_until(lambda: n_workers(llum) == 1, 30, what="the drained worker closed")
+        assert victim not in llum.dask_client.scheduler_info()["workers"]
+        assert_workers_clean(llum.dask_client)

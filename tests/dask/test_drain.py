@@ -1,0 +1,42 @@
+"""Policy-triggered migration on a real cluster: draining an instance moves its running
+requests to the other one through the scheduler's pairing loop, streams unchanged."""
+
+from __future__ import annotations
+
+import pytest
+from daskhelpers import assert_workers_clean, prompt_of, reference_tokens, wait_until, worker_statuses
+
+from llumdask.api.client import connect
+from llumdask.clusters.local import local_cluster
+from llumdask.config import load_config
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = {"sim-engine": {"total-blocks": 256}}
+
+
+def test_drained_instance_hands_its_requests_over_by_live_migration():
+    config = load_config(OVERRIDES)
+    with local_cluster(2, config_overrides=OVERRIDES) as cluster, connect(cluster) as llum:
+        prompts = [prompt_of(30 + k, 60) for k in range(4)]
+        streams = [llum.stream(p, max_tokens=100) for p in prompts]
+        tokens = [[next(s)] for s in streams]
+        first_owners = [s.instance for s in streams]
+        owners = set(first_owners)
+        assert len(owners) == 2, "the burst should have been spread over both instances"
+        drained = streams[0].instance
+        survivor = (owners - {drained}).pop()
+        llum.drain(drained)
+        for got, stream in zip(tokens, streams):
+            got += list(stream)
+        for got, prompt in zip(tokens, prompts):
+            assert got == reference_tokens(config, prompt, 100)
+        assert {s.instance for s in streams} == {survivor}
+
+        events = worker_statuses(llum.dask_client)[drained]["events"]
+        committed = {e["request_id"] for e in events if e["kind"] == "committed"}
+        assert committed == {s.request_id for s, owner in zip(streams, first_owners) if owner == drained}
+        wait_until(lambda: llum.instances()[drained]["state"] == "terminating", 5, what="terminating state")
+        # New requests avoid the draining instance.
+        assert llum.generate(prompts[0], max_tokens=5, timeout=30).instance == survivor
+        assert_workers_clean(llum.dask_client)

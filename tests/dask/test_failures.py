@@ -1,0 +1,104 @@
+"""Failures on a real cluster: a worker killed mid-stream, a migration peer dying mid-migration.
+
+The handshake timeout is set far above the test's deadlines, so every clean-up seen here comes
+from the dead-peer path (the scheduler's remove_worker -> llumnix_peer_lost), not from timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from daskhelpers import assert_workers_clean, prompt_of, reference_tokens, wait_until, worker_statuses
+from distributed.comm import connect as comm_connect
+from distributed.protocol import to_serialize
+
+from llumdask.api.client import connect
+from llumdask.clusters.local import local_cluster, wait_for_instances
+from llumdask.config import load_config
+from llumdask.plugins.transport import MIGRATION_OP
+from llumdask.protocol import PreAlloc
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = {"sim-engine": {"total-blocks": 256}, "migration": {"handshake-timeout": 60.0}}
+
+
+@pytest.fixture(scope="module")
+def llum():
+    with local_cluster(2, config_overrides=OVERRIDES) as cluster, connect(cluster) as client:
+        yield client
+
+
+@pytest.fixture
+def two_instances(llum):
+    """Each test starts with two ready instances (a killed worker is restarted by its nanny)."""
+    client = llum.dask_client
+    wait_until(lambda: len(client.scheduler_info()["workers"]) == 2, 60, what="two workers")
+    wait_for_instances(client, 2, timeout=60)
+    yield [row["instance"] for row in llum.instances() if row["ready"]]
+    assert_workers_clean(client)
+
+
+def pid_of(llum, worker: str) -> int:
+    return llum.dask_client.run(os.getpid, workers=[worker])[worker]
+
+
+def test_killed_worker_mid_stream_still_completes_its_requests_exactly(llum, two_instances):
+    config = load_config(OVERRIDES)
+    prompts = [prompt_of(40 + k, 50) for k in range(4)]
+    resubmitted_before = llum.resubmissions
+    streams = [llum.stream(p, max_tokens=80) for p in prompts]
+    tokens = [[next(s) for _ in range(5)] for s in streams]
+    victim = streams[0].instance
+    on_victim = sum(s.instance == victim for s in streams)
+    os.kill(pid_of(llum, victim), signal.SIGKILL)
+    for got, stream in zip(tokens, streams):
+        got += list(stream)
+    for got, prompt in zip(tokens, prompts):
+        assert got == reference_tokens(config, prompt, 80)
+    assert llum.resubmissions - resubmitted_before == on_victim >= 1
+    assert victim not in {s.instance for s in streams}
+
+
+def test_source_death_releases_the_destination_reservation(llum, two_instances):
+    source, destination = two_instances
+
+    async def fake_prealloc():
+        comm = await comm_connect(destination)
+        message = PreAlloc("fake-migration", source, destination, "fake-request", 0, 7)
+        await comm.write({"op": MIGRATION_OP, "sender": source, "message": to_serialize(message),
+                          "context": None, "reply": False})
+        await comm.close()
+
+    client = llum.dask_client
+    client.sync(fake_prealloc)
+    wait_until(lambda: worker_statuses(client)[destination]["reserved_blocks"] == 7, 10, what="reservation")
+    assert worker_statuses(client)[destination]["migrations_in_flight"] == 1
+    os.kill(pid_of(llum, source), signal.SIGKILL)
+    wait_until(lambda: worker_statuses(client).get(destination, {}).get("reserved_blocks") == 0, 10,
+               what="reservation released")
+    assert worker_statuses(client)[destination]["migrations_in_flight"] == 0
+
+
+def test_destination_death_mid_migration_aborts_it_and_the_request_goes_on(llum, two_instances):
+    config = load_config(OVERRIDES)
+    prompt = prompt_of(50, 60)
+    resubmitted_before = llum.resubmissions
+    stream = llum.stream(prompt, max_tokens=150)
+    tokens = [next(stream) for _ in range(5)]
+    source = stream.instance
+    destination = next(i for i in two_instances if i != source)
+    destination_pid = pid_of(llum, destination)
+    os.kill(destination_pid, signal.SIGSTOP)  # it will never answer the pre-allocation
+    try:
+        migration_id = llum.migrate(stream.request_id, to=destination)
+    finally:
+        os.kill(destination_pid, signal.SIGKILL)
+    tokens += list(stream)
+    assert tokens == reference_tokens(config, prompt, 150)
+    assert stream.instance == source and llum.resubmissions == resubmitted_before
+    events = [e for e in worker_statuses(llum.dask_client)[source]["events"] if e["migration_id"] == migration_id]
+    assert [e["kind"] for e in events] == ["started", "aborted"]
+    assert "lost" in events[-1]["reason"]

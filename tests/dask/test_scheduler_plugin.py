@@ -1,0 +1,164 @@
+"""The scheduler plugin's handlers against a stand-in scheduler (no cluster, no comms)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from llumdask.load import InstanceLoad
+from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
+from llumdask.plugins.worker import _Routes
+
+
+class FakeStream:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send(self, msg: dict) -> None:
+        self.sent.append(msg)
+
+
+class FakeScheduler:
+    def __init__(self, workers: list[str]) -> None:
+        self.handlers: dict = {}
+        self.stream_handlers: dict = {}
+        self.workers = {w: SimpleNamespace(address=w, name=f"name-{w}") for w in workers}
+        self.stream_comms = {w: FakeStream() for w in workers}
+
+
+def run_plugin(test, workers=("a", "b"), overrides=None):
+    async def main():
+        scheduler = FakeScheduler(list(workers))
+        plugin = LlumnixSchedulerPlugin(overrides or {"migration": {"interval": 60.0}})
+        await plugin.start(scheduler)
+        try:
+            await test(plugin, scheduler)
+        finally:
+            await plugin.close()
+
+    asyncio.run(main())
+
+
+def load(instance: str, **kw) -> dict:
+    fields = dict(instance_id=instance, total_blocks=100, block_size=16, free_blocks=100, num_running=0, num_waiting=0)
+    fields.update(kw)
+    return InstanceLoad(**fields).to_dict()
+
+
+def test_handlers_are_installed_under_llumnix_names():
+    async def check(plugin, scheduler):
+        assert {"llumnix_register", "llumnix_ready", "llumnix_dispatch", "llumnix_status", "llumnix_drain",
+                "llumnix_migrate", "llumnix_adaptive_target"} <= set(scheduler.handlers)
+        assert {"llumnix_load", "llumnix_event"} <= set(scheduler.stream_handlers)
+        assert all(name.startswith("llumnix_") for name in scheduler.stream_handlers)
+        assert "adaptive_target" not in scheduler.handlers  # scaling disabled
+
+    run_plugin(check)
+
+
+def test_only_ready_instances_are_dispatched_to_and_a_burst_spreads():
+    async def check(plugin, scheduler):
+        assert plugin.dispatch("r0", 10, 10)["instance"] is None
+        plugin.register("a", 100, 16)
+        plugin.register("b", 100, 16)
+        refused = plugin.dispatch("r0", 10, 10)  # registered, not ready
+        assert refused["instance"] is None and "no ready" in refused["reason"]
+        plugin.ready("a")
+        plugin.ready("b")
+        chosen = [plugin.dispatch(f"r{k}", 64, 10)["instance"] for k in range(6)]
+        assert chosen.count("a") == chosen.count("b") == 3
+        rows = plugin.status()["instances"]
+        assert [row["num_pending"] for row in rows] == [3, 3]
+
+    run_plugin(check)
+
+
+def test_bad_load_reports_are_ignored_without_raising():
+    async def check(plugin, scheduler):
+        plugin.on_load(load("ghost"))  # never registered
+        plugin.on_load({"instance_id": "a"})  # malformed
+        plugin.register("a", 100, 16)
+        plugin.on_load(load("a", total_blocks=50, free_blocks=50))  # wrong capacity
+        plugin.on_load(load("a", free_blocks=60, num_running=1, running_blocks={0: 40}, running_count={0: 1}))
+        assert plugin.status()["instances"][0]["free_blocks"] == 60
+
+    run_plugin(check)
+
+
+def test_a_removed_worker_is_forgotten_and_its_peers_told():
+    async def check(plugin, scheduler):
+        for w in ("a", "b"):
+            plugin.register(w, 100, 16)
+            plugin.ready(w)
+        plugin.remove_worker(scheduler, "a", stimulus_id="test")
+        assert [row["instance"] for row in plugin.status()["instances"]] == ["b"]
+        assert scheduler.stream_comms["b"].sent == [{"op": "llumnix_peer_lost", "peer": "a"}]
+        assert scheduler.stream_comms["a"].sent == []
+
+    run_plugin(check)
+
+
+def test_pairing_tells_the_overloaded_source_where_to_migrate():
+    async def check(plugin, scheduler):
+        for w in ("a", "b"):
+            plugin.register(w, 100, 16)
+            plugin.ready(w)
+        plugin.on_load(load("a", free_blocks=0, num_running=4, running_blocks={0: 100}, running_count={0: 4}))
+        plugin.on_load(load("b"))
+        plugin.pair()
+        assert scheduler.stream_comms["a"].sent == [{"op": "llumnix_migrate_to", "destination": "b"}]
+        states = {row["instance"]: row["state"] for row in plugin.status()["instances"]}
+        assert states == {"a": "source", "b": "destination"}
+
+    run_plugin(check)
+
+
+def test_drained_instances_are_the_only_ones_offered_for_downscaling():
+    async def check(plugin, scheduler):
+        for w in ("a", "b"):
+            plugin.register(w, 100, 16)
+            plugin.ready(w)
+        assert plugin.drain("a") == {"draining": True, "reason": ""}
+        assert scheduler.stream_comms["a"].sent == [{"op": "llumnix_set_terminating", "flag": True}]
+        assert plugin.drain("zzz")["draining"] is False
+        workers = list(scheduler.workers.values())
+        plugin.scale()
+        assert plugin.valid_workers_downscaling(scheduler, workers) == []  # not seen drained yet
+        plugin.on_load(load("a", terminating=True))
+        plugin.scale()
+        assert [ws.address for ws in plugin.valid_workers_downscaling(scheduler, workers)] == ["a"]
+        assert plugin.adaptive_target() == {"target": 1, "drained": ["name-a"]}
+
+    run_plugin(check)
+
+
+def test_with_scaling_enabled_dask_adaptive_target_is_answered():
+    overrides = {"migration": {"interval": 60.0}, "scaling": {"enabled": True, "sustained-period": 0.0,
+                                                              "min-instances": 1, "max-instances": 3}}
+
+    async def check(plugin, scheduler):
+        assert scheduler.handlers["adaptive_target"]() == 2
+        for w in ("a", "b"):
+            plugin.register(w, 100, 16)
+            plugin.ready(w)
+            plugin.on_load(load(w, free_blocks=0, num_running=4, running_blocks={0: 100}, running_count={0: 4}))
+        plugin.scale()
+        plugin.scale()
+        assert scheduler.handlers["adaptive_target"](target_duration="5s") == 3
+        assert [e["action"] for e in plugin.status()["scaling"]["log"]] == ["add"]
+        plugin.add_worker(scheduler, "c")
+        assert plugin.status()["scaling"]["adds_wanted"] == 0
+
+    run_plugin(check, overrides=overrides)
+
+
+def test_routes_follow_incoming_migrations_to_commit_or_expiry():
+    routes = _Routes(expiry=10.0)
+    routes.add_incoming("m1", "r1", "tcp://req:1", now=0.0)
+    routes.add_incoming("m2", "r2", "tcp://req:2", now=0.0)
+    routes.commit_incoming("m1")
+    assert routes.owned == {"r1": "tcp://req:1"} and len(routes) == 2
+    routes.sweep(now=5.0, is_known=lambda r: True)
+    assert len(routes) == 2
+    routes.sweep(now=11.0, is_known=lambda r: r != "r1")
+    assert routes.owned == {} and len(routes) == 0

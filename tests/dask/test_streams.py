@@ -1,0 +1,142 @@
+"""Token streams: ordering and duplicate dropping (pure), then a real comm listener and pusher."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llumdask.engine.base import TokenOutput
+from llumdask.plugins.streams import TokenBatch, TokenListener, TokenPusher, TokenSequence
+from llumdask.request import FinishReason
+
+
+def batches_of(tokens: list[int], cuts: list[int], owner_switch: int) -> list[TokenBatch]:
+    """Split `tokens` at `cuts`; batches before `owner_switch` come from "a", the rest from "b"."""
+    bounds = sorted({0, len(tokens), *[c % (len(tokens) + 1) for c in cuts]})
+    out = []
+    for k, (i, j) in enumerate(zip(bounds, bounds[1:])):
+        last = j == len(tokens)
+        out.append(TokenBatch("r", i, tuple(tokens[i:j]), "a" if k < owner_switch else "b",
+                              finished=last, finish_reason=FinishReason.LENGTH if last else None))
+    return out
+
+
+def test_in_order_batches_deliver_everything_and_finish():
+    seq = TokenSequence()
+    assert seq.add(TokenBatch("r", 0, (5, 6), "a")) == [5, 6]
+    assert not seq.done
+    assert seq.add(TokenBatch("r", 2, (7,), "a", finished=True, finish_reason=FinishReason.STOP)) == [7]
+    assert seq.done and seq.finish_reason is FinishReason.STOP and seq.delivered == [5, 6, 7]
+
+
+def test_gap_holds_back_later_tokens_until_filled():
+    seq = TokenSequence()
+    assert seq.add(TokenBatch("r", 2, (7, 8), "b", finished=True)) == []
+    assert not seq.done
+    assert seq.add(TokenBatch("r", 0, (5,), "a")) == [5]
+    assert seq.add(TokenBatch("r", 1, (6,), "a")) == [6, 7, 8]
+    assert seq.done
+
+
+def test_duplicates_are_dropped_and_disagreement_is_counted():
+    seq = TokenSequence()
+    seq.add(TokenBatch("r", 0, (1, 2, 3), "a"))
+    assert seq.add(TokenBatch("r", 1, (2, 3, 4), "b")) == [4]
+    assert seq.conflicts == 0 and seq.owner == "b"
+    seq.add(TokenBatch("r", 0, (9,), "a"))
+    assert seq.conflicts == 1 and seq.delivered == [1, 2, 3, 4]
+
+
+def test_start_index_skips_tokens_delivered_elsewhere():
+    seq = TokenSequence(start_index=3)
+    assert seq.add(TokenBatch("r", 0, (1, 2, 3, 4), "a")) == [4]
+    assert seq.next_index == 4 and seq.conflicts == 0
+    with pytest.raises(ValueError, match="start_index"):
+        TokenSequence(start_index=-1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 50), min_size=1, max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=10),
+    owner_switch=st.integers(0, 10),
+    data=st.data(),
+)
+def test_any_arrival_order_with_duplicates_reassembles_the_stream(tokens, cuts, owner_switch, data):
+    batches = batches_of(tokens, cuts, owner_switch)
+    duplicated = batches + data.draw(st.lists(st.sampled_from(batches), max_size=5))
+    arrival = data.draw(st.permutations(duplicated))
+    seq = TokenSequence()
+    delivered: list[int] = []
+    for batch in arrival:
+        delivered += seq.add(batch)
+        assert delivered == tokens[: len(delivered)]
+    assert delivered == tokens and seq.done and seq.conflicts == 0
+
+
+def test_listener_receives_pushed_tokens_in_order_over_a_real_comm():
+    async def main():
+        listener = await TokenListener().start()
+        pusher = TokenPusher("tcp://127.0.0.1:1", interval="1ms")
+        try:
+            stream = listener.open("r1")
+            other = listener.open("r2")
+            # The destination's first tokens overtake the source's last ones.
+            pusher.push(listener.address, TokenOutput("r1", 2, (30, 40)))
+            pusher.push(listener.address, TokenOutput("r2", 0, (9,), True, FinishReason.LENGTH))
+            pusher.push(listener.address, TokenOutput("r1", 0, (10, 20)))
+            pusher.push(listener.address, TokenOutput("r1", 3, (40, 50), True, FinishReason.STOP))
+            got = await asyncio.wait_for(_collect(stream), 10)
+            assert got == [10, 20, 30, 40, 50]
+            assert stream.sequence.finish_reason is FinishReason.STOP
+            assert await asyncio.wait_for(_collect(other), 10) == [9]
+            assert stream.sequence.owner == "tcp://127.0.0.1:1"
+        finally:
+            await pusher.close()
+            await listener.close()
+
+    asyncio.run(main())
+
+
+def test_pusher_reports_an_unreachable_requester():
+    async def main():
+        listener = await TokenListener().start()
+        address = listener.address
+        await listener.close()
+        lost: list[str] = []
+        pusher = TokenPusher("w", on_unreachable=lost.append, connect_timeout=1)
+        pusher.push(address, TokenOutput("r", 0, (1,)))
+        for _ in range(100):
+            if lost:
+                break
+            await asyncio.sleep(0.05)
+        await pusher.close()
+        assert lost == [address]
+
+    asyncio.run(main())
+
+
+def test_listener_reports_a_closed_sender():
+    async def main():
+        closed: list[str] = []
+        listener = await TokenListener(on_sender_closed=closed.append).start()
+        pusher = TokenPusher("owner-1", interval="1ms")
+        stream = listener.open("r")
+        pusher.push(listener.address, TokenOutput("r", 0, (1,)))
+        assert await asyncio.wait_for(stream.next_tokens(), 10) == [1]
+        await pusher.close()
+        for _ in range(100):
+            if closed:
+                break
+            await asyncio.sleep(0.05)
+        await listener.close()
+        assert closed == ["owner-1"]
+
+    asyncio.run(main())
+
+
+async def _collect(stream) -> list[int]:
+    return [t async for t in stream]
