@@ -47,6 +47,10 @@ COMMANDS: Mapping[str, Command] = types.MappingProxyType(
             "llumdask.api.serve:serve_main",
             "an OpenAI-compatible gateway over a local cluster of instances, or over --scheduler ADDRESS",
         ),
+        "profile": Command(
+            "llumdask.api.profile_cli:main",
+            "latency profiles for the simulator from measurements: 'profile fit-vidur' fits one to Vidur GPU operator tables",
+        ),
         "demo": Command(
             "llumdask.demo:main",
             "a few requests over simulated instances, with one migration, printed as they happen",

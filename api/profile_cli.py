@@ -1,0 +1,76 @@
+"""``llumdask profile``: latency profiles for the simulator, from measurements.
+
+Subcommands:
+  fit-vidur   fit a profile to GPU operator tables from Vidur's profiler (mlp.csv, attention.csv)
+
+Each subcommand writes a profile JSON that ``--profile PATH`` (or, once under
+llumdask/engine/profiles/, ``--profile NAME``) loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from llumdask.engine.profile_fit import DEFAULT_CPU_OVERHEAD_S, DEFAULT_MEMORY_BYTES, FitOptions, fit_vidur, profile_json
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llumdask profile", description="Build latency profiles for the simulator from measurements.")
+    commands = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND", title="subcommands")
+    fit = commands.add_parser(
+        "fit-vidur",
+        help="fit a profile to Vidur's GPU operator tables",
+        description="Fit prefill and decode step-time coefficients to Vidur's per-operator GPU timings "
+        "(mlp.csv and attention.csv, plain or .xz) and write the profile JSON, its derivation included.",
+    )
+    fit.add_argument("--data", required=True, type=Path, help="folder holding mlp.csv[.xz] and attention.csv[.xz]")
+    fit.add_argument("--out", required=True, type=Path, help="profile JSON to write; its file name (without .json) is the profile's name")
+    fit.add_argument("--layers", type=_positive_int, help="transformer layers (the tables profile one); default: known from the model shape")
+    fit.add_argument("--parameters", type=_positive_int, help="model parameters, for the weights' memory; default: known from the model shape")
+    fit.add_argument("--memory-bytes", type=_positive_int, default=DEFAULT_MEMORY_BYTES,
+                     help="device memory for weights + KV cache (default: %(default)s, that of the LLaMA-7B A10 profile)")
+    fit.add_argument("--cpu-overhead-s", type=_seconds, default=DEFAULT_CPU_OVERHEAD_S,
+                     help="fixed CPU cost per step, seconds (default: %(default)s, as the A10 profiles)")
+    fit.add_argument("--device", help="the GPU the tables were measured on, for the derivation text")
+    fit.set_defaults(run=lambda args: _fit_vidur(args, fit))
+    return parser
+
+
+def _fit_vidur(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.out.suffix != ".json":
+        parser.error(f"--out must name a .json file, got {str(args.out)!r}")
+    options = FitOptions(name=args.out.stem, layers=args.layers, parameters=args.parameters,
+                         memory_bytes=args.memory_bytes, cpu_overhead_s=args.cpu_overhead_s, device=args.device)
+    try:
+        result = fit_vidur(args.data, options)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.out.write_text(profile_json(result.profile))
+    profile = result.profile
+    print(f"wrote {args.out}: capacity {profile.capacity_tokens:,} tokens, KV {profile.model_kv_bytes_per_token:,} B/token")
+    print(f"prefill: {result.prefill.describe()}")
+    print(f"decode:  {result.decode.describe()}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    return args.run(args)
