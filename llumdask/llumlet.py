@@ -29,7 +29,7 @@ from llumdask.config import LlumdaskConfig
 from llumdask.engine.base import Engine, MigrationRefused, MigrationState, StepResult, TokenOutput
 from llumdask.load import InstanceLoad
 from llumdask.protocol import Abort, Committed, MigrationMessage, PreAlloc, PreAllocReply, StageAck, StageData
-from llumdask.request import Priority, Request, RequestStatus, blocks_for
+from llumdask.request import Request, RequestStatus, blocks_for
 from llumdask.transport import Transport
 
 # Committed incoming migrations remembered so that a late Abort from their source can be honoured.
@@ -158,32 +158,18 @@ class Llumlet:
         return self._terminating
 
     def load_report(self) -> InstanceLoad:
-        snap = self.engine.snapshot()
-        running_blocks: dict[Priority, int] = {}
-        running_count: dict[Priority, int] = {}
-        for r in snap.running:
-            running_blocks[r.execution_priority] = running_blocks.get(r.execution_priority, 0) + r.num_blocks
-            running_count[r.execution_priority] = running_count.get(r.execution_priority, 0) + 1
-        waiting_demand = [blocks_for(w.num_tokens, snap.block_size) for w in snap.waiting]
+        """O(priorities): built from the engine's load totals, never from per-request loads."""
+        totals = self.engine.load_totals()
+        # Every field of LoadTotals is the InstanceLoad field of the same name.
         return InstanceLoad(
             instance_id=self.instance_id,
-            total_blocks=snap.total_blocks,
-            block_size=snap.block_size,
-            free_blocks=snap.free_blocks,
-            num_running=len(snap.running),
-            num_waiting=len(snap.waiting),
-            running_blocks=running_blocks,
-            running_count=running_count,
-            head_of_line_demand=waiting_demand[0] if waiting_demand else 0,
-            waiting_demand=sum(waiting_demand),
-            pending_prefill_tokens=sum(w.num_tokens for w in snap.waiting),
-            reserved_blocks=snap.reserved_blocks,
+            num_running=totals.num_running,
             num_migrating_out=len(self._outgoing),
             num_migrating_in=len(self._incoming),
-            num_preemptions=snap.num_preemptions,
             num_received=self._received,
             terminating=self._terminating,
             timestamp=self._clock(),
+            **vars(totals),
         )
 
     def migrations_in_flight(self) -> int:

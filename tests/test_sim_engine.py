@@ -4,11 +4,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from llumdask.config import SimEngineConfig, load_config
-from llumdask.engine.base import Engine, MigrationRefused
+from llumdask.engine.base import Engine, LoadTotals, MigrationRefused, MigrationState
 from llumdask.engine.sim import SimEngine
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
 
@@ -322,6 +322,94 @@ def test_snapshot_reports_blocks_tokens_and_paused_requests(make_engine):
     assert not loads["n"].migratable and loads["n"].running
     assert [(w.request_id, w.num_blocks, w.num_tokens, w.running) for w in snap.waiting] == [("w", 0, 6, False)]
     assert snap.free_blocks == engine.total_blocks - 3 - 1
+
+
+def test_load_totals_sum_running_paused_and_waiting_requests(make_engine):
+    engine = make_engine(total_blocks=8, max_num_seqs=2)
+    high = request("high", prompt_len=9, max_tokens=20)
+    high.execution_priority = Priority.HIGH
+    for req in (high, request("n", prompt_len=4, max_tokens=20, arrival=1.0), request("w", prompt_len=6, arrival=2.0)):
+        engine.add_request(req)
+    engine.step()
+    engine.pause("n")
+    totals = engine.load_totals()
+    # A paused request still holds its blocks: it counts as running.
+    assert totals.running_blocks == {Priority.HIGH: 3, Priority.NORMAL: 1}
+    assert totals.running_count == {Priority.HIGH: 1, Priority.NORMAL: 1} and totals.num_running == 2
+    assert (totals.num_waiting, totals.head_of_line_demand, totals.waiting_demand, totals.pending_prefill_tokens) == (
+        1, 2, 2, 6,
+    )
+    assert (totals.free_blocks, totals.reserved_blocks, totals.num_preemptions) == (4, 0, 0)
+    engine.unpause("n")
+    # Together they outgrow the 8 blocks: the later arrival "n" is preempted.
+    while not engine.step().preempted:
+        pass
+    totals = engine.load_totals()
+    assert totals.num_preemptions == 1 and totals.running_count == {Priority.HIGH: 1}
+    # The preempted request waits ahead of "w", and its recompute covers its output too.
+    assert [w.request_id for w in engine.snapshot().waiting] == ["n", "w"]
+    n_tokens = engine.get_request("n").num_tokens
+    assert n_tokens > 4 and totals.head_of_line_demand == blocks_for(n_tokens, 4)
+    assert totals.waiting_demand == blocks_for(n_tokens, 4) + 2 and totals.pending_prefill_tokens == n_tokens + 6
+    assert totals == LoadTotals.from_snapshot(engine.snapshot())
+
+
+# Weighted so that requests pile up and run: pauses, moves and preemptions need running requests.
+_TOTALS_KINDS = ("add",) * 3 + ("step",) * 6 + ("abort", "pause", "unpause", "move", "move", "reserve", "release")
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(_TOTALS_KINDS), st.integers(0, 30), st.integers(1, 14), st.integers(1, 24), st.booleans()
+        ),
+        min_size=10,
+        max_size=80,
+    )
+)
+def test_load_totals_equal_the_snapshot_recount_on_any_workload(make_engine, ops):
+    """Tight pools (preemptions), both priorities, pauses, aborts, reservations and migrations."""
+    engines = [make_engine(total_blocks=10, kv_bytes=0, max_num_seqs=3) for _ in range(2)]
+    added: list[str] = []
+    paused: dict[str, MigrationState] = {}
+    for kind, pick, size, max_tokens, high in ops:
+        rid = added[pick % len(added)] if added else None
+        engine = next((e for e in engines if rid is not None and e.get_request(rid) is not None), None)
+        status = engine.get_request(rid).status if engine is not None else None
+        if kind == "add":
+            req = request(f"r{len(added)}", size, max_tokens, arrival=float(len(added)))
+            req.execution_priority = Priority.HIGH if high else Priority.NORMAL
+            engines[pick % 2].add_request(req)
+            added.append(req.request_id)
+        elif kind == "step":
+            if engines[pick % 2].step().preempted:
+                event("preempted")
+        elif kind == "reserve":
+            engines[pick % 2].reserve_blocks("stray", size % 5)
+        elif kind == "release":
+            engines[pick % 2].release_reservation("stray")
+        elif engine is None:
+            continue
+        elif kind == "abort":
+            engine.abort_request(rid)
+            paused.pop(rid, None)
+        elif kind == "pause" and status is RequestStatus.RUNNING and rid not in paused:
+            paused[rid] = engine.pause(rid)
+            event("paused")
+        elif kind == "unpause" and paused.pop(rid, None) is not None:
+            engine.unpause(rid)
+        elif kind == "move" and status is RequestStatus.RUNNING:
+            peer = engines[1 - engines.index(engine)]
+            total = blocks_for(engine.get_request(rid).num_tokens, 4)
+            if peer.reserve_blocks(f"m-{rid}", total):
+                state = paused.pop(rid, None) or engine.pause(rid)
+                peer.import_blocks(f"m-{rid}", 0, engine.export_blocks(rid, 0, total))
+                peer.resume(f"m-{rid}", state)
+                engine.free_migrated(rid)
+                event("migrated")
+        for e in engines:
+            assert e.load_totals() == LoadTotals.from_snapshot(e.snapshot())
 
 
 def test_real_time_sleeps_the_modelled_duration(make_engine):

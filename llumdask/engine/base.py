@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
-from llumdask.request import FinishReason, Priority, Request, RequestStatus, RequestTiming, SamplingParams
+from llumdask.request import FinishReason, Priority, Request, RequestStatus, RequestTiming, SamplingParams, blocks_for
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,89 @@ class EngineSnapshot:
     running: tuple[RequestLoad, ...] = ()
     waiting: tuple[RequestLoad, ...] = ()
     num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class LoadTotals:
+    """An instance's load as sums: exactly what Algorithm 1 and the load report read.
+
+    Why it exists: a llumlet reports load after every step, and the snapshot builds one
+    `RequestLoad` per request. Engines keep these sums current (or gather them in one pass without
+    per-request objects), so a report costs O(priorities) instead of O(requests). The snapshot
+    stays for what needs individual requests (picking a migrant, tests); `from_snapshot` is the
+    reference definition every engine's `load_totals()` must equal.
+
+    Running requests are counted by execution priority, paused ones (the last stage of a
+    migration out) included: they still hold their blocks. Priorities with no running request
+    are absent from both maps. Every field is the `InstanceLoad` field of the same name (the
+    llumlet copies them over by name).
+    """
+
+    total_blocks: int
+    block_size: int
+    free_blocks: int
+    reserved_blocks: int
+    # Physical blocks held by running requests, and how many there are, per execution priority.
+    running_blocks: dict[Priority, int]
+    running_count: dict[Priority, int]
+    num_waiting: int
+    # Blocks for the head-of-line waiting request's tokens (0 when nothing waits).
+    head_of_line_demand: int
+    # Blocks for every waiting request's tokens, and those tokens (prefill work not yet done).
+    waiting_demand: int
+    pending_prefill_tokens: int
+    num_preemptions: int
+
+    @property
+    def num_running(self) -> int:
+        return sum(self.running_count.values())
+
+    @classmethod
+    def tally(
+        cls,
+        *,
+        total_blocks: int,
+        block_size: int,
+        free_blocks: int,
+        reserved_blocks: int,
+        running: Iterable[tuple[Priority, int]],
+        waiting_tokens: Sequence[int],
+        num_preemptions: int,
+    ) -> "LoadTotals":
+        """Sum per-request figures: `running` as (execution priority, blocks held), `waiting_tokens`
+        in queue order (head first)."""
+        running_blocks: dict[Priority, int] = {}
+        running_count: dict[Priority, int] = {}
+        for priority, blocks in running:
+            running_blocks[priority] = running_blocks.get(priority, 0) + blocks
+            running_count[priority] = running_count.get(priority, 0) + 1
+        demand = [blocks_for(n, block_size) for n in waiting_tokens]
+        return cls(
+            total_blocks=total_blocks,
+            block_size=block_size,
+            free_blocks=free_blocks,
+            reserved_blocks=reserved_blocks,
+            running_blocks=running_blocks,
+            running_count=running_count,
+            num_waiting=len(demand),
+            head_of_line_demand=demand[0] if demand else 0,
+            waiting_demand=sum(demand),
+            pending_prefill_tokens=sum(waiting_tokens),
+            num_preemptions=num_preemptions,
+        )
+
+    @classmethod
+    def from_snapshot(cls, snapshot: "EngineSnapshot") -> "LoadTotals":
+        """The totals recounted request by request (O(requests)): the reference for checks."""
+        return cls.tally(
+            total_blocks=snapshot.total_blocks,
+            block_size=snapshot.block_size,
+            free_blocks=snapshot.free_blocks,
+            reserved_blocks=snapshot.reserved_blocks,
+            running=[(r.execution_priority, r.num_blocks) for r in snapshot.running],
+            waiting_tokens=[w.num_tokens for w in snapshot.waiting],
+            num_preemptions=snapshot.num_preemptions,
+        )
 
 
 @dataclass
@@ -146,7 +229,12 @@ class Engine(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def snapshot(self) -> EngineSnapshot: ...
+    def snapshot(self) -> EngineSnapshot:
+        """Every request's load, one `RequestLoad` each: O(requests)."""
+
+    def load_totals(self) -> LoadTotals:
+        """The snapshot's sums (`LoadTotals.from_snapshot`) without building it: cheap enough for
+        a load report after every step."""
 
     def get_request(self, request_id: str) -> Request | None: ...
 

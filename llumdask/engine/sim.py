@@ -20,7 +20,8 @@ position only (plus the sampling value), exported buffers have shape (blocks, bl
 so carry only their size, and migrations cannot corrupt anything. Large simulations use this.
 
 Per step the Python work is O(batch) with small constants; KV writes and reads of all sequences
-in the step go through a handful of vectorized numpy calls.
+in the step go through a handful of vectorized numpy calls. The load totals are counters that the
+few methods moving blocks or queue entries keep current, so a load report costs O(priorities).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 
 from llumdask.engine.base import (
     EngineSnapshot,
+    LoadTotals,
     MigrationRefused,
     MigrationState,
     RequestLoad,
@@ -42,7 +44,7 @@ from llumdask.engine.base import (
 )
 from llumdask.engine.block_manager import BlockManager
 from llumdask.engine.latency import LatencyProfile, load_profile
-from llumdask.request import FinishReason, Request, RequestStatus, blocks_for
+from llumdask.request import FinishReason, Priority, Request, RequestStatus, blocks_for
 
 if TYPE_CHECKING:
     from llumdask.config import LlumdaskConfig, SimEngineConfig
@@ -83,6 +85,10 @@ class _Seq:
     prompt_hash: int
     # request.num_tokens, kept here because the step reads it several times per sequence.
     num_tokens: int
+    # request.execution_priority: the load totals it counts in.
+    priority: Priority
+    # Length of its block table, read by every decode step (0 while waiting).
+    num_blocks: int
     greedy: bool
     # Temperature > 0: a key derived from the seed, or a per-request sampler when there is none.
     seed_key: int
@@ -102,6 +108,8 @@ def _new_seq(request: Request, rng_state: dict[str, Any] | None = None) -> _Seq:
         key=request.queue_key(),
         prompt_hash=_prompt_hash(request.prompt_token_ids),
         num_tokens=request.num_tokens,
+        priority=request.execution_priority,
+        num_blocks=0,
         greedy=sampling.greedy,
         seed_key=((sampling.seed or 0) * _SEED_SALT) & _MASK64,
         rng=rng,
@@ -164,6 +172,12 @@ class SimEngine:
         self._paused: dict[str, _Seq] = {}
         self._num_preemptions = 0
         self._snapshot: EngineSnapshot | None = None
+        # The load totals, kept current by the few methods that move blocks or queue entries
+        # (_allocate, _free, _enqueue, _dequeue, resume); check_integrity recounts them.
+        self._held_blocks = dict.fromkeys(Priority, 0)
+        self._held_count = dict.fromkeys(Priority, 0)
+        self._waiting_tokens = 0
+        self._waiting_demand = 0
 
     @classmethod
     def from_config(cls, config: LlumdaskConfig, *, clock: Callable[[], float], instance_id: str = "") -> "SimEngine":
@@ -191,8 +205,7 @@ class SimEngine:
         request.status = RequestStatus.WAITING
         seq = _new_seq(request)
         self._seqs[rid] = seq
-        bisect.insort(self._waiting, seq, key=_queue_key)
-        self._snapshot = None
+        self._enqueue(seq)
 
     def abort_request(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -203,8 +216,8 @@ class SimEngine:
         elif seq.request.status is RequestStatus.RUNNING:
             self._running.remove(seq)
         else:
-            self._waiting.remove(seq)
-        self._blocks.free(request_id)
+            self._dequeue(self._waiting.index(seq))
+        self._free(seq)
         self._finish(seq, RequestStatus.ABORTED, FinishReason.ABORT, self._clock())
 
     def has_work(self) -> bool:
@@ -254,20 +267,28 @@ class SimEngine:
     def snapshot(self) -> EngineSnapshot:
         """Cached until the next change; O(requests) to rebuild."""
         if self._snapshot is None:
-            running = [self._load(s, True, True) for s in self._running]
-            running += [self._load(s, True, False) for s in self._paused.values()]
-            self._snapshot = EngineSnapshot(
-                total_blocks=self.total_blocks,
-                block_size=self.block_size,
-                free_blocks=self._blocks.free_blocks,
-                reserved_blocks=self._blocks.reserved_blocks,
-                running=tuple(running),
-                waiting=tuple(self._load(s, False, True) for s in self._waiting),
-                num_preemptions=self._num_preemptions,
-            )
+            self._snapshot = self._build_snapshot()
         return self._snapshot
 
+    def load_totals(self) -> LoadTotals:
+        """O(priorities): read from counters kept current as requests move."""
+        blocks, counts, waiting = self._held_blocks, self._held_count, self._waiting
+        return LoadTotals(
+            total_blocks=self._blocks.total_blocks,
+            block_size=self._blocks.block_size,
+            free_blocks=self._blocks.free_blocks,
+            reserved_blocks=self._blocks.reserved_blocks,
+            running_blocks={p: blocks[p] for p, n in counts.items() if n},
+            running_count={p: n for p, n in counts.items() if n},
+            num_waiting=len(waiting),
+            head_of_line_demand=blocks_for(waiting[0].num_tokens, self._blocks.block_size) if waiting else 0,
+            waiting_demand=self._waiting_demand,
+            pending_prefill_tokens=self._waiting_tokens,
+            num_preemptions=self._num_preemptions,
+        )
+
     def check_integrity(self) -> None:
+        """Block accounting, request placement, and the load totals against a recount."""
         self._blocks.check_integrity()
         holders = self._running + list(self._paused.values())
         name = self._name
@@ -275,11 +296,17 @@ class SimEngine:
         assert self._blocks.owners() == {s.request_id for s in holders}, f"{name}: a request not running holds blocks"
         for seq in self._seqs.values():
             assert seq.num_tokens == seq.request.num_tokens, f"{name}: request {seq.request_id!r} changed outside the engine"
+            held = len(self._blocks.table(seq.request_id))
+            assert seq.num_blocks == held, (
+                f"{name}: request {seq.request_id!r} counts {seq.num_blocks} blocks, holds {held}"
+            )
         for seq in holders:
-            n, held = seq.num_tokens, len(self._blocks.table(seq.request_id))
+            n, held = seq.num_tokens, seq.num_blocks
             assert blocks_for(n - 1, self.block_size) <= held <= blocks_for(n, self.block_size), (
                 f"{self._name}: request {seq.request_id!r} holds {held} blocks for {n} tokens"
             )
+        recount = LoadTotals.from_snapshot(self._build_snapshot())
+        assert self.load_totals() == recount, f"{name}: load totals {self.load_totals()} != recount {recount}"
 
     # ------------------------------------------------------------------ migration, source side
     def completed_blocks(self, request_id: str) -> int:
@@ -336,7 +363,7 @@ class SimEngine:
             self._require_absent(request_id, "free")
             return
         del self._seqs[request_id]
-        self._blocks.free(request_id)
+        self._free(seq)
         self._snapshot = None
 
     # ------------------------------------------------------------------ migration, destination side
@@ -384,7 +411,10 @@ class SimEngine:
             )
         request = state.to_request()
         seq = _new_seq(request, state.engine_state.get("rng_state"))
-        self._blocks.adopt(migration_id, rid, blocks_for(state.num_tokens, self.block_size))
+        table = self._blocks.adopt(migration_id, rid, blocks_for(state.num_tokens, self.block_size))
+        seq.num_blocks = len(table)
+        self._held_blocks[seq.priority] += seq.num_blocks
+        self._held_count[seq.priority] += 1
         self._seqs[rid] = seq
         bisect.insort(self._running, seq, key=_queue_key)
         self._snapshot = None
@@ -397,26 +427,26 @@ class SimEngine:
         i = 0
         while i < len(running):
             seq = running[i]
-            if len(blocks.table(seq.request_id)) * size < seq.num_tokens:
+            if seq.num_blocks * size < seq.num_tokens:
                 while not blocks.can_allocate(1) and running[-1] is not seq:
                     preempted.append(self._preempt(running.pop(), now))
                 if not blocks.can_allocate(1):
                     running.pop()
                     preempted.append(self._preempt(seq, now))
                     break
-                blocks.allocate(seq.request_id, 1)
+                self._allocate(seq, 1)
             i += 1
         return preempted
 
     def _preempt(self, seq: _Seq, now: float) -> str:
         """Recompute later: free the blocks, back to waiting (its queue key puts it ahead of later arrivals)."""
-        self._blocks.free(seq.request_id)
+        self._free(seq)
         request = seq.request
         request.status = RequestStatus.WAITING
         request.timing.preemptions += 1
         request.timing.preempted_at = now
         self._num_preemptions += 1
-        bisect.insort(self._waiting, seq, key=_queue_key)
+        self._enqueue(seq)
         return seq.request_id
 
     def _admit(self, num_decodes: int, now: float) -> list[_Seq]:
@@ -432,8 +462,8 @@ class SimEngine:
             needed = blocks_for(n, self.block_size)
             if not self._blocks.can_allocate(needed):
                 break
-            del self._waiting[0]
-            self._blocks.allocate(seq.request_id, needed)
+            self._dequeue(0)
+            self._allocate(seq, needed)
             seq.request.status = RequestStatus.RUNNING
             if seq.request.timing.first_scheduled is None:
                 seq.request.timing.first_scheduled = now
@@ -521,7 +551,7 @@ class SimEngine:
             reason = FinishReason.LENGTH
         if reason is not None:
             del self._seqs[seq.request_id]
-            self._blocks.free(seq.request_id)
+            self._free(seq)
             self._finish(seq, RequestStatus.FINISHED, reason, now)
         return TokenOutput(seq.request_id, len(output) - 1, (token,), reason is not None, reason)
 
@@ -530,6 +560,47 @@ class SimEngine:
         seq.request.finish_reason = reason
         seq.request.timing.finished = now
         self._snapshot = None
+
+    # ------------------------------------------------------------------ load totals
+    # Every change to a request's blocks or to the waiting queue goes through these four (and
+    # resume, which adopts a reservation), so the load totals and _Seq.num_blocks stay exact.
+    def _allocate(self, seq: _Seq, num_blocks: int) -> None:
+        self._blocks.allocate(seq.request_id, num_blocks)
+        if not seq.num_blocks:
+            self._held_count[seq.priority] += 1
+        seq.num_blocks += num_blocks
+        self._held_blocks[seq.priority] += num_blocks
+
+    def _free(self, seq: _Seq) -> None:
+        if seq.num_blocks:
+            self._held_blocks[seq.priority] -= seq.num_blocks
+            self._held_count[seq.priority] -= 1
+            seq.num_blocks = 0
+            self._blocks.free(seq.request_id)
+
+    def _enqueue(self, seq: _Seq) -> None:
+        bisect.insort(self._waiting, seq, key=_queue_key)
+        self._waiting_tokens += seq.num_tokens
+        self._waiting_demand += blocks_for(seq.num_tokens, self._blocks.block_size)
+        self._snapshot = None
+
+    def _dequeue(self, index: int) -> None:
+        seq = self._waiting.pop(index)
+        self._waiting_tokens -= seq.num_tokens
+        self._waiting_demand -= blocks_for(seq.num_tokens, self._blocks.block_size)
+
+    def _build_snapshot(self) -> EngineSnapshot:
+        running = [self._load(s, True, True) for s in self._running]
+        running += [self._load(s, True, False) for s in self._paused.values()]
+        return EngineSnapshot(
+            total_blocks=self.total_blocks,
+            block_size=self.block_size,
+            free_blocks=self._blocks.free_blocks,
+            reserved_blocks=self._blocks.reserved_blocks,
+            running=tuple(running),
+            waiting=tuple(self._load(s, False, True) for s in self._waiting),
+            num_preemptions=self._num_preemptions,
+        )
 
     def _load(self, seq: _Seq, running: bool, migratable: bool) -> RequestLoad:
         request = seq.request
