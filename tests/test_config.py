@@ -20,6 +20,7 @@ from llumdask.config import (
     MigrationConfig,
     ScalingConfig,
     SimEngineConfig,
+    VllmEngineConfig,
     load_config,
 )
 from llumdask.policy.dispatch import DISPATCH_POLICIES
@@ -105,6 +106,18 @@ def test_typed_view_has_the_contract_types():
     assert isinstance(config.dispatch, DispatchConfig)
 
 
+def test_vllm_engine_arguments_pass_through_untouched():
+    args = {"max_num_seqs": 8, "override_generation_config": {"temperature": 0.5}, "swap-space": 1}
+    config = LlumdaskConfig.from_dict({"vllm-engine": {"model": "org/model", "engine-args": args}})
+    assert config.vllm_engine == VllmEngineConfig(model="org/model", engine_args=args)
+    assert LlumdaskConfig().vllm_engine.model is None and LlumdaskConfig().vllm_engine.engine_args == {}
+
+
+def test_typed_vllm_keys_cannot_hide_in_engine_args():
+    with pytest.raises(ConfigError, match=r"set llumdask\.vllm-engine\.dtype instead"):
+        LlumdaskConfig(vllm_engine=VllmEngineConfig(engine_args={"dtype": "half"}))
+
+
 def test_config_is_frozen():
     config = LlumdaskConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -131,6 +144,7 @@ def test_round_trip_through_plain_yaml():
         dispatch=DispatchConfig(policy="power_of_two", seed=7),
         scaling=ScalingConfig(enabled=True, band=(1.5, 9.0), min_instances=2, max_instances=4),
         sim_engine=SimEngineConfig(total_blocks=64, real_time=True),
+        vllm_engine=VllmEngineConfig(model="/m", max_model_len=512, engine_args={"max_num_seqs": 4}),
     )
     assert LlumdaskConfig.from_dict(yaml.safe_load(yaml.safe_dump(config.to_dict()))) == config
 
@@ -164,6 +178,12 @@ def test_pickles_for_shipping_to_workers():
         ({"scaling": {"min-instances": 17}}, "llumdask.scaling.min-instances"),
         ({"sim-engine": {"total-blocks": 0}}, "llumdask.sim-engine.total-blocks"),
         ({"sim-engine": {"profile": ""}}, "llumdask.sim-engine.profile"),
+        ({"vllm-engine": {"max-model-len": 0}}, "llumdask.vllm-engine.max-model-len"),
+        ({"vllm-engine": {"gpu-memory-utilization": 1.5}}, "llumdask.vllm-engine.gpu-memory-utilization"),
+        ({"vllm-engine": {"model": ""}}, "llumdask.vllm-engine.model"),
+        ({"vllm-engine": {"engine-args": [1]}}, "llumdask.vllm-engine.engine-args"),
+        ({"vllm-engine": {"engine-args": {"max_model_len": 64}}}, "llumdask.vllm-engine.engine-args.max_model_len"),
+        ({"vllm-engine": {"engine-args": {"model": "m"}}}, "llumdask.vllm-engine.engine-args.model"),
         ({"unknown": 1}, "llumdask.unknown"),
     ],
 )

@@ -3,7 +3,8 @@ gateway on a free port), driven with the official `openai` client and raw HTTP.
 
 The sim engine is deterministic for greedy requests, so every answer is checked against the
 same request run alone in-process: the text is the decoded reference tokens, and the usage
-counts exactly the tokens the client received.
+counts exactly the tokens the client received. The default command (no engine chosen) serves
+on two vLLM instances; its answers are checked against an unmodified `vllm.LLM`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ KEY = "test-key-0123456789"
 MODEL = "llumdask-tiny-llama"
 TOTAL_BLOCKS = 128
 STARTUP_BUDGET = 90.0  # seconds, on two cores
+VLLM_STARTUP_BUDGET = 300.0  # seconds; about 100 on two idle cores (three processes import vLLM)
+PLAIN_VLLM = Path(__file__).parents[1] / "vllm" / "plain_vllm.py"
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Server:
     process: subprocess.Popen
     startup_seconds: float
     tokenizer: Tokenizer
+    banner: str
+    model_dir: Path
 
     @property
     def auth(self) -> dict[str, str]:
@@ -59,7 +64,7 @@ def _read_lines(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def start_serve(options: list[str], cache: Path, log) -> Server:
+def start_serve(options: list[str], cache: Path, log, budget: float = STARTUP_BUDGET) -> Server:
     """Run `llumdask serve OPTIONS` (gateway on a free port) and wait for its banner."""
     cmd = [sys.executable, "-m", "llumdask.api.serve", "--port", "0", "--api-key", KEY, *options]
     started = time.monotonic()
@@ -70,7 +75,7 @@ def start_serve(options: list[str], cache: Path, log) -> Server:
     banner = ""
     try:
         while "Ctrl-C" not in banner:
-            line = lines.get(timeout=max(0.1, STARTUP_BUDGET - (time.monotonic() - started)))
+            line = lines.get(timeout=max(0.1, budget - (time.monotonic() - started)))
             if line is None:
                 raise RuntimeError("llumdask serve exited")
             banner += line
@@ -80,8 +85,8 @@ def start_serve(options: list[str], cache: Path, log) -> Server:
         pytest.fail(f"llumdask serve did not start ({exc!r}):\n{banner}\n{log.read()[-5000:]}")
     url = re.search(r"OpenAI API:\s+(\S+)/v1", banner).group(1)
     scheduler = re.search(r"scheduler:\s+(\S+)", banner).group(1)
-    tokenizer = load_tokenizer(cache / "llumdask" / "tiny-llama")
-    return Server(url, scheduler, process, time.monotonic() - started, tokenizer)
+    model_dir = cache / "llumdask" / "tiny-llama"
+    return Server(url, scheduler, process, time.monotonic() - started, load_tokenizer(model_dir), banner, model_dir)
 
 
 def stop_serve(server: Server) -> None:
@@ -285,3 +290,52 @@ def test_a_second_gateway_serves_the_same_cluster(server, cache, tmp_path):
             stop_serve(second)
     # The first gateway is unaffected by the second one leaving.
     assert server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+# --- the default engine: vLLM ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory):
+    """`llumdask serve` with no engine options: two vLLM instances of the offline tiny model."""
+    from llumdask.engine.vllm.internals import check_vllm_importable
+
+    try:
+        check_vllm_importable()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    cache = tmp_path_factory.mktemp("vllm-cache")
+    with (tmp_path_factory.mktemp("log") / "serve-vllm.log").open("w+") as log:
+        server = start_serve(["--dashboard-address", "127.0.0.1:0"], cache, log, budget=VLLM_STARTUP_BUDGET)
+        yield server
+        stop_serve(server)
+
+
+def plain_vllm(model: Path, prompts: list[tuple[list[int], int]]) -> list[list[int]]:
+    """Greedy tokens (EOS ignored) from an unmodified vllm.LLM with serve's defaults for the tiny model."""
+    from llumdask.engine.vllm.tiny_model import DEFAULT_KV_CACHE_BYTES
+
+    done = subprocess.run(
+        [sys.executable, str(PLAIN_VLLM), str(model), json.dumps({"kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES}),
+         json.dumps([[list(ids), n] for ids, n in prompts])],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PLAIN-VLLM-OUTPUT ")]
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+@pytest.mark.vllm
+def test_default_serve_answers_openai_clients_with_vllm(vllm_server):
+    server = vllm_server
+    assert "on 2 vllm instances" in server.banner and server.startup_seconds < VLLM_STARTUP_BUDGET
+    assert httpx.get(f"{server.url}/health").json()["ready_instances"] == 2
+    client = server.openai()
+    prompts = ["Hello world", "Once upon a time"]
+    result = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=40, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    expected = plain_vllm(server.model_dir, [(server.tokenizer.encode(p), n) for p, n in zip(prompts, (24, 40))])
+    assert result.choices[0].text == server.tokenizer.decode(expected[0])
+    assert result.usage.completion_tokens == 24 and result.choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == server.tokenizer.decode(expected[1])

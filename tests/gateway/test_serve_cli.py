@@ -1,6 +1,8 @@
-"""`llumdask serve` options, without starting anything."""
+"""`llumdask serve` options and startup errors; only the test marked slow starts a (failing) cluster."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -24,10 +26,20 @@ def test_sim_instances_draw_tokens_the_tokenizer_can_decode():
         "engine": "sim", "sim-engine": {"vocab-size": 512, "total-blocks": 64}}
 
 
+def test_vllm_options_go_to_their_config_keys_or_through_as_engine_arguments():
+    assert engine_overrides("vllm", None, 512, {"dtype": "half", "max-num-seqs": 8, "enforce-eager": False},
+                            max_model_len=1024) == {
+        "engine": "vllm",
+        "vllm-engine": {"model": None, "dtype": "half", "enforce-eager": False, "max-model-len": 1024,
+                        "engine-args": {"max_num_seqs": 8}}}
+
+
 def test_bad_options_exit_2_naming_the_problem(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the tiny model is built there
-    assert serve_main(["--port", "0", "--no-such-key", "1"]) == 2
+    assert serve_main(["--port", "0", "--engine", "sim", "--no-such-key", "1"]) == 2
     assert "llumdask.sim-engine.no-such-key is not a known key" in capsys.readouterr().err
+    assert serve_main(["--port", "0", "--engine", "vllm", "--tensor-parallel-size", "0"]) == 2
+    assert "llumdask.vllm-engine.tensor-parallel-size is invalid" in capsys.readouterr().err
     assert serve_main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
@@ -41,3 +53,38 @@ def test_banner_shows_urls_and_a_working_curl():
     assert "http://127.0.0.1:8000/v1" in text and "http://127.0.0.1:8787/status" in text
     assert "curl http://127.0.0.1:8000/v1/chat/completions" in text
     assert 'Authorization: Bearer $LLUMDASK_API_KEY' in text and '"model": "m"' in text
+
+
+@pytest.mark.vllm
+def test_misspelt_vllm_engine_argument_fails_before_any_instance_starts(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert serve_main(["--port", "0", "--engine", "vllm", "--max-num-seq", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "llumdask.vllm-engine.engine-args.max_num_seq is not a vLLM engine argument" in err
+    assert "did you mean max_num_seqs?" in err and "starting" not in err
+
+
+@pytest.mark.slow
+def test_an_instance_that_cannot_start_stops_serve_at_once_with_its_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    started = time.monotonic()
+    assert serve_main(["--port", "0", "--engine", "sim", "--dashboard-address", "127.0.0.1:0",
+                       "--profile", "no-such-profile"]) == 1
+    assert time.monotonic() - started < 60  # not the 600 s startup timeout
+    assert "failed to start: ValueError: unknown latency profile 'no-such-profile'" in capsys.readouterr().err
+
+
+def test_without_vllm_the_default_falls_back_to_sim_and_says_why(capsys, monkeypatch):
+    from llumdask.api import serve
+    from llumdask.config import VllmEngineConfig
+
+    monkeypatch.setattr(serve, "check_vllm", lambda config: serve.VllmCheck(unavailable="vllm is not installed"))
+    assert serve.pick_engine(None, VllmEngineConfig()) == "sim"
+    err = capsys.readouterr().err
+    assert "not using vLLM: vllm is not installed" in err and "serving with the sim engine instead" in err
+    with pytest.raises(ValueError, match="--engine vllm: vllm is not installed"):
+        serve.pick_engine("vllm", VllmEngineConfig())
+    monkeypatch.setattr(serve, "check_vllm", lambda config: serve.VllmCheck(bad_argument="llumdask.x is wrong"))
+    with pytest.raises(ValueError, match="llumdask.x is wrong"):
+        serve.pick_engine(None, VllmEngineConfig())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llumdask.engine.base import Engine, TokenOutput
+from llumdask.engine.base import Engine, LoadTotals, TokenOutput
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -148,6 +148,27 @@ def test_preemption_is_reported_and_the_request_still_completes(small_engine) ->
         assert len(r.output_token_ids) == 200
         assert [o.first_index for o in outputs[r.request_id]] == list(range(200))
     assert small_engine.snapshot().free_blocks == small_engine.total_blocks
+
+
+def test_load_totals_equal_the_snapshot_recount_through_preemption(small_engine) -> None:
+    high = make_request("high", prompt_len=120, max_tokens=150, offset=1, execution_priority=Priority.HIGH)
+    normal = make_request("normal", prompt_len=120, max_tokens=150, offset=2, arrival_time=1.0)
+    waiting = make_request("waiting", prompt_len=200, max_tokens=4, offset=3, arrival_time=2.0)
+    for r in (high, normal, waiting):
+        small_engine.add_request(r)
+    seen: list[LoadTotals] = []
+    while small_engine.has_work():
+        small_engine.step()
+        totals = small_engine.load_totals()
+        assert totals == LoadTotals.from_snapshot(small_engine.snapshot())
+        seen.append(totals)
+    # Both priorities ran together on 3 blocks of 128, a waiting request's demand was counted,
+    # and the later arrival was preempted (its recompute counts its output).
+    assert any(t.running_count == {Priority.HIGH: 1, Priority.NORMAL: 1} for t in seen)
+    assert any(t.running_blocks.get(Priority.HIGH, 0) == 2 for t in seen)
+    assert any(t.num_waiting and t.head_of_line_demand == 2 and t.pending_prefill_tokens > 120 for t in seen)
+    assert seen[-1].num_preemptions >= 1
+    assert seen[-1].free_blocks == small_engine.total_blocks and seen[-1].num_running == 0
 
 
 def test_high_scheduling_priority_is_admitted_first(small_engine) -> None:

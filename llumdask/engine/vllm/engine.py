@@ -10,20 +10,22 @@ channel. The host runs `step()` in a thread so that its event loop stays free.
 
 Load comes straight from vLLM's scheduler after each step (running and waiting queues, block
 tables, free blocks, preemption counters): the numbers vLLM's `SchedulerStats` carries, read
-without a stats logger. All of those reads go through internals.py.
+without a stats logger. All of those reads go through internals.py. A request paused for the last
+stage of a migration is out of vLLM (aborted, its blocks held by the connector) but counts as
+running with those blocks, as on the sim engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from llumdask.engine.base import (
     EngineSnapshot,
+    LoadTotals,
     MigrationRefused,
     MigrationState,
     RequestLoad,
@@ -233,8 +235,26 @@ class VllmEngine:
             block_size=self.block_size,
             free_blocks=self._pool.get_num_free_blocks(),
             reserved_blocks=self._num_reserved(),
-            running=tuple(self._load(r, True) for r in internals.running_requests(self._scheduler)),
-            waiting=tuple(self._load(r, False) for r in internals.waiting_requests(self._scheduler)),
+            running=tuple(
+                self._load(request, blocks, running=True, paused=paused) for request, blocks, paused in self._holders()
+            ),
+            waiting=tuple(
+                self._load(self._requests[_our_id(r)], self._num_blocks(r), running=False)
+                for r in internals.waiting_requests(self._scheduler)
+            ),
+            num_preemptions=self._num_preemptions,
+        )
+
+    def load_totals(self) -> LoadTotals:
+        """One pass over vLLM's queues without building per-request loads. O(requests), unlike
+        the sim engine's counters: a real step costs far more than this pass."""
+        return LoadTotals.tally(
+            total_blocks=self.total_blocks,
+            block_size=self.block_size,
+            free_blocks=self._pool.get_num_free_blocks(),
+            reserved_blocks=self._num_reserved(),
+            running=[(request.execution_priority, blocks) for request, blocks, _ in self._holders()],
+            waiting_tokens=[self._requests[_our_id(r)].num_tokens for r in internals.waiting_requests(self._scheduler)],
             num_preemptions=self._num_preemptions,
         )
 
@@ -243,8 +263,8 @@ class VllmEngine:
         return self._requests.get(request_id)
 
     def check_integrity(self) -> None:
-        """Every block's reference count equals the number of requests holding it, and
-        free + held == total. With prefix caching two requests may share a block (counted
+        """Every block's reference count equals the number of requests holding it, free + held ==
+        total, and the load totals equal a recount. With prefix caching two requests may share a block (counted
         twice in its reference count), so sharing itself is not an error."""
         holders = [0] * self._pool.num_gpu_blocks
         for vllm_request in internals.live_requests(self._scheduler):
@@ -260,6 +280,8 @@ class VllmEngine:
         held = sum(1 for b, n in enumerate(holders) if n and b != null_id)
         free = self._pool.get_num_free_blocks()
         assert free + held == self.total_blocks, f"free {free} + held {held} != total {self.total_blocks}"
+        recount = LoadTotals.from_snapshot(self.snapshot())
+        assert self.load_totals() == recount, f"load totals {self.load_totals()} != recount {recount}"
 
     # ------------------------------------------------------------------ migration, source side
     def completed_blocks(self, request_id: str) -> int:
@@ -300,16 +322,7 @@ class VllmEngine:
         self._connector.hold_on_finish(internal_id)
         self._llm.abort_request([request_id])
         self._paused[request_id] = internal_id
-        return MigrationState(
-            request_id=request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            output_token_ids=list(request.output_token_ids),
-            sampling=request.sampling,
-            scheduling_priority=request.scheduling_priority,
-            execution_priority=request.execution_priority,
-            arrival_time=request.arrival_time,
-            timing=dataclasses.replace(request.timing),
-        )
+        return MigrationState.capture(request)
 
     def unpause(self, request_id: str) -> None:
         """Rollback: re-add the request, its KV loaded from its own held blocks."""
@@ -384,18 +397,7 @@ class VllmEngine:
             raise MigrationRefused(
                 f"migration {migration_id!r} reserved {len(reserved)} blocks, request {rid!r} needs {needed}"
             )
-        request = Request(
-            request_id=rid,
-            prompt_token_ids=list(state.prompt_token_ids),
-            sampling=state.sampling,
-            scheduling_priority=state.scheduling_priority,
-            execution_priority=state.execution_priority,
-            arrival_time=state.arrival_time,
-            output_token_ids=list(state.output_token_ids),
-            status=RequestStatus.RUNNING,
-        )
-        if state.timing is not None:
-            request.timing = dataclasses.replace(state.timing)
+        request = state.to_request()
         num_kv = state.num_tokens - 1
         full, tail = self._split_kv([b.block_id for b in reserved], num_kv)
         self._submit(request, migration_id)
@@ -466,8 +468,7 @@ class VllmEngine:
             self._connector.release(source)
 
     def _num_reserved(self) -> int:
-        held = sum(len(self._connector.held_blocks(i)) for i in self._paused.values())
-        return held + sum(len(blocks) for blocks in self._reservations.values())
+        return sum(len(blocks) for blocks in self._reservations.values())
 
     # ------------------------------------------------------------------ step bookkeeping
     def _vllm_priority(self, request: Request) -> int:
@@ -528,18 +529,28 @@ class VllmEngine:
             return None
         return TokenOutput(request.request_id, first_index, new_tokens, output.finished, finish_reason)
 
-    def _load(self, vllm_request: "VllmRequest", running: bool) -> RequestLoad:
-        request_id = _our_id(vllm_request)
-        request = self._requests[request_id]
+    # ------------------------------------------------------------------ load
+    def _holders(self) -> Iterator[tuple[Request, int, bool]]:
+        """(request, blocks it holds, paused) of the running batch, then of the paused requests."""
+        for vllm_request in internals.running_requests(self._scheduler):
+            yield self._requests[_our_id(vllm_request)], self._num_blocks(vllm_request), False
+        for request_id, internal_id in self._paused.items():
+            yield self._requests[request_id], len(self._connector.held_blocks(internal_id)), True
+
+    def _num_blocks(self, vllm_request: "VllmRequest") -> int:
+        return len(internals.request_block_ids(self._scheduler, vllm_request.request_id))
+
+    @staticmethod
+    def _load(request: Request, num_blocks: int, *, running: bool, paused: bool = False) -> RequestLoad:
         return RequestLoad(
-            request_id=request_id,
+            request_id=request.request_id,
             running=running,
-            num_blocks=len(internals.request_block_ids(self._scheduler, vllm_request.request_id)),
+            num_blocks=num_blocks,
             num_tokens=request.num_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
             execution_priority=request.execution_priority,
             scheduling_priority=request.scheduling_priority,
-            migratable=not migration_refusal(request),
+            migratable=not paused and not migration_refusal(request),
         )
 
 

@@ -27,6 +27,11 @@ STAMP_FILE = "llumdask-tiny-model.json"
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
+# KV cache an instance of the default tiny model gets unless configured otherwise: 64 MiB holds
+# 32768 tokens at float32 (2 layers x K,V x 2 heads x 64 dims x 4 bytes = 2 KiB per token).
+# vLLM's own default would take most of the machine's (or GPU's) memory for every instance.
+DEFAULT_KV_CACHE_BYTES = 64 * 2**20
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -79,6 +84,13 @@ class TinyLlamaShape:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {self.head_dim} has no vLLM CPU attention kernel; use 64, 128 or 256")
+
+
+def default_model_dir() -> Path:
+    """Where the offline default model lives: the user's cache directory ($XDG_CACHE_HOME or
+    ~/.cache), so that the gateway and every local instance find the same files."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "llumdask" / "tiny-llama"
 
 
 def build_tiny_model(path: str | os.PathLike[str], seed: int = 0, shape: TinyLlamaShape | None = None) -> Path:

