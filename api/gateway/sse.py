@@ -19,7 +19,9 @@ DONE = b"data: [DONE]\n\n"
 
 
 def event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    """ASCII-escaped JSON: a raw U+0085, U+2028 or U+2029 in generated text would split the event
+    for clients that break lines the way `str.splitlines` does."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 class EventStreamResponse:

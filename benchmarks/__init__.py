@@ -1,0 +1,1 @@
+"""Benchmarks of the llumdask serving stack; run each as ``python -m benchmarks.NAME``."""

@@ -1,0 +1,80 @@
+"""What every benchmark shares: its command line, latency summaries, the printed table and JSON.
+
+Each benchmark compares its variants inside one run (interleaved where it can), because these
+machines are noisy: the ratios printed side by side are the result, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from llumdask.api.bench import format_table
+from llumdask.sim.run import write_json
+
+Column = tuple[str, str, str]
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --out DIR for its JSON, --logs DIR for servers' and load
+    tools' files, --quick for a smoke-sized run."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                   help="directory for NAME.json (default benchmarks/results)")
+    p.add_argument("--logs", type=Path, default=Path("out/benchmarks"),
+                   help="directory for server logs and load-tool reports (default out/benchmarks, git-ignored)")
+    p.add_argument("--quick", action="store_true", help="a much smaller run, to check that it works")
+    return p
+
+
+def summarize(values: Iterable[float], scale: float = 1.0) -> dict[str, float | int | None]:
+    """mean, p50, p99, max and count of `values` times `scale` (None when there are none)."""
+    data = np.fromiter(values, dtype=np.float64) * scale
+    if data.size == 0:
+        return {"mean": None, "p50": None, "p99": None, "max": None, "n": 0}
+    return {"mean": float(data.mean()), "p50": float(np.percentile(data, 50)),
+            "p99": float(np.percentile(data, 99)), "max": float(data.max()), "n": int(data.size)}
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def int_list(text: str) -> list[int]:
+    """"1,4,16" -> [1, 4, 16]; for list-valued options."""
+    values = [int(s) for s in text.split(",") if s.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need positive integers separated by commas, got {text!r}")
+    return values
+
+
+def times(value: float | None) -> str:
+    """A ratio for a sentence: 1.23x, or - when undefined."""
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def report(name: str, out: Path, rows: Sequence[dict[str, Any]], columns: Sequence[Column],
+           facts: dict[str, Any], notes: Sequence[str] = ()) -> Path:
+    """Print the facts, the table and the notes; write out/NAME.json with all of them."""
+    print(f"== {name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()))
+    print(format_table(rows, columns))
+    for note in notes:
+        print(note)
+    path = out / f"{name}.json"
+    write_json(path, {"benchmark": name, "facts": facts, "rows": list(rows), "notes": list(notes),
+                      "machine": machine()})
+    print(f"wrote {path}")
+    return path
+
+
+def machine() -> dict[str, Any]:
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "cpus": os.cpu_count(), "load_average": os.getloadavg(), "time": time.time()}

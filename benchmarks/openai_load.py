@@ -1,0 +1,122 @@
+"""Closed-loop streaming load with the official `openai` client, for quick A/B comparisons.
+
+`concurrent_streams` keeps N streams busy against one server for `settle + seconds`: each
+stream sends a streamed /v1/completions request (a token-id prompt, a fixed output length,
+ignore_eos, greedy), and the next as soon as it ends. Requests that start inside the measured
+`seconds` give the latencies; requests that end inside it give the throughput. It starts in
+well under a second, so two servers can be measured level by level, alternately and repeatedly,
+which is what a comparison within 10% on a noisy machine needs. (GuideLLM, which
+benchmarks/loadgen.py runs, takes about 20 s to start each run.)
+
+Prompts are deterministic per request number, so both servers get the same ones; they differ
+from one request to the next, so that no prefix cache turns a prefill into a lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import openai
+
+from benchmarks.common import summarize
+
+
+@dataclass(frozen=True)
+class Sample:
+    start: float
+    first: float
+    last: float
+    end: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Run:
+    """One level against one server: what came back, and the measured window (perf_counter s)."""
+
+    samples: list[Sample]
+    errors: list[str]
+    window: tuple[float, float]
+
+    @property
+    def started(self) -> list[Sample]:
+        return [s for s in self.samples if self.window[0] <= s.start < self.window[1]]
+
+    @property
+    def ended(self) -> list[Sample]:
+        return [s for s in self.samples if self.window[0] <= s.end < self.window[1]]
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    vocab_size: int
+    prompt_tokens: int
+    output_tokens: int
+
+    def prompt(self, number: int) -> list[int]:
+        # Ids from 3 up: the tiny model's 0-2 are BOS, EOS and padding.
+        return np.random.default_rng(number).integers(3, self.vocab_size, self.prompt_tokens).tolist()
+
+
+async def _one(client: openai.AsyncOpenAI, work: Workload, number: int) -> Sample:
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    stream = await client.completions.create(
+        model=work.model, prompt=work.prompt(number), max_tokens=work.output_tokens, temperature=0.0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices:
+            first = first or now
+            last = now
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    if first is None or tokens != work.output_tokens:
+        raise RuntimeError(f"request {number}: {tokens} tokens streamed, expected {work.output_tokens}")
+    return Sample(start, first, last, time.perf_counter(), tokens)
+
+
+async def concurrent_streams(base_url: str, work: Workload, streams: int, seconds: float, settle: float,
+                             first_number: int = 0) -> Run:
+    """One level; its requests are numbered from `first_number` (they pick the prompts)."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    numbers = iter(range(first_number, 1 << 62))
+    samples: list[Sample] = []
+    errors: list[str] = []
+    begin = time.perf_counter()
+    window = (begin + settle, begin + settle + seconds)
+
+    async def user() -> None:
+        while time.perf_counter() < window[1]:
+            try:
+                samples.append(await _one(client, work, next(numbers)))
+            except (openai.OpenAIError, RuntimeError) as exc:
+                errors.append(str(exc)[:300])
+
+    try:
+        await asyncio.gather(*(user() for _ in range(streams)))
+    finally:
+        await client.close()
+    return Run(samples, errors, window)
+
+
+def row(streams: int, runs: list[Run]) -> dict:
+    """Pooled over `runs`: TTFT, TPOT and end-to-end latency (ms) of the requests started in the
+    measured windows, and the requests and tokens per second that ended in them."""
+    started = [s for run in runs for s in run.started]
+    ended = [s for run in runs for s in run.ended]
+    errors = [e for run in runs for e in run.errors]
+    seconds = sum(run.window[1] - run.window[0] for run in runs)
+    ttft = summarize((s.first - s.start for s in started), 1e3)
+    tpot = summarize(((s.last - s.first) / (s.tokens - 1) for s in started if s.tokens > 1), 1e3)
+    latency = summarize((s.end - s.start for s in started), 1e3)
+    return {"offered": streams, "successful": len(started), "errored": len(errors),
+            "error_messages": sorted(set(errors)), "achieved_rps": len(ended) / seconds,
+            "output_tokens_per_s": sum(s.tokens for s in ended) / seconds,
+            "ttft_mean_ms": ttft["mean"], "ttft_p99_ms": ttft["p99"], "tpot_mean_ms": tpot["mean"],
+            "tpot_p99_ms": tpot["p99"], "latency_mean_ms": latency["mean"], "latency_p99_ms": latency["p99"]}
