@@ -1,4 +1,4 @@
-"""``llumdask bench``: simulated cluster benchmarks (``sim``, ``paper``).
+"""``llumdask bench``: simulated cluster benchmarks (``sim``, ``paper``) and live migration on two instances (``migration``).
 
 Every policy of a comparison runs on the same workload in one invocation, so the numbers are
 read as ratios side by side, not against figures from another run.
@@ -7,7 +7,10 @@ read as ratios side by side, not against figures from another run.
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -105,7 +108,52 @@ def sim_main(argv: Sequence[str]) -> int:
     return 0
 
 
-SUBCOMMANDS = {"sim": sim_main}
+def paper_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="llumdask bench paper",
+        description="Reproduce the Llumnix paper's evaluation on the simulated cluster: DIR/report.md, "
+        "DIR/results.json and PNG figures.",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="directory for report.md, results.json and the PNGs")
+    parser.add_argument("--quick", action="store_true", help="two traces, two rates, 2,000 requests a run (minutes)")
+    parser.add_argument("--jobs", type=_positive(int), default=2, help="simulations run at once, one process each (default 2)")
+    parser.add_argument("--requests", type=_positive(int), default=None, help="requests per simulation (overrides the plan)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--render-only", action="store_true",
+                        help="simulate nothing: write report.md and the PNGs again from DIR/results.json")
+    args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a directory")
+    # Imported here: matplotlib and the experiment plan are only needed by this subcommand.
+    from llumdask.sim.paper import PaperPlan, PaperResults, run_paper
+    from llumdask.sim.paper_report import write_paper
+
+    if args.render_only:
+        source = args.out / "results.json"
+        if not source.is_file():
+            parser.error(f"--render-only needs {source}, written by an earlier run")
+        try:
+            results = PaperResults.from_dict(json.loads(source.read_text()))
+        except ValueError as exc:
+            parser.error(f"{source}: {exc}")
+    else:
+        plan = PaperPlan.quick() if args.quick else PaperPlan.full()
+        plan = replace(plan, seed=args.seed)
+        if args.requests is not None:
+            plan = plan.with_requests(args.requests)
+        results = replace(run_paper(plan, jobs=args.jobs), command=shlex.join(["llumdask", "bench", "paper", *argv]))
+    for path in write_paper(results, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def migration_main(argv: Sequence[str]) -> int:
+    from llumdask.api.bench_migration import main as run_migration  # vLLM engines load only here
+
+    return run_migration(argv)
+
+
+SUBCOMMANDS = {"sim": sim_main, "paper": paper_main, "migration": migration_main}
 
 
 def main(argv: Sequence[str]) -> int:

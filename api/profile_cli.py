@@ -2,6 +2,7 @@
 
 Subcommands:
   fit-vidur   fit a profile to GPU operator tables from Vidur's profiler (mlp.csv, attention.csv)
+  measure     measure a real engine's step times over a grid and fit a profile to them
 
 Each subcommand writes a profile JSON that ``--profile PATH`` (or, once under
 llumdask/engine/profiles/, ``--profile NAME``) loads.
@@ -11,10 +12,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from llumdask.engine.profile_fit import DEFAULT_CPU_OVERHEAD_S, DEFAULT_MEMORY_BYTES, FitOptions, fit_vidur, profile_json
+from llumdask.engine.latency import LatencyProfile
+from llumdask.engine.profile_fit import (
+    DEFAULT_CPU_OVERHEAD_S,
+    DEFAULT_MEMORY_BYTES,
+    FitOptions,
+    FitQuality,
+    fit_vidur,
+    profile_json,
+)
 
 
 def _positive_int(text: str) -> int:
@@ -50,7 +60,28 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fixed CPU cost per step, seconds (default: %(default)s, as the A10 profiles)")
     fit.add_argument("--device", help="the GPU the tables were measured on, for the derivation text")
     fit.set_defaults(run=lambda args: _fit_vidur(args, fit))
+    measure = commands.add_parser(
+        "measure",
+        help="measure a real engine and fit a profile",
+        description="Drive a real engine step by step over a grid of prompt lengths (prefill) and batch sizes x "
+        "context tokens (decode), fit the profile's coefficients to the median step times and write the profile JSON.",
+    )
+    measure.add_argument("--engine", choices=("vllm",), default="vllm", help="the engine to measure (default: %(default)s)")
+    measure.add_argument("--model", help="model directory or hub name (default: the configured one, else the offline tiny model)")
+    measure.add_argument("--out", type=Path, default=Path("measured.json"),
+                         help="profile JSON to write; its file name (without .json) is the profile's name (default: %(default)s)")
+    measure.add_argument("--grid", choices=("quick", "full"), default="quick", help="how much to measure (default: %(default)s)")
+    measure.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    measure.set_defaults(run=lambda args: _measure(args, measure))
     return parser
+
+
+def _write(out: Path, profile: LatencyProfile, prefill: FitQuality, decode: FitQuality) -> int:
+    out.write_text(profile_json(profile))
+    print(f"wrote {out}: capacity {profile.capacity_tokens:,} tokens, KV {profile.model_kv_bytes_per_token:,} B/token")
+    print(f"prefill: {prefill.describe()}")
+    print(f"decode:  {decode.describe()}")
+    return 0
 
 
 def _fit_vidur(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -62,12 +93,29 @@ def _fit_vidur(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         result = fit_vidur(args.data, options)
     except ValueError as exc:
         parser.error(str(exc))
-    args.out.write_text(profile_json(result.profile))
-    profile = result.profile
-    print(f"wrote {args.out}: capacity {profile.capacity_tokens:,} tokens, KV {profile.model_kv_bytes_per_token:,} B/token")
-    print(f"prefill: {result.prefill.describe()}")
-    print(f"decode:  {result.decode.describe()}")
-    return 0
+    return _write(args.out, result.profile, result.prefill, result.decode)
+
+
+def _measure(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.out.suffix != ".json":
+        parser.error(f"--out must name a .json file, got {str(args.out)!r}")
+    from llumdask.config import load_config
+    from llumdask.engine.vllm.factory import create_engine, resolve_model
+    from llumdask.engine.vllm.measure import GRIDS, fit_measured, measure
+
+    config = load_config().vllm_engine
+    if args.model is not None:
+        config = replace(config, model=args.model)
+    model = resolve_model(config)
+    engine = create_engine(config)
+    try:
+        measurement = measure(engine, GRIDS[args.grid], seed=args.seed)
+        result = fit_measured(engine, measurement, name=args.out.stem, model=model, grid_name=args.grid)
+    except ValueError as exc:
+        parser.error(str(exc))
+    finally:
+        engine.close()
+    return _write(args.out, result.profile, result.prefill, result.decode)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

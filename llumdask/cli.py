@@ -41,7 +41,7 @@ COMMANDS: Mapping[str, Command] = types.MappingProxyType(
     {
         "bench": Command(
             "llumdask.api.bench:main",
-            "simulated cluster benchmarks: 'bench sim' compares policies, 'bench paper' reproduces the paper",
+            "benchmarks: 'bench sim' compares policies, 'bench paper' reproduces the paper, 'bench migration' times live migration",
         ),
         "serve": Command(
             "llumdask.api.serve:serve_main",
@@ -49,7 +49,7 @@ COMMANDS: Mapping[str, Command] = types.MappingProxyType(
         ),
         "profile": Command(
             "llumdask.api.profile_cli:main",
-            "latency profiles for the simulator from measurements: 'profile fit-vidur' fits one to Vidur GPU operator tables",
+            "latency profiles for the simulator: 'profile fit-vidur' fits Vidur GPU tables, 'profile measure' times a real engine",
         ),
         "demo": Command(
             "llumdask.demo:main",

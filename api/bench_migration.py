@@ -1,0 +1,151 @@
+"""``llumdask bench migration``: live migration's downtime against a blocking copy and recompute.
+
+Two instances in this process, driven by llumlets over the in-process transport (see
+llumdask/migration_bench.py for what is measured and how). ``--engine vllm`` builds a random
+Llama model larger than the test model (the default 12 layers, hidden 1024) so that recomputing
+a prompt costs what it does on a real model; ``--engine sim`` runs the sim engine in real time
+(steps sleep their modelled duration; its KV buffers are real bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from llumdask.config import LlumdaskConfig, load_config
+from llumdask.engine.base import Engine
+from llumdask.migration_bench import BenchSettings, LengthResult, MigrationBench, results_dict
+
+TABLE_COLUMNS = (
+    ("length", "length", "{}"),
+    ("live_downtime_ms", "live ms", "{:.1f}"),
+    ("live_stages", "stages", "{}"),
+    ("live_bytes", "live MiB", "{:.1f}"),
+    ("blocking_downtime_ms", "blocking ms", "{:.1f}"),
+    ("recompute_downtime_ms", "recompute ms", "{:.1f}"),
+    ("recompute_over_live", "recompute/live", "{:.1f}"),
+    ("source_slowdown", "src slowdown", "{:.2f}"),
+    ("destination_slowdown", "dst slowdown", "{:.2f}"),
+    ("tokens_identical", "identical", "{}"),
+)
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lengths must be comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"--lengths must be positive integers, got {text!r}")
+    return tuple(values)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llumdask bench migration",
+        description="Migrate one request per prompt length between two instances that decode a background batch; "
+        "compare live migration's downtime with a blocking copy and with recomputing on the destination.",
+    )
+    parser.add_argument("--engine", choices=("vllm", "sim"), default="vllm")
+    parser.add_argument("--lengths", type=_lengths, default=_lengths("256,1024,2048"), help="prompt lengths, comma-separated")
+    parser.add_argument("--out", type=Path, required=True, help="directory for results.json")
+    parser.add_argument("--model", help="vllm: model directory (default: a random Llama of --layers x --hidden, built once)")
+    parser.add_argument("--layers", type=_positive_int, default=12, help="vllm: layers of the built model (default %(default)s)")
+    parser.add_argument("--hidden", type=_positive_int, default=1024, help="vllm: hidden size of the built model (default %(default)s)")
+    parser.add_argument("--kv-cache-mib", type=_positive_int, default=1024, help="vllm: KV cache per instance, MiB (default %(default)s)")
+    parser.add_argument("--background", type=int, default=BenchSettings.background, help="co-running requests per instance")
+    parser.add_argument("--output-tokens", type=_positive_int, default=BenchSettings.output_tokens,
+                        help="tokens the migrated request generates in all")
+    parser.add_argument("--last-stage-blocks", type=int, default=None,
+                        help="migration.last-stage-blocks for this run (default: the configured value); vLLM's CPU blocks "
+                        "hold 128 tokens, so 0 (only the partly filled block in the last stage) matches the default 2 of 16-token blocks")
+    parser.add_argument("--repeats", type=_positive_int, default=1, help="runs per length; each figure is their median")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _vllm_engines(args: argparse.Namespace, max_len: int) -> tuple[list[Engine], dict[str, Any]]:
+    from llumdask.engine.vllm.engine import VllmEngine
+    from llumdask.engine.vllm.tiny_model import TinyLlamaShape, build_tiny_model, default_model_dir
+
+    facts: dict[str, Any] = {}
+    model = args.model
+    if model is None:
+        shape = TinyLlamaShape(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                               num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                               num_key_value_heads=args.hidden // 64)
+        model = str(build_tiny_model(default_model_dir().with_name(f"bench-llama-{args.layers}x{args.hidden}"), seed=0, shape=shape))
+        facts["model_shape"] = asdict(shape)
+    engine_args = {"dtype": "float32", "max_model_len": max_len, "kv_cache_memory_bytes": args.kv_cache_mib * 2**20, "seed": 0}
+    facts |= {"model": model, "engine_args": engine_args}
+    return [VllmEngine(model, engine_args) for _ in range(2)], facts
+
+
+def _sim_engines(config: LlumdaskConfig) -> tuple[list[Engine], dict[str, Any]]:
+    from llumdask.engine.sim import SimEngine
+
+    sim = replace(config.sim_engine, real_time=True)
+    engines = [SimEngine(sim, block_size=config.block_size, clock=time.perf_counter, instance_id=name)
+               for name in ("source", "destination")]
+    return engines, {"sim_engine": asdict(sim)}  # type: ignore[return-value]
+
+
+def format_table(rows: Sequence[LengthResult]) -> str:
+    from llumdask.api.bench import format_table as fixed_width
+
+    return fixed_width([asdict(row) | {"live_bytes": row.live_bytes / 2**20} for row in rows], TABLE_COLUMNS)
+
+
+def main(argv: Sequence[str], progress: Callable[[str], None] = print) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a directory")
+    try:
+        settings = BenchSettings(lengths=args.lengths, background=args.background, output_tokens=args.output_tokens,
+                                 seed=args.seed, repeats=args.repeats)
+    except ValueError as exc:
+        parser.error(str(exc).replace("output tokens", "--output-tokens", 1))
+    config = load_config()
+    if args.last_stage_blocks is not None:
+        if args.last_stage_blocks < 0:
+            parser.error(f"--last-stage-blocks must be >= 0, got {args.last_stage_blocks}")
+        config = replace(config, migration=replace(config.migration, last_stage_blocks=args.last_stage_blocks))
+    if args.engine == "vllm":
+        engines, facts = _vllm_engines(args, settings.longest_sequence)
+    else:
+        engines, facts = _sim_engines(config)
+    started = time.perf_counter()
+    try:
+        try:
+            bench = MigrationBench(*engines, config=config, settings=settings)
+        except ValueError as exc:  # lengths the instances cannot hold
+            parser.error(str(exc))
+        results = bench.run(progress)
+    finally:
+        for engine in engines:
+            getattr(engine, "close", lambda: None)()
+    facts = {"command": shlex.join(["llumdask", "bench", "migration", *argv]), "engine": args.engine,
+             "driver": "two llumlets in one process over InProcessTransport",
+             "settings": asdict(settings), "migration": asdict(config.migration), "wall_seconds": time.perf_counter() - started, **facts}
+    summary = results_dict(results, facts)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_table(results))
+    print(f"live downtime longest/shortest: {summary['live_downtime_longest_over_shortest']:.2f} (goal <= 1.5); "
+          f"recompute/live at {results[-1].length}: {summary['recompute_over_live_at_longest']:.1f}x (goal >= 20)")
+    print(f"wrote {args.out / 'results.json'}")
+    return 0

@@ -1,0 +1,398 @@
+"""The Llumnix paper's evaluation (OSDI'24, figures 11-16), as far as a simulator can run it.
+
+A `PaperPlan` says what to run; `plan_cases` expands it into independent `Case`s (one workload
+through one policy preset on one simulated cluster), `run_paper` runs them in a process pool and
+returns every run's summary, the capacities the rates were chosen from, and the scheduler
+microbenchmark. Rendering (`paper_report`, `plots`) is separate, so this module is pure.
+
+Experiments:
+- serving: generated (S-S, M-M, L-L, S-L, L-S) and real-trace-like (ShareGPT, BurstGPT) traces
+  over a range of rates, every policy preset on the same requests; the infaas and llumnix runs
+  of one loaded setting also keep the fragmentation timeline;
+- priorities: S-S with 10% high-priority requests and Gamma arrivals of several CVs, Llumnix with
+  and without priority headroom;
+- autoscaling: L-L with scaling enabled (band [10, 60], 1..16 instances, a stated start-up
+  delay), Llumnix against INFaaS++ under the same scaling policy;
+- scalability: `scalability.measure` at 16 to 1,024 instances.
+
+Rates. Our latency model is not the paper's testbed, so request rates copied from the paper would
+load our cluster differently. Each trace's rates are fractions of its *ideal capacity*: the
+request rate the simulated cluster could sustain if its KV memory were one perfectly packed pool
+(`ideal_capacity`: from the latency profile and the trace's lengths, no simulation, no policy).
+The sweep so runs from light load to about the cluster's limit; each run's backlog when the last
+request arrives tells on which side of its own limit a policy ended up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from llumdask.config import LlumdaskConfig, load_config
+from llumdask.engine.latency import LatencyProfile, load_profile
+from llumdask.request import Request
+from llumdask.sim.cluster import SimCluster
+from llumdask.sim.metrics import ClusterSample, summarize
+from llumdask.sim.presets import PRESETS
+from llumdask.sim.run import make_spec
+from llumdask.sim.scalability import measure
+from llumdask.sim.workload import PAIRINGS, WORKLOADS, make_workload
+
+SERVING, PRIORITIES, AUTOSCALING = "serving", "priorities", "autoscaling"
+# The paper's auto-scaling setting: keep mean freeness in this band with 1 to 16 instances.
+AUTOSCALE_BAND = (10.0, 60.0)
+AUTOSCALE_MAX_INSTANCES = 16
+# Llumnix-base differs from Llumnix only in high-priority headroom, so without high-priority
+# requests the two run identically: it is compared in the priorities experiment only.
+SERVING_POLICIES = ("round_robin", "infaas", "lmetric", "power_of_two", "llumnix")
+PRIORITY_POLICIES = ("llumnix_base", "llumnix")
+AUTOSCALING_POLICIES = ("infaas", "llumnix")
+# The pair whose fragmentation over time is plotted (paper: INFaaS++ against Llumnix).
+TIMELINE_POLICIES = ("infaas", "llumnix")
+# Lengths drawn to estimate a trace's ideal capacity (a sample, not a simulation: cheap).
+_CAPACITY_SAMPLE = 50_000
+
+
+@dataclass(frozen=True)
+class PaperPlan:
+    """Sizes of every experiment. `full()` is the committed run, `quick()` a smoke run."""
+
+    instances: int = 16
+    profile: str = "llama-7b-a10"
+    seed: int = 0
+    # serving
+    traces: tuple[str, ...] = ("sharegpt", "burstgpt", *PAIRINGS)
+    loads: tuple[float, ...] = (0.6, 0.8, 0.9, 1.0)
+    # The paper replays 10,000 requests; half keeps the full run within an hour on 2 cores.
+    requests: int = 5_000
+    policies: tuple[str, ...] = SERVING_POLICIES
+    # Fragmentation needs memory pressure: the heaviest load of the sweep.
+    timeline: tuple[str, float] = ("M-M", 1.0)
+    # priorities
+    priority_trace: str = "S-S"
+    priority_share: float = 0.1
+    priority_load: float = 0.85
+    priority_cvs: tuple[float, ...] = (1.0, 2.0, 4.0, 6.0)
+    priority_requests: int = 5_000
+    # autoscaling
+    autoscale_trace: str = "L-L"
+    autoscale_loads: tuple[float, ...] = (0.25, 0.5, 0.75)
+    autoscale_requests: int = 5_000
+    # Start fully provisioned: scaling trims the cluster to the load, so no start-up queue (an
+    # artefact of the initial size, not of the policy) dominates the P99.
+    autoscale_initial_instances: int = AUTOSCALE_MAX_INSTANCES
+    # Assumed time from "add an instance" to its first request: load 13.5 GB of LLaMA-7B weights
+    # at ~1.5 GB/s from local NVMe plus engine start; not measured.
+    autoscale_startup_delay: float = 10.0
+    # scalability
+    scalability_sizes: tuple[int, ...] = (16, 64, 256, 1024)
+    scalability_rounds: int = 100
+
+    def __post_init__(self) -> None:
+        for name in ("instances", "requests", "priority_requests", "autoscale_requests", "scalability_rounds",
+                     "autoscale_initial_instances"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"paper plan: {name} must be an integer >= 1, got {value!r}")
+        for trace in (*self.traces, self.priority_trace, self.autoscale_trace, self.timeline[0]):
+            if trace not in WORKLOADS:
+                raise ValueError(f"paper plan: unknown trace {trace!r}; choose from {', '.join(WORKLOADS)}")
+        unknown = [p for p in self.policies if p not in PRESETS]
+        if unknown or not self.policies:
+            raise ValueError(f"paper plan: unknown policies {unknown or '(none given)'}; choose from {', '.join(PRESETS)}")
+        for name in ("loads", "autoscale_loads", "priority_cvs", "scalability_sizes"):
+            if not getattr(self, name):
+                raise ValueError(f"paper plan: {name} must not be empty")
+        for load in (*self.loads, *self.autoscale_loads, self.priority_load, self.timeline[1]):
+            if not (math.isfinite(load) and load > 0):
+                raise ValueError(f"paper plan: load fractions must be finite and > 0, got {load!r}")
+        if any(not (math.isfinite(cv) and cv >= 0) for cv in self.priority_cvs):
+            raise ValueError(f"paper plan: priority_cvs must be finite and >= 0, got {self.priority_cvs}")
+        if not 0 < self.priority_share < 1:
+            raise ValueError(f"paper plan: priority_share must be in (0, 1), got {self.priority_share!r}")
+        if self.autoscale_startup_delay < 0:
+            raise ValueError(f"paper plan: autoscale_startup_delay must be >= 0, got {self.autoscale_startup_delay!r}")
+        if self.autoscale_initial_instances > AUTOSCALE_MAX_INSTANCES:
+            raise ValueError(f"paper plan: autoscale_initial_instances must be <= {AUTOSCALE_MAX_INSTANCES} (the paper's maximum)")
+
+    @classmethod
+    def full(cls) -> "PaperPlan":
+        return cls()
+
+    @classmethod
+    def quick(cls) -> "PaperPlan":
+        """Two traces, two rates, fewer requests: the shape of every table in a few minutes."""
+        return cls(
+            traces=("sharegpt", "M-M"),
+            loads=(0.7, 1.0),
+            requests=2_000,
+            priority_cvs=(1.0, 4.0),
+            priority_requests=2_000,
+            autoscale_loads=(0.5,),
+            autoscale_requests=1_000,
+            scalability_rounds=30,
+        )
+
+    def all_traces(self) -> tuple[str, ...]:
+        """Every trace some experiment runs, each once, serving traces first."""
+        return tuple(dict.fromkeys((*self.traces, self.priority_trace, self.autoscale_trace)))
+
+    def with_requests(self, requests: int) -> "PaperPlan":
+        """Every simulation with `requests` requests (faster, noisier)."""
+        return replace(self, requests=requests, priority_requests=requests, autoscale_requests=requests)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One simulation: picklable, so a worker process builds its own workload and cluster."""
+
+    experiment: str
+    trace: str
+    load: float
+    rate: float
+    policy: str
+    requests: int
+    instances: int
+    profile: str
+    seed: int
+    cv: float | None = None
+    high_priority_share: float = 0.0
+    autoscale_startup_delay: float | None = None
+    timeline: bool = False
+
+    @property
+    def label(self) -> str:
+        cv = f" cv {self.cv:g}" if self.cv is not None else ""
+        return f"{self.experiment} {self.trace} load {self.load:g}{cv} ({self.rate:.2f} req/s) {self.policy}"
+
+    @property
+    def cost(self) -> float:
+        """Relative wall time: simulated span x instances (the simulator's work is per step)."""
+        return self.requests / self.rate * self.instances
+
+
+# Fields of a run that identify its case; the only ones that may be None.
+_CASE_FIELDS = frozenset(f.name for f in fields(Case))
+
+
+# ------------------------------------------------------------------------------- capacity
+def ideal_capacity(trace: str, instances: int, profile: LatencyProfile, config: LlumdaskConfig, *, seed: int = 0) -> float:
+    """Requests/s `instances` could sustain if their KV memory were one perfectly packed pool.
+
+    Per instance, with memory full: a running request of input i and output o holds i + k tokens
+    at its k-th decode step (k = 1 .. o - 1; prefill made the first token), plus half a block of
+    rounding. Weighted by time, a running request holds ctx = E[token-steps] / E[o - 1] tokens, so
+    the batch is b = min(max_num_seqs, capacity / ctx), and a decode step lasts
+    T = decode_time(b, b x ctx). Each request needs (o - 1) / b steps' worth of the instance plus
+    its own prefill, so one instance finishes 1 / (E[o - 1] T / b + E[prefill(i)]) requests a
+    second. An estimate, not a bound: preemption, imbalance and fragmentation lower what real
+    dispatch achieves, while a finite run meets fewer of the rare longest requests in the mean.
+    """
+    sample = make_workload(trace, rate=1.0, num_requests=_CAPACITY_SAMPLE, seed=seed)
+    inputs = np.array([r.input_len for r in sample], dtype=np.float64)
+    decodes = np.array([r.output_len - 1 for r in sample], dtype=np.float64)
+    block = config.block_size
+    capacity_tokens = (config.sim_engine.total_blocks or profile.capacity_tokens // block) * block
+    token_steps = decodes * inputs + decodes * (decodes + 1) / 2 + decodes * block / 2
+    prefill = float(np.mean([profile.prefill_time([int(n)]) for n in inputs]))
+    if decodes.mean() == 0:
+        return instances / prefill
+    ctx = token_steps.mean() / decodes.mean()
+    batch = min(float(config.sim_engine.max_num_seqs), capacity_tokens / ctx)
+    d = profile.decode
+    step = d.base_s + d.per_seq_s * batch + d.per_context_token_s * batch * ctx
+    return instances / (decodes.mean() * step / batch + prefill)
+
+
+def capacities(plan: PaperPlan) -> dict[str, float]:
+    """Ideal capacity (requests/s of the whole `plan.instances` cluster) of every trace the plan uses."""
+    profile = load_profile(plan.profile)
+    config = make_spec("llumnix", plan.instances, profile=plan.profile).config
+    return {t: float(ideal_capacity(t, plan.instances, profile, config, seed=plan.seed)) for t in plan.all_traces()}
+
+
+# ------------------------------------------------------------------------------- cases
+def plan_cases(plan: PaperPlan, capacity: dict[str, float]) -> list[Case]:
+    """Every simulation of the plan; each rate is a load fraction times the trace's capacity."""
+    common = dict(instances=plan.instances, profile=plan.profile, seed=plan.seed)
+    cases = [
+        Case(SERVING, trace, load, load * capacity[trace], policy, plan.requests,
+             timeline=(trace, load) == plan.timeline and policy in TIMELINE_POLICIES, **common)
+        for trace in plan.traces
+        for load in plan.loads
+        for policy in plan.policies
+    ]
+    cases += [
+        Case(PRIORITIES, plan.priority_trace, plan.priority_load, plan.priority_load * capacity[plan.priority_trace],
+             policy, plan.priority_requests, cv=cv, high_priority_share=plan.priority_share, **common)
+        for cv in plan.priority_cvs
+        for policy in PRIORITY_POLICIES
+    ]
+    cases += [
+        Case(AUTOSCALING, plan.autoscale_trace, load, load * capacity[plan.autoscale_trace], policy,
+             plan.autoscale_requests, autoscale_startup_delay=plan.autoscale_startup_delay, timeline=True,
+             **(common | {"instances": plan.autoscale_initial_instances}))
+        for load in plan.autoscale_loads
+        for policy in AUTOSCALING_POLICIES
+    ]
+    return cases
+
+
+def case_config(case: Case) -> LlumdaskConfig:
+    """The base configuration of a case; the preset is applied on top by `make_spec`."""
+    config = load_config()
+    if case.autoscale_startup_delay is None:
+        return replace(config, scaling=replace(config.scaling, enabled=False))
+    return replace(
+        config,
+        scaling=replace(config.scaling, enabled=True, band=AUTOSCALE_BAND, min_instances=1,
+                        max_instances=AUTOSCALE_MAX_INSTANCES, startup_delay=case.autoscale_startup_delay),
+    )
+
+
+def timeline(samples: Sequence[ClusterSample]) -> dict[str, list[float]]:
+    """Fragmentation (0..1) and instance count at each cluster sample, for plots."""
+    return {
+        "time": [round(s.time, 3) for s in samples],
+        "fragmentation": [round(s.fragmentation(), 5) for s in samples],
+        "instances": [len(s.instances) for s in samples],
+    }
+
+
+def backlog(requests: Iterable[Request], at: float) -> int:
+    """Requests that had arrived by `at` but had no first token yet: a few under a sustainable
+    load, a number growing with the run's length under overload."""
+    return sum(
+        1 for r in requests
+        if r.arrival_time <= at and (r.timing.first_token is None or r.timing.first_token > at)
+    )
+
+
+def run_case(case: Case) -> dict[str, Any]:
+    """Simulate one case; its summary plus what identifies it (and its timeline when asked)."""
+    workload = make_workload(case.trace, rate=case.rate, num_requests=case.requests, seed=case.seed, cv=case.cv,
+                             high_priority_share=case.high_priority_share)
+    spec = make_spec(case.policy, case.instances, profile=case.profile, base=case_config(case))
+    started = time.perf_counter()
+    outcome = SimCluster(spec.config, spec.profile, spec.instances, spec.settings).run(workload)
+    wall = time.perf_counter() - started
+    summary = summarize(outcome.requests, outcome.samples, outcome.migrations, outcome.duration)
+    case_fields = {k: v for k, v in asdict(case).items() if k != "timeline"}
+    # summary["requests"] counts finished requests; the case's `requests` (offered) takes the key.
+    result = summary | {"finished": summary["requests"]} | case_fields | {
+        "backlog_at_last_arrival": backlog(outcome.requests, workload[-1].arrival if workload else 0.0),
+        "rejected": len(outcome.rejected),
+        "simulated_seconds": outcome.duration,
+        "wall_seconds": wall,
+    }
+    if case.timeline:
+        result["timeline"] = timeline(outcome.samples)
+    return result
+
+
+# ------------------------------------------------------------------------------- runner
+@dataclass
+class PaperResults:
+    plan: PaperPlan
+    capacity: dict[str, float]
+    runs: list[dict[str, Any]]
+    scalability: list[dict[str, Any]]
+    wall_seconds: float = 0.0
+    jobs: int = 1
+    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    # The configuration every case started from (presets and the case's scaling on top).
+    config: LlumdaskConfig = field(default_factory=load_config)
+    # How the run was started, quoted in the report.
+    command: str = "llumdask bench paper"
+
+    def select(self, experiment: str, **match: Any) -> list[dict[str, Any]]:
+        """Runs of one experiment whose fields equal `match`, in plan order."""
+        return [r for r in self.runs if r["experiment"] == experiment and all(r.get(k) == v for k, v in match.items())]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PaperResults":
+        """Back from results.json (`to_dict` after JSON), e.g. to render the report again.
+
+        JSON has no tuples and no NaN: sequences in the plan become tuples again, and a null
+        metric (an undefined mean or percentile) becomes NaN again.
+        """
+        try:
+            plan = PaperPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["plan"].items()})
+            capacity = {t: float(c["ideal_requests_per_s"]) for t, c in data["capacity"].items()}
+            runs = [{k: math.nan if v is None and k not in _CASE_FIELDS else v for k, v in run.items()} for run in data["runs"]]
+            return cls(plan, capacity, runs, data["scalability"], data["wall_seconds"], data["jobs"], data["cpus"],
+                       LlumdaskConfig.from_dict(data["config"]), data.get("command", cls.command))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not the results.json of 'llumdask bench paper': {exc!r}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan": asdict(self.plan),
+            "capacity": {t: {"ideal_requests_per_s": c, "instances": self.plan.instances} for t, c in self.capacity.items()},
+            "runs": self.runs,
+            "scalability": self.scalability,
+            "config": self.config.to_dict(),
+            "command": self.command,
+            "wall_seconds": self.wall_seconds,
+            "jobs": self.jobs,
+            "cpus": self.cpus,
+        }
+
+
+def run_cases(cases: Sequence[Case], jobs: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Run every case, `jobs` at a time, costliest first; results in the order of `cases`."""
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+    order = sorted(range(len(cases)), key=lambda i: -cases[i].cost)
+    results: list[dict[str, Any] | None] = [None] * len(cases)
+    started = time.perf_counter()
+
+    def done(index: int, result: dict[str, Any]) -> None:
+        results[index] = result
+        finished = sum(r is not None for r in results)
+        progress(
+            f"[{finished}/{len(cases)} {time.perf_counter() - started:6.0f}s] {cases[index].label}: "
+            f"prefill p99 {result['prefill_p99']:.2f}s, {result['wall_seconds']:.1f}s wall"
+        )
+
+    if jobs == 1:
+        for index in order:
+            done(index, _labelled(run_case, cases[index]))
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_labelled, run_case, cases[index]): index for index in order}
+            for future in as_completed(futures):
+                done(futures[future], future.result())
+    return [r for r in results if r is not None]
+
+
+class CaseFailed(RuntimeError):
+    """A simulation raised; the message names the case, the cause is chained."""
+
+
+def _labelled(run: Callable[[Case], dict[str, Any]], case: Case) -> dict[str, Any]:
+    try:
+        return run(case)
+    except Exception as exc:
+        raise CaseFailed(f"simulation '{case.label}' (seed {case.seed}, {case.requests} requests) failed: {exc!r}") from exc
+
+
+def run_paper(plan: PaperPlan, *, jobs: int = 2, progress: Callable[[str], None] = print) -> PaperResults:
+    """Run every experiment of the plan (simulations in a pool of `jobs` processes)."""
+    started = time.perf_counter()
+    capacity = capacities(plan)
+    for trace, value in capacity.items():
+        progress(f"ideal capacity {trace}: {value:.2f} req/s on {plan.instances} instances")
+    cases = plan_cases(plan, capacity)
+    progress(f"{len(cases)} simulations, {jobs} at a time")
+    runs = run_cases(cases, jobs, progress)
+    progress(f"scheduler scalability at {', '.join(map(str, plan.scalability_sizes))} instances")
+    scalability = [measure(n, rounds=plan.scalability_rounds, seed=plan.seed).to_dict() for n in plan.scalability_sizes]
+    return PaperResults(plan, capacity, runs, scalability, time.perf_counter() - started, jobs)
+

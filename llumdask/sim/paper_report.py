@@ -1,0 +1,537 @@
+"""report.md for the paper reproduction: our ratios beside the paper's, then every run's numbers.
+
+The paper's figures come from DESIGN.md section 4 (Llumnix, OSDI'24). Each headline row compares
+one claim with what the same comparison gives on the simulated cluster, and a verdict that is
+computed, not written by hand: "reproduced" when ours reaches at least 80% of the paper's
+improvement, "weaker" when ours points the same way but less, "not reproduced" when ours shows
+no improvement (within 5%) or the opposite.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from llumdask.engine.latency import load_profile
+from llumdask.request import Priority
+from llumdask.sim.paper import AUTOSCALE_BAND, AUTOSCALE_MAX_INSTANCES, AUTOSCALING, PRIORITIES, SERVING, PaperResults
+from llumdask.sim.plots import write_figures
+from llumdask.sim.run import write_json
+from llumdask.sim.scalability import DISPATCH_P99_GOAL_US, PAIRING_P99_GOAL_MS
+
+REPRODUCED, WEAKER, NOT_REPRODUCED = "reproduced", "weaker", "not reproduced"
+# Ours reaches this share of the paper's improvement -> reproduced; below 1 + _NOISE -> none.
+_CLOSE = 0.8
+_NOISE = 0.05
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One number of the paper, as an improvement factor (> 1 is better for Llumnix)."""
+
+    key: str
+    text: str
+    paper: str
+    paper_factor: float
+
+
+CLAIMS = {
+    c.key: c
+    for c in (
+        Claim("prefill_p99", "P99 prefill latency, INFaaS++ / Llumnix (up to)", "14.8x (M-M)", 14.8),
+        Claim("prefill_mean", "mean prefill latency, INFaaS++ / Llumnix (up to)", "7.7x", 7.7),
+        Claim("decode_p99", "P99 decode latency, INFaaS++ / Llumnix (up to)", "2x", 2.0),
+        Claim("preemption", "preemption loss, Llumnix vs INFaaS++", "-70%", 1 / 0.3),
+        Claim("fragmentation", "fragmented memory, INFaaS++ -> Llumnix", "7.9% -> 0.7%", 7.9 / 0.7),
+        Claim("rr_prefill_mean", "ShareGPT mean prefill, round-robin / Llumnix (up to)", "26.6x", 26.6),
+        Claim("rr_prefill_p99", "ShareGPT P99 prefill, round-robin / Llumnix (up to)", "34.4x", 34.4),
+        Claim("priority_high", "high-priority mean latency, Llumnix-base / Llumnix", "1.2-1.5x", 1.2),
+        Claim("priority_normal", "normal-priority mean latency cost of priorities", "at most +4.5%", 1 / 1.045),
+        Claim("autoscale_cost", "auto-scaling cost (mean instances) at equal P99 prefill", "-36%", 1 / 0.64),
+    )
+}
+
+
+@dataclass(frozen=True)
+class HeadlineRow:
+    """Our number for one claim; `evidence` is a measured fact quoted when we fall short."""
+
+    claim: Claim
+    ours: str
+    where: str
+    factor: float
+    evidence: str = ""
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.factor, self.claim.paper_factor)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"claim": self.claim.text, "paper": self.claim.paper, "ours": self.ours, "where": self.where,
+                "improvement_factor": self.factor, "verdict": self.verdict}
+
+
+def verdict(ours: float, paper: float) -> str:
+    """Compare improvement factors (> 1 means Llumnix is better; infinite: the baseline's cost vanished)."""
+    if math.isnan(ours):
+        return NOT_REPRODUCED
+    if paper <= 1:  # a bound on a cost: ours must stay within it
+        return REPRODUCED if ours >= paper else NOT_REPRODUCED
+    if ours <= 1 + _NOISE:
+        return NOT_REPRODUCED
+    return REPRODUCED if math.log(ours) >= _CLOSE * math.log(paper) else WEAKER
+
+
+def ratio(numerator: Any, denominator: Any) -> float:
+    """numerator / denominator, NaN unless both are finite and the denominator is positive."""
+    if not (_finite(numerator) and _finite(denominator)) or denominator <= 0:
+        return math.nan
+    return numerator / denominator
+
+
+def reduction_factor(baseline: float, ours: float) -> float:
+    """baseline / ours for a cost both incur; infinite when only the baseline pays it."""
+    return math.inf if ours == 0 and _finite(baseline) and baseline > 0 else ratio(baseline, ours)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def by_policy(runs: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["policy"]: r for r in runs}
+
+
+def settings(results: PaperResults, experiment: str, *keys: str) -> list[tuple[tuple, dict[str, dict[str, Any]]]]:
+    """Runs of an experiment grouped by `keys` (first-seen order), each group keyed by policy."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for run in results.select(experiment):
+        groups.setdefault(tuple(run[k] for k in keys), []).append(run)
+    return [(key, by_policy(group)) for key, group in groups.items()]
+
+
+def best_ratio(
+    results: PaperResults, baseline: str, metric: str, *, trace: str | None = None
+) -> tuple[float, tuple[str, float] | None]:
+    """Largest baseline/llumnix ratio of `metric` over the serving settings, and its (trace, load)."""
+    best, where = math.nan, None
+    for (run_trace, load), policies in settings(results, SERVING, "trace", "load"):
+        if trace is not None and run_trace != trace:
+            continue
+        if baseline in policies and "llumnix" in policies:
+            value = ratio(policies[baseline][metric], policies["llumnix"][metric])
+            if _finite(value) and not value <= best:
+                best, where = value, (run_trace, load)
+    return best, where
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x" if _finite(value) else "-"
+
+
+def _pct(value: float, signed: bool = False) -> str:
+    if not _finite(value):
+        return "-"
+    return f"{100 * value:+.1f}%" if signed else f"{100 * value:.2f}%"
+
+
+def _setting(where: tuple[str, float] | None) -> str:
+    return f"{where[0]} load {where[1]:g}" if where else "-"
+
+
+def _backlogs(results: PaperResults, where: tuple[str, float] | None, policies: Sequence[str]) -> str:
+    """The measured fact behind a serving ratio: who was past capacity at that setting."""
+    if where is None:
+        return ""
+    runs = by_policy(results.select(SERVING, trace=where[0], load=where[1]))
+    counts = ", ".join(f"{p} {runs[p]['backlog_at_last_arrival']}" for p in policies if p in runs)
+    requests = next(iter(runs.values()))["requests"] if runs else 0
+    return f"At {_setting(where)} the backlog when the last request arrived was {counts} (of {requests} requests)."
+
+
+# ------------------------------------------------------------------------------- headline
+def headline(results: PaperResults) -> list[HeadlineRow]:
+    rows = []
+    for key in ("prefill_p99", "prefill_mean", "decode_p99"):
+        factor, where = best_ratio(results, "infaas", key)
+        evidence = _backlogs(results, where, ("infaas", "llumnix"))
+        if key == "decode_p99":
+            evidence = f"{evidence} {_decode_steps(results)}"
+        rows.append(HeadlineRow(CLAIMS[key], _x(factor), _setting(where), factor, evidence))
+    rows.append(_preemption_row(results))
+    rows.append(_fragmentation_row(results))
+    for key, metric in (("rr_prefill_mean", "prefill_mean"), ("rr_prefill_p99", "prefill_p99")):
+        factor, where = best_ratio(results, "round_robin", metric, trace="sharegpt")
+        rows.append(HeadlineRow(CLAIMS[key], _x(factor), _setting(where), factor,
+                                _backlogs(results, where, ("round_robin", "llumnix"))))
+    rows += _priority_rows(results)
+    rows.append(_autoscaling_row(results))
+    return rows
+
+
+def _preemption_row(results: PaperResults) -> HeadlineRow:
+    """Mean preemption loss summed over every serving setting: no setting picked."""
+    totals = {"infaas": 0.0, "llumnix": 0.0}
+    count = 0
+    for _, policies in settings(results, SERVING, "trace", "load"):
+        if set(totals) <= set(policies):
+            count += 1
+            for policy in totals:
+                loss = policies[policy]["preemption_loss_mean"]
+                totals[policy] += loss if _finite(loss) else 0.0
+    factor = reduction_factor(totals["infaas"], totals["llumnix"])
+    ours = _pct(1 / factor - 1, signed=True) if _finite(factor) or math.isinf(factor) else "-"
+    evidence = f"Summed mean loss: INFaaS++ {totals['infaas']:.3f} s, Llumnix {totals['llumnix']:.3f} s."
+    return HeadlineRow(CLAIMS["preemption"], ours, f"sum over {count} serving settings", factor, evidence)
+
+
+def _fragmentation_row(results: PaperResults) -> HeadlineRow:
+    trace, load = results.plan.timeline
+    policies = by_policy(results.select(SERVING, trace=trace, load=load))
+    if not {"infaas", "llumnix"} <= set(policies):
+        return HeadlineRow(CLAIMS["fragmentation"], "-", "timeline setting not run", math.nan)
+    infaas, llumnix = policies["infaas"]["fragmentation_mean"], policies["llumnix"]["fragmentation_mean"]
+    return HeadlineRow(CLAIMS["fragmentation"], f"{_pct(infaas)} -> {_pct(llumnix)}", f"{trace} load {load:g}",
+                       reduction_factor(infaas, llumnix))
+
+
+def _decode_steps(results: PaperResults) -> str:
+    """How much a decode step slows from a lone sequence to a full instance, in the latency model."""
+    profile = load_profile(results.plan.profile)
+    lone, full = profile.decode_time(1, 256), profile.decode_time(32, profile.capacity_tokens)
+    return (f"A decode step of our latency model takes {1e3 * lone:.0f} ms for a lone sequence and {1e3 * full:.0f} ms "
+            f"for 32 sequences filling the KV cache: a less crowded instance decodes at most {full / lone:.2f}x faster.")
+
+
+def _priority_rows(results: PaperResults) -> list[HeadlineRow]:
+    high, normal, cvs = [], [], []
+    for (cv,), policies in settings(results, PRIORITIES, "cv"):
+        if {"llumnix_base", "llumnix"} <= set(policies):
+            base, ours = policies["llumnix_base"], policies["llumnix"]
+            high.append(ratio(base.get("high_e2e_mean"), ours.get("high_e2e_mean")))
+            normal.append(ratio(base.get("normal_e2e_mean"), ours.get("normal_e2e_mean")))
+            cvs.append(f"{cv:g}")
+    highs, normals = [h for h in high if _finite(h)], [n for n in normal if _finite(n)]
+    if not highs or not normals:
+        return []
+    where = f"end-to-end, Gamma CV {', '.join(cvs)}"
+    return [
+        HeadlineRow(CLAIMS["priority_high"], f"{_x(min(highs))} to {_x(max(highs))}", where, min(highs),
+                    _decode_steps(results)),
+        HeadlineRow(CLAIMS["priority_normal"], f"at most {_pct(1 / min(normals) - 1, signed=True)}", where, min(normals)),
+    ]
+
+
+def autoscaling_pairs(results: PaperResults) -> list[tuple[float, float, float, float]]:
+    """(load, rate, cost reduction, P99 prefill Llumnix / INFaaS++) per autoscaling load."""
+    pairs = []
+    for (load,), policies in settings(results, AUTOSCALING, "load"):
+        if {"infaas", "llumnix"} <= set(policies):
+            infaas, llumnix = policies["infaas"], policies["llumnix"]
+            cost = 1 - ratio(llumnix["instances_mean"], infaas["instances_mean"])
+            pairs.append((load, llumnix["rate"], cost, ratio(llumnix["prefill_p99"], infaas["prefill_p99"])))
+    return pairs
+
+
+def _autoscaling_row(results: PaperResults) -> HeadlineRow:
+    """Cost saved at a P99 prefill no worse than INFaaS++'s (10% slack); the best such load."""
+    pairs = autoscaling_pairs(results)
+    detail = "; ".join(f"at load {load:g} Llumnix's cost {_pct(-c, signed=True)}, its P99 prefill {_x(r)} INFaaS++'s"
+                       for load, _, c, r in pairs)
+    evidence = f"Measured: {detail}." if detail else ""
+    fair = [p for p in pairs if _finite(p[3]) and p[3] <= 1.1]
+    if not fair:
+        return HeadlineRow(CLAIMS["autoscale_cost"], "no load with equal P99 prefill", "-", math.nan, evidence)
+    load, _, cost, p99 = max(fair, key=lambda p: p[2])
+    return HeadlineRow(CLAIMS["autoscale_cost"], _pct(-cost, signed=True),
+                       f"{results.plan.autoscale_trace} load {load:g}, P99 prefill Llumnix/INFaaS++ {p99:.2f}",
+                       1 / (1 - cost) if cost < 1 else math.inf, evidence)
+
+
+# ------------------------------------------------------------------------------- markdown
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _num(value: Any, fmt: str = "{:.3f}") -> str:
+    return fmt.format(value) if _finite(value) else "-"
+
+
+def _headline_section(rows: Sequence[HeadlineRow]) -> str:
+    return table(
+        ("claim", "paper", "ours", "where (ours)", "verdict"),
+        ((r.claim.text, r.claim.paper, r.ours, r.where, r.verdict) for r in rows),
+    )
+
+
+def _scalability_section(results: PaperResults) -> str:
+    rows = [
+        (r["instances"], _num(r["dispatch_p50_us"], "{:.1f}"), _num(r["dispatch_p99_us"], "{:.1f}"),
+         _num(r["report_p99_us"], "{:.1f}"), _num(r["pairing_p50_ms"], "{:.3f}"), _num(r["pairing_p99_ms"], "{:.3f}"),
+         _num(r["pairs_per_round"], "{:.1f}"), "yes" if r["meets_goals"] else "no")
+        for r in results.scalability
+    ]
+    return table(("instances", "dispatch p50 us", "dispatch p99 us", "report p99 us", "pairing p50 ms",
+                  "pairing p99 ms", "pairs/round", "goals met"), rows)
+
+
+SERVING_COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
+    ("prefill_mean", "prefill mean s", lambda v: _num(v)),
+    ("prefill_p99", "prefill P99 s", lambda v: _num(v)),
+    ("decode_mean", "decode mean s", lambda v: _num(v, "{:.4f}")),
+    ("decode_p99", "decode P99 s", lambda v: _num(v, "{:.4f}")),
+    ("e2e_mean", "e2e mean s", lambda v: _num(v, "{:.1f}")),
+    ("preemption_loss_mean", "preempt loss s", lambda v: _num(v)),
+    ("fragmentation_mean", "frag", lambda v: _pct(v)),
+    ("migrations", "migrations", lambda v: str(v)),
+)
+
+
+def _serving_tables(results: PaperResults, trace: str) -> str:
+    rows = []
+    for (run_trace, load), policies in settings(results, SERVING, "trace", "load"):
+        if run_trace != trace:
+            continue
+        for policy, run in policies.items():
+            rows.append((f"{load:g}", f"{run['rate']:.2f}", policy, run["backlog_at_last_arrival"],
+                         *(fmt(run.get(key)) for key, _, fmt in SERVING_COLUMNS)))
+    return table(("load", "rate req/s", "policy", "backlog", *(t for _, t, _ in SERVING_COLUMNS)), rows)
+
+
+def _ratio_table(results: PaperResults) -> str:
+    rows = []
+    for (trace, load), p in settings(results, SERVING, "trace", "load"):
+        if "llumnix" not in p:
+            continue
+        ll = p["llumnix"]
+
+        def over(policy: str, metric: str) -> str:
+            return _x(ratio(p[policy][metric], ll[metric])) if policy in p else "-"
+
+        def change(metric: str, fmt: Callable[[Any], str]) -> str:
+            return f"{fmt(p['infaas'][metric])} -> {fmt(ll[metric])}" if "infaas" in p else "-"
+
+        rows.append((trace, f"{load:g}", over("infaas", "prefill_p99"), over("infaas", "prefill_mean"),
+                     over("infaas", "decode_p99"), change("preemption_loss_mean", _num), change("fragmentation_mean", _pct),
+                     over("round_robin", "prefill_mean"), over("round_robin", "prefill_p99"),
+                     over("lmetric", "prefill_p99"), over("power_of_two", "prefill_p99")))
+    return table(("trace", "load", "INFaaS++ P99 prefill", "INFaaS++ mean prefill", "INFaaS++ P99 decode",
+                  "preempt loss s INFaaS++ -> Llumnix", "frag INFaaS++ -> Llumnix", "RR mean prefill", "RR P99 prefill",
+                  "LMetric P99 prefill", "power-of-two P99 prefill"), rows)
+
+
+def _priorities_table(results: PaperResults) -> str:
+    rows = []
+    for (cv,), policies in settings(results, PRIORITIES, "cv"):
+        for policy, run in policies.items():
+            rows.append((f"{cv:g}", policy, *(
+                _num(run.get(f"{priority}_{metric}"), fmt)
+                for priority in ("high", "normal")
+                for metric, fmt in (("prefill_mean", "{:.3f}"), ("decode_mean", "{:.4f}"), ("e2e_mean", "{:.2f}"))
+            )))
+        if {"llumnix_base", "llumnix"} <= set(policies):
+            base, ours = policies["llumnix_base"], policies["llumnix"]
+            rows.append((f"{cv:g}", "**base / llumnix**", *(
+                _x(ratio(base.get(f"{priority}_{metric}"), ours.get(f"{priority}_{metric}")))
+                for priority in ("high", "normal")
+                for metric in ("prefill_mean", "decode_mean", "e2e_mean")
+            )))
+    return table(("CV", "policy", "high prefill s", "high decode s", "high e2e s", "normal prefill s",
+                  "normal decode s", "normal e2e s"), rows)
+
+
+def _autoscaling_table(results: PaperResults) -> str:
+    rows = []
+    for (load,), policies in settings(results, AUTOSCALING, "load"):
+        for policy, run in policies.items():
+            rows.append((f"{load:g}", f"{run['rate']:.2f}", policy, _num(run["prefill_mean"]), _num(run["prefill_p99"]),
+                         _num(run["decode_mean"], "{:.4f}"), _num(run["instances_mean"], "{:.2f}"), run["migrations"]))
+    summary = table(("load", "rate", "cost change Llumnix vs INFaaS++", "P99 prefill Llumnix / INFaaS++"),
+                    ((f"{load:g}", f"{rate:.2f}", _pct(-cost, signed=True), _x(p99))
+                     for load, rate, cost, p99 in autoscaling_pairs(results)))
+    detail = table(("load", "rate req/s", "policy", "prefill mean s", "prefill P99 s", "decode mean s",
+                    "mean instances", "migrations"), rows)
+    return f"{summary}\n\n{detail}"
+
+
+def _capacity_section(results: PaperResults) -> str:
+    plan = results.plan
+    rows = []
+    for trace in plan.all_traces():
+        rates = sorted({round(r["rate"], 2) for r in results.runs if r["trace"] == trace})
+        rows.append((trace, f"{results.capacity[trace]:.2f}", ", ".join(f"{r:.2f}" for r in rates)))
+    return table(("trace", f"ideal capacity, {plan.instances} instances (req/s)", "rates run (req/s)"), rows)
+
+
+def shortfalls(rows: Sequence[HeadlineRow]) -> list[str]:
+    """One line per claim we do not reproduce in full: our number, the measured fact, the reason."""
+    return [
+        " ".join(part for part in (
+            f"- **{row.claim.text}**: paper {row.claim.paper}, ours {row.ours} ({row.verdict}).",
+            row.evidence, REASONS.get(row.claim.key, ""),
+        ) if part)
+        for row in rows
+        if row.verdict != REPRODUCED
+    ]
+
+
+# Why a claim can come out weaker here: each names a difference between the paper's testbed and
+# this simulator (or between its comparison and ours) that bears on that claim.
+REASONS = {
+    "prefill_p99": (
+        "Llumnix's prefill advantage shows where INFaaS++ is past its capacity and Llumnix is not; there "
+        "INFaaS++'s queue grows for as long as requests keep arriving, so the ratio grows with the run's length "
+        "(the paper replays 10,000 requests) and depends on where the rate grid falls. Below that edge both queue "
+        "little, past Llumnix's own capacity both queue."
+    ),
+    "prefill_mean": "As for P99: the gap lives at the edge of INFaaS++'s capacity, whose width our rate grid and run length sample coarsely.",
+    "decode_p99": (
+        "With decode steps that vary this little with batch and context, slow decodes come mainly from "
+        "preemptions, whose recompute counts into the preempted request's decode time."
+    ),
+    "preemption": (
+        "Llumnix avoids a preemption by migrating a request off an instance about to run out of memory, which "
+        "needs a destination with room; at the heaviest loads few instances have room."
+    ),
+    "fragmentation": (
+        "Fragmented memory exists only while head-of-line requests are blocked on a full instance "
+        "(metrics.ClusterSample), so its level follows how close the setting is to INFaaS++'s capacity."
+    ),
+    "rr_prefill_mean": "Round-robin's gap is largest just past round-robin's own capacity; where our rate grid falls relative to it decides how much of the gap we sample.",
+    "rr_prefill_p99": "As for the mean: the gap depends on where the rate grid falls relative to round-robin's capacity.",
+    "priority_high": (
+        "Llumnix-base here differs from Llumnix only in the headroom (the design's definition of the switch): both "
+        "order every instance's queue by priority, so high-priority requests skip queues in both, and what is left "
+        "is the headroom keeping normal requests off high-priority requests' instances, worth little under this "
+        "latency model."
+    ),
+    "priority_normal": "Headroom for high-priority requests packs normal ones tighter on the other instances.",
+    "autoscale_cost": (
+        "Both runs scale on the same band of mean freeness, so they add and drain instances at the same load "
+        "levels; the paper states Llumnix's saving at equal P99 prefill, while we compare at equal configuration, "
+        "where a latency advantage stays a latency advantage instead of becoming a lower instance count."
+    ),
+}
+
+
+def render(results: PaperResults, figures: dict[str, str]) -> str:
+    """The whole report.md."""
+    plan = results.plan
+    rows = headline(results)
+    shortfall = shortfalls(rows) or ["- none: every claim reaches at least 80% of the paper's improvement."]
+    figure = lambda name, alt: f"![{alt}]({figures[name]})" if name in figures else ""  # noqa: E731
+    serving = "\n\n".join(
+        f"### {trace}\n\n{figure(f'serving-{trace}', f'{trace} serving')}\n\n{_serving_tables(results, trace)}"
+        for trace in plan.traces
+    )
+    minutes = results.wall_seconds / 60
+    return f"""# Llumnix paper evaluation on the simulated cluster
+
+Produced by `{results.command}` in {minutes:.1f} minutes ({results.jobs} processes, {results.cpus} CPUs).
+Every number below comes from the simulator (`llumdask/sim/`), which runs the production global
+scheduler, llumlets, migration protocol and sim engines on a virtual clock, with the latency
+profile `{plan.profile}` (coefficients derived from published A10 and LLaMA-7B figures; see its
+`derivation`). The paper's numbers are those of its 16 x A10 testbed (DESIGN.md section 4).
+Nothing was tuned to approach them.
+
+## Headline: ours beside the paper
+
+{_headline_section(rows)}
+
+Verdicts are computed: *reproduced* when our improvement factor reaches {_CLOSE:.0%} of the paper's (on a
+log scale), *weaker* when it points the same way but less, *not reproduced* when it is within
+{_NOISE:.0%} of no improvement or the opposite. "Up to" claims take the best setting of our sweep,
+as the paper's do.
+
+## Where we fall short, and why
+
+{chr(10).join(shortfall)}
+
+General differences: the paper measures real GPUs whose step times vary with batch composition,
+memory bandwidth contention and kernel choice; our latency model is a closed-form function of
+tokens, batch and context. Our traces are generated from the paper's published length statistics,
+not the original trace files. Our INFaaS++ baseline reads exact load reports every
+{results.config.report_interval:g} s; the paper's used its own implementation.
+
+## How the rates were chosen
+
+Rates copied from the paper would load our cluster differently, because our latency model is not
+the paper's testbed. Each trace's rates are fractions ({", ".join(f"{f:g}" for f in plan.loads)}) of its
+*ideal capacity*: the request rate {plan.instances} simulated instances could sustain if their KV
+memory were one perfectly packed pool, computed from the latency profile and 50,000 sampled
+request lengths (`paper.ideal_capacity`: no simulation, no policy involved). It is an estimate,
+not a bound: preemption, imbalance and fragmentation lower what real dispatch achieves, while a
+finite run meets fewer of the rare longest requests that weigh on the mean. So the top of each
+sweep lies near the cluster's real limit, and each run's *backlog* (requests that had arrived
+but not yet started when the last one arrived: a few at a sustainable rate, a growing share of
+the run past it) shows on which side of its own limit each policy ended up. Every policy of a
+setting sees the same requests (seed {plan.seed}).
+
+{_capacity_section(results)}
+
+## Serving performance
+
+{plan.requests} requests per run, Poisson arrivals, {plan.instances} instances. Ratios are
+baseline / Llumnix (above 1: Llumnix better). Llumnix-base is left out here: without
+high-priority requests it runs exactly as Llumnix (it differs only in priority headroom).
+
+{_ratio_table(results)}
+
+{serving}
+
+## Fragmentation over time
+
+INFaaS++ and Llumnix at {plan.timeline[0]}, load {plan.timeline[1]:g}. Fragmented memory: free blocks
+that queued head-of-line requests could use if the cluster's free memory were one pool, over total
+cluster memory (`metrics.ClusterSample.fragmented_blocks`), sampled every second.
+
+{figure("fragmentation", "fragmentation over time")}
+
+## Priorities
+
+{plan.priority_trace}, {plan.priority_share:.0%} high-priority requests, Gamma arrivals at load
+{plan.priority_load:g} ({plan.priority_requests} requests). Llumnix gives high-priority requests
+{results.config.headroom_tokens[Priority.HIGH]} tokens of headroom; Llumnix-base is the same system without it.
+
+{figure("priorities", "priorities")}
+
+{_priorities_table(results)}
+
+## Auto-scaling
+
+{plan.autoscale_trace}, scaling enabled for both policies: band [{AUTOSCALE_BAND[0]:g}, {AUTOSCALE_BAND[1]:g}] of mean normal-priority
+freeness, 1 to {AUTOSCALE_MAX_INSTANCES} instances, sustained period {results.config.scaling.sustained_period:g} s, start-up delay
+{plan.autoscale_startup_delay:g} s (assumed: loading LLaMA-7B's 13.5 GB of weights plus engine start),
+{plan.autoscale_initial_instances} instances at the start, {plan.autoscale_requests} requests per run.
+INFaaS++ drains an instance by letting its requests finish; Llumnix migrates them out. The paper
+states its saving at equal P99 prefill; we run one band for both, so read cost and P99 together.
+
+{figure("autoscaling", "autoscaling")}
+
+{_autoscaling_table(results)}
+
+## Scheduler scalability
+
+The real `GlobalScheduler` with synthetic load reports (`llumdask/sim/scalability.py`), timed per
+call on this machine: goals dispatch P99 < {DISPATCH_P99_GOAL_US:g} us, pairing round < {PAIRING_P99_GOAL_MS:g} ms.
+The paper shows a scheduler tracking every request stalling up to 40 ms per step at 64 instances,
+and Llumnix's two-level design not stalling; ours keeps per-instance state only, so each call is
+O(instances) with no per-request term.
+
+{figure("scalability", "scheduler scalability")}
+
+{_scalability_section(results)}
+"""
+
+
+def write_paper(results: PaperResults, out: Path) -> list[Path]:
+    """results.json, the PNG figures and report.md under `out`; returns what was written."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", results.to_dict() | {"headline": [row.to_dict() for row in headline(results)]})
+    figures = write_figures(results, out)
+    (out / "report.md").write_text(render(results, figures))
+    return [out / "results.json", out / "report.md", *(out / name for name in figures.values())]

@@ -1,0 +1,169 @@
+"""PNG figures of the paper reproduction, drawn from `PaperResults` runs.
+
+matplotlib through `Figure` objects only (no pyplot): no global figure state, no GUI backend,
+PNGs rendered by Agg, so plotting is safe inside a server process or a test.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from matplotlib.figure import Figure
+
+from llumdask.sim.paper import AUTOSCALING, PRIORITIES, SERVING, PaperResults
+
+# One colour and marker per policy preset, the same in every figure.
+STYLE = {
+    "round_robin": ("tab:gray", "x"),
+    "infaas": ("tab:red", "s"),
+    "lmetric": ("tab:purple", "v"),
+    "power_of_two": ("tab:brown", "^"),
+    "llumnix_base": ("tab:cyan", "D"),
+    "llumnix": ("tab:blue", "o"),
+}
+SERVING_PANELS = (
+    ("prefill_mean", "prefill mean (s)", True),
+    ("prefill_p99", "prefill P99 (s)", True),
+    ("decode_mean", "decode mean (s/token)", False),
+    ("decode_p99", "decode P99 (s/token)", False),
+    ("e2e_mean", "end-to-end mean (s)", True),
+    ("preemption_loss_mean", "preemption loss mean (s)", False),
+)
+_DPI = 100
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _series(runs: Sequence[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    points = sorted((r[x], r[y]) for r in runs if _finite(r.get(y)))
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _style_axes(ax, title: str, xlabel: str, log: bool) -> None:
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, alpha=0.3)
+    if log:
+        ax.set_yscale("log")
+
+
+def _policy_lines(ax, runs: Sequence[dict[str, Any]], x: str, y: str) -> None:
+    by_policy: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_policy.setdefault(run["policy"], []).append(run)
+    for policy, group in by_policy.items():
+        color, marker = STYLE.get(policy, ("black", "."))
+        xs, ys = _series(group, x, y)
+        ax.plot(xs, ys, color=color, marker=marker, markersize=4, linewidth=1.2, label=policy)
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=_DPI)
+    return path
+
+
+def serving_figure(results: PaperResults, trace: str, path: Path) -> Path:
+    """Six metrics against the request rate, one line per policy (the paper's serving figures)."""
+    runs = results.select(SERVING, trace=trace)
+    fig = Figure(figsize=(12, 6.5), layout="constrained")
+    axes = fig.subplots(2, 3).flat
+    for ax, (metric, title, log) in zip(axes, SERVING_PANELS):
+        _policy_lines(ax, runs, "rate", metric)
+        _style_axes(ax, title, "request rate (req/s)", log and all(r[metric] > 0 for r in runs if _finite(r.get(metric))))
+    axes_list = fig.axes
+    axes_list[0].legend(fontsize=7)
+    fig.suptitle(f"{trace}: {results.plan.instances} instances, {results.plan.requests} requests per run", fontsize=10)
+    return _save(fig, path)
+
+
+def fragmentation_figure(results: PaperResults, path: Path) -> Path:
+    """Fragmented share of cluster memory over time at the plan's timeline setting."""
+    trace, load = results.plan.timeline
+    fig = Figure(figsize=(9, 3.5), layout="constrained")
+    ax = fig.subplots()
+    for run in results.select(SERVING, trace=trace, load=load):
+        if "timeline" in run:
+            color, _ = STYLE.get(run["policy"], ("black", "."))
+            series = run["timeline"]
+            ax.plot(series["time"], [100 * f for f in series["fragmentation"]], color=color, linewidth=0.8,
+                    label=f"{run['policy']} (mean {100 * run['fragmentation_mean']:.2f}%)")
+    _style_axes(ax, f"fragmentation over time, {trace} at load {load:g}", "time (s)", False)
+    ax.set_ylabel("fragmented memory (% of cluster)", fontsize=8)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def priorities_figure(results: PaperResults, path: Path) -> Path:
+    """High- and normal-priority latencies against the arrival CV, with and without priorities."""
+    runs = results.select(PRIORITIES)
+    fig = Figure(figsize=(12, 3.5), layout="constrained")
+    for ax, metric in zip(fig.subplots(1, 3), ("prefill_mean", "decode_mean", "e2e_mean")):
+        for policy in dict.fromkeys(r["policy"] for r in runs):
+            color, marker = STYLE.get(policy, ("black", "."))
+            group = [r for r in runs if r["policy"] == policy]
+            for priority, dash in (("high", "-"), ("normal", "--")):
+                xs, ys = _series(group, "cv", f"{priority}_{metric}")
+                ax.plot(xs, ys, dash, color=color, marker=marker, markersize=4, label=f"{policy} {priority}")
+        _style_axes(ax, metric.replace("_", " ") + " (s)", "arrival CV (Gamma)", False)
+    fig.axes[0].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def autoscaling_figure(results: PaperResults, path: Path) -> Path:
+    """P99 prefill and mean instances against the rate; instance count over time at the middle rate."""
+    runs = results.select(AUTOSCALING)
+    fig = Figure(figsize=(12, 3.5), layout="constrained")
+    p99, cost, over_time = fig.subplots(1, 3)
+    _policy_lines(p99, runs, "rate", "prefill_p99")
+    _style_axes(p99, "prefill P99 (s)", "request rate (req/s)", True)
+    _policy_lines(cost, runs, "rate", "instances_mean")
+    _style_axes(cost, "mean instances (cost)", "request rate (req/s)", False)
+    loads = sorted(dict.fromkeys(r["load"] for r in runs))
+    middle = loads[len(loads) // 2] if loads else None
+    for run in (r for r in runs if r["load"] == middle and "timeline" in r):
+        color, _ = STYLE.get(run["policy"], ("black", "."))
+        over_time.step(run["timeline"]["time"], run["timeline"]["instances"], where="post", color=color,
+                       linewidth=0.9, label=run["policy"])
+    _style_axes(over_time, f"instances over time, load {middle:g}" if middle is not None else "instances over time",
+                "time (s)", False)
+    for ax in (p99, over_time):
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def scalability_figure(results: PaperResults, path: Path) -> Path:
+    """Per-call scheduler times against the number of instances, with the goals."""
+    rows = results.scalability
+    sizes = [r["instances"] for r in rows]
+    fig = Figure(figsize=(9, 3.5), layout="constrained")
+    dispatch, pairing = fig.subplots(1, 2)
+    for ax, keys, goal, unit in (
+        (dispatch, ("dispatch_p50_us", "dispatch_p99_us"), 200.0, "us"),
+        (pairing, ("pairing_p50_ms", "pairing_p99_ms"), 5.0, "ms"),
+    ):
+        for key, marker in zip(keys, ("o", "s")):
+            ax.plot(sizes, [r[key] for r in rows], marker=marker, label=key.rsplit("_", 2)[1])
+        ax.axhline(goal, color="tab:red", linestyle=":", label=f"goal {goal:g} {unit}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, labels=[str(n) for n in sizes])
+        _style_axes(ax, f"{keys[0].split('_')[0]} time per call ({unit})", "instances", True)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def write_figures(results: PaperResults, out: Path) -> dict[str, str]:
+    """Every figure the results allow, as {name: file name inside `out`}."""
+    out.mkdir(parents=True, exist_ok=True)
+    figures: dict[str, Path] = {}
+    for trace in results.plan.traces:
+        figures[f"serving-{trace}"] = serving_figure(results, trace, out / f"serving-{trace}.png")
+    figures["fragmentation"] = fragmentation_figure(results, out / "fragmentation.png")
+    figures["priorities"] = priorities_figure(results, out / "priorities.png")
+    figures["autoscaling"] = autoscaling_figure(results, out / "autoscaling.png")
+    figures["scalability"] = scalability_figure(results, out / "scalability.png")
+    return {name: path.name for name, path in figures.items()}

@@ -1,0 +1,146 @@
+"""How long the real `GlobalScheduler` takes per decision as the cluster grows (paper section 6.6).
+
+The paper's point is that a scheduler which tracks every request stalls as the cluster grows
+(up to 40 ms per step at 64 instances), while Llumnix's global scheduler only sees one
+constant-size load report per instance. This measures ours the way a host drives it: every
+round each instance sends a fresh report, then a burst of requests is dispatched, then one
+pairing round runs. Reports are synthetic but consistent (free + used = total, running blocks
+split between priorities, `num_received` acknowledging what was dispatched), drawn so that some
+instances are crowded and some free, so pairing has work to do.
+
+Only the scheduler calls are timed (perf_counter_ns around each one); building the synthetic
+reports is not. Wall-clock timings vary with the machine and with other work on it: read them
+as orders of magnitude against the goals, not as exact figures.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, TypeVar
+
+import numpy as np
+
+from llumdask.config import LlumdaskConfig, load_config
+from llumdask.global_scheduler import DispatchInfo, GlobalScheduler
+from llumdask.load import InstanceLoad
+from llumdask.request import Priority
+
+# Goals from the design: dispatch must not add visible latency to a request, and a pairing
+# round must fit well inside the 100 ms migration interval.
+DISPATCH_P99_GOAL_US = 200.0
+PAIRING_P99_GOAL_MS = 5.0
+# LLaMA-7B on an A10: 13,616 tokens of KV cache in blocks of 16.
+_TOTAL_BLOCKS = 851
+_BLOCK_SIZE = 16
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ScalabilityResult:
+    """Per-call timings of one cluster size: dispatch and report in microseconds, pairing in ms."""
+
+    instances: int
+    dispatches: int
+    rounds: int
+    dispatch_p50_us: float
+    dispatch_p99_us: float
+    report_p50_us: float
+    report_p99_us: float
+    pairing_p50_ms: float
+    pairing_p99_ms: float
+    pairs_per_round: float
+
+    @property
+    def meets_goals(self) -> bool:
+        return self.dispatch_p99_us < DISPATCH_P99_GOAL_US and self.pairing_p99_ms < PAIRING_P99_GOAL_MS
+
+    def to_dict(self) -> dict[str, float | int | bool]:
+        return asdict(self) | {"meets_goals": self.meets_goals}
+
+
+def _synthetic_load(rng: np.random.Generator, instance_id: str, received: int) -> InstanceLoad:
+    """A plausible report: anything from idle to overloaded, a tenth of the batch high priority."""
+    used = int(rng.integers(0, _TOTAL_BLOCKS + 1))
+    running = int(rng.integers(0, 48)) if used else 0
+    high = min(running, int(rng.binomial(running, 0.1)))
+    high_blocks = used * high // running if running else 0
+    waiting = int(rng.integers(0, 6)) if used > _TOTAL_BLOCKS // 2 else 0
+    head = int(rng.integers(1, 64)) if waiting else 0
+    return InstanceLoad(
+        instance_id,
+        _TOTAL_BLOCKS,
+        _BLOCK_SIZE,
+        free_blocks=_TOTAL_BLOCKS - used,
+        num_running=running,
+        num_waiting=waiting,
+        running_blocks={Priority.NORMAL: used - high_blocks, Priority.HIGH: high_blocks},
+        running_count={Priority.NORMAL: running - high, Priority.HIGH: high},
+        head_of_line_demand=head,
+        waiting_demand=head * waiting,
+        pending_prefill_tokens=head * waiting * _BLOCK_SIZE,
+        num_received=received,
+    )
+
+
+def _timed(call: Callable[[], T], into: list[int]) -> T:
+    """Run `call`, append its duration in ns to `into`, return its result."""
+    started = time.perf_counter_ns()
+    result = call()
+    into.append(time.perf_counter_ns() - started)
+    return result
+
+
+def measure(
+    instances: int,
+    *,
+    rounds: int = 100,
+    dispatches_per_round: int = 20,
+    policy: str = "llumnix",
+    seed: int = 0,
+    base: LlumdaskConfig | None = None,
+) -> ScalabilityResult:
+    """Time reports, dispatches and pairing rounds of one `GlobalScheduler` over `instances`."""
+    for name, value in (("instances", instances), ("rounds", rounds), ("dispatches_per_round", dispatches_per_round)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"scalability {name} must be an integer >= 1, got {value!r}")
+    config = base or load_config()
+    config = replace(config, dispatch=replace(config.dispatch, policy=policy), migration=replace(config.migration, enabled=True))
+    scheduler = GlobalScheduler(config)
+    ids = [f"instance-{i}" for i in range(instances)]
+    for instance_id in ids:
+        scheduler.register_instance(instance_id, _TOTAL_BLOCKS, _BLOCK_SIZE, 0.0)
+        scheduler.mark_ready(instance_id, 0.0)
+    rng = np.random.default_rng(seed)
+    handed = dict.fromkeys(ids, 0)
+    report_ns: list[int] = []
+    dispatch_ns: list[int] = []
+    pairing_ns: list[int] = []
+    pairs = 0
+    for round_index in range(rounds):
+        now = float(round_index)
+        # Each instance acknowledges everything dispatched to it so far, as a live one would.
+        for load in [_synthetic_load(rng, i, handed[i]) for i in ids]:
+            _timed(lambda load=load: scheduler.report(load, now), report_ns)
+        prompts = rng.integers(16, 512, size=dispatches_per_round)
+        for k, prompt in enumerate(prompts):
+            info = DispatchInfo(f"r{round_index}-{k}", int(prompt), 256)
+            handed[_timed(lambda info=info: scheduler.dispatch(info, now), dispatch_ns)] += 1
+        pairs += len(_timed(lambda: scheduler.pair_migrations(now), pairing_ns))
+    return ScalabilityResult(
+        instances=instances,
+        dispatches=len(dispatch_ns),
+        rounds=rounds,
+        dispatch_p50_us=_percentile(dispatch_ns, 50) / 1e3,
+        dispatch_p99_us=_percentile(dispatch_ns, 99) / 1e3,
+        report_p50_us=_percentile(report_ns, 50) / 1e3,
+        report_p99_us=_percentile(report_ns, 99) / 1e3,
+        pairing_p50_ms=_percentile(pairing_ns, 50) / 1e6,
+        pairing_p99_ms=_percentile(pairing_ns, 99) / 1e6,
+        pairs_per_round=pairs / rounds,
+    )
+
+
+def _percentile(values: list[int], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))

@@ -1,0 +1,267 @@
+"""`llumdask bench paper`: a tiny plan end to end, the rate choice, the comparisons, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from llumdask.api.bench import main as bench_main
+from llumdask.engine.latency import load_profile
+from llumdask.sim.paper import (
+    AUTOSCALING,
+    PRIORITIES,
+    SERVING,
+    Case,
+    CaseFailed,
+    PaperPlan,
+    PaperResults,
+    capacities,
+    ideal_capacity,
+    plan_cases,
+    run_cases,
+    run_paper,
+)
+from llumdask.sim.paper_report import (
+    NOT_REPRODUCED,
+    REPRODUCED,
+    WEAKER,
+    best_ratio,
+    headline,
+    shortfalls,
+    verdict,
+    write_paper,
+)
+from llumdask.sim.run import make_spec
+from llumdask.sim.scalability import measure
+
+# Small enough for seconds: two instances, a few dozen requests, rates past capacity so the
+# simulated span (and so the simulator's work) stays short.
+TINY = PaperPlan(
+    instances=2,
+    traces=("sharegpt",),
+    loads=(1.0, 2.0),
+    requests=16,
+    policies=("round_robin", "infaas", "llumnix"),
+    timeline=("sharegpt", 2.0),
+    priority_cvs=(2.0,),
+    priority_requests=20,
+    autoscale_loads=(2.0,),
+    autoscale_requests=10,
+    autoscale_initial_instances=2,
+    scalability_sizes=(4, 16),
+    scalability_rounds=3,
+)
+SECTIONS = (
+    "## Headline: ours beside the paper",
+    "## Where we fall short, and why",
+    "## How the rates were chosen",
+    "## Serving performance",
+    "## Fragmentation over time",
+    "## Priorities",
+    "## Auto-scaling",
+    "## Scheduler scalability",
+)
+RUN_KEYS = {
+    "experiment", "trace", "load", "rate", "policy", "requests", "prefill_mean", "prefill_p99", "decode_mean",
+    "decode_p99", "e2e_mean", "e2e_p99", "preemption_loss_mean", "fragmentation_mean", "instances_mean",
+    "migrations", "backlog_at_last_arrival", "finished", "wall_seconds",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_run() -> tuple[PaperResults, list[str]]:
+    lines: list[str] = []
+    return run_paper(TINY, jobs=1, progress=lines.append), lines
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tiny_run) -> PaperResults:
+    return tiny_run[0]
+
+
+def test_tiny_plan_writes_report_json_and_figures(tiny_results, tmp_path):
+    written = write_paper(tiny_results, tmp_path)
+    assert {p.name for p in written} >= {"report.md", "results.json", "serving-sharegpt.png", "fragmentation.png",
+                                         "priorities.png", "autoscaling.png", "scalability.png"}
+    for path in written:
+        assert path.is_file() and path.stat().st_size > 0
+        if path.suffix == ".png":
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (tmp_path / "report.md").read_text()
+    positions = [report.index(section) for section in SECTIONS]
+    assert positions == sorted(positions)
+    for png in (p.name for p in written if p.suffix == ".png"):
+        assert f"]({png})" in report
+    assert "14.8x (M-M)" in report and "26.6x" in report  # the paper's numbers sit beside ours
+
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {"plan", "capacity", "runs", "scalability", "headline", "wall_seconds"} <= set(data)
+    assert len(data["runs"]) == len(plan_cases(TINY, tiny_results.capacity))
+    for run in data["runs"]:
+        assert RUN_KEYS <= set(run)
+        assert run["finished"] + run["rejected"] == run["requests"] > 0
+    assert {row["verdict"] for row in data["headline"]} <= {REPRODUCED, WEAKER, NOT_REPRODUCED}
+
+
+def test_report_renders_again_from_results_json(tiny_results, tmp_path, capsys):
+    write_paper(tiny_results, tmp_path)
+    first = (tmp_path / "report.md").read_text()
+    (tmp_path / "report.md").unlink()
+    (tmp_path / "fragmentation.png").unlink()
+    assert bench_main(["paper", "--out", str(tmp_path), "--render-only"]) == 0
+    assert (tmp_path / "report.md").read_text() == first
+    assert (tmp_path / "fragmentation.png").is_file()
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_render_only_needs_a_results_json(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_main(["paper", "--out", str(tmp_path), "--render-only"])
+    assert "results.json" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        bench_main(["paper", "--out", str(tmp_path), "--render-only"])
+    assert "not the results.json" in capsys.readouterr().err
+
+
+def test_every_experiment_ran_every_policy_on_the_same_requests(tiny_results, tiny_run):
+    serving = tiny_results.select(SERVING)
+    assert {(r["load"], r["policy"]) for r in serving} == {(l, p) for l in TINY.loads for p in TINY.policies}
+    assert all(r["requests"] == TINY.requests for r in serving)
+    assert {r["policy"] for r in tiny_results.select(PRIORITIES)} == {"llumnix_base", "llumnix"}
+    for run in tiny_results.select(PRIORITIES):
+        assert math.isfinite(run["high_e2e_mean"]) and math.isfinite(run["normal_e2e_mean"])
+    scaled = tiny_results.select(AUTOSCALING)
+    assert {r["policy"] for r in scaled} == {"infaas", "llumnix"}
+    assert all("timeline" in r and r["autoscale_startup_delay"] == TINY.autoscale_startup_delay for r in scaled)
+    timelines = {r["policy"] for r in serving if "timeline" in r}
+    assert timelines == {"infaas", "llumnix"}
+    assert all(r["load"] == 2.0 for r in serving if "timeline" in r)
+    progress = tiny_run[1]
+    assert sum("ideal capacity" in line for line in progress) == len(tiny_results.capacity)
+    assert sum(line.startswith("[") for line in progress) == len(tiny_results.runs)
+
+
+def test_rates_are_fractions_of_each_traces_ideal_capacity():
+    capacity = capacities(TINY)
+    assert set(capacity) == {"sharegpt", "S-S", "L-L"}
+    for case in plan_cases(TINY, capacity):
+        assert case.rate == pytest.approx(case.load * capacity[case.trace])
+
+
+def test_ideal_capacity_follows_lengths_and_instances():
+    spec = make_spec("llumnix", 1)
+    profile = load_profile("llama-7b-a10")
+    one = {t: ideal_capacity(t, 1, profile, spec.config) for t in ("S-S", "M-M", "L-L")}
+    assert one["S-S"] > one["M-M"] > one["L-L"] > 0
+    assert ideal_capacity("M-M", 16, profile, spec.config) == pytest.approx(16 * one["M-M"])
+    # More memory per instance, more requests in flight at once: capacity grows.
+    bigger = replace(spec.config, sim_engine=replace(spec.config.sim_engine, total_blocks=4 * 851))
+    assert ideal_capacity("L-L", 1, profile, bigger) > one["L-L"]
+
+
+def test_pool_and_inline_runs_agree():
+    capacity = capacities(TINY)
+    cases = [c for c in plan_cases(TINY, capacity) if c.experiment == SERVING][:2]
+    strip = lambda runs: [{k: v for k, v in r.items() if k != "wall_seconds"} for r in runs]  # noqa: E731
+    inline = run_cases(cases, 1, lambda _: None)
+    pooled = run_cases(cases, 2, lambda _: None)
+    assert json.dumps(strip(inline), sort_keys=True) == json.dumps(strip(pooled), sort_keys=True)
+
+
+def test_a_failing_simulation_names_its_case():
+    bad = Case(SERVING, "sharegpt", 1.0, -1.0, "llumnix", 10, 2, "llama-7b-a10", 0)
+    with pytest.raises(CaseFailed, match="sharegpt load 1 .* llumnix"):
+        run_cases([bad], 1, lambda _: None)
+
+
+def _fake(trace, load, policy, **metrics):
+    base = {"experiment": SERVING, "trace": trace, "load": load, "policy": policy, "prefill_p99": 1.0,
+            "prefill_mean": 1.0, "decode_p99": 1.0, "preemption_loss_mean": 0.0, "fragmentation_mean": 0.0,
+            "backlog_at_last_arrival": 0, "requests": 100}
+    return base | metrics
+
+
+def test_headline_takes_the_best_setting_of_the_sweep():
+    runs = [
+        _fake("M-M", 0.5, "infaas", prefill_p99=2.0), _fake("M-M", 0.5, "llumnix"),
+        _fake("M-M", 1.0, "infaas", prefill_p99=12.0, preemption_loss_mean=4.0), _fake("M-M", 1.0, "llumnix", preemption_loss_mean=1.0),
+        _fake("L-L", 1.0, "infaas", prefill_p99=3.0), _fake("L-L", 1.0, "llumnix", prefill_p99=0.0),
+    ]
+    results = PaperResults(replace(TINY, traces=("M-M", "L-L"), timeline=("M-M", 1.0)), {}, runs, [])
+    assert best_ratio(results, "infaas", "prefill_p99") == (12.0, ("M-M", 1.0))
+    rows = {row.claim.key: row for row in headline(results)}
+    assert rows["prefill_p99"].ours == "12.00x" and rows["prefill_p99"].where == "M-M load 1"
+    assert rows["prefill_p99"].verdict == REPRODUCED
+    # Preemption loss is summed over every setting (4 + 0 + 0 against 1 + 0 + 0), not cherry-picked.
+    assert rows["preemption"].ours == "-75.0%" and rows["preemption"].verdict == REPRODUCED
+    assert rows["prefill_mean"].verdict == NOT_REPRODUCED
+    lines = shortfalls(list(rows.values()))
+    assert any(rows["prefill_mean"].claim.text in line for line in lines)
+    assert not any(rows["prefill_p99"].claim.text in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("ours", "paper", "expected"),
+    [(14.8, 14.8, REPRODUCED), (9.0, 14.8, REPRODUCED), (math.inf, 3.3, REPRODUCED), (3.0, 14.8, WEAKER), (1.02, 2.0, NOT_REPRODUCED),
+     (0.5, 2.0, NOT_REPRODUCED), (math.nan, 2.0, NOT_REPRODUCED), (0.99, 1 / 1.045, REPRODUCED),
+     (0.9, 1 / 1.045, NOT_REPRODUCED)],
+)
+def test_verdicts(ours, paper, expected):
+    assert verdict(ours, paper) == expected
+
+
+def test_scalability_numbers_are_sane():
+    result = measure(32, rounds=4, dispatches_per_round=10)
+    assert result.instances == 32 and result.dispatches == 40 and result.rounds == 4
+    assert 0 < result.dispatch_p50_us <= result.dispatch_p99_us
+    assert 0 < result.pairing_p50_ms <= result.pairing_p99_ms
+    assert 0 < result.report_p50_us <= result.report_p99_us
+    assert result.pairs_per_round >= 0
+    assert set(result.to_dict()) >= {"dispatch_p99_us", "pairing_p99_ms", "meets_goals"}
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_scalability_rejects_bad_sizes(bad):
+    with pytest.raises(ValueError, match="instances"):
+        measure(bad)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"traces": ("X-X",)}, "unknown trace 'X-X'"), ({"policies": ("fastest",)}, "unknown policies"),
+     ({"loads": ()}, "loads must not be empty"), ({"requests": 0}, "requests must be an integer"),
+     ({"loads": (0.5, -1.0)}, "load fractions"), ({"priority_share": 1.5}, "priority_share"),
+     ({"autoscale_initial_instances": 17}, "autoscale_initial_instances")],
+)
+def test_plan_rejects_bad_values(change, message):
+    with pytest.raises(ValueError, match=message):
+        replace(TINY, **change)
+
+
+def test_run_cases_rejects_bad_jobs():
+    with pytest.raises(ValueError, match="jobs"):
+        run_cases([], 0, print)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [([], "--out"), (["--out", "x", "--jobs", "0"], "--jobs: must be > 0"), (["--out", "x", "--requests", "0"], "must be > 0"),
+     (["--out", "x", "--jobs", "two"], "invalid")],
+)
+def test_cli_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["paper", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_a_file_as_out(tmp_path, capsys):
+    target = tmp_path / "report"
+    target.write_text("")
+    with pytest.raises(SystemExit):
+        bench_main(["paper", "--out", str(target)])
+    assert "not a directory" in capsys.readouterr().err
