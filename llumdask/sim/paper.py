@@ -136,7 +136,6 @@ class PaperPlan:
             priority_requests=2_000,
             autoscale_loads=(0.5,),
             autoscale_requests=1_000,
-            scalability_rounds=30,
         )
 
     def all_traces(self) -> tuple[str, ...]:
