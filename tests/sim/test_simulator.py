@@ -7,10 +7,15 @@ import math
 
 import pytest
 
+from dataclasses import replace
+
 from llumdask.api.bench import main as bench_main
+from llumdask.config import load_config
+from llumdask.engine.latency import load_profile
+from llumdask.request import Priority
 from llumdask.sim.cluster import SimCluster, SimulatorSettings
 from llumdask.sim.run import make_spec, simulate
-from llumdask.sim.workload import make_workload
+from llumdask.sim.workload import TraceRequest, make_workload
 
 RESULT_KEYS = {
     "prefill_mean", "prefill_p99", "decode_mean", "decode_p99", "e2e_mean", "e2e_p99",
@@ -70,3 +75,35 @@ def test_bench_rejects_unknown_policy(capsys):
         bench_main(["sim", "--policies", "fastest"])
     assert exc.value.code == 2
     assert "unknown policy" in capsys.readouterr().err
+
+
+def test_tiny_trace_worked_out_by_hand(tmp_path):
+    """One instance of 4 blocks x 4 tokens; prefill 1 ms per token, decode 10 ms per step.
+
+    t=0      A and B (6-token prompts, 4 output tokens) are admitted: 2 blocks each, pool full.
+    t=0.012  both prefilled (12 tokens): first tokens. C (arrived at 0.001) waits for a block.
+    t=0.022, 0.032  decodes 2 and 3; the KV of 8 tokens fills each request's 2 blocks.
+    t=0.032  A needs a third block: B, the latest arrival, is preempted (blocks freed).
+    t=0.042  A's fourth token: A finishes and frees its 3 blocks.
+    t=0.042  B recomputes its 9 tokens and C prefills its 4 together (13 ms).
+    t=0.055  B's fourth token (preemption loss 0.055 - 0.032) and C's only token.
+    """
+    profile = tmp_path / "hand.json"
+    profile.write_text(json.dumps({
+        "name": "hand", "capacity_tokens": 16, "block_size": 4, "model_kv_bytes_per_token": 1,
+        "prefill": {"base_s": 0.0, "per_token_s": 0.001, "per_token_squared_s": 0.0},
+        "decode": {"base_s": 0.01, "per_seq_s": 0.0, "per_context_token_s": 0.0},
+        "derivation": "round numbers for a hand-worked test",
+    }))
+    config = load_config({"block-size": 4, "migration": {"enabled": False}})
+    config = replace(config, sim_engine=replace(config.sim_engine, profile=str(profile), total_blocks=4, kv_bytes_per_token=0))
+    cluster = SimCluster(config, load_profile(str(profile)), 1)
+    outcome = cluster.run([
+        TraceRequest(0.0, 6, 4, Priority.NORMAL), TraceRequest(0.0, 6, 4, Priority.NORMAL), TraceRequest(0.001, 4, 1, Priority.NORMAL),
+    ])
+    timing = {r.request_id: r.timing for r in outcome.requests}
+    a, b, c = timing["req-0"], timing["req-1"], timing["req-2"]
+    assert (a.first_token, a.finished, a.preemptions) == (pytest.approx(0.012), pytest.approx(0.042), 0)
+    assert (b.first_token, b.finished, b.preemptions) == (pytest.approx(0.012), pytest.approx(0.055), 1)
+    assert b.preemption_loss == pytest.approx(0.055 - 0.032)
+    assert c.prefill_latency == pytest.approx(0.055 - 0.001)
