@@ -37,10 +37,9 @@ import numpy as np
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.latency import LatencyProfile, load_profile
 from llumdask.request import Request
-from llumdask.sim.cluster import SimCluster
 from llumdask.sim.metrics import ClusterSample, summarize
 from llumdask.sim.presets import PRESETS
-from llumdask.sim.run import make_spec
+from llumdask.sim.run import make_spec, run_cluster
 from llumdask.sim.scalability import measure
 from llumdask.sim.workload import PAIRINGS, WORKLOADS, make_workload
 
@@ -278,9 +277,7 @@ def run_case(case: Case) -> dict[str, Any]:
     workload = make_workload(case.trace, rate=case.rate, num_requests=case.requests, seed=case.seed, cv=case.cv,
                              high_priority_share=case.high_priority_share)
     spec = make_spec(case.policy, case.instances, profile=case.profile, base=case_config(case))
-    started = time.perf_counter()
-    outcome = SimCluster(spec.config, spec.profile, spec.instances, spec.settings).run(workload)
-    wall = time.perf_counter() - started
+    outcome, wall = run_cluster(spec, workload)
     summary = summarize(outcome.requests, outcome.samples, outcome.migrations, outcome.duration)
     case_fields = {k: v for k, v in asdict(case).items() if k != "timeline"}
     # summary["requests"] counts finished requests; the case's `requests` (offered) takes the key.

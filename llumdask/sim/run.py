@@ -7,13 +7,14 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.latency import LatencyProfile, load_profile
-from llumdask.sim.cluster import SimCluster, SimulatorSettings
+from llumdask.request import Request
+from llumdask.sim.cluster import SimCluster, SimOutcome, SimulatorSettings
 from llumdask.sim.metrics import summarize
 from llumdask.sim.presets import get_preset
 from llumdask.sim.workload import TraceRequest
@@ -43,13 +44,18 @@ def make_spec(preset: str, instances: int, *, profile: str = "llama-7b-a10", bas
     return SimulationSpec(preset, instances, get_preset(preset).apply(config), loaded, settings or SimulatorSettings())
 
 
+def run_cluster(spec: SimulationSpec, workload: Sequence[TraceRequest], *,
+                on_finish: Callable[[Request], None] | None = None) -> tuple[SimOutcome, float]:
+    """Replay `workload` on a fresh simulated cluster; the outcome and the wall-clock seconds it took."""
+    started = time.perf_counter()
+    outcome = SimCluster(spec.config, spec.profile, spec.instances, spec.settings, on_finish=on_finish).run(list(workload))
+    return outcome, time.perf_counter() - started
+
+
 def simulate(spec: SimulationSpec, workload: Sequence[TraceRequest], *, progress: bool = False) -> dict[str, Any]:
     """Run to completion and return the metrics of `summarize` plus run facts (wall time, rejects)."""
     bar = tqdm(total=len(workload), desc=spec.preset, unit="req", disable=not progress, leave=False)
-    started = time.perf_counter()
-    cluster = SimCluster(spec.config, spec.profile, spec.instances, spec.settings, on_finish=lambda _: bar.update(1))
-    outcome = cluster.run(list(workload))
-    wall = time.perf_counter() - started
+    outcome, wall = run_cluster(spec, workload, on_finish=lambda _: bar.update(1))
     bar.close()
     summary = summarize(outcome.requests, outcome.samples, outcome.migrations, outcome.duration)
     summary.update(
