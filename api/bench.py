@@ -32,6 +32,7 @@ TABLE_COLUMNS = (
     ("instances_mean", "instances", "{:.2f}"),
     ("migrations", "migrations", "{}"),
     ("wall_seconds", "wall s", "{:.1f}"),
+    ("peak_rss_mib", "peak MiB", "{:.0f}"),
 )
 
 

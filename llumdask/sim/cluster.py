@@ -98,6 +98,11 @@ class SimTransport:
         self._bytes_per_block = bytes_per_block
         self._pair_clock: dict[tuple[str, str], float] = {}
         self.bytes_moved = 0
+        self._bytes_by_migration: dict[str, int] = {}
+
+    def bytes_of(self, migration_id: str) -> int:
+        """Modelled KV bytes sent so far for one migration (the engine's own arrays may be empty)."""
+        return self._bytes_by_migration.get(migration_id, 0)
 
     def send(self, sender: str, receiver: str, message: MigrationMessage) -> None:
         settings = self._cluster.settings
@@ -105,6 +110,7 @@ class SimTransport:
         if isinstance(message, StageData):
             nbytes = (message.end_block - message.start_block) * self._bytes_per_block
             self.bytes_moved += nbytes
+            self._bytes_by_migration[message.migration_id] = self.bytes_of(message.migration_id) + nbytes
             delay += settings.stage_overhead + nbytes / settings.bandwidth
         pair = (sender, receiver)
         arrival = max(self._cluster.events.now + delay, self._pair_clock.get(pair, 0.0))
@@ -136,6 +142,7 @@ class SimCluster:
         self.rejected: list[str] = []
         self._loads: dict[str, InstanceLoad] = {}
         self._unfinished = 0
+        self._in_transit = 0  # dispatched, not yet handed to their instance (dispatch_delay)
         self._names = itertools.count()
         self._on_finish = on_finish
         for _ in range(num_instances):
@@ -152,7 +159,7 @@ class SimCluster:
             self.transport,
             self.config,
             self._clock,
-            on_event=self.migrations.append,
+            on_event=self._record_migration,
         )
         self.instances[instance_id] = SimInstance(instance_id, llumlet)
         self.scheduler.register_instance(instance_id, engine.total_blocks, engine.block_size, self.events.now)
@@ -165,6 +172,10 @@ class SimCluster:
 
     def _clock(self) -> float:
         return self.events.now
+
+    def _record_migration(self, event: MigrationEvent) -> None:
+        """Events carry the modelled bytes: large simulations hold no real KV bytes to count."""
+        self.migrations.append(replace(event, bytes=self.transport.bytes_of(event.migration_id)))
 
     def _wake(self, inst: SimInstance) -> None:
         if inst.alive and not inst.step_scheduled:
@@ -239,7 +250,8 @@ class SimCluster:
     def _sample_loop(self) -> None:
         self.samples.append(ClusterSample.from_loads(self.events.now, list(self._loads.values())))
         idle = all(not i.llumlet.engine.has_work() and not i.llumlet.migrations_in_flight() for i in self.instances.values() if i.alive)
-        if idle and self._unfinished > 0 and self._pending_arrivals == 0 and self.scheduler_has_ready():
+        waiting_for_nothing = self._pending_arrivals == 0 and self._in_transit == 0
+        if idle and self._unfinished > 0 and waiting_for_nothing and self.scheduler_has_ready():
             raise RuntimeError(f"simulation stalled at t={self.events.now:.1f}s: {self._unfinished} requests never finished")
         self._repeat(self.settings.sample_interval, self._sample_loop)
 
@@ -272,9 +284,11 @@ class SimCluster:
         request.timing.dispatched = self.events.now
         self.requests[request_id] = request
         self._unfinished += 1
+        self._in_transit += 1
         self.events.at(self.events.now + self.settings.dispatch_delay, lambda: self._admit(target, request))
 
     def _admit(self, target: str, request: Request) -> None:
+        self._in_transit -= 1
         inst = self.instances[target]
         try:
             inst.llumlet.add_request(request)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import resource
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,6 +54,12 @@ def run_cluster(spec: SimulationSpec, workload: Sequence[TraceRequest], *,
     return outcome, time.perf_counter() - started
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (the simulator's memory goal is per process)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
 def simulate(spec: SimulationSpec, workload: Sequence[TraceRequest], *, progress: bool = False) -> dict[str, Any]:
     """Run to completion and return the metrics of `summarize` plus run facts (wall time, rejects)."""
     bar = tqdm(total=len(workload), desc=spec.preset, unit="req", disable=not progress, leave=False)
@@ -64,6 +72,7 @@ def simulate(spec: SimulationSpec, workload: Sequence[TraceRequest], *, progress
         rejected=len(outcome.rejected),
         simulated_seconds=outcome.duration,
         wall_seconds=wall,
+        peak_rss_mib=peak_rss_mib(),
     )
     return summary
 

@@ -30,7 +30,8 @@ def small_run(preset: str, seed: int = 3, **settings):
 
 def test_same_seed_same_results():
     first, second = small_run("llumnix"), small_run("llumnix")
-    first.pop("wall_seconds"), second.pop("wall_seconds")
+    for run in (first, second):
+        run.pop("wall_seconds"), run.pop("peak_rss_mib")
     assert json.dumps(first, sort_keys=True, default=str) == json.dumps(second, sort_keys=True, default=str)
     assert small_run("llumnix", seed=4)["e2e_mean"] != first["e2e_mean"]
 
@@ -107,3 +108,65 @@ def test_tiny_trace_worked_out_by_hand(tmp_path):
     assert (b.first_token, b.finished, b.preemptions) == (pytest.approx(0.012), pytest.approx(0.055), 1)
     assert b.preemption_loss == pytest.approx(0.055 - 0.032)
     assert c.prefill_latency == pytest.approx(0.055 - 0.001)
+
+
+def test_one_migration_worked_out_by_hand(tmp_path):
+    """Two instances of 16 blocks x 4 tokens; prefill 1 ms per token, decode 10 ms per step; KV
+    4,000 bytes per block over 1 MB/s (4 ms per block), 2 ms per stage, 1 ms per control message.
+    Reports every 10 ms, pairing every 50 ms; sources below F = 8, destinations above F = 12.
+
+    t=0      A (41-token prompt, 11 output tokens) goes to instance-1 (ties go to the larger id): 11 blocks.
+    t=0.041  first token; then one token every 10 ms.
+    t=0.010  report: instance-1 F = (16 - 11) / 1 = 5 < 8, instance-0 F = 16 > 12.
+    t=0.050  pairing: instance-1 -> instance-0. A holds 43 tokens: 10 completed blocks.
+             stage 0: PRE-ALLOC (1 ms), reply (1 ms), 10 blocks (1 + 2 + 40 ms), ACK (1 ms).
+    t=0.096  A holds 48 tokens (its 7th token was sampled in the step that began at 0.091):
+             11 completed blocks, 1 unsent <= last-stage-blocks 2: pause. The last stage sends
+             blocks_for(48) - 10 = 2 blocks: PRE-ALLOC (1 ms), reply (1 ms), data (1 + 2 + 8 ms).
+    t=0.109  instance-0 resumes A and steps at once; COMMITTED reaches the source at 0.110:
+             downtime 0.110 - 0.096 = 14 ms. A's tokens 8-11 at 0.119 ... 0.149 (unmigrated: 0.141).
+    Bytes: 12 blocks x 4,000. Next pairing rounds: at 0.100 both are mid-migration, at 0.150 A is gone.
+    """
+    profile = tmp_path / "hand.json"
+    profile.write_text(json.dumps({
+        "name": "hand", "capacity_tokens": 64, "block_size": 4, "model_kv_bytes_per_token": 1000,
+        "prefill": {"base_s": 0.0, "per_token_s": 0.001, "per_token_squared_s": 0.0},
+        "decode": {"base_s": 0.01, "per_seq_s": 0.0, "per_context_token_s": 0.0},
+        "derivation": "round numbers for a hand-worked test",
+    }))
+    settings = SimulatorSettings(bandwidth=1e6, stage_overhead=0.002, message_latency=0.001)
+    trace = [TraceRequest(0.0, 41, 11, Priority.NORMAL)]
+
+    def run(migration: bool):
+        config = load_config({"block-size": 4, "report-interval": 0.01, "migration": {
+            "enabled": migration, "interval": 0.05, "low-threshold": 8.0, "high-threshold": 12.0,
+            "max-stages": 6, "last-stage-blocks": 2}})
+        config = replace(config, sim_engine=replace(config.sim_engine, profile=str(profile), total_blocks=16, kv_bytes_per_token=0))
+        cluster = SimCluster(config, load_profile(str(profile)), 2, settings)
+        return cluster, cluster.run(trace)
+
+    cluster, outcome = run(migration=True)
+    [request] = outcome.requests
+    started, committed = outcome.migrations
+    assert (started.kind.value, started.time, started.source, started.destination) == ("started", pytest.approx(0.05), "instance-1", "instance-0")
+    assert committed.kind.value == "committed" and committed.time == pytest.approx(0.110)
+    assert (committed.stages, committed.blocks, committed.bytes) == (2, 12, 48_000)
+    assert committed.downtime == pytest.approx(0.014)
+    assert cluster.transport.bytes_moved == 48_000
+    assert request.timing.first_token == pytest.approx(0.041) and request.timing.finished == pytest.approx(0.149)
+    assert request.timing.preemptions == 0
+    for inst in cluster.instances.values():
+        engine = inst.llumlet.engine
+        assert not engine.has_work() and engine.snapshot().free_blocks == engine.total_blocks == 16
+
+    _, unmigrated = run(migration=False)
+    [alone] = unmigrated.requests
+    assert not unmigrated.migrations and alone.timing.finished == pytest.approx(0.141)
+    assert request.output_token_ids == alone.output_token_ids and len(alone.output_token_ids) == 11
+
+
+def test_requests_in_transit_are_not_a_stall():
+    """A dispatched request not yet handed to its instance (dispatch delay) is on its way, not stuck."""
+    spec = make_spec("llumnix", 2, settings=SimulatorSettings(dispatch_delay=0.3, sample_interval=0.1))
+    summary = simulate(spec, [TraceRequest(0.0, 100, 5, Priority.NORMAL)])
+    assert summary["requests"] == 1 and summary["prefill_mean"] >= 0.3
