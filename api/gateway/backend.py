@@ -56,9 +56,9 @@ class TokenBatches(Protocol):
 class Backend(Protocol):
     model: ModelInfo
 
-    async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      priority: Priority) -> TokenBatches:
-        """Dispatch a request; returns once an instance accepted it.
+        """Dispatch a request named `request_id` (cluster-unique); returns once an instance accepted it.
 
         Raises BackendUnavailable (no instance now) or BackendRejected (never fits).
         """

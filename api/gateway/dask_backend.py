@@ -20,7 +20,7 @@ from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable, Mo
 from llumdask.global_scheduler import NoInstanceAvailable
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
-from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
+from llumdask.request import FinishReason, Priority, Request, SamplingParams
 
 
 class DaskTokenBatches:
@@ -66,9 +66,9 @@ class DaskBackend:
     def requester(self) -> Requester:
         return self._client.requester
 
-    async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      priority: Priority) -> DaskTokenBatches:
-        request = Request(new_request_id(), list(prompt_token_ids), sampling, scheduling_priority=priority,
+        request = Request(request_id, list(prompt_token_ids), sampling, scheduling_priority=priority,
                           execution_priority=priority, arrival_time=time.time())
         try:
             stream = await self.requester.submit(request)

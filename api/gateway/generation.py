@@ -49,9 +49,10 @@ class Generation:
     """Use as: `await start()`, iterate `deltas()`, then read `finish_reason` / `usage`; always `close()`."""
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer, metrics: GatewayMetrics, endpoint: str,
-                 prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
+                 request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
                  stop: Sequence[str] = ()) -> None:
         self._backend = backend
+        self._request_id = request_id
         self._metrics = metrics
         self._endpoint = endpoint
         self._prompt = list(prompt_token_ids)
@@ -72,7 +73,7 @@ class Generation:
 
     async def start(self) -> None:
         try:
-            self._batches = await self._backend.submit(self._prompt, self._sampling, self._priority)
+            self._batches = await self._backend.submit(self._request_id, self._prompt, self._sampling, self._priority)
         except BackendUnavailable as exc:
             raise Unavailable(f"No instance can take the request now: {exc}") from None
         except BackendRejected as exc:

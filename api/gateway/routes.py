@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ from llumdask.api.gateway.schemas import GenerationOptions, parse_chat, parse_co
 from llumdask.api.gateway.settings import GatewaySettings
 from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
 from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer
-from llumdask.request import Priority, SamplingParams
+from llumdask.request import Priority, SamplingParams, new_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +83,9 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     else:
         prompt_ids = list(parsed.prompt)
         check_token_ids(prompt_ids, gateway.tokenizer.vocab_size, "prompt")
-    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), gateway.backend.model.name)
-    return await generate(request, gateway, "completions", fmt, prompt_ids, parsed.options)
+    request_id = new_request_id()
+    fmt = CompletionFormat(f"cmpl-{request_id}", int(time.time()), gateway.backend.model.name)
+    return await generate(request, gateway, "completions", fmt, request_id, prompt_ids, parsed.options)
 
 
 async def chat_completions(request: Request, gateway: Gateway) -> Response:
@@ -96,18 +96,21 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), param="messages", code="invalid_value") from None
     prompt_ids = gateway.tokenizer.encode(text, add_special_tokens=False)
-    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), gateway.backend.model.name)
-    return await generate(request, gateway, "chat_completions", fmt, prompt_ids, parsed.options)
+    request_id = new_request_id()
+    fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), gateway.backend.model.name)
+    return await generate(request, gateway, "chat_completions", fmt, request_id, prompt_ids, parsed.options)
 
 
-async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseFormat,
+async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseFormat, request_id: str,
                    prompt_ids: list[int], options: GenerationOptions) -> Response:
+    """The response's id carries `request_id`, the cluster's name for the request (an operator
+    migrates or inspects it by that name)."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
     sampling = sampling_params(gateway, options, len(prompt_ids))
     priority = request_priority(request, options)
-    generation = Generation(gateway.backend, gateway.tokenizer, gateway.metrics, name, prompt_ids, sampling,
-                            priority, options.stop)
+    generation = Generation(gateway.backend, gateway.tokenizer, gateway.metrics, name, request_id, prompt_ids,
+                            sampling, priority, options.stop)
     gateway.in_flight.acquire()
     try:
         # Not cancelled by a disconnect: until it returns there is no request id to abort with.

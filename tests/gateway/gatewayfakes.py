@@ -78,11 +78,10 @@ class FakeBackend:
     opened: int = 0
     closed: int = 0
 
-    async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      priority: Priority) -> ScriptedBatches:
         if self.submit_error is not None:
             raise self.submit_error
-        request_id = f"req-{len(self.submitted)}"
         self.submitted.append(Submitted(request_id, list(prompt_token_ids), sampling, priority))
         return ScriptedBatches(self, request_id, sampling)
 

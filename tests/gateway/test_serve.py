@@ -113,12 +113,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, cache: Path):
         stop_serve(server)
 
 
-def reference(server: Server, prompt: list[int], max_tokens: int) -> list[int]:
+def reference(server: Server, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
     """Greedy tokens of the request run alone on the same engine code and config as the instances."""
     config = load_config({"sim-engine": {"vocab-size": server.tokenizer.vocab_size, "total-blocks": TOTAL_BLOCKS}})
     engine = SimEngine.from_config(config, clock=lambda: 0.0)
     engine.add_request(Request("reference", list(prompt), SamplingParams(
-        max_tokens=max_tokens, stop_token_ids=(server.tokenizer.eos_token_id,))))
+        max_tokens=max_tokens, stop_token_ids=(server.tokenizer.eos_token_id,), ignore_eos=ignore_eos)))
     tokens: dict[int, int] = {}
     while engine.has_work():
         for out in engine.step().outputs:
@@ -245,25 +245,120 @@ def test_models(server):
     assert model.id == MODEL
 
 
+LONG_STREAM = 300  # tokens: several seconds on the real-time sim engine, time to act mid-stream
+
+
+class LiveStream:
+    """A long greedy SSE completion stream, read a chunk at a time."""
+
+    def __init__(self, server: Server, prompt: str) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": LONG_STREAM, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        self._http = httpx.Client(timeout=60)
+        self._response = self._http.send(
+            self._http.build_request("POST", f"{server.url}/v1/completions", json=body, headers=server.auth),
+            stream=True)
+        assert self._response.status_code == 200
+        self._lines = self._response.iter_lines()
+        self.texts: list[str] = []
+        first = self._next_chunk()
+        assert first is not None
+        self.request_id = first["id"].removeprefix("cmpl-")  # the cluster's name for the request
+
+    def _next_chunk(self) -> dict | None:
+        """The next data chunk (its text kept), or None at [DONE]; a broken stream fails the test."""
+        for line in self._lines:
+            if line == "data: [DONE]":
+                return None
+            if line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                self.texts.extend(c["text"] for c in chunk["choices"])
+                return chunk
+        raise AssertionError("the stream ended without [DONE]")
+
+    def read(self, chunks: int) -> None:
+        for _ in range(chunks):
+            assert self._next_chunk() is not None
+
+    def read_to_end(self) -> str:
+        while self._next_chunk() is not None:
+            pass
+        self._response.close()
+        self._http.close()
+        return "".join(self.texts)
+
+
+def worker_statuses(client) -> dict[str, dict]:
+    return {w: client.sync(client.rpc(w).llumnix_worker_status) for w in client.scheduler_info()["workers"]}
+
+
+def wait_until_clean(client, timeout: float = 15) -> None:
+    """Every instance idle with all its blocks free and its accounting intact."""
+    deadline = time.monotonic() + timeout
+    while not all(not s["has_work"] and s["free_blocks"] == s["total_blocks"] for s in worker_statuses(client).values()):
+        assert time.monotonic() < deadline, f"blocks not freed: {worker_statuses(client)}"
+        time.sleep(0.1)
+    assert all(s["integrity_error"] is None for s in worker_statuses(client).values())
+
+
+def owner_of_the_only_request(client) -> tuple[str, str]:
+    """(the instance running the one request in flight, the other instance)."""
+    statuses = worker_statuses(client)
+    [owner] = [w for w, s in statuses.items() if s["num_running"] == 1]
+    [other] = [w for w in statuses if w != owner]
+    return owner, other
+
+
 def test_disconnect_frees_the_blocks(server):
     from distributed import Client
 
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "stream": True,
             "ignore_eos": True}
     with Client(server.scheduler, timeout=30) as client:
-        def statuses() -> list[dict]:
-            return [client.sync(client.rpc(w).llumnix_worker_status) for w in client.scheduler_info()["workers"]]
-
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.auth, timeout=30) as r:
             lines = r.iter_lines()
             received = [next(lines) for _ in range(6)]
             assert all(line.startswith("data: ") or not line for line in received)
-            assert sum(s["num_running"] for s in statuses()) == 1
-        deadline = time.monotonic() + 15
-        while not all(not s["has_work"] and s["free_blocks"] == s["total_blocks"] for s in statuses()):
-            assert time.monotonic() < deadline, f"blocks not freed after the client left: {statuses()}"
-            time.sleep(0.1)
-        assert all(s["integrity_error"] is None for s in statuses())
+            assert sum(s["num_running"] for s in worker_statuses(client).values()) == 1
+        wait_until_clean(client)
+
+
+def test_a_migrated_stream_is_identical_to_an_unmigrated_one(server):
+    from distributed import Client
+
+    from llumdask.api.client import connect
+
+    prompt = "A stream that moves to another instance while it decodes"
+    with Client(server.scheduler, timeout=30) as client, connect(client) as llum:
+        before = llum.instances().migrations["committed"]
+        stream = LiveStream(server, prompt)
+        source, destination = owner_of_the_only_request(client)
+        llum.migrate(stream.request_id, destination, source=source)
+        text = stream.read_to_end()
+        assert llum.instances().migrations["committed"] == before + 1
+        wait_until_clean(client)
+    expected = reference(server, server.tokenizer.encode(prompt), LONG_STREAM, ignore_eos=True)
+    assert text == server.tokenizer.decode(expected)
+
+
+def test_a_stream_survives_its_instance_being_killed(server):
+    from distributed import Client
+
+    prompt = "A stream whose instance dies under it"
+    with Client(server.scheduler, timeout=30) as client:
+        stream = LiveStream(server, prompt)
+        victim, _ = owner_of_the_only_request(client)
+        stream.read(5)
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        text = stream.read_to_end()
+        # The nanny restarts the killed worker: two ready instances again for the tests that follow.
+        deadline = time.monotonic() + 90
+        while httpx.get(f"{server.url}/health").json().get("ready_instances") != 2:
+            assert time.monotonic() < deadline, "the killed instance did not come back"
+            time.sleep(0.5)
+        wait_until_clean(client)
+    expected = reference(server, server.tokenizer.encode(prompt), LONG_STREAM, ignore_eos=True)
+    assert text == server.tokenizer.decode(expected)
 
 
 def test_metrics_count_what_was_served(server):
