@@ -187,7 +187,9 @@ class LlumdaskClient:
     def migrate(self, request_id: str, to: str, *, source: str | None = None) -> str | Awaitable[str]:
         """Operator-forced live migration of a running request; returns the migration id.
 
-        `source` defaults to the instance currently streaming the request to this client.
+        `source` defaults to the instance streaming the request to this client; for a request
+        this client did not submit (one served by the gateway: its response id is
+        `cmpl-<request id>`) the scheduler finds the instance running it.
         """
         return self._sync(self._migrate, request_id, to, source)
 
@@ -234,8 +236,6 @@ class LlumdaskClient:
 
     async def _migrate(self, request_id: str, to: str, source: str | None) -> str:
         source = source or self.requester.holder(request_id)
-        if source is None:
-            raise KeyError(f"request {request_id!r} is not streaming to this client; pass source=")
         reply = await self._client.scheduler.llumnix_migrate(request_id=request_id, source=source, destination=to)
         if reply["migration_id"] is None:
             raise MigrationNotStarted(reply["reason"])

@@ -13,7 +13,7 @@ RPC handlers (reply dicts):
                      execution_priority)                 -> {"instance": str | None, "reason": str}
     llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
     llumnix_drain(instance)                              -> {"draining": bool, "reason": str}
-    llumnix_migrate(request_id, source, destination)     -> {"migration_id": str | None, "reason": str}
+    llumnix_migrate(request_id, destination, source=None) -> {"migration_id": str | None, "reason": str}
     llumnix_adaptive_target()                            -> {"target": int, "drained": [worker name, ...]}
 With `scaling.enabled` the plugin also answers Dask's own `adaptive_target` (an int), for
 autoscalers that take no Adaptive class (the Kubernetes operator); `valid_workers_downscaling`
@@ -185,18 +185,30 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self._send(instance, {"op": "llumnix_set_terminating", "flag": True})
         return {"draining": True, "reason": ""}
 
-    async def migrate(self, request_id: str, source: str, destination: str) -> dict:
-        """Operator-forced migration of one request; the source llumlet runs it."""
+    async def migrate(self, request_id: str, destination: str, source: str | None = None) -> dict:
+        """Operator-forced migration of one request; the source llumlet runs it.
+
+        Without a source every other ready instance is asked in turn: the one running the request
+        starts the migration, the others refuse (requests are not tracked here after dispatch).
+        """
         known = {view.instance_id: view for view in self._scheduler().instances()}
-        for role, instance in (("source", source), ("destination", destination)):
+        roles = (("destination", destination),) if source is None else (("source", source), ("destination", destination))
+        for role, instance in roles:
             if instance not in known or not known[instance].ready:
                 return {"migration_id": None, "reason": f"{role} {instance!r} is not a ready instance"}
         if source == destination:
             return {"migration_id": None, "reason": "source and destination are the same instance"}
         if known[destination].terminating:
             return {"migration_id": None, "reason": f"destination {destination!r} is terminating"}
-        reply = await self.scheduler.rpc(source).llumnix_migrate_out(request_id=request_id, destination=destination)
-        return {"migration_id": reply["migration_id"], "reason": reply["reason"]}
+        sources = [source] if source is not None else [i for i, v in known.items() if v.ready and i != destination]
+        reply = {"migration_id": None, "reason": f"request {request_id!r} is not running on any other instance"}
+        for candidate in sources:
+            reply = await self.scheduler.rpc(candidate).llumnix_migrate_out(request_id=request_id, destination=destination)
+            if reply["migration_id"] is not None:
+                break
+        if source is None and reply["migration_id"] is None:
+            reply = {"reason": f"request {request_id!r} is not running (or cannot move now) on any other instance"}
+        return {"migration_id": reply.get("migration_id"), "reason": reply["reason"]}
 
     def adaptive_target(self) -> dict:
         """Workers to keep (all but the drained, plus instances asked for) and which may close."""

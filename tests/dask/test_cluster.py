@@ -90,7 +90,7 @@ def test_operator_migration_of_an_unknown_request_is_refused(clean):
         clean.migrate("no-such-request", to=rows[1]["instance"], source=rows[0]["instance"])
     with pytest.raises(MigrationNotStarted, match="not a ready instance"):
         clean.migrate("no-such-request", to="tcp://127.0.0.1:9", source=rows[0]["instance"])
-    with pytest.raises(KeyError, match="pass source="):
+    with pytest.raises(MigrationNotStarted, match="not running .* on any other instance"):
         clean.migrate("no-such-request", to=rows[1]["instance"])
 
 
