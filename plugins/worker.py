@@ -1,8 +1,9 @@
 """The llumlet on a Dask worker: a `WorkerPlugin` hosting one engine instance and its llumlet.
 
 The llumlet is sans-IO and single-threaded; this host drives it. Every llumlet (and engine) call
-runs on one dedicated thread, in submission order, so engine steps never block the worker's
-event loop (heartbeats would stall) and migration messages of one comm are handled in order.
+runs on one dedicated thread (`EngineThread`), in submission order between engine steps, so
+steps never block the worker's event loop (heartbeats would stall), the engine steps back to
+back without waiting for the loop, and migration messages of one comm are handled in order.
 The event loop does the I/O: load reports to the scheduler, migration comms (`CommTransport`),
 token batches to requesters (`TokenPusher`).
 
@@ -27,7 +28,6 @@ import logging
 import multiprocessing
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Callable, TypeVar
 
@@ -39,6 +39,7 @@ from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.base import Engine, TokenOutput
 from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
 from llumdask.protocol import Abort, Committed, MigrationMessage, PreAlloc, PreAllocReply
+from llumdask.plugins.engine_thread import EngineThread
 from llumdask.plugins.streams import TokenPusher
 from llumdask.plugins.transport import MIGRATION_OP, CommTransport
 from llumdask.plugins.wire import event_to_msg, request_from_msg
@@ -134,12 +135,9 @@ class LlumletHost:
         self.config = config
         self.instance_id: str = worker.address
         self.loop: IOLoop = worker.loop
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llumlet")
+        self._engine_thread = EngineThread(f"llumlet {self.instance_id}", self._step_once, config.report_interval)
         migration = config.migration
         self._routes = _Routes(expiry=2 * migration.handshake_timeout * (migration.max_stages + 1))
-        self._wake = asyncio.Event()
-        self._closing = False
-        self._runner: asyncio.Task | None = None
         self._registrar: asyncio.Task | None = None
         self._reporter: PeriodicCallback | None = None
         self.registered = False
@@ -157,6 +155,7 @@ class LlumletHost:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        self._engine_thread.start()
         engine = await self._call(make_engine, self.config, self.instance_id, time.time)
         self.llumlet = Llumlet(
             self.instance_id, engine, self.transport, self.config, time.time,
@@ -174,20 +173,17 @@ class LlumletHost:
         self.worker.stream_handlers.update(
             dict(zip(_SCHEDULER_OPS, (self.migrate_to, self.set_terminating, self.peer_lost)))
         )
-        self._runner = asyncio.ensure_future(self._run())
+        self._engine_thread.wake()
         self._reporter = PeriodicCallback(self._report, self.config.report_interval * 1000)
         self._reporter.start()
         self._registrar = asyncio.ensure_future(self._register())
 
     async def close(self) -> None:
-        self._closing = True
-        self._wake.set()
         if self._reporter is not None:
             self._reporter.stop()
-        for task in (self._registrar, self._runner):
-            if task is not None and not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        if self._registrar is not None and not self._registrar.done():
+            self._registrar.cancel()
+            await asyncio.gather(self._registrar, return_exceptions=True)
         if self.registered and self.worker.status == Status.running:
             try:
                 await asyncio.wait_for(self.worker.scheduler.llumnix_unregister(instance=self.instance_id), 5)
@@ -204,7 +200,7 @@ class LlumletHost:
         await self.pusher.close()
         if self.llumlet is not None:
             await self._call(_close_engine, self.llumlet.engine)
-        self._executor.shutdown(wait=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._engine_thread.stop)
 
     async def _register(self) -> None:
         """Register once this worker is known to the scheduler and the scheduler plugin answers."""
@@ -233,13 +229,11 @@ class LlumletHost:
     # ------------------------------------------------------------------ engine thread
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn` on the engine thread after everything submitted before it."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.wrap_future(self._engine_thread.submit(fn, *args))
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Fire-and-forget on the engine thread; failures are logged, and the stepper woken."""
-        future = self._executor.submit(fn, *args)
-        future.add_done_callback(self._log_failure)
-        self._wake.set()
+        """Fire-and-forget on the engine thread; failures are logged."""
+        self._engine_thread.submit(fn, *args).add_done_callback(self._log_failure)
 
     @staticmethod
     def _log_failure(future) -> None:
@@ -251,26 +245,17 @@ class LlumletHost:
             raise RuntimeError("the llumlet host has not started")
         return self.llumlet
 
-    async def _run(self) -> None:
-        """Step while there is work; otherwise sleep until woken (new request, migration message)."""
-        while not self._closing:
-            self._wake.clear()
-            try:
-                busy = await self._call(self._step_once)
-            except Exception:
-                logger.exception("engine step failed on %s", self.instance_id)
-                busy = False
-            if not busy:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), self.config.report_interval)
-                except asyncio.TimeoutError:
-                    pass
-
     def _step_once(self) -> bool:
-        llumlet = self._llumlet()
-        if llumlet.engine.has_work():
-            llumlet.step()
-        return llumlet.engine.has_work()
+        """One step (on the engine thread); True while stepping again at once makes progress.
+
+        A step that scheduled nothing (work waits for blocks a migration or a finishing request
+        will free) is not progress: the thread then sleeps until a call wakes it.
+        """
+        llumlet = self.llumlet
+        if llumlet is None or not llumlet.engine.has_work():
+            return False
+        result = llumlet.step()
+        return result.batch_size > 0 and llumlet.engine.has_work()
 
     def _report_once(self) -> dict:
         llumlet = self._llumlet()
@@ -349,7 +334,6 @@ class LlumletHost:
             await self._call(self._add, parsed, reply_to)
         except ValueError as exc:
             return {"accepted": False, "reason": str(exc)}
-        self._wake.set()
         return {"accepted": True, "reason": ""}
 
     def _add(self, request, reply_to: str) -> None:
