@@ -35,6 +35,7 @@ import yaml
 from distributed import Client, WorkerPlugin
 
 from llumdask.config import ConfigError, VllmEngineConfig, load_config
+from llumdask.plugins.dashboard import page_link
 
 DEFAULT_INSTANCES = 2
 DEFAULT_PORT = 8000
@@ -319,6 +320,7 @@ def banner(model: str, where: str, url: str, scheduler: str, dashboard: str | No
     ]
     if dashboard:
         lines.append(f"  dashboard:   {dashboard}")
+        lines.append(f"  instances:   {page_link(dashboard)}  (load and migrations)")
     lines += [
         "Try:",
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "

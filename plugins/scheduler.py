@@ -43,6 +43,7 @@ from llumdask.global_scheduler import (
     UnknownInstance,
 )
 from llumdask.load import InstanceLoad
+from llumdask.plugins.dashboard import add_page
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self.scaling_log: deque[dict] = deque(maxlen=100)
         self.migration_counts: Counter[str] = Counter()
         self.migration_downtime = 0.0
+        self.recent_migrations: deque[dict] = deque(maxlen=200)  # outcomes, for the dashboard page
+        self.dashboard_page: str | None = None
 
     # ------------------------------------------------------------------ plugin hooks
     async def start(self, scheduler) -> None:
@@ -113,6 +116,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         scheduler.stream_handlers.update({"llumnix_load": self.on_load, "llumnix_event": self.on_event})
         self._periodic = PeriodicCallback(self.tick, self.config.migration.interval * 1000)
         self._periodic.start()
+        self.dashboard_page = add_page(scheduler, self)
 
     async def close(self) -> None:
         if self._periodic is not None:
@@ -236,6 +240,8 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self.migration_counts[kind] += 1
         if kind == "committed":
             self.migration_downtime += float(event.get("downtime", 0.0))
+        if kind != "started":
+            self.recent_migrations.append(dict(event))
 
     # ------------------------------------------------------------------ periodic decisions
     def tick(self) -> None:

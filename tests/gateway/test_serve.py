@@ -143,6 +143,11 @@ def test_serve_starts_within_its_budget(server):
     assert r.status_code == 200 and r.json()["ready_instances"] == 2
 
 
+def test_the_banner_links_the_instances_page(server):
+    page = re.search(r"instances:\s+(\S+/llumdask)", server.banner).group(1)
+    assert httpx.get(page, timeout=30).status_code == 200
+
+
 def test_completion(server):
     prompt = "Hello world"
     result = server.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)

@@ -1,0 +1,174 @@
+"""The llumdask page of the Dask dashboard (`<dashboard>/llumdask`): every instance's load and every migration.
+
+The page is a Bokeh document served by the scheduler's own dashboard server, fed from the
+scheduler plugin's state twice a second: per instance the blocks in use, freeness (with the
+pairing thresholds), running and waiting requests and the instance's role this round; below,
+the latest migrations. Nothing here talks to workers: the plugin already holds every report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+from bokeh.document import Document
+from bokeh.layouts import column, row
+from bokeh.models import ColumnDataSource, DataTable, Div, Span, TableColumn
+from bokeh.plotting import figure
+
+PAGE = "/llumdask"
+REFRESH_MS = 500
+
+# Fill colour of an instance by its role (the scheduler plugin's `_state_of`).
+STATE_COLORS = {
+    "normal": "#4c78a8",
+    "source": "#e45756",
+    "destination": "#54a24b",
+    "terminating": "#9d755d",
+    "starting": "#bab0ac",
+}
+
+MIGRATION_COLUMNS = (
+    ("time", "time"),
+    ("kind", "outcome"),
+    ("request_id", "request"),
+    ("source", "from"),
+    ("destination", "to"),
+    ("stages", "stages"),
+    ("blocks", "blocks"),
+    ("downtime_ms", "downtime ms"),
+    ("reason", "reason"),
+)
+
+
+def instance_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """The instance plots' data: one entry per instance, in the scheduler's order."""
+    columns: dict[str, list] = {key: [] for key in (
+        "instance", "state", "color", "used_pct", "freeness", "running", "waiting", "used_blocks", "total_blocks")}
+    for r in rows:
+        total = max(int(r["total_blocks"]), 1)
+        used = total - int(r["free_blocks"])
+        columns["instance"].append(r["instance"])
+        columns["state"].append(r["state"])
+        columns["color"].append(STATE_COLORS.get(r["state"], STATE_COLORS["normal"]))
+        columns["used_pct"].append(100.0 * used / total)
+        # -inf (terminating) and +inf cannot be drawn: clip to the axis, the state says why.
+        columns["freeness"].append(max(min(float(r["freeness"]), 1e6), -1e6))
+        columns["running"].append(int(r["num_running"]))
+        columns["waiting"].append(int(r["num_waiting"]) + int(r.get("num_pending", 0)))
+        columns["used_blocks"].append(used)
+        columns["total_blocks"].append(total)
+    return columns
+
+
+def migration_columns(events: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """The migrations table's data, newest first; times as local clock strings."""
+    columns: dict[str, list] = {key: [] for key, _ in MIGRATION_COLUMNS}
+    for e in reversed(events):
+        columns["time"].append(time.strftime("%H:%M:%S", time.localtime(float(e["time"]))))
+        columns["kind"].append(e["kind"])
+        columns["request_id"].append(e["request_id"])
+        columns["source"].append(e["source"])
+        columns["destination"].append(e["destination"])
+        columns["stages"].append(int(e.get("stages", 0)))
+        columns["blocks"].append(int(e.get("blocks", 0)))
+        columns["downtime_ms"].append(round(1000.0 * float(e.get("downtime", 0.0)), 1))
+        columns["reason"].append(e.get("reason", ""))
+    return columns
+
+
+def summary_html(status: Mapping[str, Any]) -> str:
+    rows = status["instances"]
+    counts = status["migrations"]
+    committed = counts["committed"]
+    mean_downtime = 1000.0 * counts["downtime"] / committed if committed else 0.0
+    ready = sum(1 for r in rows if r["ready"])
+    return (
+        f"<b>{ready}</b> of {len(rows)} instances ready &middot; "
+        f"<b>{sum(r['num_running'] for r in rows)}</b> running, "
+        f"<b>{sum(r['num_waiting'] + r.get('num_pending', 0) for r in rows)}</b> waiting &middot; "
+        f"migrations: <b>{committed}</b> committed, {counts['aborted']} aborted, "
+        f"{counts['started'] - committed - counts['aborted']} in flight, mean downtime {mean_downtime:.1f} ms"
+    )
+
+
+def build_document(doc: Document, read_status: Callable[[], Mapping[str, Any]],
+                   read_migrations: Callable[[], Sequence[Mapping[str, Any]]],
+                   thresholds: tuple[float, float]) -> Callable[[], None]:
+    """Lay out the page on `doc`; returns the refresh function (also scheduled on the document)."""
+    instances = ColumnDataSource(instance_columns([]))
+    migrations = ColumnDataSource(migration_columns([]))
+    summary = Div(text="", sizing_mode="stretch_width")
+    tooltips = [("instance", "@instance"), ("state", "@state"), ("blocks", "@used_blocks / @total_blocks"),
+                ("freeness", "@freeness{0.0}"), ("running", "@running"), ("waiting", "@waiting")]
+
+    def bars(title: str, field: str, y_label: str):
+        plot = figure(title=title, x_range=[], height=260, sizing_mode="stretch_width", tooltips=tooltips,
+                      toolbar_location=None)
+        plot.vbar(x="instance", top=field, width=0.8, color="color", source=instances)
+        plot.yaxis.axis_label = y_label
+        plot.xaxis.major_label_orientation = 0.6
+        return plot
+
+    memory = bars("KV blocks in use", "used_pct", "% of the instance's blocks")
+    memory.y_range.start, memory.y_range.end = 0, 100
+    freeness = bars("Freeness (red: migration source, green: destination)", "freeness", "F = (M - ΣV) / B")
+    low, high = thresholds
+    for level, dash in ((low, "dashed"), (high, "dotted")):
+        freeness.add_layout(Span(location=level, dimension="width", line_dash=dash, line_color="#555"))
+    load = figure(title="Requests", x_range=memory.x_range, height=260, sizing_mode="stretch_width",
+                  tooltips=tooltips, toolbar_location=None)
+    load.vbar(x="instance", top="running", width=0.4, color="#4c78a8", legend_label="running", source=instances)
+    load.scatter(x="instance", y="waiting", size=10, color="#f58518", legend_label="waiting", source=instances)
+    load.y_range.start = 0
+    freeness.x_range = memory.x_range
+    table = DataTable(source=migrations, columns=[TableColumn(field=k, title=t) for k, t in MIGRATION_COLUMNS],
+                      height=300, sizing_mode="stretch_width", index_position=None)
+
+    def refresh() -> None:
+        status = read_status()
+        data = instance_columns(status["instances"])
+        memory.x_range.factors = data["instance"]
+        instances.data = data
+        migrations.data = migration_columns(read_migrations())
+        summary.text = summary_html(status)
+
+    doc.title = "llumdask"
+    doc.add_root(column(Div(text="<h2>llumdask: instances and migrations</h2>"), summary,
+                        row(memory, freeness, sizing_mode="stretch_width"), load,
+                        Div(text="<h3>Latest migrations</h3>"), table, sizing_mode="stretch_width"))
+    refresh()
+    doc.add_periodic_callback(refresh, REFRESH_MS)
+    return refresh
+
+
+def _page(plugin, scheduler, extra: dict, doc: Document) -> None:
+    """The Bokeh application function (the dashboard passes the scheduler and template data)."""
+    migration = plugin.config.migration
+    build_document(doc, plugin.status, lambda: list(plugin.recent_migrations),
+                   (migration.low_threshold, migration.high_threshold))
+
+
+def page_link(dashboard_link: str) -> str:
+    """The page's URL from the dashboard's (`http://host:port[/prefix]/status`, as Dask prints it)."""
+    return f"{dashboard_link.rsplit('/', 1)[0]}{PAGE}"
+
+
+def add_page(scheduler, plugin) -> str | None:
+    """Serve the page beside the scheduler's dashboard; the page's URL path, or None without a dashboard."""
+    from bokeh.server.tornado import BokehTornado
+    from distributed.dashboard.core import BokehApplication
+    from tornado.ioloop import IOLoop
+
+    http = getattr(scheduler, "http_application", None)
+    dashboards = [a for a in getattr(http, "applications", ()) if isinstance(a, BokehTornado)]
+    if not dashboards:
+        return None  # started without a dashboard (or without bokeh): nothing to add a page to
+    prefix = dashboards[0].prefix  # the dashboard's own, e.g. "/dask" behind a proxy
+    app = BokehApplication({PAGE: partial(_page, plugin)}, scheduler, prefix=prefix)
+    http.add_application(app)
+    app.initialize(IOLoop.current())
+    app.start()
+    return f"{prefix}{PAGE}"

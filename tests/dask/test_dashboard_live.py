@@ -1,0 +1,76 @@
+"""The llumdask page on a live cluster's dashboard: served over HTTP, fed by the scheduler plugin,
+and rendered by a real browser (headless Chromium) with the instances and a forced migration."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from bokeh.client import pull_session
+from bokeh.models import ColumnDataSource
+from daskhelpers import prompt_of, wait_until
+
+from llumdask.api.client import connect
+from llumdask.clusters.local import local_cluster
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# What Chromium needs on a closed network, as root, without a display.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def migrated():
+    """Two instances, one request live-migrated between them: (client, page URL, request id)."""
+    with local_cluster(2, config_overrides={"sim-engine": {"total-blocks": 256}}) as cluster, connect(cluster) as llum:
+        stream = llum.stream(prompt_of(3, 120), max_tokens=150)
+        next(stream)
+        destination = next(r["instance"] for r in llum.instances() if r["instance"] != stream.instance)
+        llum.migrate(stream.request_id, to=destination)
+        list(stream)
+        wait_until(lambda: llum.instances().migrations["committed"] == 1, 20, what="the migration's commit")
+        page = cluster.dashboard_link.rsplit("/", 1)[0] + "/llumdask"
+        yield llum, page, stream.request_id
+
+
+def test_the_page_is_served_beside_the_dask_dashboard(migrated):
+    _, page, _ = migrated
+    r = httpx.get(page, timeout=30)
+    assert r.status_code == 200 and "bokeh" in r.text.lower()
+
+
+def test_the_live_document_holds_every_instance_and_the_migration(migrated):
+    llum, page, request_id = migrated
+    with pull_session(url=page) as session:
+        sources = list(session.document.select({"type": ColumnDataSource}))
+    instances = next(s.data for s in sources if "instance" in s.data)
+    migrations = next(s.data for s in sources if "request_id" in s.data)
+    assert sorted(instances["instance"]) == sorted(r["instance"] for r in llum.instances())
+    assert migrations["request_id"] == [request_id] and migrations["kind"] == ["committed"]
+    assert migrations["downtime_ms"][0] > 0 and migrations["stages"][0] >= 1
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (make test installs Debian's chromium)")
+def test_a_browser_renders_the_instances_and_the_migration(migrated, tmp_path: Path):
+    from playwright.sync_api import sync_playwright
+
+    llum, page_url, request_id = migrated
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(page_url)
+            page.get_by_text("2 of 2 instances ready").wait_for(timeout=30_000)
+            page.get_by_text(request_id).wait_for(timeout=30_000)  # the migrations table's row
+            assert page.get_by_text("1 committed").count() >= 1
+            assert page.locator("canvas").count() >= 3  # the three plots drew
+            page.screenshot(path=str(tmp_path / "llumdask-dashboard.png"), full_page=True)
+            assert not errors, errors
+        finally:
+            browser.close()
