@@ -139,6 +139,7 @@ class LlumletHost:
         migration = config.migration
         self._routes = _Routes(expiry=2 * migration.handshake_timeout * (migration.max_stages + 1))
         self._registrar: asyncio.Task | None = None
+        self._outbox: list[tuple[str, TokenOutput]] = []  # a step's tokens, on the engine thread
         self._reporter: PeriodicCallback | None = None
         self.registered = False
         self.started_at = time.time()
@@ -255,6 +256,10 @@ class LlumletHost:
         if llumlet is None or not llumlet.engine.has_work():
             return False
         result = llumlet.step()
+        if self._outbox:
+            # One hand-off to the event loop per step, not one per request: each wakes the loop.
+            outbox, self._outbox = self._outbox, []
+            self.loop.add_callback(self._push_tokens, outbox)
         return result.batch_size > 0 and llumlet.engine.has_work()
 
     def _report_once(self) -> dict:
@@ -275,7 +280,11 @@ class LlumletHost:
         if reply_to is None:
             logger.debug("tokens of %s have nowhere to go", output.request_id)
             return
-        self.loop.add_callback(self.pusher.push, reply_to, output)
+        self._outbox.append((reply_to, output))
+
+    def _push_tokens(self, outbox: list[tuple[str, TokenOutput]]) -> None:
+        for reply_to, output in outbox:
+            self.pusher.push(reply_to, output)
 
     def _on_event(self, event: MigrationEvent) -> None:
         if event.kind is MigrationEventKind.COMMITTED:
