@@ -5,12 +5,19 @@ llumdask/migration_bench.py for what is measured and how). ``--engine vllm`` bui
 Llama model larger than the test model (the default 12 layers, hidden 1024) so that recomputing
 a prompt costs what it does on a real model; ``--engine sim`` runs the sim engine in real time
 (steps sleep their modelled duration; its KV buffers are real bytes).
+
+The vLLM engines run their torch ops on ``--threads`` threads (default 1, what vLLM sets for
+serving in `set_torch_threads_for_runtime`, a call its in-process CPU worker turns into a no-op).
+With two threads on a two-core machine that other processes share, every parallel region of a
+step waits for whichever thread is descheduled: steps of 27 ms took 200-800 ms next to one busy
+process, and a migration's downtime, which contains a step, took whatever step it caught.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -20,19 +27,23 @@ from typing import Any
 
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.base import Engine
-from llumdask.migration_bench import BenchSettings, LengthResult, MigrationBench, results_dict
+from llumdask.migration_bench import BenchSettings, LengthResult, MigrationBench, median_result, results_dict
 
 TABLE_COLUMNS = (
     ("length", "length", "{}"),
     ("live_downtime_ms", "live ms", "{:.1f}"),
     ("live_stages", "stages", "{}"),
     ("live_bytes", "live MiB", "{:.1f}"),
+    ("live_commit_ms", "last stage ms", "{:.1f}"),
+    ("live_destination_step_ms", "dst step ms", "{:.1f}"),
+    ("normal_step_ms", "normal step ms", "{:.1f}"),
     ("blocking_downtime_ms", "blocking ms", "{:.1f}"),
     ("recompute_downtime_ms", "recompute ms", "{:.1f}"),
     ("recompute_over_live", "recompute/live", "{:.1f}"),
     ("source_slowdown", "src slowdown", "{:.2f}"),
     ("destination_slowdown", "dst slowdown", "{:.2f}"),
     ("tokens_identical", "identical", "{}"),
+    ("load_average", "load", "{:.1f}"),
 )
 
 
@@ -66,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=_positive_int, default=12, help="vllm: layers of the built model (default %(default)s)")
     parser.add_argument("--hidden", type=_positive_int, default=1024, help="vllm: hidden size of the built model (default %(default)s)")
     parser.add_argument("--kv-cache-mib", type=_positive_int, default=1024, help="vllm: KV cache per instance, MiB (default %(default)s)")
+    parser.add_argument("--threads", type=_positive_int, default=1,
+                        help="vllm: torch threads of the engines (default %(default)s: steady steps on a shared machine)")
     parser.add_argument("--background", type=int, default=BenchSettings.background, help="co-running requests per instance")
     parser.add_argument("--output-tokens", type=_positive_int, default=BenchSettings.output_tokens,
                         help="tokens the migrated request generates in all")
@@ -81,17 +94,28 @@ def _vllm_engines(args: argparse.Namespace, max_len: int) -> tuple[list[Engine],
     from llumdask.engine.vllm.engine import VllmEngine
     from llumdask.engine.vllm.tiny_model import TinyLlamaShape, build_tiny_model, default_model_dir
 
-    facts: dict[str, Any] = {}
+    facts: dict[str, Any] = {"torch_threads": _set_torch_threads(args.threads)}
     model = args.model
     if model is None:
+        positions = max(4096, 1 << (max_len - 1).bit_length())  # rope positions: lengths up to max_len
         shape = TinyLlamaShape(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
                                num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                               num_key_value_heads=args.hidden // 64)
-        model = str(build_tiny_model(default_model_dir().with_name(f"bench-llama-{args.layers}x{args.hidden}"), seed=0, shape=shape))
+                               num_key_value_heads=args.hidden // 64, max_position_embeddings=positions)
+        name = f"bench-llama-{args.layers}x{args.hidden}-{positions}"
+        model = str(build_tiny_model(default_model_dir().with_name(name), seed=0, shape=shape))
         facts["model_shape"] = asdict(shape)
     engine_args = {"dtype": "float32", "max_model_len": max_len, "kv_cache_memory_bytes": args.kv_cache_mib * 2**20, "seed": 0}
     facts |= {"model": model, "engine_args": engine_args}
     return [VllmEngine(model, engine_args) for _ in range(2)], facts
+
+
+def _set_torch_threads(threads: int) -> int:
+    """Set torch's thread count before vLLM starts (afterwards its CPU worker ignores the
+    call); the count in effect, which differs when an engine already ran in this process."""
+    import torch
+
+    torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def _sim_engines(config: LlumdaskConfig) -> tuple[list[Engine], dict[str, Any]]:
@@ -128,20 +152,22 @@ def main(argv: Sequence[str], progress: Callable[[str], None] = print) -> int:
         engines, facts = _vllm_engines(args, settings.longest_sequence)
     else:
         engines, facts = _sim_engines(config)
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     try:
         try:
             bench = MigrationBench(*engines, config=config, settings=settings)
         except ValueError as exc:  # lengths the instances cannot hold
             parser.error(str(exc))
-        results = bench.run(progress)
+        runs = bench.run(progress)
     finally:
         for engine in engines:
             getattr(engine, "close", lambda: None)()
     facts = {"command": shlex.join(["llumdask", "bench", "migration", *argv]), "engine": args.engine,
              "driver": "two llumlets in one process over InProcessTransport",
-             "settings": asdict(settings), "migration": asdict(config.migration), "wall_seconds": time.perf_counter() - started, **facts}
-    summary = results_dict(results, facts)
+             "settings": asdict(settings), "migration": asdict(config.migration), "wall_seconds": time.perf_counter() - started,
+             "load_average_before": load_before, "load_average_after": os.getloadavg()[0], **facts}
+    results = [median_result(length_runs) for length_runs in runs]
+    summary = results_dict(results, runs, facts)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_table(results))

@@ -12,6 +12,10 @@ remaining blocks and its state; the destination resumes it and answers Committed
 frees it. Any refusal, abort, timeout, finish, preemption or dead peer ends the migration with
 every reserved block released and the request running on its source.
 
+Stage copies: by default the source fuses a stage's blocks when it sends the stage, on the
+thread that drives it. A host whose transport copies `PendingBlocks` payloads itself (see
+`deferred_copies`) gets them uncopied instead, so that its engine keeps stepping meanwhile.
+
 Commit ownership: the source stays authoritative until it sees Committed. If it gives up first
 (timeout), its Abort makes a destination that already resumed the request drop its copy; greedy
 and seeded tokens are identical on both, and receivers drop duplicate sequence numbers.
@@ -109,7 +113,10 @@ class Llumlet:
         clock: Callable[[], float],
         on_tokens: Callable[[TokenOutput], None] | None = None,
         on_event: Callable[[MigrationEvent], None] | None = None,
+        deferred_copies: bool = False,
     ) -> None:
+        """`deferred_copies`: stages leave as `PendingBlocks` that the transport copies
+        (`Engine.export_later`), instead of buffers fused here."""
         self.instance_id = instance_id
         self.engine = engine
         self._transport = transport
@@ -117,6 +124,7 @@ class Llumlet:
         self._clock = clock
         self._on_tokens = on_tokens or _noop
         self._on_event = on_event or _noop
+        self._deferred_copies = deferred_copies
         self._received = 0
         self._migration_numbers = itertools.count()
         self._terminating = False
@@ -245,8 +253,9 @@ class Llumlet:
                 self._abort_outgoing(out, reason, notify=True)
                 return
         start, end = out.sent_blocks, out.sent_blocks + out.stage_blocks
-        payload = self.engine.export_blocks(out.request_id, start, end)
-        out.bytes += int(getattr(payload, "nbytes", 0))
+        pending = self.engine.export_later(out.request_id, start, end)
+        out.bytes += pending.nbytes
+        payload = pending if self._deferred_copies else pending.copy()
         out.phase = _Phase.AWAIT_COMMIT if out.state is not None else _Phase.AWAIT_STAGE_ACK
         out.deadline = self._clock() + self._migration.handshake_timeout
         self._send(out.destination, StageData(out.migration_id, out.stage, start, end, payload, out.state))

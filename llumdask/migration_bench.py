@@ -14,6 +14,11 @@ process and take turns, so from that moment the bench runs only the critical pat
 messages are delivered at once and only the destination steps until the token. A deployment adds
 the wait for a step boundary on each side (up to one step each way) to every method alike.
 
+Where the downtime goes is recorded with it: the last stage (pause -> Committed at the source:
+the last blocks' export and import and the resume), then the destination's steps until the token
+(one, normally, computing the one token whose KV the source had not computed yet), against the
+source's normal iteration before the migration (the request's usual interval between tokens).
+
 Co-running requests' slowdown is each instance's mean iteration time (its engine step plus the
 migration messages it handled in that round: block gathers on the source, scatters on the
 destination) while the live migration runs, over the same before it starts.
@@ -22,6 +27,7 @@ destination) while the live migration runs, over the same before it starts.
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -32,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from llumdask.config import LlumdaskConfig
-from llumdask.engine.base import Engine, MigrationState, TokenOutput
+from llumdask.engine.base import Engine, MigrationState, StepResult, TokenOutput
 from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
 from llumdask.protocol import MigrationMessage
 from llumdask.request import Request, SamplingParams, blocks_for
@@ -87,6 +93,10 @@ class LengthResult:
     live_blocks: int
     live_bytes: int
     live_commit_ms: float  # pause -> Committed back at the source (the llumlet's own figure)
+    live_destination_steps: int  # destination steps from the resume to the request's token
+    live_destination_step_ms: float  # their time: the rest of the downtime
+    live_destination_prefill_tokens: int  # computed in them as prefill (vLLM: 1, the last sampled token)
+    normal_step_ms: float  # the source's median iteration before the migration
     blocking_downtime_ms: float
     blocking_bytes: int
     recompute_downtime_ms: float
@@ -95,6 +105,7 @@ class LengthResult:
     destination_slowdown: float
     tokens_identical: bool  # live migration vs an unmigrated run
     blocking_tokens_identical: bool
+    load_average: float  # the machine's 1-minute load average when the length was measured
 
 
 class _PauseWatch:
@@ -172,13 +183,17 @@ class _Pair:
         self.transport.deliver_round()
         return {name: spent.get(name, 0.0) + self.handled.get(name, 0.0) for name in self.llumlets}
 
-    def step_until_token(self, name: str, request_id: str, after: float) -> float:
-        """Step one instance until it emits a token of `request_id` later than `after`; that time."""
+    def step_until_token(self, name: str, request_id: str, after: float) -> tuple[float, list[tuple[StepResult, float]]]:
+        """Step one instance until it emits a token of `request_id` later than `after`: that
+        time, and each step taken with its wall time."""
+        steps = []
         for _ in range(MAX_ROUNDS):
-            self.llumlets[name].step()
+            started = time.perf_counter()
+            result = self.llumlets[name].step()
+            steps.append((result, time.perf_counter() - started))
             times = [t for where, t in self.token_times[request_id] if where == name and t > after]
             if times:
-                return times[0]
+                return times[0], steps
         raise RuntimeError(f"{name} produced no token of {request_id} in {MAX_ROUNDS} steps")
 
     def sequence(self, request_id: str) -> list[int]:
@@ -221,15 +236,13 @@ class MigrationBench:
                 raise ValueError(f"the {name} instance has {total} KV blocks of {block_size}; the background batch and "
                                  f"a {max(settings.lengths)}-token request need {needed}: lower --lengths or --background")
 
-    def run(self, progress: Callable[[str], None] = lambda _: None) -> list[LengthResult]:
-        """Every length, after one unreported pass at the shortest: the first migration, prefill
-        and batch shapes of a fresh instance pay one-off costs."""
+    def run(self, progress: Callable[[str], None] = lambda _: None) -> list[list[LengthResult]]:
+        """Every run of every length, after one unreported pass at the shortest: the first
+        migration, prefill and batch shapes of a fresh instance pay one-off costs."""
         progress("warm-up (not reported)")
         self.measure_length(min(self._settings.lengths))
-        return [
-            median_result([self.measure_length(length, progress) for _ in range(self._settings.repeats)])
-            for length in self._settings.lengths
-        ]
+        return [[self.measure_length(length, progress) for _ in range(self._settings.repeats)]
+                for length in self._settings.lengths]
 
     def measure_length(self, length: int, progress: Callable[[str], None] = lambda _: None) -> LengthResult:
         s = self._settings
@@ -242,13 +255,18 @@ class MigrationBench:
         blocking = self._blocking(prompt)
         progress(f"length {length}: recompute")
         recompute = self._recompute(self._prompts.tokens(length))
+        event = live["event"]
         return LengthResult(
             length=length,
             live_downtime_ms=live["downtime"] * 1e3,
-            live_stages=live["event"].stages,
-            live_blocks=live["event"].blocks,
-            live_bytes=live["event"].bytes,
-            live_commit_ms=live["event"].downtime * 1e3,
+            live_stages=event.stages,
+            live_blocks=event.blocks,
+            live_bytes=event.bytes,
+            live_commit_ms=event.downtime * 1e3,
+            live_destination_steps=len(live["steps"]),
+            live_destination_step_ms=sum(seconds for _, seconds in live["steps"]) * 1e3,
+            live_destination_prefill_tokens=sum(step.num_prefill_tokens for step, _ in live["steps"]),
+            normal_step_ms=live["normal_step"] * 1e3,
             blocking_downtime_ms=blocking["downtime"] * 1e3,
             blocking_bytes=blocking["bytes"],
             recompute_downtime_ms=recompute * 1e3,
@@ -257,6 +275,7 @@ class MigrationBench:
             destination_slowdown=live["slowdown"][DESTINATION],
             tokens_identical=live["tokens"] == expected,
             blocking_tokens_identical=blocking["tokens"] == expected,
+            load_average=os.getloadavg()[0],
         )
 
     # ------------------------------------------------------------------ scenarios
@@ -300,10 +319,11 @@ class MigrationBench:
             raise RuntimeError(f"request {request_id} could not start migrating")
         during: dict[str, list[float]] = defaultdict(list)
         downtime = source_share = None
+        steps: list[tuple[StepResult, float]] = []
         for _ in range(MAX_ROUNDS):
             paused_at = pair.source.paused_at
             if paused_at is not None and downtime is None:
-                downtime, source_share = self._last_stage(pair, request_id, paused_at, during)
+                downtime, source_share, steps = self._last_stage(pair, request_id, paused_at, during)
             if any(e.kind is not MigrationEventKind.STARTED for e in pair.events):
                 break
             for name, seconds in pair.round().items():
@@ -316,19 +336,21 @@ class MigrationBench:
         during[SOURCE].append(after[SOURCE] + source_share)
         during[DESTINATION].append(after[DESTINATION])
         slowdown = {name: statistics.fmean(during[name]) / statistics.fmean(baseline[name]) for name in pair.llumlets}
-        return {"downtime": downtime, "event": event, "slowdown": slowdown, "tokens": self._finish(pair, request_id, ids)}
+        return {"downtime": downtime, "event": event, "slowdown": slowdown, "steps": steps,
+                "normal_step": statistics.median(baseline[SOURCE]), "tokens": self._finish(pair, request_id, ids)}
 
     @staticmethod
-    def _last_stage(pair: _Pair, request_id: str, paused_at: float, during: dict[str, list[float]]) -> tuple[float, float]:
+    def _last_stage(pair: _Pair, request_id: str, paused_at: float,
+                    during: dict[str, list[float]]) -> tuple[float, float, list[tuple[StepResult, float]]]:
         """From the pause on: the last stage's messages at once, then the destination steps until
-        the request's next token. (The downtime, the source's share of that work.)"""
+        the request's next token. (The downtime, the source's share of that work, those steps.)"""
         pair.handled.clear()
         started = time.perf_counter()
         pair.transport.deliver_all()
-        token_at = pair.step_until_token(DESTINATION, request_id, paused_at)
+        token_at, steps = pair.step_until_token(DESTINATION, request_id, paused_at)
         source_share = pair.handled[SOURCE]
         during[DESTINATION].append(time.perf_counter() - started - source_share)
-        return token_at - paused_at, source_share
+        return token_at - paused_at, source_share, steps
 
     def _blocking(self, prompt: list[int]) -> dict[str, Any]:
         pair, request_id, ids, _ = self._start(prompt)
@@ -343,7 +365,7 @@ class MigrationBench:
         destination.import_blocks(migration_id, 0, payload)
         destination.resume(migration_id, state)
         source.free_migrated(request_id)
-        downtime = pair.step_until_token(DESTINATION, request_id, started) - started
+        downtime = pair.step_until_token(DESTINATION, request_id, started)[0] - started
         return {"downtime": downtime, "bytes": int(payload.nbytes), "tokens": self._finish(pair, request_id, ids)}
 
     def _recompute(self, prompt: list[int]) -> float:
@@ -355,7 +377,7 @@ class MigrationBench:
         again = self._prompts.request([*request.prompt_token_ids, *request.output_token_ids],
                                       request.sampling.max_tokens - request.num_output_tokens, "recomputed")
         pair.llumlets[DESTINATION].add_request(again)
-        downtime = pair.step_until_token(DESTINATION, again.request_id, started) - started
+        downtime = pair.step_until_token(DESTINATION, again.request_id, started)[0] - started
         pair.clear([*ids, again.request_id])
         return downtime
 
@@ -375,13 +397,14 @@ def median_result(runs: list[LengthResult]) -> LengthResult:
     return LengthResult(**fields)
 
 
-def results_dict(results: list[LengthResult], facts: dict[str, Any]) -> dict[str, Any]:
-    """results.json: the run's facts, one row per length, and the issue's two goal figures."""
-    rows = [asdict(r) for r in results]
-    shortest, longest = results[0], results[-1]
+def results_dict(medians: list[LengthResult], runs: list[list[LengthResult]], facts: dict[str, Any]) -> dict[str, Any]:
+    """results.json: the run's facts, one row per length (the medians of its runs), every run,
+    and the issue's two goal figures."""
+    shortest, longest = medians[0], medians[-1]
     return {
         **facts,
-        "lengths": rows,
+        "lengths": [asdict(r) for r in medians],
+        "runs": [asdict(r) for length_runs in runs for r in length_runs],
         "live_downtime_longest_over_shortest": longest.live_downtime_ms / shortest.live_downtime_ms,
         "recompute_over_live_at_longest": longest.recompute_over_live,
     }

@@ -16,19 +16,27 @@ that the destination can stream them once the migration commits.
 `send` may be called from any thread (the llumlet runs on its engine thread): it hands the
 message to the event loop. A peer that cannot be reached or whose comm breaks is reported once
 per failed channel through `on_peer_lost`.
+
+A `StageData` whose payload is `PendingBlocks` (a llumlet with `deferred_copies`) is copied on
+this transport's own copy thread right before it is written, so that fusing a stage of hundreds
+of MiB never holds up the engine thread's steps: the source's requests, the migrating one
+included, keep decoding while their KV is copied out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 from distributed.comm import Comm, connect
 from distributed.protocol import to_serialize
 from tornado.ioloop import IOLoop
 
-from llumdask.protocol import Abort, Committed, MigrationMessage, PreAllocReply
+from llumdask.engine.base import PendingBlocks
+from llumdask.protocol import Abort, Committed, MigrationMessage, PreAllocReply, StageData
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,7 @@ class CommTransport:
         self._connect_timeout = connect_timeout
         self._idle_timeout = idle_timeout
         self._channels: dict[tuple[str, str], asyncio.Queue] = {}
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="llumdask-kv-copy")
         self._writers: set[asyncio.Task] = set()
         self._closed = False
         self.messages_sent = 0
@@ -69,7 +78,7 @@ class CommTransport:
     # ------------------------------------------------------------------ sending (any thread)
     def send(self, sender: str, receiver: str, message: MigrationMessage) -> None:
         context = self._annotate(message) if self._annotate is not None else None
-        wire = {"op": MIGRATION_OP, "sender": sender, "message": to_serialize(message),
+        wire = {"op": MIGRATION_OP, "sender": sender, "message": message,
                 "context": dict(context) if context else None, "reply": False}
         self._loop.add_callback(self._enqueue, receiver, message, wire)
 
@@ -115,7 +124,8 @@ class CommTransport:
                     break
                 if wire is None:
                     break
-                nbytes = await comm.write(wire)
+                message = await self._copied(wire["message"])
+                nbytes = await comm.write({**wire, "message": to_serialize(message)})
                 self.messages_sent += 1
                 self.bytes_sent += nbytes
         except (OSError, asyncio.TimeoutError) as exc:  # CommClosedError is an OSError
@@ -127,6 +137,13 @@ class CommTransport:
                 del self._channels[key]
             if comm is not None and not comm.closed():
                 await comm.close()
+
+    async def _copied(self, message: MigrationMessage) -> MigrationMessage:
+        """The message with a pending stage copied (on the copy thread)."""
+        if not (isinstance(message, StageData) and isinstance(message.payload, PendingBlocks)):
+            return message
+        payload = await asyncio.get_running_loop().run_in_executor(self._copier, message.payload.copy)
+        return dataclasses.replace(message, payload=payload)
 
     @property
     def open_channels(self) -> int:
@@ -147,3 +164,4 @@ class CommTransport:
         self._closed = True
         for task in list(self._writers):
             task.cancel()
+        self._copier.shutdown(wait=False, cancel_futures=True)

@@ -160,7 +160,7 @@ class LlumletHost:
         engine = await self._call(make_engine, self.config, self.instance_id, time.time)
         self.llumlet = Llumlet(
             self.instance_id, engine, self.transport, self.config, time.time,
-            on_tokens=self._on_tokens, on_event=self._on_event,
+            on_tokens=self._on_tokens, on_event=self._on_event, deferred_copies=True,
         )
         self.worker.handlers.update(
             {

@@ -6,14 +6,15 @@ the engine never knows about other instances.
 
 Migration primitives follow the paper's protocol (section 4.2):
 reserve_blocks / import_blocks on the destination, completed_blocks / export_blocks / pause /
-unpause / free_migrated on the source, resume on the destination at COMMIT.
+unpause / free_migrated on the source, resume on the destination at COMMIT. `export_later`
+splits block fusion in two, so that a host can copy a stage out while its engine keeps stepping.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, RequestTiming, SamplingParams, blocks_for
 
@@ -203,6 +204,22 @@ class MigrationState:
         return request
 
 
+@dataclass(frozen=True)
+class PendingBlocks:
+    """A stage's blocks, chosen on the engine's thread and copied by `copy()` later, on any
+    thread, while the engine goes on stepping.
+
+    Safe because the blocks are final: a running request's completed blocks are never written
+    again, and a paused request's blocks stay held until COMMIT, which needs the copy delivered.
+    Should the request let go of its blocks first (finished, preempted, aborted, rolled back),
+    the copy may read blocks already reused; the source then aborts the migration (at its next
+    step or stage ack), so such a copy never reaches a resumed request.
+    """
+
+    nbytes: int
+    copy: Callable[[], Any]
+
+
 class MigrationRefused(Exception):
     """A migration primitive cannot proceed (no blocks, request gone, not migratable)."""
 
@@ -247,6 +264,9 @@ class Engine(Protocol):
 
     def export_blocks(self, request_id: str, start: int, end: int) -> Any:
         """Block fusion: the request's blocks [start, end) gathered into one contiguous buffer."""
+
+    def export_later(self, request_id: str, start: int, end: int) -> PendingBlocks:
+        """`export_blocks` checked now, copied when the result's `copy()` runs (any thread)."""
 
     def pause(self, request_id: str) -> MigrationState:
         """Take a running request out of the batch (blocks kept) and return its continuation state."""

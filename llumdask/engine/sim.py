@@ -38,6 +38,7 @@ from llumdask.engine.base import (
     LoadTotals,
     MigrationRefused,
     MigrationState,
+    PendingBlocks,
     RequestLoad,
     StepResult,
     TokenOutput,
@@ -323,6 +324,9 @@ class SimEngine:
         up to blocks_for(num_tokens) may: its KV is final, and a block past the ones it holds (the
         one the next token's KV will go to) comes back as zeros.
         """
+        return self.export_later(request_id, start, end).copy()
+
+    def export_later(self, request_id: str, start: int, end: int) -> PendingBlocks:
         seq = self._seq(request_id)
         if request_id in self._paused:
             limit = blocks_for(seq.num_tokens, self.block_size)
@@ -330,11 +334,15 @@ class SimEngine:
             limit = self.completed_blocks(request_id)
         if not 0 <= start <= end <= limit:
             raise ValueError(f"{self._name}: request {request_id!r}: cannot export blocks [{start}, {end}); {limit} can be")
-        table = self._blocks.table(request_id)
-        if end <= len(table):
-            return self._kv[table[start:end]]
-        buffer = np.zeros((end - start,) + self._kv.shape[1:], dtype=np.uint8)
-        held = table[start:]
+        held = list(self._blocks.table(request_id)[start:end])
+        shape = (end - start,) + self._kv.shape[1:]
+        return PendingBlocks(int(np.prod(shape)), lambda: self._fuse(held, shape))
+
+    def _fuse(self, held: list[int], shape: tuple[int, ...]) -> np.ndarray:
+        """The held blocks' KV in one new buffer of `shape`, zeros past them."""
+        if len(held) == shape[0]:
+            return self._kv[held]
+        buffer = np.zeros(shape, dtype=np.uint8)
         buffer[: len(held)] = self._kv[held]
         return buffer
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 from distributed.core import Server
 from distributed.protocol import serialize
 from tornado.ioloop import IOLoop
 
+from llumdask.engine.base import PendingBlocks
 from llumdask.plugins.transport import MIGRATION_OP, CommTransport
 from llumdask.protocol import Abort, Committed, PreAlloc, PreAllocReply, StageAck, StageData
 
@@ -84,6 +86,35 @@ def test_messages_of_each_migration_arrive_in_order_with_payloads_intact():
             # Abort ended both channels.
             await until(lambda: not a.transport.open_channels)
             assert a.lost == [] and b.lost == []
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_pending_stage_is_copied_on_the_copy_thread_in_order():
+    """A deferred stage is fused on the transport's copy thread (not the sender's, not the event
+    loop's) and arrives as the buffer, between the messages sent around it."""
+    async def main():
+        a = await Peer().start()
+        b = await Peer().start()
+        payload = np.arange(4096, dtype=np.uint8)
+        copied_on: list[str] = []
+
+        def copy() -> np.ndarray:
+            copied_on.append(threading.current_thread().name)
+            return payload
+
+        try:
+            sent = [PreAlloc("m", a.address, b.address, "r", 0, 1),
+                    StageData("m", 0, 0, 1, PendingBlocks(payload.nbytes, copy)), Abort("m", "done")]
+            for message in sent:
+                a.transport.send(a.address, b.address, message)
+            await until(lambda: len(b.received) == 3)
+            assert [type(m) for _, m, _ in b.received] == [PreAlloc, StageData, Abort]
+            np.testing.assert_array_equal(b.received[1][1].payload, payload)
+            assert len(copied_on) == 1 and copied_on[0].startswith("llumdask-kv-copy")
         finally:
             await a.close()
             await b.close()

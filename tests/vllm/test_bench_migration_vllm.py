@@ -18,6 +18,11 @@ def test_one_length_on_vllm(vllm_engine, peer_engine):
     assert result.live_stages >= 2  # 600 tokens = 5 blocks of 128: a copy stage, then the last one
     assert result.live_bytes > 0 and result.blocking_bytes >= result.live_bytes * 0.5
     assert min(result.live_downtime_ms, result.blocking_downtime_ms, result.recompute_downtime_ms) > 0
+    # The destination's first step yields the token and computes only the last sampled token:
+    # the rest of the KV is the migrated copy, not a recompute.
+    assert result.live_destination_steps == 1 and result.live_destination_prefill_tokens == 1
+    assert result.live_commit_ms + result.live_destination_step_ms <= result.live_downtime_ms * 1.01
+    assert result.normal_step_ms > 0 and result.load_average >= 0
     assert result.source_slowdown > 0 and result.destination_slowdown > 0
     for engine in (vllm_engine, peer_engine):
         assert not engine.has_work()

@@ -17,6 +17,8 @@ running with those blocks, as on the sim engine.
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,7 @@ from llumdask.engine.base import (
     LoadTotals,
     MigrationRefused,
     MigrationState,
+    PendingBlocks,
     RequestLoad,
     StepResult,
     TokenOutput,
@@ -295,6 +298,12 @@ class VllmEngine:
         """Blocks [start, end) fused into one (blocks, ranks, layers, bytes) uint8 array.
         A running request exports completed blocks only; a paused one any block up to
         blocks_for(num_tokens), those past the KV it holds coming back as zeros."""
+        return self.export_later(request_id, start, end).copy()
+
+    def export_later(self, request_id: str, start: int, end: int) -> PendingBlocks:
+        """The block ids are read now; the gather runs when `copy()` does. With one rank that is
+        a direct call into the in-process worker, safe from another thread; several ranks share
+        the executor's channel with the engine's own steps, so they gather now."""
         request = self._known(request_id)
         if request_id in self._paused:
             block_ids = self._connector.held_blocks(self._paused[request_id])
@@ -304,11 +313,12 @@ class VllmEngine:
             limit = self.completed_blocks(request_id)
         if not 0 <= start <= end <= limit:
             raise ValueError(f"request {request_id!r}: cannot export blocks [{start}, {end}); {limit} can be")
-        buffer = np.zeros((end - start, *self._fused_shape), dtype=np.uint8)
-        held = block_ids[start : min(end, len(block_ids))]
-        if held:
-            buffer[: len(held)] = self._gather(held)
-        return buffer
+        gather = functools.partial(self._gather, block_ids[start : min(end, len(block_ids))], end - start)
+        nbytes = (end - start) * math.prod(self._fused_shape)
+        if self._fused_shape[0] > 1:
+            buffer = gather()
+            return PendingBlocks(nbytes, lambda: buffer)
+        return PendingBlocks(nbytes, gather)
 
     def pause(self, request_id: str) -> MigrationState:
         """Abort the request in vLLM while the connector keeps its blocks (vLLM cannot pause one)."""
@@ -416,15 +426,18 @@ class VllmEngine:
         self._llm.engine_core.shutdown()
 
     # ------------------------------------------------------------------ migration bookkeeping
-    def _gather(self, block_ids: list[int]) -> np.ndarray:
+    def _gather(self, block_ids: list[int], num_blocks: int) -> np.ndarray:
+        """A fused buffer of `num_blocks` blocks: the given ones, then zeros. One rank's share
+        is the buffer itself (a view with the rank axis added), so one rank copies once."""
         from llumdask.engine.vllm.kv_blocks import gather_blocks
 
-        return np.stack(self._llm.collective_rpc(gather_blocks, args=(block_ids,)), axis=1)
+        ranks = self._llm.collective_rpc(gather_blocks, args=(block_ids, num_blocks))
+        return ranks[0][:, np.newaxis] if len(ranks) == 1 else np.stack(ranks, axis=1)
 
     def _split_kv(self, block_ids: list[int], num_kv_tokens: int) -> tuple[list[int], np.ndarray | None]:
         """(the blocks KV fills completely, a fused copy of the partly filled one after them)."""
         num_full = num_kv_tokens // self.block_size
-        tail = self._gather([block_ids[num_full]]) if num_kv_tokens % self.block_size else None
+        tail = self._gather([block_ids[num_full]], 1) if num_kv_tokens % self.block_size else None
         return block_ids[:num_full], tail
 
     def _known(self, request_id: str) -> Request:

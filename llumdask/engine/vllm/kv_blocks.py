@@ -36,12 +36,12 @@ def tensor_parallel_rank() -> int:
 
 
 def write_blocks(layers: list[torch.Tensor], block_ids: list[int], buffer: np.ndarray) -> None:
-    """Write (blocks, layers, bytes) of one rank into the given blocks of every layer."""
+    """Write (blocks, layers, bytes) of one rank into the given blocks of every layer: one copy,
+    straight from the buffer's memory (a strided view, never a contiguous copy first)."""
     index = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
-    data = torch.from_numpy(np.ascontiguousarray(buffer))
+    data = torch.from_numpy(buffer)
     for layer, kv in enumerate(layers):
-        blocks = data[:, layer].contiguous().view(kv.dtype).reshape(len(block_ids), *kv.shape[1:])
-        kv.index_copy_(0, index, blocks.to(kv.device))
+        kv.index_copy_(0, index, _blocks_view(data[:, layer], kv).to(kv.device))
 
 
 def copy_blocks(layers: list[torch.Tensor], source: list[int], target: list[int]) -> None:
@@ -56,12 +56,24 @@ def _worker_layers(worker: Any) -> list[torch.Tensor]:
     return kv_tensors(worker.model_runner.compilation_config.static_forward_context)
 
 
-def gather_blocks(worker: Any, block_ids: list[int]) -> np.ndarray:
-    """This rank's share of a fused buffer: (blocks, layers, bytes per block), uint8."""
+def gather_blocks(worker: Any, block_ids: list[int], num_blocks: int) -> np.ndarray:
+    """This rank's share of a fused buffer: (num_blocks, layers, bytes per block), uint8; the
+    given blocks first, zeros after them. Each layer's blocks are selected straight into the
+    buffer (one copy of the KV on a CPU device, whatever the stage's size)."""
     layers = _worker_layers(worker)
+    buffer = np.empty((num_blocks, len(layers), _bytes_per_block(layers)), dtype=np.uint8)
+    buffer[len(block_ids) :] = 0
+    if not block_ids:
+        return buffer
+    data = torch.from_numpy(buffer[: len(block_ids)])
     index = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
-    fused = torch.stack([kv.index_select(0, index) for kv in layers], dim=1)
-    return fused.reshape(len(block_ids), len(layers), -1).view(torch.uint8).cpu().numpy()
+    for layer, kv in enumerate(layers):
+        out = _blocks_view(data[:, layer], kv)
+        if kv.device == out.device:
+            torch.index_select(kv, 0, index, out=out)
+        else:
+            out.copy_(kv.index_select(0, index))
+    return buffer
 
 
 def scatter_blocks(worker: Any, block_ids: list[int], buffer: np.ndarray) -> None:
@@ -72,4 +84,13 @@ def scatter_blocks(worker: Any, block_ids: list[int], buffer: np.ndarray) -> Non
 def block_bytes(worker: Any) -> tuple[int, int]:
     """(layers, bytes per block) of this rank's KV cache: the shape a fused buffer must have."""
     layers = _worker_layers(worker)
-    return len(layers), layers[0][0].numel() * layers[0].element_size()
+    return len(layers), _bytes_per_block(layers)
+
+
+def _bytes_per_block(layers: list[torch.Tensor]) -> int:
+    return layers[0][0].numel() * layers[0].element_size()
+
+
+def _blocks_view(rows: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """(blocks, bytes) uint8 rows seen as blocks of `kv` (its dtype and block shape), no copy."""
+    return rows.view(kv.dtype).view(rows.shape[0], *kv.shape[1:])
