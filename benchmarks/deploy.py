@@ -32,9 +32,7 @@ def process_cluster(n_instances: int, overrides: dict[str, Any] | None = None,
     load_config(overrides)  # a bad override fails here, naming its key, not in every worker
     with tempfile.TemporaryDirectory(prefix="llumdask-bench-") as tmp:
         root = Path(tmp)
-        (root / "config").mkdir()
-        (root / "config" / "llumdask.yaml").write_text(yaml.safe_dump({"llumdask": overrides or {}}))
-        env = dict(os.environ, DASK_CONFIG=str(root / "config"))
+        env = config_env(root / "config", overrides)
         scheduler_file = root / "scheduler.json"
         procs: list[subprocess.Popen] = []
 
@@ -60,6 +58,14 @@ def process_cluster(n_instances: int, overrides: dict[str, Any] | None = None,
             raise
         finally:
             _stop(procs)
+
+
+def config_env(directory: Path, overrides: dict[str, Any] | None) -> dict[str, str]:
+    """This process's environment plus DASK_CONFIG pointing at `directory`, where a llumdask.yaml
+    with `overrides` is written: how every process of a deployment gets the same settings."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "llumdask.yaml").write_text(yaml.safe_dump({"llumdask": overrides or {}}))
+    return dict(os.environ, DASK_CONFIG=str(directory))
 
 
 def _address_from(scheduler_file: Path, proc: subprocess.Popen, timeout: float) -> str:

@@ -176,7 +176,8 @@ def test_continuous_batching_joins_a_newcomer_to_running_decodes(make_engine):
     result = engine.step()
     assert {(o.request_id, o.first_index) for o in result.outputs} == {("a", 2), ("b", 0)}
     assert result.batch_size == 2 and result.num_prefill_tokens == 7
-    assert result.duration == pytest.approx(engine.profile.prefill_time([7]) + engine.profile.decode_time(1, 12))
+    assert result.duration == pytest.approx(engine.profile.step_time([7], 1, 12))
+    assert result.duration < engine.profile.prefill_time([7]) + engine.profile.decode_time(1, 12)  # one forward pass
 
 
 def test_token_budget_caps_prefills_but_one_prompt_always_runs(make_engine):

@@ -6,7 +6,10 @@ A step's modelled time is the sum of its parts:
     decode(batch, context_tokens) = d + e * batch + f * context_tokens    (0 when nothing decodes)
 
 `a`/`d` are the fixed cost of a forward pass, `b`/`e` the weight FLOPs per token, `c` the
-quadratic attention of a prompt, `f` reading the KV cache of every context token. Profiles are
+quadratic attention of a prompt, `f` reading the KV cache of every context token. A step that
+prefills and decodes runs them in one forward pass, so it pays the fixed cost once: the larger
+of `a` and `d` (measured on vLLM: a mixed step of the CPU engine matches prefill + decode -
+min(a, d) within a few percent, and overshoots by min(a, d) without it). Profiles are
 JSON files: the built-in ones in `profiles/` derive their coefficients from published hardware
 figures (the "derivation" text says which, and what is assumed); a user adds one fitted to their
 own measurements by passing its path.
@@ -76,8 +79,12 @@ class LatencyProfile:
         return d.base_s + d.per_seq_s * batch + d.per_context_token_s * context_tokens
 
     def step_time(self, prefill_lengths: Iterable[int], batch: int, context_tokens: int) -> float:
-        """A mixed step: the prefills plus one decode token per running sequence."""
-        return self.prefill_time(prefill_lengths) + self.decode_time(batch, context_tokens)
+        """A step of prefills plus one decode token per running sequence: one forward pass, so
+        a step with both pays the smaller fixed cost only as part of the larger."""
+        prefill, decode = self.prefill_time(prefill_lengths), self.decode_time(batch, context_tokens)
+        if prefill and decode:
+            return prefill + decode - min(self.prefill.base_s, self.decode.base_s)
+        return prefill + decode
 
     # ------------------------------------------------------------------ loading
     @classmethod

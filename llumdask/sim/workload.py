@@ -45,7 +45,9 @@ High priority: exactly round(share x n) requests, chosen uniformly, are high pri
 Trace files (.csv with a header, or .jsonl with one object per line) have columns arrival_time
 (seconds), input_len, output_len, and optionally priority ("high"/"normal"). Rows are replayed in
 arrival order with the first arrival moved to time 0; `rate` rescales time so the mean arrival
-rate, (n - 1) / span, becomes `rate`. Extra columns are ignored.
+rate, (n - 1) / span, becomes `rate`. Extra columns are ignored. `write_trace` writes a
+workload as such a CSV file, so that a generated workload can be replayed elsewhere (on a real
+cluster, say) exactly.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Iterator, Mapping, Protocol
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -322,6 +324,20 @@ def read_trace(path: str | Path, max_seq_len: int | None = None) -> tuple[list[T
     if not requests:
         raise TraceFormatError(f"{path}: the trace has no requests")
     return requests, any_stated
+
+
+def write_trace(path: str | Path, requests: Sequence[TraceRequest]) -> Path:
+    """Write `requests` as a CSV trace that `read_trace` (and so `make_workload`) replays exactly:
+    arrival times keep every digit, and each row states its priority."""
+    path = Path(path)
+    if path.suffix.lower() != ".csv":
+        raise ValueError(f"{path}: write_trace writes .csv trace files")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(("arrival_time", "input_len", "output_len", "priority"))
+        writer.writerows((repr(r.arrival), r.input_len, r.output_len, r.priority.name.lower()) for r in requests)
+    return path
 
 
 def _replay(

@@ -17,6 +17,7 @@ from llumdask.sim.workload import (
     length_distribution,
     length_targets,
     make_workload,
+    write_trace,
 )
 
 PERCENTILES = {"p50": 50, "p80": 80, "p95": 95, "p99": 99}
@@ -336,3 +337,11 @@ def test_every_generated_workload_is_well_formed(name, seed, n, cap, cv, share):
     if cap is not None:
         assert all(r.input_len + r.output_len <= cap for r in requests)
     assert sum(r.priority is Priority.HIGH for r in requests) == round(share * n)
+
+
+def test_write_trace_replays_exactly(tmp_path):
+    workload = make_workload("S-S", rate=3.3, num_requests=50, seed=7, high_priority_share=0.2)
+    path = write_trace(tmp_path / "out" / "trace.csv", workload)
+    assert make_workload(str(path)) == workload
+    with pytest.raises(ValueError, match=r"\.csv"):
+        write_trace(tmp_path / "trace.jsonl", workload)

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from llumdask.engine.vllm.tiny_model import TinyLlamaShape, build_tiny_model, directory_digest  # noqa: E402
+from llumdask.engine.vllm.tiny_model import TinyLlamaShape, build_llama_like, build_tiny_model, directory_digest  # noqa: E402
 
 
 def test_same_seed_same_model_other_seed_other_weights(tmp_path):
@@ -67,3 +67,13 @@ def test_is_a_llama_checkpoint_with_a_real_tokenizer(tmp_path):
 def test_rejects_shapes_vllm_cpu_cannot_run():
     with pytest.raises(ValueError, match="head_dim 16"):
         TinyLlamaShape(hidden_size=32, num_attention_heads=2)
+
+
+def test_a_llama_like_model_has_llama_proportions_beside_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = build_llama_like(layers=3, hidden=192)
+    assert path == tmp_path / "llumdask" / "bench-llama-3x192"
+    config = json.loads((path / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (3, 192, 528)
+    assert config["num_attention_heads"] == config["num_key_value_heads"] == 3 and config["head_dim"] == 64
+    assert build_llama_like(layers=3, hidden=192) == path

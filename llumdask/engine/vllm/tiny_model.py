@@ -93,6 +93,15 @@ def default_model_dir() -> Path:
     return cache / "llumdask" / "tiny-llama"
 
 
+def build_llama_like(layers: int, hidden: int, seed: int = 0) -> Path:
+    """A larger random Llama in the cache directory, beside the default tiny one: heads of 64
+    dimensions, an MLP 11/4 as wide as the hidden size (a Llama's proportions)."""
+    heads = hidden // 64
+    shape = TinyLlamaShape(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=heads)
+    return build_tiny_model(default_model_dir().with_name(f"bench-llama-{layers}x{hidden}"), seed=seed, shape=shape)
+
+
 def build_tiny_model(path: str | os.PathLike[str], seed: int = 0, shape: TinyLlamaShape | None = None) -> Path:
     """Build the model directory at `path` unless an identical one (same seed, shape and format)
     is already there; return its path. Safe against concurrent builders: the files are written

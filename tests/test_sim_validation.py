@@ -1,0 +1,115 @@
+"""The simulator-vs-real benchmark's pure parts: the error table, the mean profile, the serving
+overheads read from lone requests, and the latency definitions shared with the simulator."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import pytest
+
+from benchmarks.sim_validation import (
+    Latencies,
+    Observed,
+    ServingCosts,
+    error_rows,
+    mean_profile,
+    serving_costs,
+    shape,
+)
+from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost
+
+TOY = LatencyProfile("toy", 16384, 128, 1024, PrefillCost(0.002, 1e-5, 0.0), DecodeCost(0.001, 1e-4, 0.0), "made up")
+
+
+def observed(ttft: float, tpot: float, tokens: int, sent: float = 10.0) -> Observed:
+    return Observed(sent=sent, late=0.0, first=sent + ttft, last=sent + ttft + tpot * (tokens - 1), tokens=tokens)
+
+
+def test_error_rows_compare_every_variant_with_the_real_run():
+    real = {"ttft_mean": 0.020, "ttft_p99": 0.100, "tpot_mean": 0.004, "tpot_p99": 0.008}
+    simulated = {"engine": {k: v / 2 for k, v in real.items()},
+                 "served": real | {"ttft_p99": 0.120, "tpot_mean": 0.0035}}
+    rows = error_rows(real, simulated)
+    assert [row["metric"] for row in rows] == ["TTFT mean", "TTFT p99", "TPOT mean", "TPOT p99"]
+    by_key = {row["key"]: row for row in rows}
+    assert by_key["ttft_mean"]["real_ms"] == pytest.approx(20.0)
+    assert all(row["engine_error"] == pytest.approx(-0.5) and not row["engine_within_goal"] for row in rows)
+    assert by_key["ttft_p99"]["served_error"] == pytest.approx(0.2) and not by_key["ttft_p99"]["served_within_goal"]
+    assert by_key["tpot_mean"]["served_error"] == pytest.approx(-0.125) and by_key["tpot_mean"]["served_within_goal"]
+    assert by_key["ttft_mean"]["served_ms"] == pytest.approx(20.0) and by_key["ttft_mean"]["served_error"] == 0
+
+
+def test_latencies_follow_the_simulator_definitions():
+    """TTFT from sending; TPOT = (last - first) / (tokens - 1), skipped for single-token requests;
+    P99 interpolated as numpy does (llumdask.sim.metrics.mean_and_p99)."""
+    requests = [observed(0.010, 0.002, 11), observed(0.030, 0.004, 3), observed(0.020, 0.0, 1)]
+    latencies = Latencies(tuple(o.ttft for o in requests), tuple(o.tpot for o in requests))
+    assert latencies.tpot[2] is None
+    stats = latencies.stats()
+    assert stats["ttft_mean"] == pytest.approx(0.020)
+    assert stats["ttft_p99"] == pytest.approx(0.020 + 0.98 * 0.010)
+    assert stats["tpot_mean"] == pytest.approx(0.003)
+    assert stats["tpot_p99"] == pytest.approx(0.002 + 0.99 * 0.002)
+
+
+def test_mean_profile_averages_coefficients_and_keeps_both_derivations():
+    other = replace(TOY, prefill=PrefillCost(0.004, 3e-5, 2e-9), decode=DecodeCost(0.003, 3e-4, 1e-7), derivation="second")
+    mean = mean_profile([TOY, other], "both", "two at once")
+    assert (mean.name, mean.capacity_tokens, mean.block_size) == ("both", 16384, 128)
+    assert mean.prefill == PrefillCost(pytest.approx(0.003), pytest.approx(2e-5), pytest.approx(1e-9))
+    assert mean.decode == DecodeCost(pytest.approx(0.002), pytest.approx(2e-4), pytest.approx(5e-8))
+    assert mean.decode_time(4, 1000) == pytest.approx((TOY.decode_time(4, 1000) + other.decode_time(4, 1000)) / 2)
+    assert mean.derivation.splitlines() == ["two at once", "Profile 0: made up", "Profile 1: second"]
+    with pytest.raises(ValueError, match="different engines"):
+        mean_profile([TOY, replace(TOY, capacity_tokens=8192)], "x", "y")
+
+
+def probes(lone_ttft=0.00908, lone_tpot=0.0021, batched_tpot=0.0030, long_ttft=0.01292) -> dict:
+    """Each probe's median is the given value (a slower outlier beside two equal samples)."""
+    return {
+        "lone": [observed(lone_ttft, lone_tpot, 65)] * 2 + [observed(0.05, 0.005, 65)],
+        "batched": [observed(0.03, batched_tpot, 65)] * 2 + [observed(0.03, 0.009, 65)],
+        "long": [observed(long_ttft, 0.002, 65)] * 2 + [observed(0.09, 0.002, 65)],
+    }
+
+
+def test_serving_costs_are_what_probes_take_beyond_the_profile():
+    # TOY: prefill 2 ms + 10 us per token; decode 1 ms + 0.1 ms per sequence, no context cost.
+    # Decode beyond the profile: 1.0 ms alone, 1.6 ms four at once: 0.8 ms per step + 0.2 ms per sequence.
+    # Prefill: 512 vs 128 tokens took 3.84 ms more, the profile says 3.84 ms: scale 1.
+    costs = serving_costs(probes(), TOY)
+    assert costs.per_seq == pytest.approx(0.0002) and costs.per_step == pytest.approx(0.0008)
+    assert costs.prefill_scale == pytest.approx(1.0)
+    assert costs.request_path == pytest.approx(0.00908 - (0.002 + 0.00128) - 0.0008)
+    served = costs.served(TOY)
+    assert served.decode_time(4, 1000) == pytest.approx(TOY.decode_time(4, 1000) + 0.0008 + 4 * 0.0002)
+    assert served.prefill_time([128]) == pytest.approx(TOY.prefill_time([128]) + 0.0008)
+    # A mixed step pays the per-step cost once.
+    assert served.step_time([128], 4, 1000) == pytest.approx(TOY.step_time([128], 4, 1000) + 0.0008 + 4 * 0.0002)
+    assert served.name == "toy-served" and served.derivation.endswith("made up")
+
+
+def test_a_slower_prefill_per_token_scales_the_prompt_terms_only():
+    # 512 tokens took 7.68 ms more than 128: twice the profile's 3.84 ms.
+    costs = serving_costs(probes(long_ttft=0.00908 + 0.00768), TOY)
+    assert costs.prefill_scale == pytest.approx(2.0)
+    served = costs.served(TOY)
+    assert served.prefill == PrefillCost(pytest.approx(0.0028), pytest.approx(2e-5), 0.0)
+    assert costs.request_path == pytest.approx(0.00908 - served.prefill_time([128]))
+
+
+def test_a_profile_slower_than_the_cluster_means_no_serving_cost():
+    fast = {name: [observed(0.001, 0.0005, 65)] for name in ("lone", "batched", "long")}
+    assert serving_costs(fast, TOY) == ServingCosts(request_path=0.0, per_step=0.0, per_seq=0.0, prefill_scale=0.0)
+    # 2.0 ms beyond the profile alone, 1.6 ms four at once: no negative cost per sequence, the
+    # mean of the two per step.
+    costs = serving_costs(probes(lone_tpot=0.0031, batched_tpot=0.0030), TOY)
+    assert costs.per_seq == 0.0 and costs.per_step == pytest.approx(0.0018)
+
+
+def test_shape_option():
+    assert shape("8x768") == (8, 768)
+    for bad in ("8", "0x768", "8x100", "axb"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            shape(bad)

@@ -1,0 +1,41 @@
+"""The simulator-vs-real benchmark end to end at a tiny size: a profile measured by two processes,
+a real two-instance vLLM cluster replaying a dozen requests, the simulator replaying the same
+trace file. Behaviour only (every request completes, the documented JSON), not accuracy."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+METRIC_KEYS = {"ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99"}
+ROW_KEYS = {"metric", "key", "real_ms", "engine_ms", "engine_error", "engine_within_goal",
+            "served_ms", "served_error", "served_within_goal"}
+FACT_KEYS = {"model", "requests", "rate", "policy", "instances", "request_path_ms", "per_step_ms", "per_seq_ms",
+             "real_completed", "sim_completed", "real_migrations", "sim_migrations", "goal"}
+
+
+def test_a_small_run_completes_every_request_and_writes_the_documented_json(vllm_ready, tmp_path, capsys):
+    from benchmarks.sim_validation import main
+
+    code = main(["--requests", "12", "--rate", "6", "--out", str(tmp_path / "out"), "--logs", str(tmp_path / "logs")])
+    assert code == 0
+    result = json.loads((tmp_path / "out" / "sim_validation.json").read_text())
+    assert set(result) == {"benchmark", "facts", "rows", "notes", "machine"}
+    facts = result["facts"]
+    assert FACT_KEYS <= set(facts)
+    assert facts["real_completed"] == facts["sim_completed"] == facts["requests"] == 12
+    assert min(facts["request_path_ms"], facts["per_step_ms"], facts["per_seq_ms"]) >= 0
+    assert {row["key"] for row in result["rows"]} == METRIC_KEYS
+    for row in result["rows"]:
+        assert ROW_KEYS <= set(row)
+        assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("real_ms", "engine_ms", "served_ms"))
+        assert all(math.isfinite(row[k]) for k in ("engine_error", "served_error"))
+    measured = tmp_path / "logs" / "sim_validation"
+    assert (measured / "trace.csv").read_text().count("\n") == 13
+    assert json.loads((measured / "sim-validation.json").read_text())["block_size"] == 128
+    assert json.loads((measured / "sim-validation-served.json").read_text())["name"] == "sim-validation-served"
+    assert "TTFT mean" in capsys.readouterr().out
