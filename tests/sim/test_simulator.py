@@ -78,6 +78,19 @@ def test_bench_rejects_unknown_policy(capsys):
     assert "unknown policy" in capsys.readouterr().err
 
 
+def hand_profile(directory, capacity_tokens: int, kv_bytes_per_token: int):
+    """Round numbers for hand-worked timelines: blocks of 4 tokens, prefill 1 ms per token, decode 10 ms per step."""
+    profile = directory / "hand.json"
+    profile.write_text(json.dumps({
+        "name": "hand", "capacity_tokens": capacity_tokens, "block_size": 4,
+        "model_kv_bytes_per_token": kv_bytes_per_token,
+        "prefill": {"base_s": 0.0, "per_token_s": 0.001, "per_token_squared_s": 0.0},
+        "decode": {"base_s": 0.01, "per_seq_s": 0.0, "per_context_token_s": 0.0},
+        "derivation": "round numbers for a hand-worked test",
+    }))
+    return profile
+
+
 def test_tiny_trace_worked_out_by_hand(tmp_path):
     """One instance of 4 blocks x 4 tokens; prefill 1 ms per token, decode 10 ms per step.
 
@@ -89,13 +102,7 @@ def test_tiny_trace_worked_out_by_hand(tmp_path):
     t=0.042  B recomputes its 9 tokens and C prefills its 4 together (13 ms).
     t=0.055  B's fourth token (preemption loss 0.055 - 0.032) and C's only token.
     """
-    profile = tmp_path / "hand.json"
-    profile.write_text(json.dumps({
-        "name": "hand", "capacity_tokens": 16, "block_size": 4, "model_kv_bytes_per_token": 1,
-        "prefill": {"base_s": 0.0, "per_token_s": 0.001, "per_token_squared_s": 0.0},
-        "decode": {"base_s": 0.01, "per_seq_s": 0.0, "per_context_token_s": 0.0},
-        "derivation": "round numbers for a hand-worked test",
-    }))
+    profile = hand_profile(tmp_path, capacity_tokens=16, kv_bytes_per_token=1)
     config = load_config({"block-size": 4, "migration": {"enabled": False}})
     config = replace(config, sim_engine=replace(config.sim_engine, profile=str(profile), total_blocks=4, kv_bytes_per_token=0))
     cluster = SimCluster(config, load_profile(str(profile)), 1)
@@ -127,13 +134,7 @@ def test_one_migration_worked_out_by_hand(tmp_path):
              downtime 0.110 - 0.096 = 14 ms. A's tokens 8-11 at 0.119 ... 0.149 (unmigrated: 0.141).
     Bytes: 12 blocks x 4,000. Next pairing rounds: at 0.100 both are mid-migration, at 0.150 A is gone.
     """
-    profile = tmp_path / "hand.json"
-    profile.write_text(json.dumps({
-        "name": "hand", "capacity_tokens": 64, "block_size": 4, "model_kv_bytes_per_token": 1000,
-        "prefill": {"base_s": 0.0, "per_token_s": 0.001, "per_token_squared_s": 0.0},
-        "decode": {"base_s": 0.01, "per_seq_s": 0.0, "per_context_token_s": 0.0},
-        "derivation": "round numbers for a hand-worked test",
-    }))
+    profile = hand_profile(tmp_path, capacity_tokens=64, kv_bytes_per_token=1000)
     settings = SimulatorSettings(bandwidth=1e6, stage_overhead=0.002, message_latency=0.001)
     trace = [TraceRequest(0.0, 41, 11, Priority.NORMAL)]
 
