@@ -92,18 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _vllm_engines(args: argparse.Namespace, max_len: int) -> tuple[list[Engine], dict[str, Any]]:
     from llumdask.engine.vllm.engine import VllmEngine
-    from llumdask.engine.vllm.tiny_model import TinyLlamaShape, build_tiny_model, default_model_dir
+    from llumdask.engine.vllm.tiny_model import build_llama_like, llama_like_shape
 
     facts: dict[str, Any] = {"torch_threads": _set_torch_threads(args.threads)}
     model = args.model
     if model is None:
         positions = max(4096, 1 << (max_len - 1).bit_length())  # rope positions: lengths up to max_len
-        shape = TinyLlamaShape(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                               num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                               num_key_value_heads=args.hidden // 64, max_position_embeddings=positions)
-        name = f"bench-llama-{args.layers}x{args.hidden}-{positions}"
-        model = str(build_tiny_model(default_model_dir().with_name(name), seed=0, shape=shape))
-        facts["model_shape"] = asdict(shape)
+        model = str(build_llama_like(args.layers, args.hidden, positions=positions))
+        facts["model_shape"] = asdict(llama_like_shape(args.layers, args.hidden, positions))
     engine_args = {"dtype": "float32", "max_model_len": max_len, "kv_cache_memory_bytes": args.kv_cache_mib * 2**20, "seed": 0}
     facts |= {"model": model, "engine_args": engine_args}
     return [VllmEngine(model, engine_args) for _ in range(2)], facts

@@ -93,13 +93,18 @@ def default_model_dir() -> Path:
     return cache / "llumdask" / "tiny-llama"
 
 
-def build_llama_like(layers: int, hidden: int, seed: int = 0) -> Path:
-    """A larger random Llama in the cache directory, beside the default tiny one: heads of 64
-    dimensions, an MLP 11/4 as wide as the hidden size (a Llama's proportions)."""
+def llama_like_shape(layers: int, hidden: int, positions: int = 4096) -> TinyLlamaShape:
+    """A Llama's proportions: heads of 64 dimensions, an MLP 11/4 as wide as the hidden size."""
     heads = hidden // 64
-    shape = TinyLlamaShape(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-                           num_attention_heads=heads, num_key_value_heads=heads)
-    return build_tiny_model(default_model_dir().with_name(f"bench-llama-{layers}x{hidden}"), seed=seed, shape=shape)
+    return TinyLlamaShape(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=positions)
+
+
+def build_llama_like(layers: int, hidden: int, seed: int = 0, positions: int = 4096) -> Path:
+    """A larger random Llama (`llama_like_shape`) in the cache directory, beside the default tiny one."""
+    name = f"bench-llama-{layers}x{hidden}" + ("" if positions == 4096 else f"-{positions}")
+    return build_tiny_model(default_model_dir().with_name(name), seed=seed,
+                            shape=llama_like_shape(layers, hidden, positions))
 
 
 def build_tiny_model(path: str | os.PathLike[str], seed: int = 0, shape: TinyLlamaShape | None = None) -> Path:
