@@ -10,7 +10,7 @@ The vLLM engines run their torch ops on ``--threads`` threads (default 1, what v
 serving in `set_torch_threads_for_runtime`, a call its in-process CPU worker turns into a no-op).
 With two threads on a two-core machine that other processes share, every parallel region of a
 step waits for whichever thread is descheduled: steps of 27 ms took 200-800 ms next to one busy
-process, and a migration's downtime, which contains a step, took whatever step it caught.
+process, and a migration's token gap, which contains a step, took whatever step it caught.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from llumdask.migration_bench import BenchSettings, LengthResult, MigrationBench
 
 TABLE_COLUMNS = (
     ("length", "length", "{}"),
-    ("live_downtime_ms", "live ms", "{:.1f}"),
-    ("live_stages", "stages", "{}"),
-    ("live_bytes", "live MiB", "{:.1f}"),
-    ("live_commit_ms", "last stage ms", "{:.1f}"),
+    ("live_downtime_ms", "live downtime ms", "{:.1f}"),
+    ("live_token_gap_ms", "live gap ms", "{:.1f}"),
     ("live_destination_step_ms", "dst step ms", "{:.1f}"),
     ("normal_step_ms", "normal step ms", "{:.1f}"),
+    ("live_stages", "stages", "{}"),
+    ("live_bytes", "live MiB", "{:.1f}"),
     ("blocking_downtime_ms", "blocking ms", "{:.1f}"),
+    ("blocking_token_gap_ms", "blocking gap ms", "{:.1f}"),
     ("recompute_downtime_ms", "recompute ms", "{:.1f}"),
     ("recompute_over_live", "recompute/live", "{:.1f}"),
     ("source_slowdown", "src slowdown", "{:.2f}"),
@@ -167,7 +168,8 @@ def main(argv: Sequence[str], progress: Callable[[str], None] = print) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_table(results))
-    print(f"live downtime longest/shortest: {summary['live_downtime_longest_over_shortest']:.2f} (goal <= 1.5); "
-          f"recompute/live at {results[-1].length}: {summary['recompute_over_live_at_longest']:.1f}x (goal >= 20)")
+    print(f"live downtime longest/shortest: {summary['live_downtime_longest_over_shortest']:.2f} (goal <= 1.5), "
+          f"token gap {summary['live_token_gap_longest_over_shortest']:.2f}; "
+          f"recompute/live token gap at {results[-1].length}: {summary['recompute_over_live_at_longest']:.1f}x (goal >= 20)")
     print(f"wrote {args.out / 'results.json'}")
     return 0

@@ -48,6 +48,17 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def model_shape(text: str) -> tuple[int, int]:
+    """"8x768" -> (layers, hidden): a random Llama-like model's shape (tiny_model.build_llama_like)."""
+    try:
+        layers, hidden = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LAYERSxHIDDEN such as 8x768, got {text!r}") from None
+    if layers < 1 or hidden < 64 or hidden % 64:
+        raise argparse.ArgumentTypeError(f"need at least one layer and a hidden size that is a multiple of 64, got {text!r}")
+    return layers, hidden
+
+
 def int_list(text: str) -> list[int]:
     """"1,4,16" -> [1, 4, 16]; for list-valued options."""
     values = [int(s) for s in text.split(",") if s.strip()]

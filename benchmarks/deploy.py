@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import yaml
 from distributed import Client
 
+from llumdask.clusters.local import wait_for_instances
 from llumdask.config import load_config
 
 
@@ -80,19 +81,15 @@ def _address_from(scheduler_file: Path, proc: subprocess.Popen, timeout: float) 
 
 
 def _wait_ready(address: str, n: int, procs: list[subprocess.Popen], timeout: float) -> None:
-    """Until `n` llumlets are ready; a process that exits meanwhile fails it at once."""
-    deadline = time.monotonic() + timeout
+    """Until `n` llumlets are ready; a process that exits or an instance that fails to start
+    meanwhile fails it at once."""
+    def all_running() -> None:
+        dead = [p.args for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"exited while starting: {dead[0]}")
+
     with Client(address, timeout=timeout) as client:
-        while True:
-            dead = [p.args for p in procs if p.poll() is not None]
-            if dead:
-                raise RuntimeError(f"exited while starting: {dead[0]}")
-            rows = client.sync(client.scheduler.llumnix_status)["instances"]
-            if sum(row["ready"] for row in rows) >= n:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{sum(row['ready'] for row in rows)} of {n} instances ready after {timeout} s")
-            time.sleep(0.1)
+        wait_for_instances(client, n, timeout, check=all_running)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

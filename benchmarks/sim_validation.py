@@ -42,7 +42,6 @@ decode steps of about 25 ms on one core, as a 7B model's on one GPU).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import csv
 import itertools
@@ -60,7 +59,7 @@ import dask
 import numpy as np
 from distributed import Client
 
-from benchmarks.common import parser, report
+from benchmarks.common import model_shape, parser, report
 from benchmarks.deploy import config_env, process_cluster
 from llumdask.api.client import LlumdaskClient
 from llumdask.api.gateway.tokenizer import load_tokenizer
@@ -414,20 +413,9 @@ def _ms(seconds: float | None) -> str:
 
 
 # ------------------------------------------------------------------ command
-def shape(text: str) -> tuple[int, int]:
-    """"8x768" -> (layers, hidden)."""
-    try:
-        layers, hidden = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LAYERSxHIDDEN such as 8x768, got {text!r}") from None
-    if layers < 1 or hidden < 64 or hidden % 64:
-        raise argparse.ArgumentTypeError(f"need at least one layer and a hidden size that is a multiple of 64, got {text!r}")
-    return layers, hidden
-
-
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--shape", type=shape, help="a larger random Llama, LAYERSxHIDDEN (default: the offline tiny model)")
+    p.add_argument("--shape", type=model_shape, help="a larger random Llama, LAYERSxHIDDEN (default: the offline tiny model)")
     p.add_argument("--requests", type=int, default=300, help="requests in the trace")
     p.add_argument("--rate", type=float, help=f"mean arrival rate, requests/s (Poisson); default {TINY_RATE} for the "
                    "tiny model, required with --shape")

@@ -8,8 +8,9 @@ The factory returns once the instances are ready to be dispatched to.
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import dask
 from dask.system import CPU_COUNT
@@ -77,7 +78,8 @@ def _prepare_vllm_workers(config: LlumdaskConfig, n_instances: int, cluster_kwar
     """What vLLM instances need from their worker processes.
 
     Threads: Dask starts workers with OMP_NUM_THREADS=1 (sized for one task thread); a CPU
-    engine computes with torch's intra-op threads, so each instance gets its share of the cores.
+    engine computes with torch's intra-op threads, so each instance gets its share of the cores,
+    or the OMP_NUM_THREADS this process was started with, when it was given one.
     Memory: the nanny restarts a worker whose memory passes its share of the machine; an
     instance's weights and KV cache are sized by vLLM (kv-cache-memory-bytes,
     gpu-memory-utilization), not by Dask, so the limit is off.
@@ -87,22 +89,26 @@ def _prepare_vllm_workers(config: LlumdaskConfig, n_instances: int, cluster_kwar
     """
     from llumdask.engine.vllm.factory import worker_processes
 
-    threads = max(1, CPU_COUNT // max(1, n_instances))
-    cluster_kwargs.setdefault("env", {"OMP_NUM_THREADS": str(threads)})
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, CPU_COUNT // max(1, n_instances)))
+    cluster_kwargs.setdefault("env", {"OMP_NUM_THREADS": threads})
     cluster_kwargs.setdefault("memory_limit", 0)
     if worker_processes(config.vllm_engine):
         dask.config.set({"distributed.worker.daemon": False})
 
 
-def wait_for_instances(client: Client, n: int, timeout: float = 60.0) -> None:
+def wait_for_instances(client: Client, n: int, timeout: float = 60.0,
+                       check: Callable[[], None] | None = None) -> None:
     """Block until at least `n` instances are ready (registered with the scheduler plugin).
 
     An instance whose setup failed (a bad engine option, a model that does not load) raises
     `InstanceStartupError` with its error as soon as it is seen, instead of waiting out `timeout`.
+    `check`, called while waiting, may raise to stop early (e.g. when a worker process exited).
     """
     deadline = time.monotonic() + timeout
     next_failure_check = time.monotonic()
     while True:
+        if check is not None:
+            check()
         rows = client.sync(client.scheduler.llumnix_status)["instances"]
         if sum(1 for row in rows if row["ready"]) >= n:
             return

@@ -114,6 +114,7 @@ class LlumdaskConfig:
     block_size: int = 16
     engine: str = "sim"
     report_interval: float = 0.05
+    stream_interval: float = 0.01
     headroom_tokens: dict[Priority, int] = field(default_factory=_default_headroom)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)

@@ -8,16 +8,25 @@ both decode a background batch, three ways:
 - recompute: abort on the source, add prompt + generated tokens to the destination, which
   prefills them again (no KV moves).
 
-Downtime is the same quantity for all three: from the moment the request stops decoding on the
-source (paused or aborted) to its next token on the destination. Both instances share one
-process and take turns, so from that moment the bench runs only the critical path: migration
-messages are delivered at once and only the destination steps until the token. A deployment adds
-the wait for a step boundary on each side (up to one step each way) to every method alike.
+Two figures per method, both from the moment the request stops decoding on the source (paused
+or aborted):
 
-Where the downtime goes is recorded with it: the last stage (pause -> Committed at the source:
-the last blocks' export and import and the resume), then the destination's steps until the token
-(one, normally, computing the one token whose KV the source had not computed yet), against the
-source's normal iteration before the migration (the request's usual interval between tokens).
+- downtime: until the request is back in a running batch on the destination with its KV cache
+  in place, the time it cannot make progress anywhere (the paper's migration downtime, and the
+  llumlet's own figure: pause -> Committed). Live: the last stage (the last blocks' export and
+  import, and the resume). Blocking copy: every block's export and import, and the resume.
+  Recompute: the destination rebuilds the KV in the prefill that also yields the next token, so
+  its downtime is its token gap.
+- token gap: until the request's next token on the destination, the gap the client sees: the
+  downtime plus the destination's step that computes the token (one step, normally, computing
+  the one token whose KV the source had not computed yet). Set against the source's normal
+  iteration before the migration (the request's usual interval between tokens), it shows what
+  the move added to the client's gap.
+
+Both instances share one process and take turns, so from the stop the bench runs only the
+critical path: migration messages are delivered at once and only the destination steps until
+the token. A deployment adds the wait for a step boundary on each side (up to one step each
+way) to every method alike.
 
 Co-running requests' slowdown is each instance's mean iteration time (its engine step plus the
 migration messages it handled in that round: block gathers on the source, scatters on the
@@ -88,19 +97,20 @@ class LengthResult:
     """One row of results.json (times in milliseconds)."""
 
     length: int
-    live_downtime_ms: float
+    live_downtime_ms: float  # pause -> Committed back at the source (the llumlet's own figure)
+    live_token_gap_ms: float  # pause -> the request's next token on the destination
     live_stages: int
     live_blocks: int
     live_bytes: int
-    live_commit_ms: float  # pause -> Committed back at the source (the llumlet's own figure)
     live_destination_steps: int  # destination steps from the resume to the request's token
-    live_destination_step_ms: float  # their time: the rest of the downtime
+    live_destination_step_ms: float  # their time: the token gap beyond the downtime
     live_destination_prefill_tokens: int  # computed in them as prefill (vLLM: 1, the last sampled token)
     normal_step_ms: float  # the source's median iteration before the migration
-    blocking_downtime_ms: float
+    blocking_downtime_ms: float  # pause -> resumed on the destination
+    blocking_token_gap_ms: float
     blocking_bytes: int
-    recompute_downtime_ms: float
-    recompute_over_live: float
+    recompute_downtime_ms: float  # abort -> the request's next token on the destination (= its token gap)
+    recompute_over_live: float  # token gaps: recompute / live
     source_slowdown: float
     destination_slowdown: float
     tokens_identical: bool  # live migration vs an unmigrated run
@@ -258,19 +268,20 @@ class MigrationBench:
         event = live["event"]
         return LengthResult(
             length=length,
-            live_downtime_ms=live["downtime"] * 1e3,
+            live_downtime_ms=event.downtime * 1e3,
+            live_token_gap_ms=live["token_gap"] * 1e3,
             live_stages=event.stages,
             live_blocks=event.blocks,
             live_bytes=event.bytes,
-            live_commit_ms=event.downtime * 1e3,
             live_destination_steps=len(live["steps"]),
             live_destination_step_ms=sum(seconds for _, seconds in live["steps"]) * 1e3,
             live_destination_prefill_tokens=sum(step.num_prefill_tokens for step, _ in live["steps"]),
             normal_step_ms=live["normal_step"] * 1e3,
             blocking_downtime_ms=blocking["downtime"] * 1e3,
+            blocking_token_gap_ms=blocking["token_gap"] * 1e3,
             blocking_bytes=blocking["bytes"],
             recompute_downtime_ms=recompute * 1e3,
-            recompute_over_live=recompute / live["downtime"],
+            recompute_over_live=recompute / live["token_gap"],
             source_slowdown=live["slowdown"][SOURCE],
             destination_slowdown=live["slowdown"][DESTINATION],
             tokens_identical=live["tokens"] == expected,
@@ -318,32 +329,32 @@ class MigrationBench:
         if pair.llumlets[SOURCE].migrate_out(DESTINATION, request_id) is None:
             raise RuntimeError(f"request {request_id} could not start migrating")
         during: dict[str, list[float]] = defaultdict(list)
-        downtime = source_share = None
+        token_gap = source_share = None
         steps: list[tuple[StepResult, float]] = []
         for _ in range(MAX_ROUNDS):
             paused_at = pair.source.paused_at
-            if paused_at is not None and downtime is None:
-                downtime, source_share, steps = self._last_stage(pair, request_id, paused_at, during)
+            if paused_at is not None and token_gap is None:
+                token_gap, source_share, steps = self._last_stage(pair, request_id, paused_at, during)
             if any(e.kind is not MigrationEventKind.STARTED for e in pair.events):
                 break
             for name, seconds in pair.round().items():
                 during[name].append(seconds)
         event = pair.events[-1]
-        if event.kind is not MigrationEventKind.COMMITTED or downtime is None or source_share is None:
+        if event.kind is not MigrationEventKind.COMMITTED or token_gap is None or source_share is None:
             raise RuntimeError(f"live migration of {request_id} did not commit: {event.kind.value} {event.reason}")
         # The source's last-stage work (pause, export) delays its next iteration.
         after = pair.round()
         during[SOURCE].append(after[SOURCE] + source_share)
         during[DESTINATION].append(after[DESTINATION])
         slowdown = {name: statistics.fmean(during[name]) / statistics.fmean(baseline[name]) for name in pair.llumlets}
-        return {"downtime": downtime, "event": event, "slowdown": slowdown, "steps": steps,
+        return {"token_gap": token_gap, "event": event, "slowdown": slowdown, "steps": steps,
                 "normal_step": statistics.median(baseline[SOURCE]), "tokens": self._finish(pair, request_id, ids)}
 
     @staticmethod
     def _last_stage(pair: _Pair, request_id: str, paused_at: float,
                     during: dict[str, list[float]]) -> tuple[float, float, list[tuple[StepResult, float]]]:
         """From the pause on: the last stage's messages at once, then the destination steps until
-        the request's next token. (The downtime, the source's share of that work, those steps.)"""
+        the request's next token. (The token gap, the source's share of that work, those steps.)"""
         pair.handled.clear()
         started = time.perf_counter()
         pair.transport.deliver_all()
@@ -364,9 +375,11 @@ class MigrationBench:
             raise RuntimeError(f"destination has no room for {num_blocks} blocks")
         destination.import_blocks(migration_id, 0, payload)
         destination.resume(migration_id, state)
+        resumed = time.perf_counter()
         source.free_migrated(request_id)
-        downtime = pair.step_until_token(DESTINATION, request_id, started)[0] - started
-        return {"downtime": downtime, "bytes": int(payload.nbytes), "tokens": self._finish(pair, request_id, ids)}
+        token_gap = pair.step_until_token(DESTINATION, request_id, started)[0] - started
+        return {"downtime": resumed - started, "token_gap": token_gap, "bytes": int(payload.nbytes),
+                "tokens": self._finish(pair, request_id, ids)}
 
     def _recompute(self, prompt: list[int]) -> float:
         pair, request_id, ids, _ = self._start(prompt)
@@ -399,12 +412,14 @@ def median_result(runs: list[LengthResult]) -> LengthResult:
 
 def results_dict(medians: list[LengthResult], runs: list[list[LengthResult]], facts: dict[str, Any]) -> dict[str, Any]:
     """results.json: the run's facts, one row per length (the medians of its runs), every run,
-    and the issue's two goal figures."""
+    and the goal figures (downtime flat in the length; recompute far slower), with the token
+    gap's flatness beside the downtime's."""
     shortest, longest = medians[0], medians[-1]
     return {
         **facts,
         "lengths": [asdict(r) for r in medians],
         "runs": [asdict(r) for length_runs in runs for r in length_runs],
         "live_downtime_longest_over_shortest": longest.live_downtime_ms / shortest.live_downtime_ms,
+        "live_token_gap_longest_over_shortest": longest.live_token_gap_ms / shortest.live_token_gap_ms,
         "recompute_over_live_at_longest": longest.recompute_over_live,
     }

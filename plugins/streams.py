@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import timedelta
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Mapping
@@ -69,6 +70,43 @@ class TokenBatch:
             finished=bool(msg["finished"]),
             finish_reason=None if reason is None else FinishReason(reason),
         )
+
+
+class TokenOutbox:
+    """Tokens on their way from the engine thread to the event loop, held up to `interval` s.
+
+    Every hand-off wakes the worker's event loop, and the message it sends wakes the requester;
+    with engine steps of a few milliseconds those wake-ups, not the tokens, are what streaming
+    costs. So the tokens of several steps may go in one hand-off, but a request's first token
+    and its end never wait (time to first token and completion are not delayed). Not thread-safe:
+    the engine thread adds and takes.
+    """
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if interval < 0:
+            raise ValueError(f"interval must be >= 0, got {interval}")
+        self._interval = interval
+        self._clock = clock
+        self._held: list[tuple[str, TokenOutput]] = []
+        self._urgent = False
+        self._last = float("-inf")
+
+    def add(self, reply_to: str, output: TokenOutput) -> None:
+        self._held.append((reply_to, output))
+        if output.finished or output.first_index == 0:
+            self._urgent = True
+
+    def take(self, force: bool = False) -> list[tuple[str, TokenOutput]]:
+        """What is due now (everything held, or nothing): when forced, urgent, or the interval
+        has passed since the last hand-off."""
+        if not self._held:
+            return []
+        now = self._clock()
+        if not (force or self._urgent or now - self._last >= self._interval):
+            return []
+        held, self._held, self._urgent = self._held, [], False
+        self._last = now
+        return held
 
 
 class TokenSequence:
@@ -257,9 +295,12 @@ class TokenPusher:
 
     Runs on the worker's event loop. `on_unreachable(address)` fires when a requester cannot be
     reached (connect failed or its comm closed), so that the owner can abort its requests.
+    What is pushed while a write is under way goes in the next one; `interval` adds a wait
+    between writes, none by default: the engine thread already hands tokens over in batches
+    (TokenOutbox), and a wait would hold back first tokens.
     """
 
-    def __init__(self, instance: str, interval: str = "2ms",
+    def __init__(self, instance: str, interval: str = "0ms",
                  on_unreachable: Callable[[str], None] | None = None,
                  connect_timeout: float | None = None) -> None:
         self.instance = instance

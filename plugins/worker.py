@@ -40,7 +40,7 @@ from llumdask.engine.base import Engine, TokenOutput
 from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
 from llumdask.protocol import Abort, Committed, MigrationMessage, PreAlloc, PreAllocReply
 from llumdask.plugins.engine_thread import EngineThread
-from llumdask.plugins.streams import TokenPusher
+from llumdask.plugins.streams import TokenOutbox, TokenPusher
 from llumdask.plugins.transport import MIGRATION_OP, CommTransport
 from llumdask.plugins.wire import event_to_msg, request_from_msg
 
@@ -139,7 +139,7 @@ class LlumletHost:
         migration = config.migration
         self._routes = _Routes(expiry=2 * migration.handshake_timeout * (migration.max_stages + 1))
         self._registrar: asyncio.Task | None = None
-        self._outbox: list[tuple[str, TokenOutput]] = []  # a step's tokens, on the engine thread
+        self._outbox = TokenOutbox(config.stream_interval)  # engine thread -> event loop
         self._reporter: PeriodicCallback | None = None
         self.registered = False
         self.started_at = time.time()
@@ -254,13 +254,18 @@ class LlumletHost:
         """
         llumlet = self.llumlet
         if llumlet is None or not llumlet.engine.has_work():
+            self._hand_off_tokens(force=True)  # e.g. an abort's last message, sent from a call
             return False
         result = llumlet.step()
-        if self._outbox:
-            # One hand-off to the event loop per step, not one per request: each wakes the loop.
-            outbox, self._outbox = self._outbox, []
-            self.loop.add_callback(self._push_tokens, outbox)
-        return result.batch_size > 0 and llumlet.engine.has_work()
+        progress = result.batch_size > 0 and llumlet.engine.has_work()
+        self._hand_off_tokens(force=not progress)  # nothing is held while the thread sleeps
+        return progress
+
+    def _hand_off_tokens(self, force: bool) -> None:
+        """One hand-off to the event loop carries every request's tokens due (TokenOutbox)."""
+        due = self._outbox.take(force)
+        if due:
+            self.loop.add_callback(self._push_tokens, due)
 
     def _report_once(self) -> dict:
         llumlet = self._llumlet()
@@ -280,7 +285,7 @@ class LlumletHost:
         if reply_to is None:
             logger.debug("tokens of %s have nowhere to go", output.request_id)
             return
-        self._outbox.append((reply_to, output))
+        self._outbox.add(reply_to, output)
 
     def _push_tokens(self, outbox: list[tuple[str, TokenOutput]]) -> None:
         for reply_to, output in outbox:

@@ -15,8 +15,12 @@ ROW_KEYS = set(LengthResult.__dataclass_fields__)
 
 def test_median_of_runs_takes_each_figure_apart():
     def run(downtime: float, stages: int, identical: bool) -> LengthResult:
-        return LengthResult(256, downtime, stages, 3, 100, 1.0, 1, 0.5, 1, 0.6, 9.0, 100, 50.0, 50.0 / downtime, 1.1, 1.2,
-                            identical, True, 1.5)
+        return LengthResult(
+            length=256, live_downtime_ms=downtime, live_token_gap_ms=downtime + 0.5, live_stages=stages, live_blocks=3,
+            live_bytes=100, live_destination_steps=1, live_destination_step_ms=0.5, live_destination_prefill_tokens=1,
+            normal_step_ms=0.6, blocking_downtime_ms=8.0, blocking_token_gap_ms=9.0, blocking_bytes=100,
+            recompute_downtime_ms=50.0, recompute_over_live=50.0 / downtime, source_slowdown=1.1,
+            destination_slowdown=1.2, tokens_identical=identical, blocking_tokens_identical=True, load_average=1.5)
 
     median = median_result([run(3.0, 2, True), run(1.0, 1, True), run(2.0, 2, False)])
     assert median.live_downtime_ms == 2.0 and median.live_stages == 2 and median.recompute_over_live == 25.0
@@ -76,9 +80,11 @@ def test_sim_run_writes_every_figure(tmp_path, capsys):
     # Recomputing a 1024-token prompt in the modelled A10 time costs more than the live move.
     assert results["lengths"][1]["recompute_downtime_ms"] > results["lengths"][1]["live_downtime_ms"]
     assert results["migration"]["last_stage_blocks"] == 0
-    assert {"command", "engine", "settings", "live_downtime_longest_over_shortest", "recompute_over_live_at_longest",
+    assert {"command", "engine", "settings", "live_downtime_longest_over_shortest", "live_token_gap_longest_over_shortest",
+            "recompute_over_live_at_longest",
             "load_average_before", "load_average_after"} <= set(results)
     assert [row["length"] for row in results["runs"]] == [64, 1024]  # one run per length
     for row in results["lengths"]:
-        assert row["live_destination_steps"] >= 1 and row["live_commit_ms"] < row["live_downtime_ms"]
+        assert row["live_destination_steps"] >= 1 and row["live_downtime_ms"] < row["live_token_gap_ms"]
+        assert row["blocking_downtime_ms"] < row["blocking_token_gap_ms"]
     assert "recompute/live" in capsys.readouterr().out

@@ -164,6 +164,7 @@ def test_pickles_for_shipping_to_workers():
         ({"block-size": "16"}, "llumdask.block-size"),
         ({"engine": "tgi"}, "llumdask.engine"),
         ({"report-interval": 0}, "llumdask.report-interval"),
+        ({"stream-interval": -0.01}, "llumdask.stream-interval"),
         ({"headroom-tokens": {"high": -1}}, "llumdask.headroom-tokens.high"),
         ({"headroom-tokens": {"urgent": 5}}, "llumdask.headroom-tokens.urgent"),
         ({"dispatch": {"policy": "random"}}, "llumdask.dispatch.policy"),

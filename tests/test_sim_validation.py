@@ -15,8 +15,8 @@ from benchmarks.sim_validation import (
     error_rows,
     mean_profile,
     serving_costs,
-    shape,
 )
+from benchmarks.common import model_shape
 from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost
 
 TOY = LatencyProfile("toy", 16384, 128, 1024, PrefillCost(0.002, 1e-5, 0.0), DecodeCost(0.001, 1e-4, 0.0), "made up")
@@ -109,7 +109,7 @@ def test_a_profile_slower_than_the_cluster_means_no_serving_cost():
 
 
 def test_shape_option():
-    assert shape("8x768") == (8, 768)
+    assert model_shape("8x768") == (8, 768)
     for bad in ("8", "0x768", "8x100", "axb"):
         with pytest.raises(argparse.ArgumentTypeError):
-            shape(bad)
+            model_shape(bad)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llumdask.engine.base import TokenOutput
-from llumdask.plugins.streams import TokenBatch, TokenListener, TokenPusher, TokenSequence
+from llumdask.plugins.streams import TokenBatch, TokenListener, TokenOutbox, TokenPusher, TokenSequence
 from llumdask.request import FinishReason
 
 
@@ -22,6 +22,45 @@ def batches_of(tokens: list[int], cuts: list[int], owner_switch: int) -> list[To
         out.append(TokenBatch("r", i, tuple(tokens[i:j]), "a" if k < owner_switch else "b",
                               finished=last, finish_reason=FinishReason.LENGTH if last else None))
     return out
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_outbox_holds_middle_tokens_for_the_interval_but_never_a_first_token_or_an_end():
+    clock = ManualClock()
+    outbox = TokenOutbox(0.01, clock)
+    assert outbox.take() == []
+    outbox.add("gw", TokenOutput("r", 0, (5,)))  # a first token goes at once
+    assert outbox.take() == [("gw", TokenOutput("r", 0, (5,)))]
+    clock.now += 0.004
+    outbox.add("gw", TokenOutput("r", 1, (6,)))
+    assert outbox.take() == []  # 4 ms after the last hand-off: held
+    clock.now += 0.004
+    outbox.add("gw", TokenOutput("r", 2, (7,)))
+    outbox.add("gw2", TokenOutput("s", 3, (1,)))
+    assert outbox.take() == []
+    clock.now += 0.003  # 11 ms: everything held goes, in the order it came
+    assert [o.first_index for _, o in outbox.take()] == [1, 2, 3]
+    outbox.add("gw", TokenOutput("r", 3, (8,)))
+    assert outbox.take() == []
+    outbox.add("gw", TokenOutput("r", 4, (9,), finished=True, finish_reason=FinishReason.LENGTH))
+    assert [o.first_index for _, o in outbox.take()] == [3, 4]  # an end takes the held tokens with it
+    outbox.add("gw", TokenOutput("t", 7, (2,)))
+    assert outbox.take() == [] and len(outbox.take(force=True)) == 1  # e.g. before the thread sleeps
+
+
+def test_outbox_without_an_interval_hands_off_every_step_and_rejects_a_negative_one():
+    outbox = TokenOutbox(0.0, ManualClock())
+    outbox.add("gw", TokenOutput("r", 4, (1,)))
+    assert len(outbox.take()) == 1
+    with pytest.raises(ValueError, match="interval"):
+        TokenOutbox(-0.1)
 
 
 def test_in_order_batches_deliver_everything_and_finish():

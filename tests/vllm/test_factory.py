@@ -63,17 +63,22 @@ def test_a_daemonic_worker_refuses_an_instance_that_needs_vllm_worker_processes(
         worker.make_engine(config, "instance", lambda: 0.0)
 
 
-def test_local_vllm_workers_get_their_share_of_cores_no_memory_limit_and_children_when_needed():
+def test_local_vllm_workers_get_their_share_of_cores_no_memory_limit_and_children_when_needed(monkeypatch):
     import dask
     from dask.system import CPU_COUNT
 
     from llumdask.clusters.local import _prepare_vllm_workers
     from llumdask.config import load_config
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     with dask.config.set({"distributed.worker.daemon": True}):
         kwargs: dict = {}
         _prepare_vllm_workers(load_config({"engine": "vllm"}), 2, kwargs)
         assert kwargs == {"env": {"OMP_NUM_THREADS": str(max(1, CPU_COUNT // 2))}, "memory_limit": 0}
         assert dask.config.get("distributed.worker.daemon") is True
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the operator's own setting wins
+        kwargs = {}
+        _prepare_vllm_workers(load_config({"engine": "vllm"}), 2, kwargs)
+        assert kwargs["env"] == {"OMP_NUM_THREADS": "3"}
         _prepare_vllm_workers(load_config({"engine": "vllm", "vllm-engine": {"tensor-parallel-size": 2}}), 2, {})
         assert dask.config.get("distributed.worker.daemon") is False
