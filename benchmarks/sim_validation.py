@@ -59,14 +59,13 @@ import dask
 import numpy as np
 from distributed import Client
 
-from benchmarks.common import model_shape, parser, report
+from benchmarks.common import bench_model, model_shape, parser, report
 from benchmarks.deploy import config_env, process_cluster
 from llumdask.api.client import LlumdaskClient
 from llumdask.api.gateway.tokenizer import load_tokenizer
 from llumdask.config import load_config
 from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost, load_profile
 from llumdask.engine.profile_fit import profile_json
-from llumdask.engine.vllm.tiny_model import build_llama_like, build_tiny_model, default_model_dir
 from llumdask.llumlet import MigrationEventKind
 from llumdask.request import RequestStatus
 from llumdask.sim.cluster import SimulatorSettings
@@ -434,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     preset = get_preset(args.policy)
     work = args.logs / "sim_validation"
     work.mkdir(parents=True, exist_ok=True)
-    model = str(build_llama_like(*args.shape) if args.shape else build_tiny_model(default_model_dir()))
+    served = bench_model(args.shape)
+    model = served.path
     overrides = cluster_overrides(model, preset, args.kv_tokens)
     started = time.perf_counter()
 
@@ -472,8 +472,7 @@ def main(argv: list[str] | None = None) -> int:
              "wall_s": time.perf_counter() - started, **load}
     notes = [f"profile: {profile_path}", f"served profile: {served_path}", f"trace: {trace_file}",
              f"every request, real and simulated: {per_request}"]
-    name = "sim_validation" + ("_{}x{}".format(*args.shape) if args.shape else "")
-    report(name, args.out, rows, COLUMNS, facts, notes)
+    report("sim_validation" + served.suffix, args.out, rows, COLUMNS, facts, notes)
     return 0
 
 

@@ -8,6 +8,7 @@ The factory returns once the instances are ready to be dispatched to.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Callable
@@ -20,6 +21,8 @@ from llumdask.config import LlumdaskConfig, load_config
 from llumdask.plugins.adaptive import LlumnixAdaptive
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
 from llumdask.plugins.worker import LlumletWorkerPlugin, startup_error
+
+logger = logging.getLogger(__name__)
 
 
 class InstanceStartupError(RuntimeError):
@@ -89,7 +92,10 @@ def _prepare_vllm_workers(config: LlumdaskConfig, n_instances: int, cluster_kwar
     """
     from llumdask.engine.vllm.factory import worker_processes
 
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, CPU_COUNT // max(1, n_instances)))
+    given = os.environ.get("OMP_NUM_THREADS")
+    threads = given or str(max(1, CPU_COUNT // max(1, n_instances)))
+    logger.info("each vLLM instance computes on %s torch thread(s) (%s)", threads,
+                "OMP_NUM_THREADS of this process" if given else f"{CPU_COUNT} cores / {n_instances} instances")
     cluster_kwargs.setdefault("env", {"OMP_NUM_THREADS": threads})
     cluster_kwargs.setdefault("memory_limit", 0)
     if worker_processes(config.vllm_engine):

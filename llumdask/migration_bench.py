@@ -11,12 +11,13 @@ both decode a background batch, three ways:
 Two figures per method, both from the moment the request stops decoding on the source (paused
 or aborted):
 
-- downtime: until the request is back in a running batch on the destination with its KV cache
-  in place, the time it cannot make progress anywhere (the paper's migration downtime, and the
-  llumlet's own figure: pause -> Committed). Live: the last stage (the last blocks' export and
-  import, and the resume). Blocking copy: every block's export and import, and the resume.
-  Recompute: the destination rebuilds the KV in the prefill that also yields the next token, so
-  its downtime is its token gap.
+- downtime: until the destination has taken the request over (its KV blocks imported, the
+  request re-added and ready for the destination's next step) and the source has let go: the
+  time it can make progress nowhere (the paper's migration downtime, and the llumlet's own
+  figure: pause -> Committed, from the pause's return to the source freeing its blocks). Live:
+  the last stage (the last blocks' export and import, the resume). Blocking copy: every block's
+  export and import, the resume. Recompute: the destination rebuilds the KV in the prefill that
+  also yields the next token, so its downtime is its token gap.
 - token gap: until the request's next token on the destination, the gap the client sees: the
   downtime plus the destination's step that computes the token (one step, normally, computing
   the one token whose KV the source had not computed yet). Set against the source's normal
@@ -106,7 +107,7 @@ class LengthResult:
     live_destination_step_ms: float  # their time: the token gap beyond the downtime
     live_destination_prefill_tokens: int  # computed in them as prefill (vLLM: 1, the last sampled token)
     normal_step_ms: float  # the source's median iteration before the migration
-    blocking_downtime_ms: float  # pause -> resumed on the destination
+    blocking_downtime_ms: float  # paused -> resumed on the destination and freed on the source
     blocking_token_gap_ms: float
     blocking_bytes: int
     recompute_downtime_ms: float  # abort -> the request's next token on the destination (= its token gap)
@@ -369,16 +370,17 @@ class MigrationBench:
         migration_id = f"blocking:{request_id}"
         started = time.perf_counter()
         state = source.pause(request_id)
+        paused = time.perf_counter()
         num_blocks = blocks_for(state.num_tokens, source.block_size)
         payload = source.export_blocks(request_id, 0, num_blocks)
         if not destination.reserve_blocks(migration_id, num_blocks):
             raise RuntimeError(f"destination has no room for {num_blocks} blocks")
         destination.import_blocks(migration_id, 0, payload)
         destination.resume(migration_id, state)
-        resumed = time.perf_counter()
         source.free_migrated(request_id)
+        committed = time.perf_counter()  # timed as the llumlet times a live migration's downtime
         token_gap = pair.step_until_token(DESTINATION, request_id, started)[0] - started
-        return {"downtime": resumed - started, "token_gap": token_gap, "bytes": int(payload.nbytes),
+        return {"downtime": committed - paused, "token_gap": token_gap, "bytes": int(payload.nbytes),
                 "tokens": self._finish(pair, request_id, ids)}
 
     def _recompute(self, prompt: list[int]) -> float:

@@ -60,6 +60,11 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def calls_waiting(self) -> bool:
+        """Calls are queued to run before the next step."""
+        return not self._calls.empty()
+
     def _main(self) -> None:
         while True:
             # Cleared before the calls run: a call submitted from here on sets it again, so the

@@ -128,7 +128,10 @@ class TokenSequence:
         self._length: int | None = None
         self.finish_reason: FinishReason | None = None
         self.conflicts = 0
+        # The instance that sent the furthest tokens: a migration's source may send its last ones
+        # (held up to a stream interval) after the destination's first, and must not win back.
         self.owner: str | None = None
+        self._furthest = start_index
 
     @property
     def next_index(self) -> int:
@@ -147,8 +150,9 @@ class TokenSequence:
         if batch.first_index < 0:
             raise ValueError(f"request {batch.request_id}: negative first_index {batch.first_index}")
         end = batch.first_index + len(batch.token_ids)
-        if end > self._next or batch.finished:
+        if end > self._furthest or batch.finished:
             self.owner = batch.instance
+            self._furthest = max(self._furthest, end)
         for offset, token in enumerate(batch.token_ids):
             self._accept(batch.first_index + offset, token)
         if batch.finished and self._length is None:

@@ -254,11 +254,16 @@ class LlumletHost:
         """
         llumlet = self.llumlet
         if llumlet is None or not llumlet.engine.has_work():
-            self._hand_off_tokens(force=True)  # e.g. an abort's last message, sent from a call
             return False
-        result = llumlet.step()
+        try:
+            result = llumlet.step()
+        except BaseException:
+            self._hand_off_tokens(force=True)  # what the failed step produced still goes
+            raise
         progress = result.batch_size > 0 and llumlet.engine.has_work()
-        self._hand_off_tokens(force=not progress)  # nothing is held while the thread sleeps
+        # Nothing is held while the thread sleeps, nor while it runs calls (a KV stage's import
+        # may take longer than the stream interval).
+        self._hand_off_tokens(force=not progress or self._engine_thread.calls_waiting)
         return progress
 
     def _hand_off_tokens(self, force: bool) -> None:

@@ -90,6 +90,17 @@ def test_stop_runs_what_was_submitted_then_refuses_more(work):
         engine.submit(seen.append, 10)
 
 
+def test_calls_waiting_says_whether_calls_are_queued_for_the_next_gap(work):
+    engine = EngineThread("test-engine", work.step, idle_wait=LONG)
+    assert not engine.calls_waiting
+    done = engine.submit(lambda: None)
+    assert engine.calls_waiting
+    engine.start()
+    done.result(5)
+    assert not engine.calls_waiting
+    engine.stop(timeout=5)
+
+
 def test_idle_wait_must_be_positive(work):
     with pytest.raises(ValueError):
         EngineThread("x", work.step, idle_wait=0)

@@ -89,6 +89,15 @@ def test_duplicates_are_dropped_and_disagreement_is_counted():
     assert seq.conflicts == 1 and seq.delivered == [1, 2, 3, 4]
 
 
+def test_the_owner_is_whoever_sent_the_furthest_tokens_not_the_latest_batch():
+    seq = TokenSequence()
+    seq.add(TokenBatch("r", 0, (1, 2), "source"))
+    seq.add(TokenBatch("r", 4, (5, 6), "destination"))  # overtook the source's last tokens
+    assert seq.owner == "destination"
+    assert seq.add(TokenBatch("r", 2, (3, 4), "source")) == [3, 4, 5, 6]
+    assert seq.owner == "destination"
+
+
 def test_start_index_skips_tokens_delivered_elsewhere():
     seq = TokenSequence(start_index=3)
     assert seq.add(TokenBatch("r", 0, (1, 2, 3, 4), "a")) == [4]

@@ -1,0 +1,77 @@
+"""How a worker's engine thread hands tokens to its event loop (LlumletHost._step_once), with a
+fake llumlet and loop: held tokens go when the step fails, when the engine has nothing left to
+do, and before queued calls run; otherwise at most once per stream interval."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from llumdask.config import load_config
+from llumdask.engine.base import StepResult, TokenOutput
+from llumdask.plugins.worker import LlumletHost
+
+
+class FakeLoop:
+    def __init__(self) -> None:
+        self.hand_offs: list[list[int]] = []
+
+    def add_callback(self, fn, outbox) -> None:
+        self.hand_offs.append([output.first_index for _, output in outbox])
+
+
+class FakeLlumlet:
+    """Each step emits the next token of request "r" (from index 1: not a first token)."""
+
+    def __init__(self, host: LlumletHost, steps: int) -> None:
+        self._host = host
+        self.left = steps
+        self.index = 1
+        self.fail = False
+        self.engine = SimpleNamespace(has_work=lambda: self.left > 0)
+
+    def step(self) -> StepResult:
+        self._host._on_tokens(TokenOutput("r", self.index, (7,)))
+        self.index += 1
+        self.left -= 1
+        if self.fail:
+            raise RuntimeError("broken step")
+        return StepResult(outputs=(), preempted=(), duration=0.001, num_prefill_tokens=0, batch_size=1)
+
+
+@pytest.fixture
+def host():
+    loop = FakeLoop()
+    worker = SimpleNamespace(address="tcp://127.0.0.1:1", loop=loop)
+    host = LlumletHost(worker, load_config({"stream-interval": 3600.0}))  # never due by time
+    host._routes.owned["r"] = "tcp://gateway:1"
+    return host
+
+
+def test_tokens_wait_for_the_interval_while_steps_make_progress_then_go_when_work_ends(host):
+    host.llumlet = FakeLlumlet(host, steps=4)
+    assert host._step_once() and host.loop.hand_offs == [[1]]  # the first hand-off is due at once
+    assert host._step_once() and host._step_once()
+    assert host.loop.hand_offs == [[1]]  # then the interval holds tokens back
+    assert host._step_once() is False  # the last step: nothing left, so everything goes
+    assert host.loop.hand_offs == [[1], [2, 3, 4]]
+
+
+def test_held_tokens_go_when_a_step_fails(host):
+    host.llumlet = FakeLlumlet(host, steps=5)
+    host._step_once()
+    host._step_once()
+    host.llumlet.fail = True
+    with pytest.raises(RuntimeError, match="broken step"):
+        host._step_once()
+    assert host.loop.hand_offs == [[1], [2, 3]]
+
+
+def test_held_tokens_go_before_queued_calls_run(host):
+    host.llumlet = FakeLlumlet(host, steps=5)
+    host._step_once()
+    host._step_once()
+    host._engine_thread.submit(lambda: None)  # e.g. a KV stage to import
+    host._step_once()
+    assert host.loop.hand_offs == [[1], [2, 3]]
