@@ -37,10 +37,14 @@ def reference_tokens(config: LlumdaskConfig, prompt: list[int], max_tokens: int,
     return [tokens[i] for i in range(len(tokens))]
 
 
-def worker_statuses(client: Client) -> dict[str, dict]:
-    """Each live worker's llumlet status (a worker that just died is left out)."""
+def worker_statuses(client: Client, workers: list[str] | None = None) -> dict[str, dict]:
+    """Each live worker's llumlet status (a worker that just died is left out), or only `workers`'.
+
+    Asking a worker that was just killed can take Dask's whole connect timeout (30 s: a refused
+    connection is retried), so a test that kills one asks only the others.
+    """
     statuses = {}
-    for worker in client.scheduler_info()["workers"]:
+    for worker in workers if workers is not None else client.scheduler_info()["workers"]:
         try:
             statuses[worker] = client.sync(client.rpc(worker).llumnix_worker_status)
         except OSError:

@@ -77,9 +77,9 @@ def test_source_death_releases_the_destination_reservation(llum, two_instances):
     wait_until(lambda: worker_statuses(client)[destination]["reserved_blocks"] == 7, 10, what="reservation")
     assert worker_statuses(client)[destination]["migrations_in_flight"] == 1
     os.kill(pid_of(llum, source), signal.SIGKILL)
-    wait_until(lambda: worker_statuses(client).get(destination, {}).get("reserved_blocks") == 0, 10,
+    wait_until(lambda: worker_statuses(client, [destination]).get(destination, {}).get("reserved_blocks") == 0, 10,
                what="reservation released")
-    assert worker_statuses(client)[destination]["migrations_in_flight"] == 0
+    assert worker_statuses(client, [destination])[destination]["migrations_in_flight"] == 0
 
 
 def test_destination_death_mid_migration_aborts_it_and_the_request_goes_on(llum, two_instances):
@@ -99,6 +99,6 @@ def test_destination_death_mid_migration_aborts_it_and_the_request_goes_on(llum,
     tokens += list(stream)
     assert tokens == reference_tokens(config, prompt, 150)
     assert stream.instance == source and llum.resubmissions == resubmitted_before
-    events = [e for e in worker_statuses(llum.dask_client)[source]["events"] if e["migration_id"] == migration_id]
+    events = [e for e in worker_statuses(llum.dask_client, [source])[source]["events"] if e["migration_id"] == migration_id]
     assert [e["kind"] for e in events] == ["started", "aborted"]
     assert "lost" in events[-1]["reason"]
