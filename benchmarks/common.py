@@ -7,17 +7,16 @@ machines are noisy: the ratios printed side by side are the result, not the abso
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from llumdask.api.bench import format_table
-from llumdask.engine.vllm.tiny_model import build_llama_like, build_tiny_model, default_model_dir
 from llumdask.sim.run import write_json
 
 Column = tuple[str, str, str]
@@ -71,7 +70,10 @@ class BenchModel:
 
 
 def bench_model(shape: tuple[int, int] | None) -> BenchModel:
-    """Build (or find) the model for `--shape` (None: the offline tiny model)."""
+    """Build (or find) the model for `--shape` (None: the offline tiny model). Imported here:
+    the benchmarks without a model need not load the tokenizer and safetensors libraries."""
+    from llumdask.engine.vllm.tiny_model import build_llama_like, build_tiny_model, default_model_dir
+
     if shape is None:
         return BenchModel(str(build_tiny_model(default_model_dir())), "offline tiny llama", "")
     layers, hidden = shape

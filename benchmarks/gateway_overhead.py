@@ -5,10 +5,10 @@ up for the whole run. Both run the model in the process that schedules it (SERVE
 torch thread, so that the other core is left to the server processes and the client alike: with
 a thread per core an engine step waits whenever a server or client process holds a core, which
 measures the machine's contention more than either server. The official `openai` client keeps
-1, 8 and 32 streams busy against one server at a time (benchmarks/openai_load.py: token-id prompts, fixed output length,
-ignore_eos, greedy), level by level, alternating which server goes first, for `--repeats`
-rounds; each server's samples of a level are pooled over the rounds. Both servers get the same
-prompts. The goal is llumdask within 10% of `vllm serve` on TTFT and TPOT, mean and P99: the
+1, 8 and 32 streams busy against one server at a time (benchmarks/openai_load.py: token-id
+prompts, fixed output length, ignore_eos, greedy), level by level, alternating which server
+goes first, for `--repeats` rounds; each server's samples of a level are pooled over the rounds.
+Both servers get the same prompts. The goal is llumdask within 10% of `vllm serve` on TTFT and TPOT, mean and P99: the
 ratio columns are llumdask / vllm serve.
 
 With the tiny model a decode step takes about 2 ms, so whatever a server spends per token weighs

@@ -4,8 +4,8 @@ A Dask nanny starts its worker with MALLOC_TRIM_THRESHOLD_=65536, so that freed 
 to the system. Setting that variable also pins glibc's mmap threshold at 128 KiB (it no longer
 grows to fit the allocations seen): every larger allocation becomes an mmap and every free an
 munmap, each with fresh page faults. A CPU forward pass allocates activations of megabytes
-per layer, so in a worker a 128-token prefill of an 8-layer, 768-wide model took 175 ms instead
-of 145 (measured side by side, one thread). An engine holds its weights and KV cache for its
+per layer, so with that variable a 128-token prefill of an 8-layer, 768-wide model took 175 ms
+instead of 145 (timed side by side in plain processes, one thread). An engine holds its weights and KV cache for its
 whole life and reuses the same activation sizes every step, so these settings put both
 thresholds where glibc's own adaptive rule ends up at most (mmap above 32 MiB, trim beyond
 twice that), whatever the environment: a heap may keep up to 64 MiB free for reuse. With
