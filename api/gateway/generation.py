@@ -80,7 +80,12 @@ class Generation:
             raise InvalidRequest(f"The request was rejected: {exc}", code="request_rejected") from None
 
     async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas (never empty) until the request finishes or hits a stop string."""
+        """One text delta per token batch until the request finishes or hits a stop string.
+
+        A delta may be empty: its tokens' text is held back (a character split over tokens, the
+        tail of a possible stop string). It is still sent, as vLLM's server does, so that a client
+        sees each token when it is made (time to first token is the first token's, not the first
+        complete character's) and a streaming client's chunks follow the tokens."""
         assert self._batches is not None, "start() first"
         try:
             async for batch in self._batches:
@@ -89,8 +94,7 @@ class Generation:
                     self._first_token = self._last_token
                 self.num_output_tokens += len(batch)
                 delta = self._text.add(batch)
-                if delta.text:
-                    yield delta.text
+                yield delta.text
                 if delta.stopped:  # the engine still runs it: close() aborts it
                     self._end("stop")
                     return

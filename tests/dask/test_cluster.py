@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -20,6 +21,19 @@ def test_instances_are_ready_and_render(clean):
     assert all(row["ready"] and row["state"] == "normal" and row["num_running"] == 0 for row in table)
     assert table._repr_html_().count("<tr>") == 3
     assert table[table.rows[0]["instance"]] is table.rows[0]
+
+
+def _dask_timers(dask_worker) -> tuple[bool, float]:
+    callbacks = dask_worker.periodic_callbacks
+    return "profile" in callbacks, callbacks["tick"].callback_time
+
+
+def test_idle_instances_report_while_dasks_profiler_is_off_and_its_tick_slowed(clean, cluster_config):
+    assert set(clean.dask_client.run(_dask_timers).values()) == {(False, 200.0)}
+    before = {row["instance"]: row["last_report_at"] for row in clean.instances()}
+    time.sleep(10 * cluster_config.report_interval)
+    after = {row["instance"]: row["last_report_at"] for row in clean.instances()}
+    assert all(after[i] > before[i] for i in before), (before, after)
 
 
 def test_generate_matches_an_unmigrated_run(clean, cluster_config):

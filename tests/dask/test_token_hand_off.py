@@ -1,6 +1,7 @@
-"""How a worker's engine thread hands tokens to its event loop (LlumletHost._step_once), with a
-fake llumlet and loop: held tokens go when the step fails, when the engine has nothing left to
-do, and before queued calls run; otherwise at most once per stream interval."""
+"""How a worker's engine thread hands tokens and load reports to its event loop
+(LlumletHost._step_once), with a fake llumlet and loop: held tokens go when the step fails, when
+the engine has nothing left to do, and before queued calls run; otherwise at most once per stream
+interval. A load report rides along every report interval, also while the engine is idle."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from llumdask.plugins.worker import LlumletHost
 class FakeLoop:
     def __init__(self) -> None:
         self.hand_offs: list[list[int]] = []
+        self.loads: list[dict | None] = []
 
-    def add_callback(self, fn, outbox) -> None:
-        self.hand_offs.append([output.first_index for _, output in outbox])
+    def add_callback(self, fn, outbox, load) -> None:
+        if outbox:
+            self.hand_offs.append([output.first_index for _, output in outbox])
+        self.loads.append(load)
 
 
 class FakeLlumlet:
@@ -29,7 +33,14 @@ class FakeLlumlet:
         self.left = steps
         self.index = 1
         self.fail = False
-        self.engine = SimpleNamespace(has_work=lambda: self.left > 0)
+        self.ticks = 0
+        self.engine = SimpleNamespace(has_work=lambda: self.left > 0, get_request=lambda request_id: request_id)
+
+    def tick(self) -> None:
+        self.ticks += 1
+
+    def load_report(self):
+        return SimpleNamespace(to_dict=lambda: {"steps_left": self.left})
 
     def step(self) -> StepResult:
         self._host._on_tokens(TokenOutput("r", self.index, (7,)))
@@ -45,6 +56,7 @@ def host():
     loop = FakeLoop()
     worker = SimpleNamespace(address="tcp://127.0.0.1:1", loop=loop)
     host = LlumletHost(worker, load_config({"stream-interval": 3600.0}))  # never due by time
+    host._next_report = float("inf")  # no report unless a test makes one due
     host._routes.owned["r"] = "tcp://gateway:1"
     return host
 
@@ -75,3 +87,25 @@ def test_held_tokens_go_before_queued_calls_run(host):
     host._engine_thread.submit(lambda: None)  # e.g. a KV stage to import
     host._step_once()
     assert host.loop.hand_offs == [[1], [2, 3]]
+
+
+def test_a_due_load_report_rides_with_the_tokens_and_goes_alone_while_idle(host):
+    host.llumlet = FakeLlumlet(host, steps=3)
+    host.registered = True
+    host._next_report = 0.0
+    host._step_once()
+    assert host.loop.hand_offs == [[1]] and host.loop.loads == [{"steps_left": 2}]
+    host._step_once()  # tokens held, no report due: no hand-off at all
+    assert host.loop.loads == [{"steps_left": 2}]
+    host.llumlet.left = 0  # idle from here on: the thread wakes every report interval
+    host._next_report = 0.0
+    assert host._step_once() is False
+    assert host.loop.hand_offs == [[1], [2]] and host.loop.loads[-1] == {"steps_left": 0}
+    assert host.llumlet.ticks == 2
+
+
+def test_handshakes_expire_before_registration_but_no_report_is_sent(host):
+    host.llumlet = FakeLlumlet(host, steps=0)
+    host._next_report = 0.0
+    host._step_once()
+    assert host.llumlet.ticks == 1 and host.loop.loads == []
