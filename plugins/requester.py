@@ -9,7 +9,7 @@ instance ready yet, an instance that just died) are retried until `placement_tim
 
 Recovery: the requester keeps every open request (prompt, sampling, tokens received so far).
 When the instance holding one is gone from the scheduler's instance table (checked every
-`liveness_interval`, and at once when that instance's token comm closes), it resubmits prompt +
+`liveness_interval`, and at once when that instance's token connection closes), it resubmits prompt +
 tokens so far elsewhere; the new instance recomputes them and continues, and the stream goes on
 with the next sequence number. A scheduler restart looks the same: the old instances are not in
 the new scheduler's table, so their requests are resubmitted to the new ones.
@@ -221,7 +221,7 @@ class Requester:
         return self._listener
 
     def _on_sender_closed(self, instance: str) -> None:
-        """An owner's token comm closed: if it held open requests, check at once whether it died."""
+        """An owner's token connection closed: if it held open requests, check at once whether it died."""
         if any(entry.holder == instance for entry in self._open.values()):
             self._check_now.set()
 

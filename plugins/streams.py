@@ -1,13 +1,14 @@
 """Token streams: the owning instance pushes batches straight to the requester's listener.
 
 Tokens never pass through the scheduler, nor through Dask Events or Queues (an RPC per item, or
-dropped early messages). The owner of a request keeps one comm per requester and batches token
-messages on it with a `BatchedSend`; the requester runs a small comm listener. The owner changes
-when a migration commits, so the last tokens of the source and the first of the destination may
-arrive interleaved or twice: `TokenSequence` puts them back in order by sequence number and drops
-duplicates. `TokenSequence` is pure (no I/O); `TokenStream` adds waiting on an asyncio loop.
+dropped early messages), nor through the worker's event loop: the owner's engine thread writes
+them on one TCP connection per requester (`TokenPusher`), and the requester runs a small asyncio
+server (`TokenListener`). The owner changes when a migration commits, so the last tokens of the
+source and the first of the destination may arrive interleaved or twice: `TokenSequence` puts
+them back in order by sequence number and drops duplicates. `TokenSequence` is pure (no I/O);
+`TokenStream` adds waiting on an asyncio loop.
 
-Wire format of one token message (msgpack-native, batched into lists by `BatchedSend`):
+Wire format: frames, each a 4-byte big-endian length and then a msgpack list of token messages:
     {"op": "llumnix_tokens", "request_id": str, "first_index": int, "token_ids": [int, ...],
      "finished": bool, "finish_reason": "length" | "stop" | "abort" | None, "instance": str}
 """
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 import time
-from datetime import timedelta
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Mapping
+from urllib.parse import urlparse
 
-from distributed.batched import BatchedSend
-from distributed.comm import Comm, CommClosedError, connect, listen
+import msgpack
 
 from llumdask.engine.base import TokenOutput
 from llumdask.request import FinishReason
@@ -30,6 +32,9 @@ from llumdask.request import FinishReason
 logger = logging.getLogger(__name__)
 
 TOKENS_OP = "llumnix_tokens"
+_FRAME_HEADER = struct.Struct("!I")
+# A listener refuses bigger frames (a hand-off carries a few tokens per request).
+MAX_FRAME_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -221,30 +226,34 @@ class TokenStream:
 
 
 class TokenListener:
-    """The requester's end: a comm listener that routes token messages to open streams.
+    """The requester's end: a TCP server that routes token frames to open streams.
 
     Must be started and used on one event loop. `on_sender_closed(instance)` is called when an
-    owner's comm closes, so that the requester can notice a dead instance.
+    owner's connection closes, so that the requester can notice a dead instance.
     """
 
     def __init__(self, address: str = "tcp://127.0.0.1:0",
                  on_sender_closed: Callable[[str], None] | None = None) -> None:
         self._bind = address
-        self._listener = None
+        self._server: asyncio.base_events.Server | None = None
+        self._address: str | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
         self._streams: dict[str, TokenStream] = {}
         self._on_sender_closed = on_sender_closed
         self.dropped = 0
 
     async def start(self) -> "TokenListener":
-        self._listener = listen(self._bind, self._handle_comm, deserialize=False)
-        await self._listener.start()
+        host, port = split_address(self._bind)
+        self._server = await asyncio.start_server(self._handle_connection, host, port)
+        bound_port = self._server.sockets[0].getsockname()[1]
+        self._address = f"tcp://[{host}]:{bound_port}" if ":" in host else f"tcp://{host}:{bound_port}"
         return self
 
     @property
     def address(self) -> str:
-        if self._listener is None:
+        if self._address is None:
             raise RuntimeError("the token listener is not started")
-        return self._listener.contact_address
+        return self._address
 
     def open(self, request_id: str, start_index: int = 0) -> TokenStream:
         if request_id in self._streams:
@@ -259,22 +268,28 @@ class TokenListener:
     def streams(self) -> dict[str, TokenStream]:
         return dict(self._streams)
 
-    async def _handle_comm(self, comm: Comm) -> None:
+    async def _handle_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._connections.add(writer)
         sender: str | None = None
         try:
             while True:
-                msgs = await comm.read()
-                for msg in msgs if isinstance(msgs, (list, tuple)) else (msgs,):
+                (size,) = _FRAME_HEADER.unpack(await reader.readexactly(_FRAME_HEADER.size))
+                if size > MAX_FRAME_BYTES:
+                    raise ValueError(f"a token frame of {size} bytes (limit {MAX_FRAME_BYTES})")
+                for msg in msgpack.unpackb(await reader.readexactly(size)):
                     if not isinstance(msg, dict) or msg.get("op") != TOKENS_OP:
                         logger.warning("token listener dropped an unexpected message: %r", msg)
                         continue
                     batch = TokenBatch.from_msg(msg)
                     sender = batch.instance
                     self._route(batch)
-        except CommClosedError:
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the owner closed its end (or died)
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+            logger.warning("token listener closed a connection that sent a bad frame: %s", exc)
         finally:
-            await comm.close()
+            self._connections.discard(writer)
+            writer.close()
             if sender is not None and self._on_sender_closed is not None:
                 self._on_sender_closed(sender)
 
@@ -289,70 +304,77 @@ class TokenListener:
         for stream in self._streams.values():
             stream.fail(RuntimeError("token listener closed"))
         self._streams.clear()
-        if self._listener is not None:
-            self._listener.stop()
-            self._listener = None
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._connections):
+                writer.close()
+            await self._server.wait_closed()
+            self._server = None
 
 
 class TokenPusher:
-    """The owner's end: one BatchedSend per requester address, opened on first use.
+    """The owner's end, used on the engine thread: one blocking TCP connection per requester.
 
-    Runs on the worker's event loop. `on_unreachable(address)` fires when a requester cannot be
-    reached (connect failed or its comm closed), so that the owner can abort its requests.
-    What is pushed while a write is under way goes in the next one; `interval` adds a wait
-    between writes, none by default: the engine thread already hands tokens over in batches
-    (TokenOutbox), and a wait would hold back first tokens.
+    The engine thread sends the tokens itself: a hand-off to the worker's event loop woke the
+    loop, which then held the GIL the engine needed (tiny model, 32 streams: the wake-up alone
+    was 5% of the engine thread's time, and the loop's sends with Dask's BatchedSend another
+    tenth of the process). A send is one frame per requester per hand-off; the kernel's socket
+    buffer absorbs a requester that reads late. A requester that cannot be reached (no
+    connection within `connect_timeout`, or a send not done within `send_timeout`, i.e. it
+    stopped reading) is reported with `on_unreachable(address)` and its connection dropped; a
+    later push tries to connect again. Not thread-safe: one thread pushes and closes.
     """
 
-    def __init__(self, instance: str, interval: str = "0ms",
-                 on_unreachable: Callable[[str], None] | None = None,
-                 connect_timeout: float | None = None) -> None:
+    def __init__(self, instance: str, on_unreachable: Callable[[str], None] | None = None,
+                 connect_timeout: float = 5.0, send_timeout: float = 5.0) -> None:
         self.instance = instance
-        self._interval = interval
-        self._connect_timeout = connect_timeout
-        self._senders: dict[str, BatchedSend] = {}
-        self._connecting: dict[str, asyncio.Task] = {}
         self._on_unreachable = on_unreachable
+        self._connect_timeout = connect_timeout
+        self._send_timeout = send_timeout
+        self._sockets: dict[str, socket.socket] = {}
 
-    def push(self, reply_to: str, output: TokenOutput) -> None:
-        sender = self._senders.get(reply_to)
-        if sender is None:
-            sender = BatchedSend(interval=self._interval)
-            self._senders[reply_to] = sender
-            self._connecting[reply_to] = asyncio.ensure_future(self._connect(reply_to, sender))
+    def push(self, outbox: Iterable[tuple[str, TokenOutput]]) -> None:
+        """Send token outputs, each to its requester's address, one frame per requester."""
+        by_requester: dict[str, list[dict]] = {}
+        for reply_to, output in outbox:
+            by_requester.setdefault(reply_to, []).append(TokenBatch.from_output(output, self.instance).to_msg())
+        for address, msgs in by_requester.items():
+            self._send(address, encode_frame(msgs))
+
+    def _send(self, address: str, frame: bytes) -> None:
         try:
-            sender.send(TokenBatch.from_output(output, self.instance).to_msg())
-        except CommClosedError:
-            self._lost(reply_to)
+            sock = self._sockets.get(address)
+            if sock is None:
+                sock = socket.create_connection(split_address(address), timeout=self._connect_timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame is a message
+                sock.settimeout(self._send_timeout)
+                self._sockets[address] = sock
+            sock.sendall(frame)
+        except (OSError, ValueError) as exc:  # socket.timeout is an OSError; ValueError: a bad address
+            logger.warning("requester %s is unreachable: %s", address, exc)
+            self._drop(address)
+            if self._on_unreachable is not None:
+                self._on_unreachable(address)
 
-    async def _connect(self, address: str, sender: BatchedSend) -> None:
-        try:
-            comm = await connect(address, timeout=self._connect_timeout)
-        except (OSError, asyncio.TimeoutError):
-            logger.warning("requester %s is unreachable", address)
-            self._lost(address)
-            return
-        finally:
-            self._connecting.pop(address, None)
-        if self._senders.get(address) is sender:
-            sender.start(comm)
-        else:
-            await comm.close()
+    def _drop(self, address: str) -> None:
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            sock.close()
 
-    def _lost(self, address: str) -> None:
-        sender = self._senders.pop(address, None)
-        if sender is not None:
-            sender.abort()
-        if self._on_unreachable is not None:
-            self._on_unreachable(address)
+    def close(self) -> None:
+        for address in list(self._sockets):
+            self._drop(address)
 
-    async def close(self) -> None:
-        for task in list(self._connecting.values()):
-            await asyncio.wait([task], timeout=5)
-        senders, self._senders = self._senders, {}
-        for sender in senders.values():
-            try:
-                # tornado reads a bare number as an absolute deadline: pass a duration.
-                await sender.close(timeout=timedelta(seconds=5))
-            except Exception:  # closing a broken comm must not stop the others
-                logger.debug("closing a token comm failed", exc_info=True)
+
+def encode_frame(msgs: list[dict]) -> bytes:
+    """A token frame: its length (4 bytes, big-endian), then a msgpack list of token messages."""
+    payload = msgpack.packb(msgs)
+    return _FRAME_HEADER.pack(len(payload)) + payload
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """"tcp://host:port" (or "tcp://[v6]:port") -> (host, port)."""
+    parsed = urlparse(address)
+    if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"a token address must be tcp://host:port, got {address!r}")
+    return parsed.hostname, parsed.port

@@ -4,14 +4,14 @@ The llumlet is sans-IO and single-threaded; this host drives it. Every llumlet (
 runs on one dedicated thread (`EngineThread`), in submission order between engine steps, so
 steps never block the worker's event loop (heartbeats would stall), the engine steps back to
 back without waiting for the loop, and migration messages of one comm are handled in order.
-The event loop does the I/O: load reports to the scheduler, migration comms (`CommTransport`),
-token batches to requesters (`TokenPusher`).
+The event loop does the I/O with the scheduler and the peers: load reports, migration comms
+(`CommTransport`). Tokens go from the engine thread itself to the requesters (`TokenPusher`).
 
 The engine shares the GIL with the event loop, so every wake-up of the loop takes time from the
 engine's steps (measured with the tiny model at 8 streams: the loop slept and woke ~900 times a
 second, and the engine thread ran 82% of the time where vLLM's own engine ran 89%). So the engine
-thread writes the load report itself, every `report-interval`, and it travels to the loop with
-the tokens (one wake-up for both); and Dask's own timers that a llumlet worker does not need are
+thread sends the tokens itself, writes the load report itself every `report-interval` (the loop
+only passes it on to the scheduler), and Dask's own timers that a llumlet worker does not need are
 slowed (`DaskTimers`).
 
 Where a request's tokens go ("route": the requester's listener address) is known to the
@@ -153,7 +153,9 @@ class LlumletHost:
         self.registered = False
         self.started_at = time.time()
         self.events: deque[dict] = deque(maxlen=256)
-        self.pusher = TokenPusher(self.instance_id, on_unreachable=self._requester_lost)
+        # Used on the engine thread only.
+        self.pusher = TokenPusher(self.instance_id, on_unreachable=self._drop_requests_of,
+                                  connect_timeout=migration.handshake_timeout)
         self.transport = CommTransport(
             self.loop,
             on_receive=self._on_migration_message,
@@ -204,9 +206,9 @@ class LlumletHost:
         for name in _SCHEDULER_OPS:
             self.worker.stream_handlers[name] = _ignore
         await self.transport.close()
-        await self.pusher.close()
         if self.llumlet is not None:
             await self._call(_close_engine, self.llumlet.engine)
+        await self._call(self.pusher.close)
         await asyncio.get_running_loop().run_in_executor(None, self._engine_thread.stop)
 
     async def _register(self) -> None:
@@ -278,12 +280,14 @@ class LlumletHost:
         return progress
 
     def _hand_off(self, force: bool) -> None:
-        """One hand-off to the event loop carries every request's tokens due (TokenOutbox) and
-        the load report, when one is due."""
+        """Send every request's tokens due (TokenOutbox); hand the load report, when one is due,
+        to the event loop for the scheduler."""
         due = self._outbox.take(force)
+        if due:
+            self.pusher.push(due)
         load = self._report_due()
-        if due or load is not None:
-            self.loop.add_callback(self._send_hand_off, due, load)
+        if load is not None:
+            self.loop.add_callback(self._send_load, load)
 
     def _report_due(self) -> dict | None:
         """Every report interval (engine thread): expire handshakes and routes, and the load
@@ -310,10 +314,8 @@ class LlumletHost:
             return
         self._outbox.add(reply_to, output)
 
-    def _send_hand_off(self, outbox: list[tuple[str, TokenOutput]], load: dict | None) -> None:
-        for reply_to, output in outbox:
-            self.pusher.push(reply_to, output)
-        if load is not None and self.registered:
+    def _send_load(self, load: dict) -> None:
+        if self.registered:
             self.worker.batched_send({"op": "llumnix_load", "load": load})
 
     def _on_event(self, event: MigrationEvent) -> None:
@@ -351,9 +353,6 @@ class LlumletHost:
 
     def _peer_lost(self, peer: str) -> None:
         self._submit(self._llumlet().peer_lost, peer)
-
-    def _requester_lost(self, reply_to: str) -> None:
-        self._submit(self._drop_requests_of, reply_to)
 
     def _publish_event(self, event: MigrationEvent) -> None:
         msg = event_to_msg(event)

@@ -1,15 +1,16 @@
-"""Token streams: ordering and duplicate dropping (pure), then a real comm listener and pusher."""
+"""Token streams: ordering and duplicate dropping (pure), then a real TCP listener and pusher."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llumdask.engine.base import TokenOutput
-from llumdask.plugins.streams import TokenBatch, TokenListener, TokenOutbox, TokenPusher, TokenSequence
+from llumdask.plugins.streams import TokenBatch, TokenListener, TokenOutbox, TokenPusher, TokenSequence, split_address
 from llumdask.request import FinishReason
 
 
@@ -125,65 +126,92 @@ def test_any_arrival_order_with_duplicates_reassembles_the_stream(tokens, cuts, 
     assert delivered == tokens and seq.done and seq.conflicts == 0
 
 
-def test_listener_receives_pushed_tokens_in_order_over_a_real_comm():
+def test_listener_receives_pushed_tokens_in_order_over_a_real_connection():
     async def main():
         listener = await TokenListener().start()
-        pusher = TokenPusher("tcp://127.0.0.1:1", interval="1ms")
+        pusher = TokenPusher("tcp://127.0.0.1:1")
         try:
             stream = listener.open("r1")
             other = listener.open("r2")
             # The destination's first tokens overtake the source's last ones.
-            pusher.push(listener.address, TokenOutput("r1", 2, (30, 40)))
-            pusher.push(listener.address, TokenOutput("r2", 0, (9,), True, FinishReason.LENGTH))
-            pusher.push(listener.address, TokenOutput("r1", 0, (10, 20)))
-            pusher.push(listener.address, TokenOutput("r1", 3, (40, 50), True, FinishReason.STOP))
+            await _push(pusher, [(listener.address, TokenOutput("r1", 2, (30, 40))),
+                                 (listener.address, TokenOutput("r2", 0, (9,), True, FinishReason.LENGTH))])
+            await _push(pusher, [(listener.address, TokenOutput("r1", 0, (10, 20)))])
+            await _push(pusher, [(listener.address, TokenOutput("r1", 3, (40, 50), True, FinishReason.STOP))])
             got = await asyncio.wait_for(_collect(stream), 10)
             assert got == [10, 20, 30, 40, 50]
             assert stream.sequence.finish_reason is FinishReason.STOP
             assert await asyncio.wait_for(_collect(other), 10) == [9]
             assert stream.sequence.owner == "tcp://127.0.0.1:1"
         finally:
-            await pusher.close()
+            pusher.close()
             await listener.close()
 
     asyncio.run(main())
 
 
-def test_pusher_reports_an_unreachable_requester():
+def test_pusher_reports_an_unreachable_requester_and_tries_again_later():
     async def main():
         listener = await TokenListener().start()
         address = listener.address
         await listener.close()
         lost: list[str] = []
         pusher = TokenPusher("w", on_unreachable=lost.append, connect_timeout=1)
-        pusher.push(address, TokenOutput("r", 0, (1,)))
-        for _ in range(100):
+        await _push(pusher, [(address, TokenOutput("r", 0, (1,)))])
+        assert lost == [address]
+        await _push(pusher, [(address, TokenOutput("r", 1, (2,)))])
+        assert lost == [address, address]
+        pusher.close()
+
+    asyncio.run(main())
+
+
+def test_a_requester_that_stops_reading_is_reported_when_a_send_times_out():
+    async def main():
+        server = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never reads
+        address = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+        lost: list[str] = []
+        pusher = TokenPusher("w", on_unreachable=lost.append, send_timeout=0.2)
+        big = TokenOutput("r", 1, tuple(range(1 << 16)))
+        for _ in range(200):  # until the socket buffers are full
+            await _push(pusher, [(address, big)])
             if lost:
                 break
-            await asyncio.sleep(0.05)
-        await pusher.close()
+        pusher.close()
+        server.close()
         assert lost == [address]
 
     asyncio.run(main())
 
 
-def test_listener_reports_a_closed_sender():
+def test_listener_reports_a_closed_sender_and_survives_a_bad_frame():
     async def main():
         closed: list[str] = []
         listener = await TokenListener(on_sender_closed=closed.append).start()
-        pusher = TokenPusher("owner-1", interval="1ms")
+        pusher = TokenPusher("owner-1")
         stream = listener.open("r")
-        pusher.push(listener.address, TokenOutput("r", 0, (1,)))
+        await _push(pusher, [(listener.address, TokenOutput("r", 0, (1,)))])
         assert await asyncio.wait_for(stream.next_tokens(), 10) == [1]
-        await pusher.close()
+        pusher.close()
+        with socket.create_connection(split_address(listener.address)) as bad:
+            bad.sendall(b"\xff\xff\xff\xff")  # a frame over the size limit
         for _ in range(100):
             if closed:
                 break
             await asyncio.sleep(0.05)
+        assert closed == ["owner-1"]  # the bad frame's connection named no sender
+        other = TokenPusher("owner-2")
+        await _push(other, [(listener.address, TokenOutput("r", 1, (2,), True, FinishReason.LENGTH))])
+        assert await asyncio.wait_for(stream.next_tokens(), 10) == [2]
+        other.close()
         await listener.close()
-        assert closed == ["owner-1"]
 
     asyncio.run(main())
+
+
+async def _push(pusher: TokenPusher, outbox) -> None:
+    """Push from another thread, as the engine thread does, while this loop serves the listener."""
+    await asyncio.get_running_loop().run_in_executor(None, pusher.push, outbox)
 
 
 async def _collect(stream) -> list[int]:

@@ -1,7 +1,7 @@
-"""How a worker's engine thread hands tokens and load reports to its event loop
-(LlumletHost._step_once), with a fake llumlet and loop: held tokens go when the step fails, when
-the engine has nothing left to do, and before queued calls run; otherwise at most once per stream
-interval. A load report rides along every report interval, also while the engine is idle."""
+"""When a worker's engine thread sends tokens (LlumletHost._step_once), with a fake llumlet,
+pusher and loop: held tokens go when the step fails, when the engine has nothing left to do, and
+before queued calls run; otherwise at most once per stream interval. A load report goes to the
+event loop every report interval, also while the engine is idle."""
 
 from __future__ import annotations
 
@@ -15,14 +15,23 @@ from llumdask.plugins.worker import LlumletHost
 
 
 class FakeLoop:
+    """Records the load reports handed over."""
+
+    def __init__(self) -> None:
+        self.loads: list[dict] = []
+
+    def add_callback(self, fn, load) -> None:
+        self.loads.append(load)
+
+
+class FakePusher:
+    """Records each send: the first index of every token output in it."""
+
     def __init__(self) -> None:
         self.hand_offs: list[list[int]] = []
-        self.loads: list[dict | None] = []
 
-    def add_callback(self, fn, outbox, load) -> None:
-        if outbox:
-            self.hand_offs.append([output.first_index for _, output in outbox])
-        self.loads.append(load)
+    def push(self, outbox) -> None:
+        self.hand_offs.append([output.first_index for _, output in outbox])
 
 
 class FakeLlumlet:
@@ -57,17 +66,18 @@ def host():
     worker = SimpleNamespace(address="tcp://127.0.0.1:1", loop=loop)
     host = LlumletHost(worker, load_config({"stream-interval": 3600.0}))  # never due by time
     host._next_report = float("inf")  # no report unless a test makes one due
+    host.pusher = FakePusher()
     host._routes.owned["r"] = "tcp://gateway:1"
     return host
 
 
 def test_tokens_wait_for_the_interval_while_steps_make_progress_then_go_when_work_ends(host):
     host.llumlet = FakeLlumlet(host, steps=4)
-    assert host._step_once() and host.loop.hand_offs == [[1]]  # the first hand-off is due at once
+    assert host._step_once() and host.pusher.hand_offs == [[1]]  # the first hand-off is due at once
     assert host._step_once() and host._step_once()
-    assert host.loop.hand_offs == [[1]]  # then the interval holds tokens back
+    assert host.pusher.hand_offs == [[1]]  # then the interval holds tokens back
     assert host._step_once() is False  # the last step: nothing left, so everything goes
-    assert host.loop.hand_offs == [[1], [2, 3, 4]]
+    assert host.pusher.hand_offs == [[1], [2, 3, 4]]
 
 
 def test_held_tokens_go_when_a_step_fails(host):
@@ -77,7 +87,7 @@ def test_held_tokens_go_when_a_step_fails(host):
     host.llumlet.fail = True
     with pytest.raises(RuntimeError, match="broken step"):
         host._step_once()
-    assert host.loop.hand_offs == [[1], [2, 3]]
+    assert host.pusher.hand_offs == [[1], [2, 3]]
 
 
 def test_held_tokens_go_before_queued_calls_run(host):
@@ -86,21 +96,21 @@ def test_held_tokens_go_before_queued_calls_run(host):
     host._step_once()
     host._engine_thread.submit(lambda: None)  # e.g. a KV stage to import
     host._step_once()
-    assert host.loop.hand_offs == [[1], [2, 3]]
+    assert host.pusher.hand_offs == [[1], [2, 3]]
 
 
-def test_a_due_load_report_rides_with_the_tokens_and_goes_alone_while_idle(host):
+def test_a_load_report_goes_to_the_loop_every_report_interval_also_while_idle(host):
     host.llumlet = FakeLlumlet(host, steps=3)
     host.registered = True
     host._next_report = 0.0
     host._step_once()
-    assert host.loop.hand_offs == [[1]] and host.loop.loads == [{"steps_left": 2}]
-    host._step_once()  # tokens held, no report due: no hand-off at all
+    assert host.pusher.hand_offs == [[1]] and host.loop.loads == [{"steps_left": 2}]
+    host._step_once()  # tokens held, no report due: nothing sent, nothing handed over
     assert host.loop.loads == [{"steps_left": 2}]
     host.llumlet.left = 0  # idle from here on: the thread wakes every report interval
     host._next_report = 0.0
     assert host._step_once() is False
-    assert host.loop.hand_offs == [[1], [2]] and host.loop.loads[-1] == {"steps_left": 0}
+    assert host.pusher.hand_offs == [[1], [2]] and host.loop.loads[-1] == {"steps_left": 0}
     assert host.llumlet.ticks == 2
 
 
