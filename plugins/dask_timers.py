@@ -3,8 +3,8 @@
 Each timer wakes the worker's event loop, and each wake-up takes the GIL from the engine thread.
 Measured with the 8x768 model at one stream (per-thread figures from /proc): the loop slept and
 woke ~340 times a second and the engine thread waited for the GIL ~290 times a second; tokens
-came 7.6% slower than from `vllm serve`. With these timers quiet and load reports riding on the
-token hand-off (plugins/worker.py): ~160 and ~230 times a second, 3.6% slower.
+came 7.6% slower than from `vllm serve`. With these timers quiet and the load report written on
+the engine thread (plugins/worker.py): ~160 and ~230 times a second, 3.6% slower.
 Dask's profiler samples the threads that run Dask tasks every 10 ms; a llumlet worker runs none,
 so it samples nothing. The tick that watches the loop for stalls (every 20 ms) still catches a
 stall of Dask's warning limit (seconds) when it runs every 200 ms.

@@ -78,13 +78,13 @@ class TokenBatch:
 
 
 class TokenOutbox:
-    """Tokens on their way from the engine thread to the event loop, held up to `interval` s.
+    """Tokens on their way from the engine thread to their requesters, held up to `interval` s.
 
-    Every hand-off wakes the worker's event loop, and the message it sends wakes the requester;
-    with engine steps of a few milliseconds those wake-ups, not the tokens, are what streaming
-    costs. So the tokens of several steps may go in one hand-off, but a request's first token
-    and its end never wait (time to first token and completion are not delayed). Not thread-safe:
-    the engine thread adds and takes.
+    Every hand-off is a send that wakes the requester (and its client); with engine steps of a
+    few milliseconds those wake-ups, not the tokens, are what streaming costs. So the tokens of
+    several steps may go in one hand-off, but a request's first token and its end never wait
+    (time to first token and completion are not delayed). Not thread-safe: the engine thread
+    adds and takes.
     """
 
     def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -285,7 +285,7 @@ class TokenListener:
                     self._route(batch)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the owner closed its end (or died)
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        except (ValueError, TypeError, KeyError) as exc:  # msgpack's unpack errors are ValueErrors
             logger.warning("token listener closed a connection that sent a bad frame: %s", exc)
         finally:
             self._connections.discard(writer)
