@@ -1,7 +1,8 @@
 """Dask's worker timers that a llumlet worker does not need, stopped or slowed while it hosts one.
 
 Each timer wakes the worker's event loop, and each wake-up takes the GIL from the engine thread.
-Measured with the 8x768 model at one stream (per-thread figures from /proc): the loop slept and
+A diagnosis (per-thread /proc counters read by hand around one `gateway_overhead --shape 8x768`
+level at one stream, not a benchmark kept here): the loop slept and
 woke ~340 times a second and the engine thread waited for the GIL ~290 times a second; tokens
 came 7.6% slower than from `vllm serve`. With these timers quiet and the load report written on
 the engine thread (plugins/worker.py): ~160 and ~230 times a second, 3.6% slower.
@@ -40,7 +41,7 @@ class DaskTimers:
                 callback.stop()
                 self._stopped[name] = callback
         tick = self._callbacks.get(TICK)
-        if tick is not None and tick.callback_time > 0 and tick.callback_time < TICK_MS and self._tick_ms is None:
+        if tick is not None and self._tick_ms is None and 0 < tick.callback_time < TICK_MS:
             self._tick_ms, tick.callback_time = tick.callback_time, TICK_MS
         logger.debug("Dask timers stopped: %s; tick every %s ms", sorted(self._stopped), TICK_MS)
 

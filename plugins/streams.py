@@ -22,9 +22,9 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 import msgpack
+from distributed.comm.addressing import get_address_host_port
 
 from llumdask.engine.base import TokenOutput
 from llumdask.request import FinishReason
@@ -235,7 +235,7 @@ class TokenListener:
     def __init__(self, address: str = "tcp://127.0.0.1:0",
                  on_sender_closed: Callable[[str], None] | None = None) -> None:
         self._bind = address
-        self._server: asyncio.base_events.Server | None = None
+        self._server: asyncio.Server | None = None
         self._address: str | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._streams: dict[str, TokenStream] = {}
@@ -243,7 +243,7 @@ class TokenListener:
         self.dropped = 0
 
     async def start(self) -> "TokenListener":
-        host, port = split_address(self._bind)
+        host, port = get_address_host_port(self._bind)
         self._server = await asyncio.start_server(self._handle_connection, host, port)
         bound_port = self._server.sockets[0].getsockname()[1]
         self._address = f"tcp://[{host}]:{bound_port}" if ":" in host else f"tcp://{host}:{bound_port}"
@@ -316,9 +316,9 @@ class TokenPusher:
     """The owner's end, used on the engine thread: one blocking TCP connection per requester.
 
     The engine thread sends the tokens itself: a hand-off to the worker's event loop woke the
-    loop, which then held the GIL the engine needed (tiny model, 32 streams: the wake-up alone
-    was 5% of the engine thread's time, and the loop's sends with Dask's BatchedSend another
-    tenth of the process). A send is one frame per requester per hand-off; the kernel's socket
+    loop, which then held the GIL the engine needed (a diagnosis with py-spy and /proc counters,
+    tiny model, 32 streams: the wake-up alone was 5% of the engine thread's samples, and the
+    loop's sends with Dask's BatchedSend another tenth of the process's CPU). A send is one frame per requester per hand-off; the kernel's socket
     buffer absorbs a requester that reads late. A requester that cannot be reached (no
     connection within `connect_timeout`, or a send not done within `send_timeout`, i.e. it
     stopped reading) is reported with `on_unreachable(address)` and its connection dropped; a
@@ -345,7 +345,7 @@ class TokenPusher:
         try:
             sock = self._sockets.get(address)
             if sock is None:
-                sock = socket.create_connection(split_address(address), timeout=self._connect_timeout)
+                sock = socket.create_connection(get_address_host_port(address), timeout=self._connect_timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame is a message
                 sock.settimeout(self._send_timeout)
                 self._sockets[address] = sock
@@ -370,11 +370,3 @@ def encode_frame(msgs: list[dict]) -> bytes:
     """A token frame: its length (4 bytes, big-endian), then a msgpack list of token messages."""
     payload = msgpack.packb(msgs)
     return _FRAME_HEADER.pack(len(payload)) + payload
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """"tcp://host:port" (or "tcp://[v6]:port") -> (host, port)."""
-    parsed = urlparse(address)
-    if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
-        raise ValueError(f"a token address must be tcp://host:port, got {address!r}")
-    return parsed.hostname, parsed.port

@@ -8,8 +8,9 @@ The event loop does the I/O with the scheduler and the peers: load reports, migr
 (`CommTransport`). Tokens go from the engine thread itself to the requesters (`TokenPusher`).
 
 The engine shares the GIL with the event loop, so every wake-up of the loop takes time from the
-engine's steps (measured with the tiny model at 8 streams: the loop slept and woke ~900 times a
-second, and the engine thread ran 82% of the time where vLLM's own engine ran 89%). So the engine
+engine's steps (a diagnosis, from per-thread /proc counters read by hand around one
+`gateway_overhead` level, tiny model, 8 streams: the loop slept and woke ~900 times a second, and
+the engine thread ran 82% of the time where vLLM's own engine ran 89%). So the engine
 thread sends the tokens itself, writes the load report itself every `report-interval` (the loop
 only passes it on to the scheduler), and Dask's own timers that a llumlet worker does not need are
 slowed (`DaskTimers`).
@@ -147,7 +148,7 @@ class LlumletHost:
         migration = config.migration
         self._routes = _Routes(expiry=2 * migration.handshake_timeout * (migration.max_stages + 1))
         self._registrar: asyncio.Task | None = None
-        self._outbox = TokenOutbox(config.stream_interval)  # engine thread -> event loop
+        self._outbox = TokenOutbox(config.stream_interval)  # engine thread -> requesters
         self._next_report = float("-inf")  # engine thread: when the next load report is due
         self._dask_timers = DaskTimers(worker)
         self.registered = False
@@ -234,7 +235,7 @@ class LlumletHost:
             await asyncio.sleep(delay)
         load = await self._call(self._report_once)
         self.registered = True  # from now on the engine thread reports every report-interval
-        self.worker.batched_send({"op": "llumnix_load", "load": load})
+        self._send_load(load)
         await self.worker.scheduler.llumnix_ready(instance=self.instance_id)
 
     # ------------------------------------------------------------------ engine thread

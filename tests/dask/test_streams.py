@@ -6,11 +6,12 @@ import asyncio
 import socket
 
 import pytest
+from distributed.comm.addressing import get_address_host_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llumdask.engine.base import TokenOutput
-from llumdask.plugins.streams import TokenBatch, TokenListener, TokenOutbox, TokenPusher, TokenSequence, split_address
+from llumdask.plugins.streams import TokenBatch, TokenListener, TokenOutbox, TokenPusher, TokenSequence
 from llumdask.request import FinishReason
 
 
@@ -193,7 +194,7 @@ def test_listener_reports_a_closed_sender_and_survives_a_bad_frame():
         await _push(pusher, [(listener.address, TokenOutput("r", 0, (1,)))])
         assert await asyncio.wait_for(stream.next_tokens(), 10) == [1]
         pusher.close()
-        with socket.create_connection(split_address(listener.address)) as bad:
+        with socket.create_connection(get_address_host_port(listener.address)) as bad:
             bad.sendall(b"\xff\xff\xff\xff")  # a frame over the size limit
         for _ in range(100):
             if closed:
