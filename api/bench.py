@@ -17,7 +17,11 @@ from typing import Any, Sequence
 from llumdask.sim.presets import PRESETS
 from llumdask.sim.run import make_spec, simulate, write_json
 from llumdask.sim.cluster import SimulatorSettings
-from llumdask.sim.workload import make_workload
+from llumdask.sim.workload import is_generated, make_workload
+
+# What `bench sim` runs a generated trace at when no rate or count is given.
+GENERATED_RATE = 7.5
+GENERATED_REQUESTS = 10_000
 
 TABLE_COLUMNS = (
     ("policy", "policy", "{}"),
@@ -72,10 +76,13 @@ def _positive(kind):
 
 def add_simulation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default="M-M", help="S-S, M-M, L-L, S-L, L-S, sharegpt, burstgpt, or a CSV/JSONL trace file")
-    parser.add_argument("--rate", type=_positive(float), default=7.5, help="mean arrival rate, requests/s")
+    parser.add_argument("--rate", type=_positive(float), default=None,
+                        help=f"mean arrival rate, requests/s (generated traces: default {GENERATED_RATE}; "
+                        "a trace file is replayed at its own times unless given)")
     parser.add_argument("--cv", type=float, default=None, help="Gamma arrivals with this coefficient of variation (default Poisson)")
     parser.add_argument("--instances", type=_positive(int), default=16)
-    parser.add_argument("--requests", type=_positive(int), default=10_000)
+    parser.add_argument("--requests", type=_positive(int), default=None,
+                        help=f"requests (generated traces: default {GENERATED_REQUESTS:,}; a trace file: all of it unless given)")
     parser.add_argument("--high-priority-share", type=float, default=0.0)
     parser.add_argument("--profile", default="llama-7b-a10", help="latency profile name or JSON path")
     parser.add_argument("--seed", type=int, default=0)
@@ -90,18 +97,22 @@ def sim_main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write DIR/results.json")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if is_generated(args.trace):
+        args.rate = args.rate or GENERATED_RATE
+        args.requests = args.requests or GENERATED_REQUESTS
     workload = make_workload(
         args.trace, rate=args.rate, num_requests=args.requests, seed=args.seed, cv=args.cv,
         high_priority_share=args.high_priority_share,
     )
     settings = SimulatorSettings(report_delay=args.report_delay, bandwidth=args.bandwidth)
-    run_facts = {"trace": args.trace, "rate": args.rate, "cv": args.cv, "requests": args.requests, "seed": args.seed,
+    run_facts = {"trace": args.trace, "rate": args.rate, "cv": args.cv, "requests": len(workload), "seed": args.seed,
                  "profile": args.profile, "report_delay": args.report_delay, "bandwidth": args.bandwidth}
     results = {}
     for policy in args.policies:
         spec = make_spec(policy, args.instances, profile=args.profile, settings=settings)
         results[policy] = simulate(spec, workload, progress=not args.no_progress) | run_facts
-    print(f"trace {args.trace}, rate {args.rate}/s, {args.requests} requests, {args.instances} instances, profile {args.profile}")
+    rate = f"rate {args.rate}/s" if args.rate else "its own arrival times"
+    print(f"trace {args.trace}, {rate}, {len(workload)} requests, {args.instances} instances, profile {args.profile}")
     print(format_table(list(results.values())))
     if args.out is not None:
         write_json(args.out / "results.json", results)

@@ -6,9 +6,10 @@ the instances; the clock is passed in; decisions are returned as plain data and 
 the host (the Dask scheduler plugin, or the simulator), never performed here.
 
 Dispatch-time accounting: a dispatched request counts as demand (blocks for its prompt) in its
-instance's virtual usage until a report's `num_received` shows the instance has it; migrations
-do not count as received. Each instance's freeness (pending demand included) is cached and
-recomputed only when its report, its pending requests or its state change.
+instance's loads until a report's `num_received` shows the instance has it; migrations do not
+count as received. Each instance's two freeness values (`llumdask.load`: the dispatch load that
+places requests, the migration load that pairs instances), pending demand included, are cached
+and recomputed only when its report, its pending requests or its state change.
 
 Every call takes `now` so that a host passes one clock everywhere; the table records the time
 of each instance's last report, and scaling's hysteresis runs on it.
@@ -25,7 +26,15 @@ from collections import deque
 from dataclasses import dataclass
 
 from llumdask.config import LlumdaskConfig
-from llumdask.load import InstanceLoad, freeness, freeness_key, headroom_blocks
+from llumdask.load import (
+    InstanceLoad,
+    PooledLoad,
+    dispatch_freeness,
+    freeness_key,
+    headroom_blocks,
+    instance_order,
+    migration_freeness,
+)
 from llumdask.policy.dispatch import DispatchInfo, make_dispatch_policy
 from llumdask.policy.migration import MigrationPair, pair_migrations
 from llumdask.policy.scaling import ScaleAction, ScaleDecision, ScalingPolicy
@@ -60,7 +69,9 @@ class InstanceView:
     instance_id: str
     ready: bool
     terminating: bool
+    # The migration load's freeness (what pairing compares) and the dispatch load's.
     freeness: float
+    dispatch_freeness: float
     load: InstanceLoad
     num_pending: int
     pending_blocks: int
@@ -71,17 +82,20 @@ class _Instance:
     """The scheduler's record of one instance; dispatch policies read it as their `Candidate`."""
 
     __slots__ = (
-        "instance_id", "total_blocks", "block_size", "headroom", "ready", "terminating",
-        "reported_since_terminating", "removal_decided", "load", "last_report_at", "handed",
-        "pending", "num_pending", "pending_blocks", "pending_prompt_tokens", "freeness", "key",
+        "instance_id", "order", "total_blocks", "block_size", "headroom", "ready", "joined_at", "terminating",
+        "reported_since_terminating", "removal_decided", "load", "last_report_at", "handed", "pending",
+        "num_pending", "pending_blocks", "pending_prompt_tokens", "pending_classes", "freeness", "key",
+        "dispatch_freeness",
     )
 
     def __init__(self, instance_id: str, total_blocks: int, block_size: int, headroom: dict[Priority, int]) -> None:
         self.instance_id = instance_id
+        self.order = instance_order(instance_id)
         self.total_blocks = total_blocks
         self.block_size = block_size
         self.headroom = headroom
         self.ready = False
+        self.joined_at: float | None = None
         self.terminating = False
         self.reported_since_terminating = False
         self.removal_decided = False
@@ -89,31 +103,55 @@ class _Instance:
         self.load = InstanceLoad(instance_id, total_blocks, block_size, free_blocks=total_blocks, num_running=0, num_waiting=0)
         self.last_report_at: float | None = None
         # `handed`: requests the instance has received or is about to, as far as we know. Each
-        # pending entry is (its position in that count, prompt blocks, prompt tokens).
+        # pending entry is (its position in that count, prompt blocks, prompt tokens, execution priority).
         self.handed = 0
-        self.pending: deque[tuple[int, int, int]] = deque()
+        self.pending: deque[tuple[int, int, int, Priority]] = deque()
         self.num_pending = 0
         self.pending_blocks = 0
         self.pending_prompt_tokens = 0
+        # Pending requests per execution priority: a class on its way is present for dispatch.
+        self.pending_classes: dict[Priority, int] = {}
         self.freeness = 0.0
-        self.key = (0.0, instance_id)
+        self.key: tuple = (0.0, self.order)
+        self.dispatch_freeness = 0.0
         self.refresh()
 
     def refresh(self) -> None:
-        """Recompute the cached freeness after anything it depends on changed."""
+        """Recompute the cached freeness values after anything they depend on changed."""
         if self.terminating:
-            self.freeness = -math.inf
+            self.freeness = self.dispatch_freeness = -math.inf
         else:
-            self.freeness = freeness(self.load, self.headroom, extra_demand=self.pending_blocks)
-        self.key = freeness_key(self.instance_id, self.freeness)
+            self.freeness = migration_freeness(self.load, self.headroom, extra_demand=self.pending_blocks)
+            self.dispatch_freeness = self._dispatch_freeness(())
+        self.key = (self.freeness, self.order)
+
+    def dispatch_freeness_for(self, priority: Priority) -> float:
+        """Dispatch freeness for an arriving request of this execution priority: charged its class's
+        headroom here unless the class already runs (or is on its way) here."""
+        if (
+            self.terminating
+            or not self.headroom.get(priority, 0)
+            or self.load.running_count.get(priority, 0)
+            or priority in self.pending_classes
+        ):
+            return self.dispatch_freeness
+        return self._dispatch_freeness((priority,))
+
+    def _dispatch_freeness(self, arriving: tuple[Priority, ...]) -> float:
+        return dispatch_freeness(
+            self.load, self.headroom, pending_blocks=self.pending_blocks, pending_requests=self.num_pending,
+            classes=(*arriving, *self.pending_classes),
+        )
 
     def add_pending(self, info: DispatchInfo) -> None:
         blocks = blocks_for(info.num_prompt_tokens, self.block_size)
-        self.pending.append((self.handed, blocks, info.num_prompt_tokens))
+        priority = info.execution_priority
+        self.pending.append((self.handed, blocks, info.num_prompt_tokens, priority))
         self.handed += 1
         self.num_pending += 1
         self.pending_blocks += blocks
         self.pending_prompt_tokens += info.num_prompt_tokens
+        self.pending_classes[priority] = self.pending_classes.get(priority, 0) + 1
         self.refresh()
 
     def absorb(self, load: InstanceLoad) -> None:
@@ -126,10 +164,15 @@ class _Instance:
             )
         pending = self.pending
         while pending and pending[0][0] < received:
-            _, blocks, tokens = pending.popleft()
+            _, blocks, tokens, priority = pending.popleft()
             self.num_pending -= 1
             self.pending_blocks -= blocks
             self.pending_prompt_tokens -= tokens
+            left = self.pending_classes[priority] - 1
+            if left:
+                self.pending_classes[priority] = left
+            else:
+                del self.pending_classes[priority]
         # Requests handed to it by someone else (e.g. before this scheduler started) move the count on.
         self.handed = max(self.handed, received)
         self.load = load
@@ -153,13 +196,9 @@ class _Instance:
             and load.num_migrating_in == 0
         )
 
-    def normal_freeness(self) -> float:
-        """F from normal-priority usage only: what scaling measures."""
-        return freeness(self.load, self.headroom, extra_demand=self.pending_blocks, normal_only=True)
-
     def view(self) -> InstanceView:
         return InstanceView(
-            self.instance_id, self.ready, self.terminating, self.freeness, self.load,
+            self.instance_id, self.ready, self.terminating, self.freeness, self.dispatch_freeness, self.load,
             self.num_pending, self.pending_blocks, self.last_report_at,
         )
 
@@ -191,7 +230,9 @@ class GlobalScheduler:
         self._instances[instance_id] = _Instance(instance_id, total_blocks, block_size, headroom)
 
     def mark_ready(self, instance_id: str, now: float) -> None:
-        self._get(instance_id).ready = True
+        instance = self._get(instance_id)
+        instance.ready = True
+        instance.joined_at = now
         self._candidates = None
 
     def remove_instance(self, instance_id: str) -> None:
@@ -266,23 +307,29 @@ class GlobalScheduler:
         if not scaling.enabled:
             return ScaleDecision(remove=tuple(remove))
         live = [i for i in self._instances.values() if i.ready and not i.terminating]
-        starting = any(not i.ready and not i.terminating for i in self._instances.values())
-        mean = sum(i.normal_freeness() for i in live) / len(live) if live else None
+        pool = self.pooled_load()
+        # Never drain an instance that has just joined: it would be added and removed in turn.
+        settled = [i for i in live if i.joined_at is not None and now - i.joined_at >= scaling.sustained_period]
+        room = scaling.max_instances - len(self._instances)  # draining instances hold resources until removed
         action = self._scaling_policy.observe(
             now,
-            mean,
-            # Capacity still starting counts as coming; every registered instance (draining
-            # ones too) holds resources until removed.
-            can_add=not starting and len(self._instances) < scaling.max_instances,
-            can_terminate=len(live) > scaling.min_instances,
+            pool.freeness if live else None,
+            can_add=room > 0,
+            can_terminate=len(live) > scaling.min_instances and bool(settled),
         )
         if action is ScaleAction.ADD:
-            return ScaleDecision(add=1, remove=tuple(remove))
+            return ScaleDecision(add=min(room, max(1, pool.instances_short(scaling.band[0]))), remove=tuple(remove))
         if action is ScaleAction.TERMINATE:
-            victim = _fewest_running(live)
+            victim = _fewest_running(settled)
             self.set_terminating(victim, now)
             return ScaleDecision(terminate=(victim,), remove=tuple(remove))
         return ScaleDecision(remove=tuple(remove))
+
+    def pooled_load(self) -> PooledLoad:
+        """The cluster as one instance, what scaling keeps in its band: live instances and those
+        still starting (capacity on its way, nothing on it yet); draining ones are leaving."""
+        counted = [i for i in self._instances.values() if not i.terminating]
+        return PooledLoad.of((i.load, i.pending_blocks, i.num_pending) for i in counted)
 
     # ------------------------------------------------------------------ helpers
 

@@ -1,24 +1,41 @@
-"""Virtual usage (paper Algorithm 1) and freeness, computed from a constant-size load report.
+"""An instance's load, computed from a constant-size load report: the two loads of Llumnix.
 
 An instance reports sums, not per-request lists, so the global scheduler's work per report and
-per decision is O(1) in the number of requests. The sums are exactly what Algorithm 1 needs:
+per decision is O(1) in the number of requests. Two loads are read from the same sums, each for
+one decision (Llumnix's own implementation keeps them apart the same way):
 
-- waiting requests: only the head of the line counts, with its demand (blocks for its prompt);
-- running normal-priority requests: their physical blocks;
-- running high-priority requests: physical blocks + headroom[p] / n_p each, which sums to
-  headroom[p] for the whole class whenever n_p > 0;
-- a terminating instance: +inf (a fake request that drains it by migration);
-- blocks reserved for an incoming migration: counted as used (the request is on its way).
+- the *migration load* (paper Algorithm 1 as written) drives pairing and scaling's drain. Its
+  virtual usage counts, besides physical blocks, only the head-of-line waiting request's demand,
+  and it is divided by the running requests: an instance with a queue looks crowded, which is
+  what makes it give requests away (de-fragmentation);
+  - waiting requests: only the head of the line counts, with its demand (blocks for its prompt);
+  - running normal-priority requests: their physical blocks;
+  - running high-priority requests: physical blocks + headroom[p] / n_p each, which sums to
+    headroom[p] for the whole class whenever n_p > 0;
+  - a terminating instance: +inf (a fake request that drains it by migration);
+  - blocks reserved for an incoming migration: counted as used (the request is on its way).
+- the *dispatch load* places new requests: free blocks minus the demand of **every** waiting
+  request and of every request dispatched but not yet reported, divided by all of them (running,
+  waiting and pending). Counting only the head of the line would make an instance busy with one
+  long prefill look free, so it would collect a queue and prefill it in one big step later.
+  Priority headroom counts for every class present on the instance and for the arriving
+  request's class, so high-priority work concentrates where its headroom is already paid.
+
+In both, an overloaded instance's deficit is multiplied by its request count, never divided.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from llumdask.request import Priority
 
+
+_DIGITS = re.compile(r"(\d+)")
 
 # The counters of a report; none can be negative.
 _COUNTS = (
@@ -117,8 +134,10 @@ def virtual_usage(
     return usage
 
 
-def freeness(load: InstanceLoad, headroom: Mapping[Priority, int], *, extra_demand: int = 0, normal_only: bool = False) -> float:
-    """F = (M - ΣV) / B; higher is freer, everywhere in llumdask.
+def migration_freeness(
+    load: InstanceLoad, headroom: Mapping[Priority, int], *, extra_demand: int = 0, normal_only: bool = False
+) -> float:
+    """The migration load as freeness: F = (M - ΣV) / B over running requests; higher is freer.
 
     Two definitions the paper leaves open, chosen so that F is a total order that adding load
     never raises:
@@ -131,11 +150,95 @@ def freeness(load: InstanceLoad, headroom: Mapping[Priority, int], *, extra_dema
     usage = virtual_usage(load, headroom, extra_demand=extra_demand, normal_only=normal_only)
     if math.isinf(usage):
         return -math.inf
-    surplus = load.total_blocks - usage
-    batch = max(load.num_running, 1)
-    return surplus / batch if surplus >= 0 else surplus * batch
+    return per_request(load.total_blocks - usage, load.num_running)
 
 
-def freeness_key(instance_id: str, value: float) -> tuple[float, str]:
-    """Sort key giving a strict total order over instances: freeness, then id to break ties."""
-    return (value, instance_id)
+def dispatch_usage(
+    load: InstanceLoad,
+    headroom: Mapping[Priority, int],
+    *,
+    pending_blocks: int = 0,
+    classes: Iterable[Priority] = (),
+) -> float:
+    """Blocks spoken for, as dispatch sees them: physical and reserved blocks, the demand of the
+    whole waiting queue and of `pending_blocks` dispatched but unreported, and the headroom of
+    each execution priority running there or named in `classes` (pending ones, the arriving one)."""
+    if load.terminating:
+        return math.inf
+    usage = float(sum(load.running_blocks.values()) + load.reserved_blocks + load.waiting_demand + pending_blocks)
+    present = {p for p, n in load.running_count.items() if n > 0}.union(classes)
+    return usage + sum(headroom.get(p, 0) for p in present)
+
+
+def dispatch_freeness(
+    load: InstanceLoad,
+    headroom: Mapping[Priority, int],
+    *,
+    pending_blocks: int = 0,
+    pending_requests: int = 0,
+    classes: Iterable[Priority] = (),
+) -> float:
+    """The dispatch load as freeness: free blocks after every queued demand, per request (running,
+    waiting and pending). Same conventions as `migration_freeness`: an empty instance has F = M,
+    an overloaded one its deficit times its requests, a terminating one -inf."""
+    usage = dispatch_usage(load, headroom, pending_blocks=pending_blocks, classes=classes)
+    if math.isinf(usage):
+        return -math.inf
+    return per_request(load.total_blocks - usage, load.num_running + load.num_waiting + pending_requests)
+
+
+def per_request(surplus: float, requests: int) -> float:
+    """Surplus blocks per request; a deficit is multiplied by the requests (more of them: less free),
+    and no request counts as one (an empty instance's F is its surplus)."""
+    n = max(requests, 1)
+    return surplus / n if surplus >= 0 else surplus * n
+
+
+@dataclass(frozen=True)
+class PooledLoad:
+    """The cluster as one instance, for scaling: sums over instances of normal-priority dispatch
+    usage (headroom is a placement choice, not demand). A mean of per-instance freeness would let
+    one idle instance (F = M) lift the mean over any band."""
+
+    total_blocks: int
+    surplus: float
+    requests: int
+    instances: int
+
+    @classmethod
+    def of(cls, instances: Iterable[tuple[InstanceLoad, int, int]]) -> "PooledLoad":
+        """From (report, pending blocks, pending requests) of every instance counted."""
+        total = requests = count = 0
+        surplus = 0.0
+        for load, pending_blocks, pending_requests in instances:
+            total += load.total_blocks
+            surplus += load.total_blocks - dispatch_usage(load, {}, pending_blocks=pending_blocks)
+            requests += load.num_running + load.num_waiting + pending_requests
+            count += 1
+        return cls(total, surplus, requests, count)
+
+    @property
+    def freeness(self) -> float:
+        return per_request(self.surplus, self.requests)
+
+    def instances_short(self, low: float) -> int:
+        """Instances of the mean capacity to add to bring the pooled freeness up to `low` (0 if none)."""
+        if self.instances == 0:
+            return 1
+        capacity = self.total_blocks / self.instances
+        missing = low * max(self.requests, 1) - self.surplus
+        return max(0, math.ceil(missing / capacity)) if missing > 0 else 0
+
+
+@functools.lru_cache(maxsize=65536)
+def instance_order(instance_id: str) -> tuple[tuple[tuple[str, int], ...], str]:
+    """Natural order of ids (instance-2 before instance-10, ports by number), then the id itself
+    ("01" and "1" differ): every tie-break. Each text part is paired with the number after it."""
+    parts = _DIGITS.split(instance_id)
+    numbers = [int(n) for n in parts[1::2]] + [-1]
+    return tuple(zip(parts[::2], numbers)), instance_id
+
+
+def freeness_key(instance_id: str, value: float) -> tuple[float, tuple]:
+    """Sort key giving a strict total order over instances: freeness, then id (natural order)."""
+    return (value, instance_order(instance_id))

@@ -18,7 +18,8 @@ from llumdask.global_scheduler import (
     ScaleDecision,
     UnknownInstance,
 )
-from llumdask.load import InstanceLoad, freeness, headroom_blocks
+from llumdask.load import InstanceLoad, headroom_blocks
+from llumdask.load import migration_freeness as freeness
 from llumdask.request import Priority
 
 BLOCKS, BLOCK_SIZE = 100, 16
@@ -163,12 +164,19 @@ def test_a_burst_spreads_evenly_before_any_report(policy, k, n):
 
 
 @given(k=st.integers(2, 8), prompts=st.lists(st.integers(1, 16 * 20), max_size=60))
-def test_a_burst_of_mixed_prompts_balances_blocks(k, prompts):
+def test_a_burst_of_mixed_prompts_balances_free_blocks_per_request(k, prompts):
+    # Unreported, a burst is spread by the dispatch load alone: at the end no instance is freer
+    # than any other was when it took its last request (free blocks per request, balanced).
     gs = scheduler(k)
+    before_last = {}
     for j, tokens in enumerate(prompts):
-        gs.dispatch(info(j, tokens), 0.0)
-    pending = [v.pending_blocks for v in gs.instances()]
-    assert max(pending) - min(pending) <= 20  # at most one prompt's blocks apart
+        rows = {v.instance_id: v.dispatch_freeness for v in gs.instances()}
+        target = gs.dispatch(info(j, tokens), 0.0)
+        assert rows[target] == max(rows.values())
+        before_last[target] = rows[target]
+    final = [v.dispatch_freeness for v in gs.instances()]
+    assert all(f <= min(before_last.values(), default=BLOCKS) for f in final)
+    assert sum(v.num_pending for v in gs.instances()) == len(prompts)
 
 
 def test_reports_absorb_pending_requests_in_dispatch_order():
@@ -282,23 +290,43 @@ def busy(gs: GlobalScheduler, instance_id: str, running: int = 10) -> None:
     gs.report(load(instance_id, used=BLOCKS - running, running=running), 0.0)
 
 
-def test_sustained_low_freeness_adds_one_instance():
+def test_sustained_low_pooled_freeness_adds_the_instances_the_deficit_needs():
     gs = scheduler(2, scaling=SCALING)
     busy(gs, "i0")
     busy(gs, "i1")
+    # Pooled: 20 free blocks for 20 requests, F = 1; F >= 10 needs 200 - 20 more free blocks: 2 instances.
+    assert gs.pooled_load().freeness == 1
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(add=2))]
+
+
+def test_scale_out_is_bounded_by_the_maximum():
+    gs = scheduler(3, scaling=SCALING)
+    for k in range(3):
+        busy(gs, f"i{k}", running=30)  # F = 70 / 30 per instance: 6 instances short, room for 1
     assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(add=1))]
 
 
-def test_no_add_while_an_instance_is_starting_or_at_max():
-    gs = scheduler(2, scaling=SCALING)
+def test_one_idle_instance_does_not_lift_the_pool_over_the_band():
+    gs = scheduler(4, scaling=SCALING)
+    for k in range(3):
+        busy(gs, f"i{k}")
+    # A mean of per-instance F would be (1 + 1 + 1 + 100) / 4, inside the band; pooled it is 130 / 30.
+    assert gs.pooled_load().freeness == pytest.approx(130 / 30)
+    gs5 = scheduler(4, scaling=ScalingConfig(enabled=True, band=(10.0, 60.0), max_instances=8))
+    for k in range(3):
+        busy(gs5, f"i{k}")
+    assert run_scale(gs5, 30.0) == [(30.0, ScaleDecision(add=2))]
+
+
+def test_starting_instances_count_as_capacity_on_its_way():
+    gs = scheduler(2, scaling=ScalingConfig(enabled=True, band=(10.0, 60.0), max_instances=8))
     busy(gs, "i0")
     busy(gs, "i1")
     gs.register_instance("new", BLOCKS, BLOCK_SIZE, 0.0)
-    assert run_scale(gs, 40.0) == []
-    gs.register_instance("new2", BLOCKS, BLOCK_SIZE, 0.0)
-    gs.remove_instance("new")
-    gs.remove_instance("new2")
-    assert run_scale(gs, 41.0, start=41.0) == [(41.0, ScaleDecision(add=1))]  # the timer kept running
+    # 120 free blocks for 20 requests: still 80 short, one more instance.
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(add=1))]
+    gs.register_instance("new2", BLOCKS, BLOCK_SIZE, 30.0)
+    assert run_scale(gs, 100.0, start=31.0) == []  # 220 / 20 = 11: inside the band
     full = scheduler(4, scaling=SCALING)
     for k in range(4):
         busy(full, f"i{k}")
@@ -306,13 +334,28 @@ def test_no_add_while_an_instance_is_starting_or_at_max():
 
 
 def test_sustained_high_terminates_the_instance_with_fewest_running_requests():
-    gs = scheduler(3, scaling=SCALING)
-    gs.report(load("i0", used=2, running=2), 0.0)  # F = 49
-    gs.report(load("i1", used=2, running=1), 0.0)  # F = 98
-    gs.report(load("i2", used=4, running=2), 0.0)  # F = 48: mean 65, above the band
+    gs = scheduler(3, scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), max_instances=4))
+    gs.report(load("i0", used=2, running=2), 0.0)
+    gs.report(load("i1", used=2, running=1), 0.0)
+    gs.report(load("i2", used=4, running=2), 0.0)  # pooled F = 292 / 5, above the band
     assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i1",)))]
     assert gs.instances()[1].terminating
     assert gs.freeness("i1") == -math.inf
+
+
+def test_an_instance_that_just_joined_is_never_drained():
+    gs = scheduler(2, scaling=SCALING)
+    gs.report(load("i0", used=2, running=2), 0.0)
+    gs.report(load("i1", used=2, running=2), 0.0)
+    gs.register_instance("new", BLOCKS, BLOCK_SIZE, 10.0)
+    gs.mark_ready("new", 20.0)  # empty: the fewest running, but it joined 10 s before the decision
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i1",)))]
+    fresh = scheduler(0, scaling=SCALING)
+    for k in range(2):
+        fresh.register_instance(f"j{k}", BLOCKS, BLOCK_SIZE, 0.0)
+        fresh.mark_ready(f"j{k}", 25.0)
+    assert run_scale(fresh, 54.0) == []  # idle from 0 s, but none has been here a whole period
+    assert run_scale(fresh, 55.0, start=55.0) == [(55.0, ScaleDecision(terminate=("j1",)))]
 
 
 def test_terminate_counts_unreported_requests_as_running():
@@ -338,7 +381,7 @@ def test_a_load_step_does_not_flap():
     busy(gs, "i0")
     busy(gs, "i1")
     assert run_scale(gs, 45.0, start=21.0) == []
-    assert run_scale(gs, 60.0, start=46.0) == [(51.0, ScaleDecision(add=1))]
+    assert run_scale(gs, 60.0, start=46.0) == [(51.0, ScaleDecision(add=2))]
 
 
 def test_oscillating_load_around_the_band_edge_yields_no_decision():
@@ -349,9 +392,9 @@ def test_oscillating_load_around_the_band_edge_yields_no_decision():
         assert not gs.scale(float(t))
 
 
-def test_mean_freeness_ignores_priority_headroom():
-    # i0 runs one high-priority request: F = 100 - 10 - 100 (headroom) = -10, but 90 normal-only.
-    # Mean with headroom (-10 + 80) / 2 is inside the band; without, (90 + 80) / 2 is above it.
+def test_pooled_freeness_ignores_priority_headroom():
+    # i0 runs one high-priority request: its F = 100 - 10 - 100 (headroom) = -10. Pooled with the
+    # headroom, (200 - 30 - 100) / 2 would be inside the band; without it, 170 / 2 is above it.
     gs = scheduler(2, scaling=SCALING)
     high = InstanceLoad("i0", BLOCKS, BLOCK_SIZE, BLOCKS - 10, 1, 0,
                         running_blocks={Priority.HIGH: 10}, running_count={Priority.HIGH: 1})

@@ -56,14 +56,14 @@ def test_step_time_is_the_formula():
     assert TOY.prefill_time([100]) == pytest.approx(0.01 + 0.001 * 100 + 1e-6 * 100**2)
     assert TOY.prefill_time([100, 50]) == pytest.approx(0.01 + 0.001 * 150 + 1e-6 * (100**2 + 50**2))
     assert TOY.decode_time(8, 4000) == pytest.approx(0.02 + 0.002 * 8 + 1e-5 * 4000)
-    assert TOY.step_time([100], 0, 0) == pytest.approx(TOY.prefill_time([100]))
+    assert TOY.step_time([(0, 100)], 0, 0) == pytest.approx(TOY.prefill_time([100]))
     assert TOY.step_time([], 8, 4000) == pytest.approx(TOY.decode_time(8, 4000))
 
 
 def test_a_mixed_step_pays_one_fixed_cost():
     """Prefills and decodes of one step run in one forward pass: the smaller base (prefill's
     10 ms here) is not paid a second time."""
-    mixed = TOY.step_time([100], 8, 4000)
+    mixed = TOY.step_time([(0, 100)], 8, 4000)
     assert mixed == pytest.approx(TOY.prefill_time([100]) + TOY.decode_time(8, 4000) - 0.01)
     assert mixed > max(TOY.prefill_time([100]), TOY.decode_time(8, 4000))
 

@@ -13,7 +13,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llumdask.load import InstanceLoad, freeness, freeness_key, headroom_blocks, virtual_usage
+from llumdask.load import (
+    InstanceLoad,
+    PooledLoad,
+    dispatch_freeness,
+    freeness_key,
+    headroom_blocks,
+    instance_order,
+    virtual_usage,
+)
+from llumdask.load import migration_freeness as freeness
 from llumdask.request import Priority
 
 HIGH, NORMAL = Priority.HIGH, Priority.NORMAL
@@ -54,6 +63,10 @@ class Instance:
 
     def freeness(self, **kwargs) -> float:
         return freeness(self.load(), HEADROOM, **kwargs)
+
+    def dispatch(self, pending_blocks: int = 0, pending_requests: int = 0, arriving: Priority = NORMAL) -> float:
+        return dispatch_freeness(self.load(), HEADROOM, pending_blocks=pending_blocks,
+                                 pending_requests=pending_requests, classes=(arriving,))
 
 
 # ---------------------------------------------------------------- Algorithm 1, case by case
@@ -217,3 +230,90 @@ def test_freeness_key_is_a_strict_total_order_consistent_with_freeness(cluster):
     assert len({k for k, _ in keyed}) == len(keyed)
     ordered = sorted(k for k, _ in keyed)
     assert all(x < y for x, y in zip(ordered, ordered[1:]))
+
+
+# ---------------------------------------------------------------- the dispatch load
+
+
+def test_dispatch_counts_every_waiting_request_and_divides_by_all_requests():
+    instance = Instance(total_blocks=100, running=[(10, NORMAL)], waiting=[(5, NORMAL), (30, NORMAL)])
+    assert instance.dispatch() == pytest.approx((100 - 10 - 35) / 3)
+    assert instance.freeness() == pytest.approx(100 - 10 - 5)  # migration: the head only, per running request
+
+
+def test_a_long_prefill_does_not_make_an_instance_look_free_to_dispatch():
+    # One running request, a long queue behind a short head: free by Algorithm 1, not to dispatch.
+    queued = Instance(total_blocks=100, running=[(5, NORMAL)], waiting=[(2, NORMAL), (60, NORMAL), (20, NORMAL)])
+    busy = Instance(total_blocks=100, running=[(30, NORMAL)] * 2)
+    assert queued.freeness() > busy.freeness()
+    assert queued.dispatch() < busy.dispatch()
+
+
+def test_dispatch_counts_pending_demand_and_requests():
+    instance = Instance(total_blocks=100, running=[(10, NORMAL)])
+    assert instance.dispatch(pending_blocks=20, pending_requests=2) == pytest.approx(70 / 3)
+
+
+def test_an_arriving_high_priority_request_pays_its_headroom_only_where_its_class_is_absent():
+    empty, with_high = Instance(total_blocks=1000), Instance(total_blocks=1000, running=[(10, HIGH)])
+    assert empty.dispatch(arriving=HIGH) == 1000 - HEADROOM[HIGH]
+    assert with_high.dispatch(arriving=HIGH) == with_high.dispatch(arriving=NORMAL) == 1000 - 10 - HEADROOM[HIGH]
+    # A normal request sees the headroom where high-priority work runs, and goes elsewhere.
+    assert with_high.dispatch(arriving=NORMAL) < empty.dispatch(arriving=NORMAL) - HEADROOM[HIGH]
+
+
+def test_overloaded_dispatch_deficit_grows_with_the_requests():
+    one = Instance(total_blocks=10, running=[(8, NORMAL)], waiting=[(8, NORMAL)])
+    two = Instance(total_blocks=10, running=[(8, NORMAL)], waiting=[(4, NORMAL), (4, NORMAL)])
+    assert one.dispatch() == -6 * 2
+    assert two.dispatch() == -6 * 3
+
+
+def test_pooled_load_sums_instances_without_headroom():
+    a = Instance(total_blocks=100, running=[(10, HIGH)]).load()
+    b = Instance(total_blocks=100, running=[(20, NORMAL)], waiting=[(30, NORMAL)]).load()
+    pool = PooledLoad.of([(a, 0, 0), (b, 5, 1)])
+    assert (pool.total_blocks, pool.surplus, pool.requests, pool.instances) == (200, 200 - 10 - 20 - 30 - 5, 4, 2)
+    assert pool.freeness == pytest.approx(135 / 4)
+    assert pool.instances_short(10.0) == 0
+    assert pool.instances_short(60.0) == 2  # 240 free blocks needed, 105 missing: two of 100
+
+
+@given(instances(), instances(), st.text(min_size=1, max_size=3), st.text(min_size=1, max_size=3))
+def test_terminating_is_the_least_free_to_dispatch(a, b, id_a, id_b):
+    a.terminating, b.terminating = True, False
+    assert a.dispatch() == -math.inf < b.dispatch()
+
+
+@given(st.data(), st.integers(1, 2000))
+def test_an_empty_instance_is_the_freest_to_dispatch(data, total_blocks):
+    other = data.draw(instances(total_blocks))
+    assert Instance(total_blocks).dispatch() >= other.dispatch()
+
+
+@given(instances(), requests, st.integers(0, 50), st.integers(0, 5), priorities)
+def test_adding_load_never_raises_dispatch_freeness(instance, request, pending_blocks, pending_requests, arriving):
+    before = instance.dispatch(pending_blocks, pending_requests, arriving)
+    queued = replace(instance, waiting=instance.waiting + [request])
+    assert queued.dispatch(pending_blocks, pending_requests, arriving) <= before
+    assert instance.dispatch(pending_blocks + request[0], pending_requests + 1, arriving) <= before
+    roomy = replace(instance, total_blocks=instance.total_blocks + request[0])
+    assert replace(roomy, running=roomy.running + [request]).dispatch(pending_blocks, pending_requests, arriving) <= (
+        roomy.dispatch(pending_blocks, pending_requests, arriving)
+    )
+
+
+@given(st.lists(st.tuples(st.text(max_size=3), instances()), min_size=1, max_size=8, unique_by=lambda t: t[0]))
+def test_dispatch_keys_are_a_strict_total_order(cluster):
+    keyed = [(inst.dispatch(), instance_order(i)) for i, inst in cluster]
+    assert all(not math.isnan(f) for f, _ in keyed)
+    assert len(set(keyed)) == len(keyed)
+    ordered = sorted(keyed)
+    assert all(x < y for x, y in zip(ordered, ordered[1:]))
+
+
+def test_ids_tie_break_in_natural_order():
+    ids = ["instance-10", "instance-2", "tcp://10.0.0.1:40001", "tcp://10.0.0.1:9999", "instance-1"]
+    assert sorted(ids, key=instance_order) == ["instance-1", "instance-2", "instance-10", "tcp://10.0.0.1:9999",
+                                                "tcp://10.0.0.1:40001"]
+    assert instance_order("01") != instance_order("1")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import llumdask
 from llumdask.config import DispatchConfig, MigrationConfig, ScalingConfig
-from llumdask.load import InstanceLoad, freeness, freeness_key
+from llumdask.load import InstanceLoad, dispatch_freeness, freeness_key, instance_order, migration_freeness
 from llumdask.policy.dispatch import (
     DISPATCH_POLICIES,
     DispatchInfo,
@@ -41,12 +41,23 @@ class View:
     num_pending: int = 0
     pending_blocks: int = 0
     pending_prompt_tokens: int = 0
+    headroom: dict = field(default_factory=dict)
     freeness: float = field(init=False)
-    key: tuple[float, str] = field(init=False)
+    key: tuple = field(init=False)
+    order: tuple = field(init=False)
+    dispatch_freeness: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.freeness = -math.inf if self.terminating else freeness(self.load, {}, extra_demand=self.pending_blocks)
+        self.freeness = -math.inf if self.terminating else migration_freeness(self.load, self.headroom, extra_demand=self.pending_blocks)
         self.key = freeness_key(self.instance_id, self.freeness)
+        self.order = instance_order(self.instance_id)
+        self.dispatch_freeness = self.dispatch_freeness_for(Priority.NORMAL)
+
+    def dispatch_freeness_for(self, priority: Priority) -> float:
+        if self.terminating:
+            return -math.inf
+        return dispatch_freeness(self.load, self.headroom, pending_blocks=self.pending_blocks,
+                                 pending_requests=self.num_pending, classes=(priority,))
 
 
 def view(
@@ -148,12 +159,13 @@ def test_round_robin_cycles_over_sorted_ids_and_survives_membership_changes():
     assert policy.choose([view("a"), view("b")], INFO) == "a"
 
 
-def test_infaas_counts_the_whole_queue_where_llumnix_counts_its_head():
+def test_dispatch_counts_the_whole_queue_where_migration_counts_its_head():
     # a: little in use, a long queue behind a small head; b: more in use, nothing queued.
     a = view("a", used=10, head=5, queued=80)
     b = view("b", used=40)
-    assert LlumnixDispatch().choose([a, b], INFO) == "a"
+    assert LlumnixDispatch().choose([a, b], INFO) == "b"  # a: 10 free blocks for 2 requests, b: 60 for 1
     assert InfaasDispatch().choose([a, b], INFO) == "b"
+    assert a.freeness > b.freeness  # yet a is the freer migration destination: its queue head fits
 
 
 def test_infaas_normalises_by_capacity_and_counts_pending():

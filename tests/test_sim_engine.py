@@ -176,18 +176,68 @@ def test_continuous_batching_joins_a_newcomer_to_running_decodes(make_engine):
     result = engine.step()
     assert {(o.request_id, o.first_index) for o in result.outputs} == {("a", 2), ("b", 0)}
     assert result.batch_size == 2 and result.num_prefill_tokens == 7
-    assert result.duration == pytest.approx(engine.profile.step_time([7], 1, 12))
+    assert result.duration == pytest.approx(engine.profile.step_time([(0, 7)], 1, 12))
     assert result.duration < engine.profile.prefill_time([7]) + engine.profile.decode_time(1, 12)  # one forward pass
 
 
-def test_token_budget_caps_prefills_but_one_prompt_always_runs(make_engine):
+def test_token_budget_chunks_prefills_as_vllm_v1_does(make_engine):
     engine = make_engine(max_num_batched_tokens=20)
-    engine.add_request(request("a", prompt_len=15, max_tokens=2))
-    engine.add_request(request("b", prompt_len=15, max_tokens=2, arrival=1.0))
-    assert [o.request_id for o in engine.step().outputs] == ["a"]
-    lone = make_engine(max_num_batched_tokens=20)
-    lone.add_request(request("huge", prompt_len=30, max_tokens=2))
-    assert [o.request_id for o in lone.step().outputs] == ["huge"]
+    a = request("a", prompt_len=15, max_tokens=3)
+    b = request("b", prompt_len=15, max_tokens=3, arrival=1.0)
+    engine.add_request(a)
+    engine.add_request(b)
+    first = engine.step()
+    # "a" takes 15 of the 20 tokens, "b" the remaining 5 as its first chunk: no token for it yet.
+    assert [o.request_id for o in first.outputs] == ["a"]
+    assert first.num_prefill_tokens == 20 and first.batch_size == 2
+    assert first.duration == pytest.approx(engine.profile.chunk_time([(0, 15), (0, 5)]))
+    assert b.status is RequestStatus.RUNNING and b.timing.first_scheduled is not None and b.timing.first_token is None
+    # Mid-prefill: running and holding the blocks of its chunk, but nothing a migration could move.
+    running_b = next(r for r in engine.snapshot().running if r.request_id == "b")
+    assert running_b.num_blocks == 2 and not running_b.migratable  # 5 tokens in blocks of 4
+    assert engine.completed_blocks("b") == 1
+    with pytest.raises(MigrationRefused, match="prefilling"):
+        engine.pause("b")
+    second = engine.step()
+    # Running requests go first: "a"'s decode (1 token), then "b"'s last 10 prompt tokens.
+    assert {(o.request_id, o.first_index) for o in second.outputs} == {("a", 1), ("b", 0)}
+    assert second.duration == pytest.approx(engine.profile.step_time([(5, 10)], 1, 16))
+    results = [first, second] + run(engine)
+    engine.check_integrity()
+    tokens = tokens_by_request(results)
+    for req in (a, b):
+        assert tokens[req.request_id] == reference(make_engine, req)  # chunking computes the same KV
+
+
+def test_the_first_admission_of_a_step_is_chunked_to_the_budget(make_engine):
+    clock = Clock()
+    engine = make_engine(max_num_batched_tokens=20, clock=clock)
+    huge = request("huge", prompt_len=50, max_tokens=2)
+    engine.add_request(huge)
+    steps = []
+    for _ in range(3):
+        steps.append(engine.step())
+        clock.now += steps[-1].duration
+    assert [s.num_prefill_tokens for s in steps] == [20, 20, 10]
+    assert [len(s.outputs) for s in steps] == [0, 0, 1]
+    # The chunks of one prompt cost what it costs at once, but for the fixed cost of each step.
+    chunked = sum(s.duration for s in steps)
+    base = engine.profile.prefill.base_s
+    assert chunked == pytest.approx(engine.profile.prefill_time([50]) + 2 * base)
+    assert huge.timing.first_token == pytest.approx(chunked)
+    assert run(engine)[-1].outputs[0].finished
+    assert engine.snapshot().free_blocks == engine.total_blocks
+
+
+def test_admission_needs_room_for_the_whole_prompt_not_only_its_first_chunk(make_engine):
+    engine = make_engine(total_blocks=8, block_size=4, max_num_batched_tokens=8)
+    engine.add_request(request("a", prompt_len=16, max_tokens=4))  # 4 blocks, prefilled in two chunks
+    engine.add_request(request("b", prompt_len=20, max_tokens=4, arrival=1.0))  # 5 blocks: never fits beside "a"
+    engine.step()
+    assert [w.request_id for w in engine.snapshot().waiting] == ["b"]
+    assert engine.snapshot().free_blocks == 6  # only "a"'s first chunk took blocks
+    run(engine)
+    assert engine.snapshot().free_blocks == engine.total_blocks
 
 
 def test_preemption_recomputes_the_latest_arrival_and_keeps_its_tokens(make_engine):

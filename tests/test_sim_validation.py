@@ -86,7 +86,7 @@ def test_serving_costs_are_what_probes_take_beyond_the_profile():
     assert served.decode_time(4, 1000) == pytest.approx(TOY.decode_time(4, 1000) + 0.0008 + 4 * 0.0002)
     assert served.prefill_time([128]) == pytest.approx(TOY.prefill_time([128]) + 0.0008)
     # A mixed step pays the per-step cost once.
-    assert served.step_time([128], 4, 1000) == pytest.approx(TOY.step_time([128], 4, 1000) + 0.0008 + 4 * 0.0002)
+    assert served.step_time([(0, 128)], 4, 1000) == pytest.approx(TOY.step_time([(0, 128)], 4, 1000) + 0.0008 + 4 * 0.0002)
     assert served.name == "toy-served" and served.derivation.endswith("made up")
 
 

@@ -6,7 +6,10 @@ A step's modelled time is the sum of its parts:
     decode(batch, context_tokens) = d + e * batch + f * context_tokens    (0 when nothing decodes)
 
 `a`/`d` are the fixed cost of a forward pass, `b`/`e` the weight FLOPs per token, `c` the
-quadratic attention of a prompt, `f` reading the KV cache of every context token. A step that
+quadratic attention of a prompt, `f` reading the KV cache of every context token. A chunk of a
+chunked prefill, `new` tokens after `computed` ones already in the cache, costs b * new +
+c * ((computed + new)^2 - computed^2): its tokens attend to the whole prefix, so the chunks of
+one prompt add up to the prompt prefilled at once. A step that
 prefills and decodes runs them in one forward pass, so it pays the fixed cost once: the larger
 of `a` and `d` (measured on vLLM: a mixed step of the CPU engine matches prefill + decode -
 min(a, d) within a few percent, and overshoots by min(a, d) without it). Profiles are
@@ -62,10 +65,15 @@ class LatencyProfile:
 
     def prefill_time(self, lengths: Iterable[int]) -> float:
         """Seconds to prefill these prompts together in one step."""
+        return self.chunk_time((0, n) for n in lengths)
+
+    def chunk_time(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """Seconds to prefill these (computed, new) chunks together in one step."""
         total = squares = 0
-        for n in lengths:
-            total += n
-            squares += n * n
+        for computed, new in chunks:
+            total += new
+            end = computed + new
+            squares += end * end - computed * computed
         if total == 0:
             return 0.0
         p = self.prefill
@@ -78,10 +86,10 @@ class LatencyProfile:
         d = self.decode
         return d.base_s + d.per_seq_s * batch + d.per_context_token_s * context_tokens
 
-    def step_time(self, prefill_lengths: Iterable[int], batch: int, context_tokens: int) -> float:
-        """A step of prefills plus one decode token per running sequence: one forward pass, so
-        a step with both pays the smaller fixed cost only as part of the larger."""
-        prefill, decode = self.prefill_time(prefill_lengths), self.decode_time(batch, context_tokens)
+    def step_time(self, prefill_chunks: Iterable[tuple[int, int]], batch: int, context_tokens: int) -> float:
+        """A step of prefill chunks (computed, new) plus one decode token per decoding sequence: one
+        forward pass, so a step with both pays the smaller fixed cost only as part of the larger."""
+        prefill, decode = self.chunk_time(prefill_chunks), self.decode_time(batch, context_tokens)
         if prefill and decode:
             return prefill + decode - min(self.prefill.base_s, self.decode.base_s)
         return prefill + decode

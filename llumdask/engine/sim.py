@@ -1,9 +1,15 @@
 """A simulated instance: vLLM's scheduling and memory behaviour, a latency model instead of a model.
 
-What is real: a paged KV pool (`BlockManager`), a waiting queue ordered by scheduling priority
-then arrival, admission only when every block of the prompt fits, continuous batching, and
-preemption by recompute of the latest-arrived running request when a decode needs a block and
-none is free. What is modelled: each step's duration (`LatencyProfile`).
+What is real: a paged KV pool (`BlockManager`) and vLLM v1's scheduler as the vLLM engine runs
+it (priority policy): one token budget per step (`max_num_batched_tokens`) spent first on the
+running requests in batch order (one token per decode, the next chunk of an unfinished prefill),
+then on admissions from a waiting queue ordered by scheduling priority then arrival. A request
+is admitted only when blocks for its whole prompt are free (vLLM's `scheduler_reserve_full_isl`),
+but takes blocks only for the chunk it computes; a prompt longer than what is left of the budget
+is prefilled in chunks over several steps (chunked prefill), its first token coming with the last
+chunk. A running request that needs a block when none is free preempts (by recompute) the
+lowest-priority, latest-arrived running request, possibly itself; a step that preempted admits
+nobody. What is modelled: each step's duration (`LatencyProfile`).
 
 KV content is real too, so that migration correctness is observable. Every token slot holds
 `kv_bytes_per_token` bytes derived from (token id, position, prompt hash), and the next token is
@@ -86,6 +92,8 @@ class _Seq:
     prompt_hash: int
     # request.num_tokens, kept here because the step reads it several times per sequence.
     num_tokens: int
+    # Tokens whose KV is computed: num_tokens - 1 while decoding, less during a chunked prefill.
+    num_computed: int
     # request.execution_priority: the load totals it counts in.
     priority: Priority
     # Length of its block table, read by every decode step (0 while waiting).
@@ -94,6 +102,19 @@ class _Seq:
     # Temperature > 0: a key derived from the seed, or a per-request sampler when there is none.
     seed_key: int
     rng: np.random.Generator | None
+
+
+class _Chunk:
+    """What one sequence computes in one step: its tokens [start, start + count)."""
+
+    __slots__ = ("seq", "start", "count", "is_decode")
+
+    def __init__(self, seq: _Seq, start: int, count: int) -> None:
+        self.seq = seq
+        self.start = start
+        self.count = count
+        # The last sampled token only: priced as a decode, whatever phase came before.
+        self.is_decode = start == seq.num_tokens - 1
 
 
 def _new_seq(request: Request, rng_state: dict[str, Any] | None = None) -> _Seq:
@@ -109,6 +130,7 @@ def _new_seq(request: Request, rng_state: dict[str, Any] | None = None) -> _Seq:
         key=request.queue_key(),
         prompt_hash=_prompt_hash(request.prompt_token_ids),
         num_tokens=request.num_tokens,
+        num_computed=0,
         priority=request.execution_priority,
         num_blocks=0,
         greedy=sampling.greedy,
@@ -127,6 +149,11 @@ def _odd_constants(rng: np.random.Generator, n: int) -> np.ndarray:
 
 def _queue_key(seq: _Seq) -> tuple[int, float, str]:
     return seq.key
+
+
+def _decoding(seq: _Seq) -> bool:
+    """Prefill done: every token but the last sampled one has its KV (what a migration moves)."""
+    return seq.num_computed == seq.num_tokens - 1
 
 
 class SimEngine:
@@ -229,25 +256,25 @@ class SimEngine:
         return seq.request if seq is not None else None
 
     def step(self) -> StepResult:
-        """Schedule (decodes first, preempting if needed; then admissions), run, postprocess."""
+        """Schedule (running requests first, preempting if needed; then admissions), run, postprocess."""
         if not self.has_work():
             return StepResult()
         self._snapshot = None
         now = self._clock()
-        preempted = self._schedule_decodes(now)
-        decodes = list(self._running)
+        chunks, preempted = self._schedule_running(now)
         # As vLLM: no admissions in a step that preempted, or the victim would bounce straight back.
-        prefills = [] if preempted else self._admit(len(decodes), now)
-        seqs = prefills + decodes
-        lengths = [s.num_tokens for s in seqs]
-        prefill_lengths = lengths[: len(prefills)]
-        context = sum(lengths) - sum(prefill_lengths)
-        duration = self.profile.step_time(prefill_lengths, len(decodes), context)
-        tokens = self._forward(seqs, len(prefills), lengths) if seqs else []
+        if not preempted:
+            self._admit(chunks, now)
+        duration = self._step_time(chunks)
+        # Only a sequence whose chunk reaches its last token samples one; the others were mid-prefill.
+        sampling = [c for c in chunks if c.start + c.count == c.seq.num_tokens]
+        tokens = self._forward(chunks, sampling) if sampling else []
         end = now + duration
-        outputs = [self._append_token(seq, token, end) for seq, token in zip(seqs, tokens)]
-        for seq in prefills:
-            timing = seq.request.timing
+        for chunk in chunks:
+            chunk.seq.num_computed = chunk.start + chunk.count
+        outputs = [self._append_token(chunk.seq, token, end) for chunk, token in zip(sampling, tokens)]
+        for chunk in sampling:
+            timing = chunk.seq.request.timing
             if timing.preempted_at is not None:
                 timing.preemption_loss += end - timing.preempted_at
                 timing.preempted_at = None
@@ -260,9 +287,9 @@ class SimEngine:
             outputs=tuple(outputs),
             preempted=tuple(preempted),
             duration=duration,
-            num_prefill_tokens=sum(prefill_lengths),
-            batch_size=len(seqs),
-            finished=tuple(seq.request for seq, output in zip(seqs, outputs) if output.finished),
+            num_prefill_tokens=sum(c.count for c in chunks if not c.is_decode),
+            batch_size=len(chunks),
+            finished=tuple(chunk.seq.request for chunk, output in zip(sampling, outputs) if output.finished),
         )
 
     def snapshot(self) -> EngineSnapshot:
@@ -302,10 +329,13 @@ class SimEngine:
                 f"{name}: request {seq.request_id!r} counts {seq.num_blocks} blocks, holds {held}"
             )
         for seq in holders:
-            n, held = seq.num_tokens, seq.num_blocks
-            assert blocks_for(n - 1, self.block_size) <= held <= blocks_for(n, self.block_size), (
-                f"{self._name}: request {seq.request_id!r} holds {held} blocks for {n} tokens"
+            computed, held = seq.num_computed, seq.num_blocks
+            assert 0 < computed < seq.num_tokens, f"{name}: request {seq.request_id!r} computed {computed} of {seq.num_tokens} tokens"
+            assert blocks_for(computed, self.block_size) <= held <= blocks_for(computed + 1, self.block_size), (
+                f"{name}: request {seq.request_id!r} holds {held} blocks for {computed} computed tokens"
             )
+        for seq in self._waiting:
+            assert seq.num_computed == 0, f"{name}: waiting request {seq.request_id!r} has computed tokens"
         recount = LoadTotals.from_snapshot(self._build_snapshot())
         assert self.load_totals() == recount, f"{name}: load totals {self.load_totals()} != recount {recount}"
 
@@ -314,8 +344,9 @@ class SimEngine:
         seq = self._seq(request_id)
         if seq.request.status is not RequestStatus.RUNNING:
             return 0
-        # A running request has KV for every token but the last sampled one.
-        return (seq.num_tokens - 1) // self.block_size
+        # A decoding request has KV for every token but the last sampled one; a prefilling one
+        # for the chunks computed so far.
+        return seq.num_computed // self.block_size
 
     def export_blocks(self, request_id: str, start: int, end: int) -> np.ndarray:
         """A copy of blocks [start, end) as one (end - start, block_size, kv_bytes_per_token) uint8 array.
@@ -350,18 +381,20 @@ class SimEngine:
         seq = self._seq(request_id)
         if request_id in self._paused or seq.request.status is not RequestStatus.RUNNING:
             raise MigrationRefused(f"{self._name}: request {request_id!r} is not in the running batch")
+        if not _decoding(seq):
+            raise MigrationRefused(f"{self._name}: request {request_id!r} is still prefilling")
         self._running.remove(seq)
         self._paused[request_id] = seq
         self._snapshot = None
         return MigrationState.capture(seq.request, None if seq.rng is None else {"rng_state": seq.rng.bit_generator.state})
 
     def unpause(self, request_id: str) -> None:
-        """Back into the batch at its queue position; an id aborted meanwhile is ignored."""
+        """Back into the batch (at its end, as a request vLLM re-adds); an id aborted meanwhile is ignored."""
         seq = self._paused.pop(request_id, None)
         if seq is None:
             self._require_absent(request_id, "unpause")
             return
-        bisect.insort(self._running, seq, key=_queue_key)
+        self._running.append(seq)
         self._snapshot = None
 
     def free_migrated(self, request_id: str) -> None:
@@ -419,36 +452,80 @@ class SimEngine:
             )
         request = state.to_request()
         seq = _new_seq(request, state.engine_state.get("rng_state"))
+        seq.num_computed = state.num_tokens - 1
         table = self._blocks.adopt(migration_id, rid, blocks_for(state.num_tokens, self.block_size))
         seq.num_blocks = len(table)
         self._held_blocks[seq.priority] += seq.num_blocks
         self._held_count[seq.priority] += 1
         self._seqs[rid] = seq
-        bisect.insort(self._running, seq, key=_queue_key)
+        self._running.append(seq)
         self._snapshot = None
 
     # ------------------------------------------------------------------ scheduling
-    def _schedule_decodes(self, now: float) -> list[str]:
-        """Give every running request the block its next KV slot needs, preempting from the tail."""
+    def _schedule_running(self, now: float) -> tuple[list[_Chunk], list[str]]:
+        """Running requests in batch order, each its next tokens within the budget (vLLM v1).
+
+        A request whose tokens need a block when none is free preempts the lowest-priority,
+        latest-arrived running request (vLLM's priority policy), handing back the budget of one
+        already scheduled this step; when it is its own victim, nobody after it runs this step.
+        """
         running, blocks, size = self._running, self._blocks, self.block_size
+        budget = self._max_batched_tokens
+        chunks: list[_Chunk] = []
         preempted: list[str] = []
         i = 0
-        while i < len(running):
+        while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.num_blocks * size < seq.num_tokens:
-                while not blocks.can_allocate(1) and running[-1] is not seq:
-                    preempted.append(self._preempt(running.pop(), now))
-                if not blocks.can_allocate(1):
-                    running.pop()
-                    preempted.append(self._preempt(seq, now))
-                    break
-                self._allocate(seq, 1)
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            needed = blocks_for(seq.num_computed + count, size) - seq.num_blocks
+            while needed > blocks.free_blocks:
+                victim = max(running, key=_queue_key)
+                index = running.index(victim)
+                del running[index]
+                preempted.append(self._preempt(victim, now))
+                if victim is seq:
+                    return chunks, preempted
+                if index < i:
+                    i -= 1
+                    chunk = next(c for c in chunks if c.seq is victim)
+                    chunks.remove(chunk)
+                    budget += chunk.count
+            if needed > 0:
+                self._allocate(seq, needed)
+            chunks.append(_Chunk(seq, seq.num_computed, count))
+            budget -= count
             i += 1
-        return preempted
+        return chunks, preempted
+
+    def _admit(self, chunks: list[_Chunk], now: float) -> None:
+        """Head of the queue first while the budget lasts and its whole prompt fits (FCFS: a head
+        that does not fit blocks the rest); the last one admitted may get only a first chunk."""
+        budget = self._max_batched_tokens - sum(c.count for c in chunks)
+        running, waiting, size = self._running, self._waiting, self.block_size
+        while waiting and budget > 0 and len(running) < self._max_num_seqs:
+            seq = waiting[0]
+            if not self._blocks.can_allocate(blocks_for(seq.num_tokens, size)):
+                break
+            count = min(seq.num_tokens, budget)
+            self._dequeue(0)
+            self._allocate(seq, blocks_for(count, size))
+            seq.request.status = RequestStatus.RUNNING
+            if seq.request.timing.first_scheduled is None:
+                seq.request.timing.first_scheduled = now
+            running.append(seq)
+            chunks.append(_Chunk(seq, 0, count))
+            budget -= count
+
+    def _step_time(self, chunks: list[_Chunk]) -> float:
+        prefills = [(c.start, c.count) for c in chunks if not c.is_decode]
+        decodes = len(chunks) - len(prefills)
+        context = sum(c.seq.num_tokens for c in chunks if c.is_decode)
+        return self.profile.step_time(prefills, decodes, context)
 
     def _preempt(self, seq: _Seq, now: float) -> str:
         """Recompute later: free the blocks, back to waiting (its queue key puts it ahead of later arrivals)."""
         self._free(seq)
+        seq.num_computed = 0
         request = seq.request
         request.status = RequestStatus.WAITING
         request.timing.preemptions += 1
@@ -457,47 +534,24 @@ class SimEngine:
         self._enqueue(seq)
         return seq.request_id
 
-    def _admit(self, num_decodes: int, now: float) -> list[_Seq]:
-        """Head of the queue first, while its blocks fit (FCFS: a head that does not fit blocks the rest)."""
-        budget = self._max_batched_tokens - num_decodes
-        room = self._max_num_seqs - num_decodes
-        admitted: list[_Seq] = []
-        while self._waiting and room > 0:
-            seq = self._waiting[0]
-            n = seq.num_tokens
-            if admitted and n > budget:
-                break
-            needed = blocks_for(n, self.block_size)
-            if not self._blocks.can_allocate(needed):
-                break
-            self._dequeue(0)
-            self._allocate(seq, needed)
-            seq.request.status = RequestStatus.RUNNING
-            if seq.request.timing.first_scheduled is None:
-                seq.request.timing.first_scheduled = now
-            admitted.append(seq)
-            budget -= n
-            room -= 1
-        for seq in admitted:
-            bisect.insort(self._running, seq, key=_queue_key)
-        return admitted
-
     # ------------------------------------------------------------------ model
-    def _forward(self, seqs: list[_Seq], num_prefills: int, lengths: list[int]) -> list[int]:
-        """Write the KV this step computes, then sample one token per sequence (prefills first).
+    def _forward(self, chunks: list[_Chunk], sampling: list[_Chunk]) -> list[int]:
+        """Write the KV this step computes, then sample one token for each of `sampling`.
 
-        A prefill computes every token the request has (its prompt, or prompt + output when it
-        recomputes after a preemption); a decode computes the last sampled token. The token at
-        position q comes from the content of slot q - 1 and three earlier slots picked by q.
+        A chunk computes the request's tokens [start, start + count): part or all of a prompt (or
+        of prompt + output when it recomputes after a preemption), or the last sampled token of a
+        decode. The token at position q comes from the content of slot q - 1 and three earlier
+        slots picked by q.
         """
-        n = _u64(lengths)
-        hashes = np.fromiter((s.prompt_hash for s in seqs), dtype=_U64, count=len(seqs))
+        n = _u64([c.seq.num_tokens for c in sampling])
+        hashes = np.fromiter((c.seq.prompt_hash for c in sampling), dtype=_U64, count=len(sampling))
         if self._kv.shape[2]:
-            logits = self._run_kv(seqs, num_prefills, lengths, n, hashes)
+            self._write_kv(chunks)
+            logits = self._read_kv(sampling, n, hashes)
         else:
             logits = _mix(hashes ^ (n * _K_POS))
-        if not all(s.greedy for s in seqs):
-            logits ^= _u64([0 if s.greedy else self._salt(s, q) for s, q in zip(seqs, lengths)])
+        if not all(c.seq.greedy for c in sampling):
+            logits ^= _u64([0 if c.seq.greedy else self._salt(c.seq, c.seq.num_tokens) for c in sampling])
         return (_mix(logits) % self._vocab).tolist()
 
     @staticmethod
@@ -507,33 +561,36 @@ class SimEngine:
             return int(seq.rng.integers(0, 2**63, dtype=np.int64))
         return (seq.seed_key + position) & _MASK64
 
-    def _run_kv(self, seqs: list[_Seq], num_prefills: int, lengths: list[int], n: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    def _write_kv(self, chunks: list[_Chunk]) -> None:
         size = self.block_size
-        picks = np.empty((len(seqs), _NUM_LOOKBACK + 1), dtype=_U64)
+        tokens, positions, hashes, blocks = [], [], [], []
+        for chunk in chunks:
+            seq, start, count = chunk.seq, chunk.start, chunk.count
+            request = seq.request
+            if chunk.is_decode:
+                last = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
+                values = _u64([last])
+            else:
+                values = np.asarray((request.prompt_token_ids + request.output_token_ids)[start : start + count], dtype=_U64)
+            tokens.append(values)
+            position = np.arange(start, start + count, dtype=np.int64)
+            positions.append(position)
+            hashes.append(np.full(count, seq.prompt_hash, dtype=_U64))
+            blocks.append(np.asarray(self._blocks.table(seq.request_id), dtype=np.int64)[position // size])
+        position = np.concatenate(positions)
+        self._kv[np.concatenate(blocks), position % size] = self._slot_bytes(
+            np.concatenate(tokens), position.astype(_U64), np.concatenate(hashes)
+        )
+
+    def _read_kv(self, sampling: list[_Chunk], n: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        size = self.block_size
+        picks = np.empty((len(sampling), _NUM_LOOKBACK + 1), dtype=_U64)
         picks[:, 0] = n - _U64(1)
         for k in range(1, _NUM_LOOKBACK + 1):
             picks[:, k] = _mix(hashes ^ (n * _K_PICK + _U64(k))) % n
         slots = picks.astype(np.int64)
-        tables = [self._blocks.table(s.request_id) for s in seqs]
+        tables = [self._blocks.table(c.seq.request_id) for c in sampling]
         read_blocks = [[table[p // size] for p in row] for table, row in zip(tables, slots.tolist())]
-        # Writes: every slot of each prefill, then the last slot of each decode (read slot 0 above).
-        tokens, positions, owners, blocks = [], [], [], []
-        for i in range(num_prefills):
-            request, count = seqs[i].request, lengths[i]
-            tokens.append(np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=_U64))
-            positions.append(np.arange(count, dtype=np.int64))
-            owners.append(np.full(count, i, dtype=np.intp))
-            blocks.append(np.asarray(tables[i], dtype=np.int64)[positions[-1] // size])
-        decodes = range(num_prefills, len(seqs))
-        if decodes:
-            tokens.append(_u64([seqs[i].request.output_token_ids[-1] for i in decodes]))
-            positions.append(slots[num_prefills:, 0])
-            owners.append(np.arange(num_prefills, len(seqs), dtype=np.intp))
-            blocks.append(np.fromiter((read_blocks[i][0] for i in decodes), dtype=np.int64, count=len(decodes)))
-        position = np.concatenate(positions)
-        self._kv[np.concatenate(blocks), position % size] = self._slot_bytes(
-            np.concatenate(tokens), position.astype(_U64), hashes[np.concatenate(owners)]
-        )
         digests = self._kv[np.array(read_blocks, dtype=np.int64), slots % size].astype(_U64) @ self._weights
         return _mix((digests * self._combine).sum(axis=1) ^ n)
 
@@ -598,7 +655,7 @@ class SimEngine:
         self._waiting_demand -= blocks_for(seq.num_tokens, self._blocks.block_size)
 
     def _build_snapshot(self) -> EngineSnapshot:
-        running = [self._load(s, True, True) for s in self._running]
+        running = [self._load(s, True, _decoding(s)) for s in self._running]
         running += [self._load(s, True, False) for s in self._paused.values()]
         return EngineSnapshot(
             total_blocks=self.total_blocks,

@@ -45,13 +45,17 @@ class Candidate(Protocol):
     """The view of one dispatchable instance that policies read."""
 
     instance_id: str
+    # The id's place in the natural order of ids: every policy's tie-break.
+    order: tuple
     load: InstanceLoad
     # Requests dispatched to it but not yet in `load`: their prompt blocks and prompt tokens.
     pending_blocks: int
     pending_prompt_tokens: int
-    # Freeness F counting the pending blocks as demand; key = freeness_key(instance_id, freeness).
-    freeness: float
-    key: tuple[float, str]
+    # The dispatch load's freeness for a normal-priority arrival (`llumdask.load`), pending included.
+    dispatch_freeness: float
+
+    def dispatch_freeness_for(self, priority: Priority) -> float:
+        """The same for an arrival of this execution priority (its class's headroom charged)."""
 
 
 class DispatchPolicy:
@@ -66,13 +70,13 @@ class DispatchPolicy:
 
 
 class LlumnixDispatch(DispatchPolicy):
-    """Llumnix: the freest instance (max F including pending demand).
-
-    Ties follow `freeness_key`, the one total order of instances: the larger id wins.
-    """
+    """Llumnix: the highest dispatch freeness for this request's execution priority (every queued
+    and pending demand counted; a high-priority request pays its class's headroom where none of
+    its class runs yet, so it joins high-priority work already placed). Ties: the larger id."""
 
     def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
-        return max(candidates, key=attrgetter("key")).instance_id
+        priority = info.execution_priority
+        return max(candidates, key=lambda c: (c.dispatch_freeness_for(priority), c.order)).instance_id
 
 
 class RoundRobinDispatch(DispatchPolicy):
@@ -83,14 +87,14 @@ class RoundRobinDispatch(DispatchPolicy):
     """
 
     def __init__(self) -> None:
-        self._last: str | None = None
+        self._last: tuple | None = None
 
     def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
         last = self._last
-        ids = [c.instance_id for c in candidates]
-        later = [i for i in ids if i > last] if last is not None else ()
-        self._last = min(later) if later else min(ids)
-        return self._last
+        later = [c for c in candidates if c.order > last] if last is not None else ()
+        chosen = min(later or candidates, key=attrgetter("order"))
+        self._last = chosen.order
+        return chosen.instance_id
 
 
 class InfaasDispatch(DispatchPolicy):
@@ -101,10 +105,10 @@ class InfaasDispatch(DispatchPolicy):
     """
 
     def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
-        def memory_load(c: Candidate) -> tuple[float, str]:
+        def memory_load(c: Candidate) -> tuple[float, tuple]:
             load = c.load
             demand = load.total_blocks - load.free_blocks + load.waiting_demand + c.pending_blocks
-            return (demand / load.total_blocks, c.instance_id)
+            return (demand / load.total_blocks, c.order)
 
         return min(candidates, key=memory_load).instance_id
 
@@ -121,15 +125,15 @@ class LMetricDispatch(DispatchPolicy):
     def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
         prompt = info.num_prompt_tokens
 
-        def score(c: Candidate) -> tuple[int, str]:
+        def score(c: Candidate) -> tuple[int, tuple]:
             load = c.load
-            return ((load.pending_prefill_tokens + c.pending_prompt_tokens + prompt) * (load.num_running + 1), c.instance_id)
+            return ((load.pending_prefill_tokens + c.pending_prompt_tokens + prompt) * (load.num_running + 1), c.order)
 
         return min(candidates, key=score).instance_id
 
 
 class PowerOfTwoDispatch(DispatchPolicy):
-    """Power of two choices: two distinct random candidates (seeded), the freer by F wins."""
+    """Power of two choices: two distinct random candidates (seeded), the freer by dispatch freeness wins."""
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -141,7 +145,7 @@ class PowerOfTwoDispatch(DispatchPolicy):
     def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
         if len(candidates) == 1:
             return candidates[0].instance_id
-        return max(self._rng.sample(candidates, 2), key=attrgetter("key")).instance_id
+        return max(self._rng.sample(candidates, 2), key=lambda c: (c.dispatch_freeness, c.order)).instance_id
 
 
 DISPATCH_POLICIES: Registry[type[DispatchPolicy]] = Registry(

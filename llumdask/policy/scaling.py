@@ -1,9 +1,10 @@
-"""Scaling (paper section 4.4.3): keep the cluster's mean freeness inside a band.
+"""Scaling (paper section 4.4.3): keep the cluster's pooled freeness inside a band.
 
-Mean F below the band for a sustained period -> add an instance; above it -> drain one.
-Hysteresis keeps a load step or a load oscillating around a band edge from flapping the
-cluster: the timer restarts whenever the condition breaks, and after a decision the same
-condition must hold for another full period before the next one.
+Pooled F (`llumdask.load.PooledLoad`: the cluster summed as one instance) below the band for a
+sustained period -> add as many instances as the deficit needs (the scheduler sizes it); above
+it -> drain one. Hysteresis keeps a load step or a load oscillating around a band edge from
+flapping the cluster: the timer restarts whenever the condition breaks, and after a decision the
+same condition must hold for another full period before the next one.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ class ScalingPolicy:
         self._condition: ScaleAction | None = None
         self._since = 0.0
 
-    def observe(self, now: float, mean_freeness: float | None, *, can_add: bool, can_terminate: bool) -> ScaleAction | None:
+    def observe(self, now: float, freeness: float | None, *, can_add: bool, can_terminate: bool) -> ScaleAction | None:
         """Feed one observation (None: no instance to measure); returns the action due, if any.
 
         An action the caller cannot take now (`can_add`/`can_terminate` False) is not taken and
         does not restart the timer, so it happens as soon as it becomes possible.
         """
-        condition = self._condition_of(mean_freeness)
+        condition = self._condition_of(freeness)
         if condition is not self._condition:
             self._condition, self._since = condition, now
         if condition is None or now - self._since < self._period:
@@ -57,11 +58,11 @@ class ScalingPolicy:
         self._since = now
         return condition
 
-    def _condition_of(self, mean_freeness: float | None) -> ScaleAction | None:
-        if mean_freeness is None:
+    def _condition_of(self, freeness: float | None) -> ScaleAction | None:
+        if freeness is None:
             return None
-        if mean_freeness < self._low:
+        if freeness < self._low:
             return ScaleAction.ADD
-        if mean_freeness > self._high:
+        if freeness > self._high:
             return ScaleAction.TERMINATE
         return None

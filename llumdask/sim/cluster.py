@@ -315,10 +315,12 @@ class SimCluster:
         for inst in self.instances.values():
             if inst.alive:
                 inst.llumlet.check_integrity()
+        # The run ends with its last completion; periodic loops may tick once more after it.
+        done = [r.timing.finished for r in self.requests.values() if r.timing.finished is not None]
         return SimOutcome(
             requests=[r for r in self.requests.values()],
-            samples=self.samples,
+            samples=[s for s in self.samples if not done or s.time <= max(done)],
             migrations=self.migrations,
-            duration=self.events.now,
+            duration=max(done, default=self.events.now),
             rejected=self.rejected,
         )

@@ -207,6 +207,7 @@ def summarize(
         raise ValueError(f"duration must be a finite number >= 0, got {duration!r}")
     finished = [r for r in requests if r.status is RequestStatus.FINISHED]
     result: dict[str, float] = {"requests": len(finished), **_latency_stats(finished)}
+    result["makespan"] = max((r.timing.finished for r in finished), default=math.nan)
     result["preemption_count"] = sum(r.timing.preemptions for r in finished)
     result["preemption_loss_mean"] = _mean(r.timing.preemption_loss for r in finished)
     result.update(_sample_stats(samples, duration))

@@ -385,6 +385,15 @@ def _check_args(
         raise ValueError(f"max_seq_len must be an integer >= 2 (one input and one output token), got {max_seq_len!r}")
 
 
+def _workload_key(name: str) -> str:
+    return name.upper() if name.upper() in PAIRINGS else name.lower()
+
+
+def is_generated(name: str) -> bool:
+    """A named workload drawn from length tables (it needs a rate and a count), not a trace file."""
+    return _workload_key(name) in WORKLOADS
+
+
 def make_workload(
     name: str,
     *,
@@ -404,7 +413,7 @@ def make_workload(
     _check_args(rate, num_requests, cv, high_priority_share, max_seq_len)
     arrival_seed, length_seed, priority_seed = np.random.SeedSequence(seed).spawn(3)
     priority_rng = np.random.default_rng(priority_seed)
-    key = name.upper() if name.upper() in PAIRINGS else name.lower()
+    key = _workload_key(name)
     if key not in WORKLOADS:
         if Path(name).suffix.lower() not in TRACE_SUFFIXES:
             raise ValueError(

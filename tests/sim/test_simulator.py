@@ -15,7 +15,7 @@ from llumdask.engine.latency import load_profile
 from llumdask.request import Priority
 from llumdask.sim.cluster import SimCluster, SimulatorSettings
 from llumdask.sim.run import make_spec, simulate
-from llumdask.sim.workload import TraceRequest, make_workload
+from llumdask.sim.workload import TraceRequest, make_workload, write_trace
 
 RESULT_KEYS = {
     "prefill_mean", "prefill_p99", "decode_mean", "decode_p99", "e2e_mean", "e2e_p99",
@@ -69,6 +69,23 @@ def test_bench_sim_writes_documented_keys(tmp_path, capsys):
         assert RESULT_KEYS <= set(metrics)
         assert 0 <= metrics["fragmentation_mean"] <= 1
     assert "llumnix" in capsys.readouterr().out
+
+
+def test_bench_sim_replays_a_trace_file_at_its_own_times(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    # 30 requests over 29 s: 1 req/s, far from the default rate of generated traces.
+    write_trace(trace, [TraceRequest(float(i), 64, 8) for i in range(30)])
+    code = bench_main(["sim", "--trace", str(trace), "--instances", "2", "--policies", "llumnix", "--out", str(tmp_path),
+                       "--no-progress"])
+    assert code == 0
+    result = json.loads((tmp_path / "results.json").read_text())["llumnix"]
+    assert result["requests"] == 30
+    assert result["makespan"] == pytest.approx(29 + result["e2e_p99"], rel=0.05)
+    assert "its own arrival times, 30 requests" in capsys.readouterr().out
+    code = bench_main(["sim", "--trace", str(trace), "--instances", "2", "--policies", "llumnix", "--rate", "29",
+                       "--requests", "10", "--out", str(tmp_path), "--no-progress"])
+    result = json.loads((tmp_path / "results.json").read_text())["llumnix"]
+    assert result["requests"] == 10 and result["makespan"] < 2
 
 
 def test_bench_rejects_unknown_policy(capsys):
