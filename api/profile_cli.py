@@ -3,8 +3,9 @@
 Subcommands:
   fit-vidur   fit a profile to GPU operator tables from Vidur's profiler (mlp.csv, attention.csv)
   measure     measure a real engine's step times over a grid and fit a profile to them
+  headroom    derive the high-priority headroom from a profile (and store it in the profile)
 
-Each subcommand writes a profile JSON that ``--profile PATH`` (or, once under
+fit-vidur and measure write a profile JSON that ``--profile PATH`` (or, once under
 llumdask/engine/profiles/, ``--profile NAME``) loads.
 """
 
@@ -16,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from llumdask.engine.latency import LatencyProfile
+from llumdask.engine.headroom import DEFAULT_SEQUENCE_TOKENS, DEFAULT_TOLERANCE, decode_step, derive_headroom
+from llumdask.engine.latency import LatencyProfile, load_profile
 from llumdask.engine.profile_fit import (
     DEFAULT_CPU_OVERHEAD_S,
     DEFAULT_MEMORY_BYTES,
@@ -73,7 +75,42 @@ def build_parser() -> argparse.ArgumentParser:
     measure.add_argument("--grid", choices=("quick", "full"), default="quick", help="how much to measure (default: %(default)s)")
     measure.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     measure.set_defaults(run=lambda args: _measure(args, measure))
+    headroom = commands.add_parser(
+        "headroom",
+        help="derive the high-priority headroom from a profile",
+        description="The paper's headroom (section 4.4.1): the batched-token load at which a decode step is within "
+        "--tolerance of a lone sequence's, and capacity minus it; prints it with the ceiling speedup the profile "
+        "allows (a full instance's step over a lone sequence's).",
+    )
+    headroom.add_argument("--profile", required=True, help="profile name or JSON path")
+    headroom.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                          help="near-ideal: a step at most this fraction slower than a lone sequence's (default: %(default)s)")
+    headroom.add_argument("--sequence-tokens", type=_positive_int, default=DEFAULT_SEQUENCE_TOKENS,
+                          help="tokens per sequence of the batch, lone one included (default: %(default)s)")
+    headroom.add_argument("--write", type=Path, help="store the headroom in this profile JSON (the profile's own file)")
+    headroom.set_defaults(run=lambda args: _headroom(args, headroom))
     return parser
+
+
+def _headroom(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        profile = load_profile(args.profile)
+        derived = derive_headroom(profile, tolerance=args.tolerance, sequence_tokens=args.sequence_tokens)
+    except ValueError as exc:
+        parser.error(str(exc))
+    lone = decode_step(profile, args.sequence_tokens, args.sequence_tokens)
+    print(f"profile {profile.name}: capacity {profile.capacity_tokens:,} tokens; sequences of {args.sequence_tokens} tokens")
+    print(f"lone sequence decode step {lone * 1e3:.2f} ms; near-ideal (within {args.tolerance:.0%}) up to "
+          f"{derived.near_ideal_tokens:,} batched tokens")
+    print(f"headroom {derived.tokens:,} tokens (capacity - near-ideal load)")
+    print(f"ceiling: a full instance's step is {derived.ceiling:.3f}x a lone sequence's (the most a high-priority request gains)")
+    if args.write is not None:
+        stored = replace(load_profile(args.write), headroom=derived.to_dict())
+        if stored.name != profile.name:
+            parser.error(f"--write {args.write} holds profile {stored.name!r}, not {profile.name!r}")
+        args.write.write_text(profile_json(stored))
+        print(f"wrote {args.write}")
+    return 0
 
 
 def _write(out: Path, profile: LatencyProfile, prefill: FitQuality, decode: FitQuality) -> int:

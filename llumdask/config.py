@@ -103,8 +103,8 @@ class VllmEngineConfig:
     engine_args: dict[str, Any] = field(default_factory=dict)
 
 
-def _default_headroom() -> dict[Priority, int]:
-    return {Priority.HIGH: 1600, Priority.NORMAL: 0}
+def _default_headroom() -> dict[Priority, int | None]:
+    return {Priority.HIGH: None, Priority.NORMAL: 0}
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class LlumdaskConfig:
     engine: str = "sim"
     report_interval: float = 0.05
     stream_interval: float = 0.01
-    headroom_tokens: dict[Priority, int] = field(default_factory=_default_headroom)
+    headroom_tokens: dict[Priority, int | None] = field(default_factory=_default_headroom)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)

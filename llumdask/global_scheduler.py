@@ -217,8 +217,14 @@ class GlobalScheduler:
 
     # ------------------------------------------------------------------ instance table
 
-    def register_instance(self, instance_id: str, total_blocks: int, block_size: int, now: float) -> None:
-        """Add a starting instance; it receives nothing until `mark_ready`."""
+    def register_instance(
+        self, instance_id: str, total_blocks: int, block_size: int, now: float, high_priority_headroom: int | None = None
+    ) -> None:
+        """Add a starting instance; it receives nothing until `mark_ready`.
+
+        `high_priority_headroom`: the tokens of headroom its engine's latency profile derives, used
+        unless the configuration sets one (`headroom-tokens`); neither: none.
+        """
         if not isinstance(instance_id, str) or not instance_id:
             raise ValueError(f"instance_id must be a non-empty string, got {instance_id!r}")
         if instance_id in self._instances:
@@ -226,7 +232,13 @@ class GlobalScheduler:
         for name, value in (("total_blocks", total_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"instance {instance_id}: {name} must be an integer >= 1, got {value!r}")
-        headroom = headroom_blocks(self._config.headroom_tokens, block_size)
+        if high_priority_headroom is not None and not (
+            isinstance(high_priority_headroom, int) and not isinstance(high_priority_headroom, bool) and high_priority_headroom >= 0
+        ):
+            raise ValueError(f"instance {instance_id}: high_priority_headroom must be an integer >= 0, got {high_priority_headroom!r}")
+        derived = {Priority.HIGH: high_priority_headroom or 0}
+        tokens = {p: t if t is not None else derived.get(p, 0) for p, t in self._config.headroom_tokens.items()}
+        headroom = headroom_blocks(tokens, block_size)
         self._instances[instance_id] = _Instance(instance_id, total_blocks, block_size, headroom)
 
     def mark_ready(self, instance_id: str, now: float) -> None:

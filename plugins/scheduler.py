@@ -6,7 +6,7 @@ only after its llumlet said "ready" (the plugin's `add_worker` runs before a wor
 set up). Everything it receives and sends is msgpack-native (scheduler comms do not deserialize).
 
 RPC handlers (reply dicts):
-    llumnix_register(instance, total_blocks, block_size) -> {"registered": bool}
+    llumnix_register(instance, total_blocks, block_size, high_priority_headroom) -> {"registered": bool}
     llumnix_ready(instance)                              -> {"ready": bool}
     llumnix_unregister(instance)                         -> {"removed": bool}
     llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, scheduling_priority,
@@ -139,10 +139,11 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                 self._send(peer, {"op": "llumnix_peer_lost", "peer": worker})
 
     # ------------------------------------------------------------------ RPC handlers
-    def register(self, instance: str, total_blocks: int, block_size: int) -> dict:
-        """A llumlet announces its capacity; a restarted one replaces its previous record."""
+    def register(self, instance: str, total_blocks: int, block_size: int, high_priority_headroom: int | None = None) -> dict:
+        """A llumlet announces its capacity (and its profile's headroom); a restarted one replaces
+        its previous record."""
         self._forget(instance)
-        self._scheduler().register_instance(instance, total_blocks, block_size, time.time())
+        self._scheduler().register_instance(instance, total_blocks, block_size, time.time(), high_priority_headroom)
         return {"registered": True}
 
     def ready(self, instance: str) -> dict:

@@ -222,7 +222,8 @@ class LlumletHost:
         while True:
             try:
                 reply = await self.worker.scheduler.llumnix_register(
-                    instance=self.instance_id, total_blocks=engine.total_blocks, block_size=engine.block_size
+                    instance=self.instance_id, total_blocks=engine.total_blocks, block_size=engine.block_size,
+                    high_priority_headroom=engine.high_priority_headroom,
                 )
             except OSError as exc:
                 logger.info("registering %s failed: %s", self.instance_id, exc)

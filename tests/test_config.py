@@ -99,7 +99,7 @@ def test_import_registers_the_yaml_as_dask_defaults():
 
 def test_typed_view_has_the_contract_types():
     config = LlumdaskConfig()
-    assert config.headroom_tokens == {Priority.HIGH: 1600, Priority.NORMAL: 0}
+    assert config.headroom_tokens == {Priority.HIGH: None, Priority.NORMAL: 0}
     assert all(isinstance(p, Priority) for p in config.headroom_tokens)
     assert config.scaling.band == (10.0, 60.0) and isinstance(config.scaling.band, tuple)
     assert config.sim_engine.total_blocks is None

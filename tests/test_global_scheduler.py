@@ -395,7 +395,7 @@ def test_oscillating_load_around_the_band_edge_yields_no_decision():
 def test_pooled_freeness_ignores_priority_headroom():
     # i0 runs one high-priority request: its F = 100 - 10 - 100 (headroom) = -10. Pooled with the
     # headroom, (200 - 30 - 100) / 2 would be inside the band; without it, 170 / 2 is above it.
-    gs = scheduler(2, scaling=SCALING)
+    gs = scheduler(2, scaling=SCALING, headroom_tokens={Priority.HIGH: 1600, Priority.NORMAL: 0})
     high = InstanceLoad("i0", BLOCKS, BLOCK_SIZE, BLOCKS - 10, 1, 0,
                         running_blocks={Priority.HIGH: 10}, running_count={Priority.HIGH: 1})
     gs.report(high, 0.0)

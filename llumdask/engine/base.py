@@ -234,6 +234,11 @@ class Engine(Protocol):
     @property
     def total_blocks(self) -> int: ...
 
+    @property
+    def high_priority_headroom(self) -> int | None:
+        """Tokens of high-priority headroom derived from this engine's latency profile
+        (`llumdask.engine.headroom`); None for an engine without one."""
+
     # ------------------------------------------------------------------ serving
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError if it can never fit (prompt + max_tokens > capacity)."""

@@ -32,6 +32,8 @@ PROFILE_DIR = Path(__file__).with_name("profiles")
 _PREFILL_KEYS = ("base_s", "per_token_s", "per_token_squared_s")
 _DECODE_KEYS = ("base_s", "per_seq_s", "per_context_token_s")
 _TOP_KEYS = ("name", "capacity_tokens", "block_size", "model_kv_bytes_per_token", "prefill", "decode", "derivation")
+# Optional: the high-priority headroom derived from this profile (`llumdask.engine.headroom`).
+_OPTIONAL_KEYS = ("headroom",)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,13 @@ class LatencyProfile:
     prefill: PrefillCost
     decode: DecodeCost
     derivation: str
+    # `Headroom.to_dict()` as `llumdask profile headroom --write` stored it, or None.
+    headroom: Mapping[str, Any] | None = None
+
+    @property
+    def headroom_tokens(self) -> int | None:
+        """The high-priority headroom this profile carries, in tokens (None: none derived)."""
+        return None if self.headroom is None else int(self.headroom["tokens"])
 
     def prefill_time(self, lengths: Iterable[int]) -> float:
         """Seconds to prefill these prompts together in one step."""
@@ -101,7 +110,7 @@ class LatencyProfile:
         if not isinstance(data, Mapping):
             raise ValueError(f"{source}: a latency profile must be a JSON object")
         missing = [k for k in _TOP_KEYS if k not in data]
-        unknown = sorted(set(data) - set(_TOP_KEYS))
+        unknown = sorted(set(data) - set(_TOP_KEYS) - set(_OPTIONAL_KEYS))
         if missing or unknown:
             raise ValueError(f"{source}: missing keys {missing}, unknown keys {unknown}; expected {list(_TOP_KEYS)}")
         name = data["name"]
@@ -124,6 +133,7 @@ class LatencyProfile:
             prefill=PrefillCost(**_coefficients(data, "prefill", _PREFILL_KEYS, source)),
             decode=DecodeCost(**_coefficients(data, "decode", _DECODE_KEYS, source)),
             derivation=derivation,
+            headroom=_headroom(data.get("headroom"), capacity, source),
         )
 
 
@@ -168,3 +178,12 @@ def _coefficients(data: Mapping[str, Any], section: str, keys: tuple[str, ...], 
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{source}: '{section}.{key}' must be a finite number >= 0 seconds, got {v!r}")
     return {key: float(values[key]) for key in keys}
+
+
+def _headroom(value: Any, capacity: int, source: str) -> Mapping[str, Any] | None:
+    if value is None:
+        return None
+    tokens = value.get("tokens") if isinstance(value, Mapping) else None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= capacity:
+        raise ValueError(f"{source}: 'headroom.tokens' must be an integer in [0, {capacity}], got {tokens!r}")
+    return dict(value)

@@ -35,6 +35,7 @@ from typing import Mapping
 
 import numpy as np
 
+from llumdask.engine.headroom import with_headroom
 from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost
 
 # Vidur's tables hold milliseconds.
@@ -374,7 +375,7 @@ def fit_vidur(directory: str | Path, options: FitOptions) -> FitResult:
         decode=decode_cost,
         derivation="\n".join(_derivation(tables, options, size, capacity, prefill_cost, decode_cost, *quality)),
     )
-    return FitResult(profile, *quality)
+    return FitResult(with_headroom(profile), *quality)
 
 
 @dataclass(frozen=True)
@@ -417,7 +418,7 @@ def profile_to_dict(profile: LatencyProfile) -> dict:
         "prefill": asdict(profile.prefill),
         "decode": asdict(profile.decode),
         "derivation": profile.derivation.split("\n"),
-    }
+    } | ({} if profile.headroom is None else {"headroom": dict(profile.headroom)})
 
 
 def profile_json(profile: LatencyProfile) -> str:

@@ -219,6 +219,10 @@ class SimEngine:
     def total_blocks(self) -> int:
         return self._blocks.total_blocks
 
+    @property
+    def high_priority_headroom(self) -> int | None:
+        return self.profile.headroom_tokens
+
     # ------------------------------------------------------------------ serving
     def add_request(self, request: Request) -> None:
         rid = request.request_id

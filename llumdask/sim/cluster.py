@@ -162,7 +162,9 @@ class SimCluster:
             on_event=self._record_migration,
         )
         self.instances[instance_id] = SimInstance(instance_id, llumlet)
-        self.scheduler.register_instance(instance_id, engine.total_blocks, engine.block_size, self.events.now)
+        self.scheduler.register_instance(
+            instance_id, engine.total_blocks, engine.block_size, self.events.now, engine.high_priority_headroom
+        )
         self.events.at(ready_at, lambda: self._ready(instance_id))
         return instance_id
 

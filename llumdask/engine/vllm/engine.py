@@ -162,6 +162,10 @@ class VllmEngine:
         return internals.usable_blocks(self._pool)
 
     @property
+    def high_priority_headroom(self) -> int | None:
+        return None  # no latency profile: set llumdask.headroom-tokens.high (llumdask profile headroom)
+
+    @property
     def max_model_len(self) -> int:
         return self._max_model_len
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llumdask.engine.headroom import with_headroom
 from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost
 from llumdask.engine.profile_fit import FitQuality, Samples, fit_coefficients, fit_quality
 from llumdask.request import Request, SamplingParams
@@ -196,4 +197,4 @@ def fit_measured(engine: "VllmEngine", measurement: Measurement, name: str, mode
         name=name, capacity_tokens=capacity, block_size=engine.block_size, model_kv_bytes_per_token=kv,
         prefill=prefill_cost, decode=decode_cost, derivation="\n".join(derivation),
     )
-    return MeasuredProfile(profile, measurement, *quality)
+    return MeasuredProfile(with_headroom(profile), measurement, *quality)
