@@ -29,13 +29,14 @@ from llumdask.config import LlumdaskConfig
 from llumdask.load import (
     InstanceLoad,
     PooledLoad,
-    dispatch_freeness,
-    freeness_key,
+    dispatch_usage,
     headroom_blocks,
     instance_order,
     migration_freeness,
+    per_request,
 )
-from llumdask.policy.dispatch import DispatchInfo, make_dispatch_policy
+from llumdask.policy.candidates import CandidateTable
+from llumdask.policy.dispatch import DispatchInfo, DispatchPolicy, make_dispatch_policy
 from llumdask.policy.migration import MigrationPair, pair_migrations
 from llumdask.policy.scaling import ScaleAction, ScaleDecision, ScalingPolicy
 from llumdask.request import Priority, blocks_for
@@ -85,7 +86,7 @@ class _Instance:
         "instance_id", "order", "total_blocks", "block_size", "headroom", "ready", "joined_at", "terminating",
         "reported_since_terminating", "removal_decided", "load", "last_report_at", "handed", "pending",
         "num_pending", "pending_blocks", "pending_prompt_tokens", "pending_classes", "freeness", "key",
-        "dispatch_freeness",
+        "dispatch_freeness", "dispatch_surplus",
     )
 
     def __init__(self, instance_id: str, total_blocks: int, block_size: int, headroom: dict[Priority, int]) -> None:
@@ -113,35 +114,29 @@ class _Instance:
         self.pending_classes: dict[Priority, int] = {}
         self.freeness = 0.0
         self.key: tuple = (0.0, self.order)
-        self.dispatch_freeness = 0.0
+        self.dispatch_freeness = self.dispatch_surplus = 0.0
         self.refresh()
 
     def refresh(self) -> None:
-        """Recompute the cached freeness values after anything they depend on changed."""
+        """Recompute the cached loads after anything they depend on changed."""
+        load = self.load
         if self.terminating:
-            self.freeness = self.dispatch_freeness = -math.inf
+            self.freeness = self.dispatch_freeness = self.dispatch_surplus = -math.inf
         else:
-            self.freeness = migration_freeness(self.load, self.headroom, extra_demand=self.pending_blocks)
-            self.dispatch_freeness = self._dispatch_freeness(())
+            self.freeness = migration_freeness(load, self.headroom, extra_demand=self.pending_blocks)
+            usage = dispatch_usage(load, self.headroom, pending_blocks=self.pending_blocks, classes=self.pending_classes)
+            self.dispatch_surplus = load.total_blocks - usage
+            self.dispatch_freeness = per_request(self.dispatch_surplus, self.dispatch_requests)
         self.key = (self.freeness, self.order)
 
-    def dispatch_freeness_for(self, priority: Priority) -> float:
-        """Dispatch freeness for an arriving request of this execution priority: charged its class's
-        headroom here unless the class already runs (or is on its way) here."""
-        if (
-            self.terminating
-            or not self.headroom.get(priority, 0)
-            or self.load.running_count.get(priority, 0)
-            or priority in self.pending_classes
-        ):
-            return self.dispatch_freeness
-        return self._dispatch_freeness((priority,))
+    @property
+    def dispatch_requests(self) -> int:
+        return self.load.num_running + self.load.num_waiting + self.num_pending
 
-    def _dispatch_freeness(self, arriving: tuple[Priority, ...]) -> float:
-        return dispatch_freeness(
-            self.load, self.headroom, pending_blocks=self.pending_blocks, pending_requests=self.num_pending,
-            classes=(*arriving, *self.pending_classes),
-        )
+    def absent_charge(self, priority: Priority) -> int:
+        if self.load.running_count.get(priority, 0) or priority in self.pending_classes:
+            return 0
+        return self.headroom.get(priority, 0)
 
     def add_pending(self, info: DispatchInfo) -> None:
         blocks = blocks_for(info.num_prompt_tokens, self.block_size)
@@ -207,13 +202,14 @@ class GlobalScheduler:
     """Instance table -> dispatch target, migration pairs, scale decisions. Not thread-safe:
     the host calls it from one thread (the Dask scheduler's event loop)."""
 
-    def __init__(self, config: LlumdaskConfig) -> None:
+    def __init__(self, config: LlumdaskConfig, dispatch_policy: DispatchPolicy | None = None) -> None:
+        """`dispatch_policy` replaces the one `config.dispatch` names (the simulator's oracle)."""
         self._config = config
-        self._dispatch_policy = make_dispatch_policy(config.dispatch)
+        self._dispatch_policy = dispatch_policy or make_dispatch_policy(config.dispatch)
         self._scaling_policy = ScalingPolicy(config.scaling)
         self._instances: dict[str, _Instance] = {}
         # Ready, non-terminating instances; rebuilt only when membership changes.
-        self._candidates: list[_Instance] | None = None
+        self._candidates: CandidateTable | None = None
 
     # ------------------------------------------------------------------ instance table
 
@@ -275,6 +271,8 @@ class GlobalScheduler:
         instance.last_report_at = now
         if instance.terminating and not was_terminating:
             self._candidates = None
+        elif self._candidates is not None:
+            self._candidates.update(instance)
 
     def freeness(self, instance_id: str) -> float:
         """The instance's F, counting requests dispatched there but not yet reported."""
@@ -290,14 +288,15 @@ class GlobalScheduler:
         """Choose the instance for a new request and count it as pending demand there."""
         candidates = self._candidates
         if candidates is None:
-            candidates = self._candidates = [i for i in self._instances.values() if i.ready and not i.terminating]
+            candidates = self._candidates = CandidateTable([i for i in self._instances.values() if i.ready and not i.terminating])
         if not candidates:
             raise NoInstanceAvailable(f"no ready, non-terminating instance among {len(self._instances)} registered")
         chosen = self._dispatch_policy.choose(candidates, info)
         instance = self._instances.get(chosen)
         if instance is None or not instance.ready or instance.terminating:
-            raise RuntimeError(f"dispatch policy {self._config.dispatch.policy!r} chose {chosen!r}, not a candidate")
+            raise RuntimeError(f"dispatch policy {type(self._dispatch_policy).__name__} chose {chosen!r}, not a candidate")
         instance.add_pending(info)
+        candidates.update(instance)
         return chosen
 
     def pair_migrations(self, now: float) -> list[MigrationPair]:

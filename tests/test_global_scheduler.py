@@ -18,7 +18,7 @@ from llumdask.global_scheduler import (
     ScaleDecision,
     UnknownInstance,
 )
-from llumdask.load import InstanceLoad, headroom_blocks
+from llumdask.load import InstanceLoad, dispatch_freeness, headroom_blocks
 from llumdask.load import migration_freeness as freeness
 from llumdask.request import Priority
 
@@ -164,18 +164,17 @@ def test_a_burst_spreads_evenly_before_any_report(policy, k, n):
 
 
 @given(k=st.integers(2, 8), prompts=st.lists(st.integers(1, 16 * 20), max_size=60))
-def test_a_burst_of_mixed_prompts_balances_free_blocks_per_request(k, prompts):
-    # Unreported, a burst is spread by the dispatch load alone: at the end no instance is freer
-    # than any other was when it took its last request (free blocks per request, balanced).
+def test_a_burst_is_spread_by_the_dispatch_load_with_each_request_added(k, prompts):
+    # Unreported, a burst is placed by pending demand alone: each request where the dispatch load
+    # with it added is the freest (ties: the larger id).
     gs = scheduler(k)
-    before_last = {}
     for j, tokens in enumerate(prompts):
-        rows = {v.instance_id: v.dispatch_freeness for v in gs.instances()}
+        blocks = -(-tokens // BLOCK_SIZE)
+        after = {v.instance_id: dispatch_freeness(v.load, {}, pending_blocks=v.pending_blocks + blocks,
+                                                  pending_requests=v.num_pending + 1) for v in gs.instances()}
         target = gs.dispatch(info(j, tokens), 0.0)
-        assert rows[target] == max(rows.values())
-        before_last[target] = rows[target]
-    final = [v.dispatch_freeness for v in gs.instances()]
-    assert all(f <= min(before_last.values(), default=BLOCKS) for f in final)
+        assert after[target] == max(after.values())
+        assert target == max((i for i in after if after[i] == after[target]), key=lambda i: int(i[1:]))
     assert sum(v.num_pending for v in gs.instances()) == len(prompts)
 
 

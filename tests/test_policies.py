@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import llumdask
 from llumdask.config import DispatchConfig, MigrationConfig, ScalingConfig
-from llumdask.load import InstanceLoad, dispatch_freeness, freeness_key, instance_order, migration_freeness
+from llumdask.load import InstanceLoad, dispatch_freeness, dispatch_usage, freeness_key, instance_order, migration_freeness
+from llumdask.policy.candidates import CandidateTable
 from llumdask.policy.dispatch import (
     DISPATCH_POLICIES,
     DispatchInfo,
@@ -45,19 +46,27 @@ class View:
     freeness: float = field(init=False)
     key: tuple = field(init=False)
     order: tuple = field(init=False)
+    block_size: int = field(init=False)
+    dispatch_surplus: float = field(init=False)
+    dispatch_requests: int = field(init=False)
     dispatch_freeness: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.freeness = -math.inf if self.terminating else migration_freeness(self.load, self.headroom, extra_demand=self.pending_blocks)
         self.key = freeness_key(self.instance_id, self.freeness)
         self.order = instance_order(self.instance_id)
-        self.dispatch_freeness = self.dispatch_freeness_for(Priority.NORMAL)
+        self.block_size = self.load.block_size
+        self.dispatch_surplus = self.load.total_blocks - dispatch_usage(self.load, self.headroom, pending_blocks=self.pending_blocks)
+        self.dispatch_requests = self.load.num_running + self.load.num_waiting + self.num_pending
+        self.dispatch_freeness = dispatch_freeness(self.load, self.headroom, pending_blocks=self.pending_blocks,
+                                                   pending_requests=self.num_pending)
 
-    def dispatch_freeness_for(self, priority: Priority) -> float:
-        if self.terminating:
-            return -math.inf
-        return dispatch_freeness(self.load, self.headroom, pending_blocks=self.pending_blocks,
-                                 pending_requests=self.num_pending, classes=(priority,))
+    def absent_charge(self, priority: Priority) -> int:
+        return 0 if self.load.running_count.get(priority, 0) else self.headroom.get(priority, 0)
+
+
+def choose(policy, views, info: DispatchInfo = None) -> str:
+    return policy.choose(CandidateTable(views), info or INFO)
 
 
 def view(
@@ -134,45 +143,53 @@ def test_dispatch_info_parses_priorities():
 
 def test_llumnix_picks_the_freest_counting_pending_demand():
     cluster = [view("a", used=50), view("b", used=20), view("c", used=30)]
-    assert LlumnixDispatch().choose(cluster, INFO) == "b"
+    assert choose(LlumnixDispatch(), cluster) == "b"
     cluster[1] = view("b", used=20, num_pending=1, pending_blocks=60)  # a burst sent there, unreported
-    assert LlumnixDispatch().choose(cluster, INFO) == "c"
+    assert choose(LlumnixDispatch(), cluster) == "c"
 
 
 def test_llumnix_prefers_fewer_running_at_equal_usage():
     # F = (M - V) / B: same blocks in use, smaller batch -> freer.
     cluster = [view("a", used=40, running=4), view("b", used=40, running=2)]
-    assert LlumnixDispatch().choose(cluster, INFO) == "b"
+    assert choose(LlumnixDispatch(), cluster) == "b"
 
 
 def test_llumnix_breaks_ties_by_the_freeness_key():
     cluster = [view("a"), view("c"), view("b")]
-    assert LlumnixDispatch().choose(cluster, INFO) == max("abc")
+    assert choose(LlumnixDispatch(), cluster) == max("abc")
+
+
+def test_llumnix_counts_the_arriving_request_so_free_per_request_must_hold_its_prompt():
+    # a: 10 free blocks for its one request, b: 40 for ten. A 20-block prompt fits only on b.
+    a, b = view("a", used=90, running=1), view("b", used=60, running=10)
+    assert a.dispatch_freeness > b.dispatch_freeness
+    assert choose(LlumnixDispatch(), [a, b], DispatchInfo("r", 16 * 20, 10)) == "b"
+    assert choose(LlumnixDispatch(), [a, b], DispatchInfo("r", 16, 10)) == "a"  # one block: still a
 
 
 def test_round_robin_cycles_over_sorted_ids_and_survives_membership_changes():
     policy = RoundRobinDispatch()
     cluster = [view("b"), view("a"), view("c")]
-    assert [policy.choose(cluster, INFO) for _ in range(4)] == ["a", "b", "c", "a"]
-    assert policy.choose([view("a"), view("c")], INFO) == "c"  # b left: no repeat, no skip
-    assert policy.choose([view("a"), view("b"), view("c"), view("d")], INFO) == "d"
-    assert policy.choose([view("a"), view("b")], INFO) == "a"
+    assert [choose(policy, cluster) for _ in range(4)] == ["a", "b", "c", "a"]
+    assert choose(policy, [view("a"), view("c")]) == "c"  # b left: no repeat, no skip
+    assert choose(policy, [view("a"), view("b"), view("c"), view("d")]) == "d"
+    assert choose(policy, [view("a"), view("b")]) == "a"
 
 
 def test_dispatch_counts_the_whole_queue_where_migration_counts_its_head():
     # a: little in use, a long queue behind a small head; b: more in use, nothing queued.
     a = view("a", used=10, head=5, queued=80)
     b = view("b", used=40)
-    assert LlumnixDispatch().choose([a, b], INFO) == "b"  # a: 10 free blocks for 2 requests, b: 60 for 1
-    assert InfaasDispatch().choose([a, b], INFO) == "b"
+    assert choose(LlumnixDispatch(), [a, b]) == "b"  # with this request, a: 3 free blocks for 3 requests, b: 53 for 2
+    assert choose(InfaasDispatch(), [a, b]) == "b"
     assert a.freeness > b.freeness  # yet a is the freer migration destination: its queue head fits
 
 
 def test_infaas_normalises_by_capacity_and_counts_pending():
     small, big = view("small", total=100, used=30), view("big", total=400, used=80)
-    assert InfaasDispatch().choose([small, big], INFO) == "big"
+    assert choose(InfaasDispatch(), [small, big]) == "big"
     big = view("big", total=400, used=80, num_pending=2, pending_blocks=60)  # (80 + 60) / 400 > 30 / 100
-    assert InfaasDispatch().choose([small, big], INFO) == "small"
+    assert choose(InfaasDispatch(), [small, big]) == "small"
 
 
 @pytest.mark.parametrize(("prompt", "expected"), [(200, "queued"), (10, "busy")])
@@ -180,23 +197,23 @@ def test_lmetric_multiplies_prefill_tokens_by_batch_size(prompt, expected):
     # queued: (1000 + prompt) x 1; busy: (0 + prompt) x 10.
     queued = view("queued", prefill=1000, running=0)
     busy = view("busy", used=50, running=9)
-    assert LMetricDispatch().choose([queued, busy], DispatchInfo("r", prompt, 10)) == expected
+    assert choose(LMetricDispatch(), [queued, busy], DispatchInfo("r", prompt, 10)) == expected
 
 
 def test_lmetric_counts_unreported_prompt_tokens():
     a, b = view("a"), view("b", num_pending=1, pending_prompt_tokens=500)
-    assert LMetricDispatch().choose([a, b], INFO) == "a"
+    assert choose(LMetricDispatch(), [a, b]) == "a"
 
 
 def test_power_of_two_picks_the_freer_of_two_and_never_the_least_free():
     policy = PowerOfTwoDispatch(seed=3)
     pair = [view("a", used=50), view("b", used=10)]
-    assert {policy.choose(pair, INFO) for _ in range(20)} == {"b"}
+    assert {choose(policy, pair) for _ in range(20)} == {"b"}
     cluster = [view(f"i{k}", used=10 * k) for k in range(6)]
-    chosen = [policy.choose(cluster, INFO) for _ in range(300)]
+    chosen = [choose(policy, cluster) for _ in range(300)]
     assert "i5" not in chosen
     assert len(set(chosen)) >= 3
-    assert policy.choose([view("only", used=90)], INFO) == "only"
+    assert choose(policy, [view("only", used=90)]) == "only"
 
 
 def test_power_of_two_is_seeded_from_the_config():
@@ -204,7 +221,7 @@ def test_power_of_two_is_seeded_from_the_config():
 
     def picks(seed: int) -> list[str]:
         policy = make_dispatch_policy(DispatchConfig(policy="power_of_two", seed=seed))
-        return [policy.choose(cluster, INFO) for _ in range(40)]
+        return [choose(policy, cluster) for _ in range(40)]
 
     assert picks(1) == picks(1)
     assert picks(1) != picks(2)
@@ -379,3 +396,27 @@ def test_every_decision_follows_a_full_period_of_its_condition(steps):
     # ...and decisions are a full period apart.
     times = [t for t, _, _ in decisions]
     assert all(b - a >= SCALING.sustained_period for a, b in zip(times, times[1:]))
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 100), st.integers(0, 8), st.integers(0, 3), st.integers(0, 60), st.integers(0, 3),
+                       st.booleans()), min_size=1, max_size=6),
+    st.integers(1, 2000),
+    st.sampled_from(list(Priority)),
+)
+def test_the_candidate_table_computes_what_the_dispatch_load_says(specs, prompt, priority):
+    headroom = {Priority.HIGH: 30, Priority.NORMAL: 0}
+    views = []
+    for k, (used, running, waiting, pending_blocks, pending, high) in enumerate(specs):
+        running = max(running, 1 if used else 0)
+        cls = Priority.HIGH if high else Priority.NORMAL
+        load = InstanceLoad(f"i{k}", 100, 16, 100 - used, running, waiting, running_blocks={cls: used},
+                            running_count={cls: running}, waiting_demand=3 * waiting)
+        views.append(View(f"i{k}", load, num_pending=pending, pending_blocks=pending_blocks, headroom=headroom))
+    table = CandidateTable(views)
+    got = table.dispatch_freeness(prompt, priority)
+    demand = -(-prompt // 16)
+    for value, v in zip(got, table):
+        expected = dispatch_freeness(v.load, headroom, pending_blocks=v.pending_blocks + demand,
+                                     pending_requests=v.num_pending + 1, classes=(priority,))
+        assert value == pytest.approx(expected)

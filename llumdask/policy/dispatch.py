@@ -1,10 +1,11 @@
 """Dispatch policies: which ready instance receives a new request.
 
 Each policy is a small object whose `choose(candidates, info)` returns an instance id. The
-candidates are the global scheduler's per-instance records (read-only here): the last load
-report plus the requests dispatched there that the report does not show yet ("pending"), so
-that every policy sees a burst that has not been reported and does not pile it onto one
-instance. Policies only loop over the candidates once: O(#instances) per request.
+candidates are the global scheduler's per-instance records (read-only here), in natural id
+order: the last load report plus the requests dispatched there that the report does not show
+yet ("pending"), so that every policy sees a burst that has not been reported and does not pile
+it onto one instance. Policies look at each candidate once: O(#instances) per request, the
+dispatch load in one numpy pass over the table's columns (`llumdask.policy.candidates`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Protocol, Sequence
+import numpy as np
 
 from llumdask.config import DispatchConfig
-from llumdask.load import InstanceLoad
+from llumdask.policy.candidates import Candidate, CandidateTable
 from llumdask.policy.registry import Registry
 from llumdask.request import Priority
 
@@ -41,23 +42,6 @@ class DispatchInfo:
         object.__setattr__(self, "execution_priority", Priority.parse(self.execution_priority))
 
 
-class Candidate(Protocol):
-    """The view of one dispatchable instance that policies read."""
-
-    instance_id: str
-    # The id's place in the natural order of ids: every policy's tie-break.
-    order: tuple
-    load: InstanceLoad
-    # Requests dispatched to it but not yet in `load`: their prompt blocks and prompt tokens.
-    pending_blocks: int
-    pending_prompt_tokens: int
-    # The dispatch load's freeness for a normal-priority arrival (`llumdask.load`), pending included.
-    dispatch_freeness: float
-
-    def dispatch_freeness_for(self, priority: Priority) -> float:
-        """The same for an arrival of this execution priority (its class's headroom charged)."""
-
-
 class DispatchPolicy:
     """Base of the dispatch policies. `candidates` is never empty (the scheduler checks)."""
 
@@ -65,18 +49,22 @@ class DispatchPolicy:
     def from_config(cls, config: DispatchConfig) -> DispatchPolicy:
         return cls()
 
-    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+    def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
         raise NotImplementedError
 
 
 class LlumnixDispatch(DispatchPolicy):
-    """Llumnix: the highest dispatch freeness for this request's execution priority (every queued
-    and pending demand counted; a high-priority request pays its class's headroom where none of
-    its class runs yet, so it joins high-priority work already placed). Ties: the larger id."""
+    """Llumnix: the highest dispatch freeness once this request is added there.
 
-    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
-        priority = info.execution_priority
-        return max(candidates, key=lambda c: (c.dispatch_freeness_for(priority), c.order)).instance_id
+    Every queued and pending demand counts, and the request's own: an instance whose free blocks
+    per request look plentiful but cannot hold this prompt is overloaded for it. A high-priority
+    request pays its class's headroom where none of its class runs yet, so it joins high-priority
+    work already placed. Ties: the larger id.
+    """
+
+    def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
+        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority)
+        return candidates[_last_max(freeness)].instance_id
 
 
 class RoundRobinDispatch(DispatchPolicy):
@@ -89,7 +77,7 @@ class RoundRobinDispatch(DispatchPolicy):
     def __init__(self) -> None:
         self._last: tuple | None = None
 
-    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+    def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
         last = self._last
         later = [c for c in candidates if c.order > last] if last is not None else ()
         chosen = min(later or candidates, key=attrgetter("order"))
@@ -104,7 +92,7 @@ class InfaasDispatch(DispatchPolicy):
     ties go to the smaller id.
     """
 
-    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+    def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
         def memory_load(c: Candidate) -> tuple[float, tuple]:
             load = c.load
             demand = load.total_blocks - load.free_blocks + load.waiting_demand + c.pending_blocks
@@ -122,7 +110,7 @@ class LMetricDispatch(DispatchPolicy):
     decode interference it adds; the product needs no tuning knob. Ties go to the smaller id.
     """
 
-    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+    def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
         prompt = info.num_prompt_tokens
 
         def score(c: Candidate) -> tuple[int, tuple]:
@@ -133,7 +121,8 @@ class LMetricDispatch(DispatchPolicy):
 
 
 class PowerOfTwoDispatch(DispatchPolicy):
-    """Power of two choices: two distinct random candidates (seeded), the freer by dispatch freeness wins."""
+    """Power of two choices: two distinct random candidates (seeded), the freer by dispatch
+    freeness with the request added wins."""
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -142,10 +131,17 @@ class PowerOfTwoDispatch(DispatchPolicy):
     def from_config(cls, config: DispatchConfig) -> DispatchPolicy:
         return cls(config.seed)
 
-    def choose(self, candidates: Sequence[Candidate], info: DispatchInfo) -> str:
+    def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
         if len(candidates) == 1:
             return candidates[0].instance_id
-        return max(self._rng.sample(candidates, 2), key=lambda c: (c.dispatch_freeness, c.order)).instance_id
+        pair = sorted(self._rng.sample(range(len(candidates)), 2))
+        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority)[pair]
+        return candidates[pair[_last_max(freeness)]].instance_id
+
+
+def _last_max(values: np.ndarray) -> int:
+    """Index of the largest value, the last of equal ones (candidates are in id order: the larger id wins)."""
+    return len(values) - 1 - int(np.argmax(values[::-1]))
 
 
 DISPATCH_POLICIES: Registry[type[DispatchPolicy]] = Registry(

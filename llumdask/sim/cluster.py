@@ -15,10 +15,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from llumdask.config import LlumdaskConfig
 from llumdask.engine.latency import LatencyProfile
+from llumdask.engine.base import RequestLoad
 from llumdask.engine.sim import SimEngine
 from llumdask.global_scheduler import DispatchInfo, GlobalScheduler, NoInstanceAvailable
 from llumdask.llumlet import Llumlet, MigrationEvent
@@ -26,6 +27,7 @@ from llumdask.load import InstanceLoad
 from llumdask.protocol import MigrationMessage, StageData
 from llumdask.request import Request, SamplingParams
 from llumdask.sim.metrics import ClusterSample
+from llumdask.sim.oracle import ClairvoyantDispatch, Holdings
 from llumdask.sim.workload import TraceRequest
 
 # An idle engine that still holds work it cannot schedule (waiting behind a reservation) polls.
@@ -126,14 +128,17 @@ class SimCluster:
         num_instances: int,
         settings: SimulatorSettings | None = None,
         on_finish: Callable[[Request], None] | None = None,
+        clairvoyant: bool = False,
     ) -> None:
+        """`clairvoyant`: dispatch by the oracle (`llumdask.sim.oracle`), which reads every
+        instance's requests from here, instead of the configured policy."""
         if num_instances < 1:
             raise ValueError("num_instances must be >= 1")
         self.config = config
         self.profile = profile
         self.settings = settings or SimulatorSettings()
         self.events = _EventQueue()
-        self.scheduler = GlobalScheduler(config)
+        self.scheduler = GlobalScheduler(config, ClairvoyantDispatch(self._holdings, profile) if clairvoyant else None)
         self.transport = SimTransport(self, profile.model_kv_bytes_per_token * config.block_size)
         self.instances: dict[str, SimInstance] = {}
         self.requests: dict[str, Request] = {}
@@ -142,7 +147,7 @@ class SimCluster:
         self.rejected: list[str] = []
         self._loads: dict[str, InstanceLoad] = {}
         self._unfinished = 0
-        self._in_transit = 0  # dispatched, not yet handed to their instance (dispatch_delay)
+        self._in_transit: dict[str, list[Request]] = {}  # dispatched, not yet handed over (dispatch_delay)
         self._names = itertools.count()
         self._on_finish = on_finish
         for _ in range(num_instances):
@@ -252,7 +257,7 @@ class SimCluster:
     def _sample_loop(self) -> None:
         self.samples.append(ClusterSample.from_loads(self.events.now, list(self._loads.values())))
         idle = all(not i.llumlet.engine.has_work() and not i.llumlet.migrations_in_flight() for i in self.instances.values() if i.alive)
-        waiting_for_nothing = self._pending_arrivals == 0 and self._in_transit == 0
+        waiting_for_nothing = self._pending_arrivals == 0 and not any(self._in_transit.values())
         if idle and self._unfinished > 0 and waiting_for_nothing and self.scheduler_has_ready():
             raise RuntimeError(f"simulation stalled at t={self.events.now:.1f}s: {self._unfinished} requests never finished")
         self._repeat(self.settings.sample_interval, self._sample_loop)
@@ -260,6 +265,18 @@ class SimCluster:
     def _repeat(self, interval: float, loop: Callable[[], None]) -> None:
         if self._unfinished > 0 or self._pending_arrivals > 0:
             self.events.at(self.events.now + interval, loop)
+
+    def _holdings(self, instance_id: str) -> Holdings:
+        """(tokens now, tokens still to generate) of each request on the instance or on its way:
+        what only a simulator knows, for the clairvoyant oracle."""
+        snapshot = self.instances[instance_id].llumlet.engine.snapshot()
+
+        def held(loads: Sequence[RequestLoad]) -> list[tuple[int, int]]:
+            return [(r.num_tokens, self.requests[r.request_id].sampling.max_tokens - (r.num_tokens - r.num_prompt_tokens))
+                    for r in loads]
+
+        coming = [(r.num_prompt_tokens, r.sampling.max_tokens) for r in self._in_transit.get(instance_id, ())]
+        return Holdings(held(snapshot.running), held(snapshot.waiting) + coming)
 
     def scheduler_has_ready(self) -> bool:
         return any(view.ready for view in self.scheduler.instances())
@@ -286,11 +303,11 @@ class SimCluster:
         request.timing.dispatched = self.events.now
         self.requests[request_id] = request
         self._unfinished += 1
-        self._in_transit += 1
+        self._in_transit.setdefault(target, []).append(request)
         self.events.at(self.events.now + self.settings.dispatch_delay, lambda: self._admit(target, request))
 
     def _admit(self, target: str, request: Request) -> None:
-        self._in_transit -= 1
+        self._in_transit[target].remove(request)
         inst = self.instances[target]
         try:
             inst.llumlet.add_request(request)

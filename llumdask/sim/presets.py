@@ -15,17 +15,23 @@ from llumdask.request import Priority
 @dataclass(frozen=True)
 class Preset:
     name: str
-    dispatch: str
+    # A dispatch policy of the configuration; None: the simulator's clairvoyant oracle (`oracle`).
+    dispatch: str | None
     migration: bool
     priorities: bool
     description: str
 
+    @property
+    def clairvoyant(self) -> bool:
+        return self.dispatch is None
+
     def apply(self, config: LlumdaskConfig) -> LlumdaskConfig:
         headroom = dict(config.headroom_tokens) if self.priorities else {p: 0 for p in Priority}
+        dispatch = config.dispatch if self.dispatch is None else replace(config.dispatch, policy=self.dispatch)
         return replace(
             config,
             headroom_tokens=headroom,
-            dispatch=replace(config.dispatch, policy=self.dispatch),
+            dispatch=dispatch,
             migration=replace(config.migration, enabled=self.migration),
         )
 
@@ -39,6 +45,8 @@ PRESETS: dict[str, Preset] = {
         Preset("power_of_two", "power_of_two", False, False, "two random choices, freer wins, no migration"),
         Preset("llumnix_base", "llumnix", True, False, "Llumnix without priorities (no headroom)"),
         Preset("llumnix", "llumnix", True, True, "Llumnix: freeness dispatch, live migration, priority headroom"),
+        Preset("oracle", None, False, False,
+               "simulator only: knows every output length, places where projected peak usage is lowest; no migration"),
     )
 }
 

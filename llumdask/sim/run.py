@@ -29,6 +29,8 @@ class SimulationSpec:
     config: LlumdaskConfig
     profile: LatencyProfile
     settings: SimulatorSettings = SimulatorSettings()
+    # Dispatch by the clairvoyant oracle instead of the configured policy.
+    clairvoyant: bool = False
 
 
 def simulation_config(base: LlumdaskConfig | None = None, *, profile: LatencyProfile | None = None) -> LlumdaskConfig:
@@ -43,14 +45,17 @@ def make_spec(preset: str, instances: int, *, profile: str = "llama-7b-a10", bas
     loaded = load_profile(profile)
     config = simulation_config(base, profile=loaded)
     config = replace(config, sim_engine=replace(config.sim_engine, profile=profile))
-    return SimulationSpec(preset, instances, get_preset(preset).apply(config), loaded, settings or SimulatorSettings())
+    chosen = get_preset(preset)
+    return SimulationSpec(preset, instances, chosen.apply(config), loaded, settings or SimulatorSettings(), chosen.clairvoyant)
 
 
 def run_cluster(spec: SimulationSpec, workload: Sequence[TraceRequest], *,
                 on_finish: Callable[[Request], None] | None = None) -> tuple[SimOutcome, float]:
     """Replay `workload` on a fresh simulated cluster; the outcome and the wall-clock seconds it took."""
     started = time.perf_counter()
-    outcome = SimCluster(spec.config, spec.profile, spec.instances, spec.settings, on_finish=on_finish).run(list(workload))
+    cluster = SimCluster(spec.config, spec.profile, spec.instances, spec.settings, on_finish=on_finish,
+                         clairvoyant=spec.clairvoyant)
+    outcome = cluster.run(list(workload))
     return outcome, time.perf_counter() - started
 
 

@@ -1,0 +1,87 @@
+"""The instances a request may be dispatched to, with the dispatch load's terms as columns.
+
+Dispatch evaluates every candidate for every request: at 1,024 instances a Python loop over
+them costs more than the whole dispatch budget (200 us). The scheduler therefore keeps each
+candidate's share of the dispatch load (`llumdask.load`) in numpy columns, updated in O(1)
+whenever that instance's report, its pending requests or its state change, and a dispatch
+reads them in one vectorized pass. The columns hold exactly what `dispatch_freeness` computes
+one instance at a time (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Protocol, Sequence, overload
+
+import numpy as np
+
+from llumdask.load import InstanceLoad
+from llumdask.request import Priority
+
+
+class Candidate(Protocol):
+    """The view of one dispatchable instance that policies read."""
+
+    instance_id: str
+    # The id's place in the natural order of ids: every policy's tie-break.
+    order: tuple
+    block_size: int
+    load: InstanceLoad
+    # Requests dispatched to it but not yet in `load`: how many, their prompt blocks and tokens.
+    num_pending: int
+    pending_blocks: int
+    pending_prompt_tokens: int
+    # The dispatch load's terms (pending included): free blocks after every queued demand and the
+    # headroom of the classes present, the requests they are shared by, and F = their ratio.
+    dispatch_surplus: float
+    dispatch_requests: int
+    dispatch_freeness: float
+
+    def absent_charge(self, priority: Priority) -> int:
+        """Blocks of headroom an arriving request of this execution priority adds here: its class's
+        headroom if none of its class runs (or is on its way) here, else 0."""
+
+
+class CandidateTable(Sequence[Candidate]):
+    """Candidates in natural id order, and their dispatch-load columns."""
+
+    def __init__(self, candidates: Sequence[Candidate]) -> None:
+        self._candidates = sorted(candidates, key=lambda c: c.order)
+        n = len(self._candidates)
+        self._surplus = np.empty(n)
+        self._requests = np.empty(n)
+        self._block_size = np.fromiter((c.block_size for c in self._candidates), dtype=np.int64, count=n)
+        self._charge = {p: np.zeros(n) for p in Priority}
+        self._slots = {c.instance_id: k for k, c in enumerate(self._candidates)}
+        for candidate in self._candidates:
+            self.update(candidate)
+
+    def update(self, candidate: Candidate) -> None:
+        """Take a candidate's current terms (no-op for an instance not in the table)."""
+        slot = self._slots.get(candidate.instance_id)
+        if slot is not None:
+            self._surplus[slot] = candidate.dispatch_surplus
+            self._requests[slot] = candidate.dispatch_requests
+            for priority, column in self._charge.items():
+                column[slot] = candidate.absent_charge(priority)
+
+    def dispatch_freeness(self, prompt_tokens: int, priority: Priority) -> np.ndarray:
+        """Each candidate's dispatch freeness with this request added (its prompt blocks as demand,
+        one more request, its class's headroom where absent), aligned with the table's order."""
+        surplus = self._surplus - (-(-prompt_tokens // self._block_size)) - self._charge[priority]
+        requests = self._requests + 1
+        return np.where(surplus >= 0, surplus / requests, surplus * requests)
+
+    def __len__(self) -> int:
+        return len(self._candidates)
+
+    @overload
+    def __getitem__(self, index: int) -> Candidate: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Candidate]: ...
+
+    def __getitem__(self, index):
+        return self._candidates[index]
+
+    def __iter__(self) -> Iterator[Candidate]:
+        return iter(self._candidates)
