@@ -64,6 +64,16 @@ def _policies(text: str) -> list[str]:
     return names
 
 
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct integers, got {text!r}")
+    return seeds
+
+
 def _positive(kind):
     def parse(text: str):
         value = kind(text)
@@ -130,7 +140,8 @@ def paper_main(argv: Sequence[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="two traces, two rates, 2,000 requests a run (minutes)")
     parser.add_argument("--jobs", type=_positive(int), default=2, help="simulations run at once, one process each (default 2)")
     parser.add_argument("--requests", type=_positive(int), default=None, help="requests per simulation (overrides the plan)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=_seeds, default=None,
+                        help="comma-separated workload seeds, each setting run once per seed (default: the plan's, 0,1,2)")
     parser.add_argument("--render-only", action="store_true",
                         help="simulate nothing: write report.md and the PNGs again from DIR/results.json")
     args = parser.parse_args(argv)
@@ -150,7 +161,8 @@ def paper_main(argv: Sequence[str]) -> int:
             parser.error(f"{source}: {exc}")
     else:
         plan = PaperPlan.quick() if args.quick else PaperPlan.full()
-        plan = replace(plan, seed=args.seed)
+        if args.seeds is not None:
+            plan = replace(plan, seeds=args.seeds)
         if args.requests is not None:
             plan = plan.with_requests(args.requests)
         results = replace(run_paper(plan, jobs=args.jobs), command=shlex.join(["llumdask", "bench", "paper", *argv]))

@@ -73,18 +73,24 @@ class InstanceLoad:
     timestamp: float = 0.0
 
     def __post_init__(self) -> None:
+        # Checked on every report (the simulator builds hundreds of thousands): one cheap test
+        # for the common case, the message only when something is wrong.
         if self.total_blocks <= 0 or self.block_size <= 0:
             raise ValueError(f"{self.instance_id}: total_blocks and block_size must be positive")
         if not 0 <= self.free_blocks <= self.total_blocks:
             raise ValueError(f"{self.instance_id}: free_blocks {self.free_blocks} outside [0, {self.total_blocks}]")
-        for name in _COUNTS:
-            if getattr(self, name) < 0:
-                raise ValueError(f"{self.instance_id}: {name} must be >= 0, got {getattr(self, name)}")
-        object.__setattr__(self, "running_blocks", {Priority(p): int(b) for p, b in self.running_blocks.items()})
-        object.__setattr__(self, "running_count", {Priority(p): int(c) for p, c in self.running_count.items()})
+        if min(getattr(self, name) for name in _COUNTS) < 0:
+            name = next(n for n in _COUNTS if getattr(self, n) < 0)
+            raise ValueError(f"{self.instance_id}: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("running_blocks", "running_count"):
-            if any(v < 0 for v in getattr(self, name).values()):
-                raise ValueError(f"{self.instance_id}: {name} must be >= 0 for every priority, got {getattr(self, name)}")
+            values = getattr(self, name)
+            if all(type(p) is Priority and type(v) is int for p, v in values.items()):
+                values = dict(values)
+            else:
+                values = {Priority(p): int(v) for p, v in values.items()}
+            object.__setattr__(self, name, values)
+            if values and min(values.values()) < 0:
+                raise ValueError(f"{self.instance_id}: {name} must be >= 0 for every priority, got {values}")
 
     @property
     def used_blocks(self) -> int:

@@ -582,6 +582,19 @@ def test_content_free_mode_moves_only_sizes(make_engine):
     source.abort_request("r")
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 7}])
+def test_content_free_tokens_do_not_depend_on_the_batch_size(make_engine, sampling):
+    # Small batches sample in Python integers, large ones in numpy: the tokens must agree.
+    alone = make_engine(kv_bytes=0)
+    crowd = make_engine(kv_bytes=0, total_blocks=1024)
+    reqs = [request(f"r{k}", prompt_len=5 + k, max_tokens=6, **sampling) for k in range(40)]
+    alone.add_request(replace_request(reqs[3]))
+    for req in reqs:
+        crowd.add_request(req)
+    assert max(r.batch_size for r in run(crowd)) == 40
+    assert tokens_by_request(run(alone))["r3"] == reqs[3].output_token_ids
+
+
 def test_pause_and_unpause_continue_identically(make_engine):
     req = request("r", prompt_len=13, max_tokens=25)
     expected = reference(make_engine, req)

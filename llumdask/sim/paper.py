@@ -5,14 +5,21 @@ through one policy preset on one simulated cluster), `run_paper` runs them in a 
 returns every run's summary, the capacities the rates were chosen from, and the scheduler
 microbenchmark. Rendering (`paper_report`, `plots`) is separate, so this module is pure.
 
+Every setting runs once per seed of the plan (a seed draws the workload: arrivals, lengths,
+priorities; every policy of a setting and seed sees the same requests). Near capacity one seed
+decides a P99, so the report reads medians over seeds.
+
 Experiments:
 - serving: generated (S-S, M-M, L-L, S-L, L-S) and real-trace-like (ShareGPT, BurstGPT) traces
-  over a range of rates, every policy preset on the same requests; the infaas and llumnix runs
-  of one loaded setting also keep the fragmentation timeline;
+  over a range of rates, every policy preset on the same requests, the clairvoyant oracle
+  (`oracle`) beside them as the limit of dispatch; the infaas and llumnix runs of one loaded
+  setting also keep the fragmentation timeline;
 - priorities: S-S with 10% high-priority requests and Gamma arrivals of several CVs, Llumnix with
-  and without priority headroom;
-- autoscaling: L-L with scaling enabled (band [10, 60], 1..16 instances, a stated start-up
-  delay), Llumnix against INFaaS++ under the same scaling policy;
+  and without priority headroom, the headroom derived from the latency profile for the trace's
+  sequences (`llumdask.engine.headroom`);
+- autoscaling: L-L with scaling enabled (1..16 instances, a stated start-up delay), Llumnix and
+  INFaaS++ each over a sweep of freeness bands, so that their cost can be read at equal P99
+  prefill from the two cost-vs-latency curves;
 - scalability: `scalability.measure` at 16 to 1,024 instances.
 
 Rates. Our latency model is not the paper's testbed, so request rates copied from the paper would
@@ -35,8 +42,9 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from llumdask.config import LlumdaskConfig, load_config
+from llumdask.engine.headroom import DEFAULT_TOLERANCE, Headroom, derive_headroom
 from llumdask.engine.latency import LatencyProfile, load_profile
-from llumdask.request import Request
+from llumdask.request import Priority, Request
 from llumdask.sim.metrics import ClusterSample, summarize
 from llumdask.sim.presets import PRESETS
 from llumdask.sim.run import make_spec, run_cluster
@@ -44,12 +52,16 @@ from llumdask.sim.scalability import measure
 from llumdask.sim.workload import PAIRINGS, WORKLOADS, make_workload
 
 SERVING, PRIORITIES, AUTOSCALING = "serving", "priorities", "autoscaling"
-# The paper's auto-scaling setting: keep mean freeness in this band with 1 to 16 instances.
-AUTOSCALE_BAND = (10.0, 60.0)
+# The paper's auto-scaling band is [10, 60] with 1 to 16 instances; the sweep scales it up and
+# down so that each policy traces a cost-vs-P99 curve.
+AUTOSCALE_BANDS = ((5.0, 30.0), (10.0, 60.0), (20.0, 120.0), (40.0, 240.0))
 AUTOSCALE_MAX_INSTANCES = 16
+# The simpler routers Llumnix must never lose to, and the limit of dispatch beside them.
+BASELINES = ("round_robin", "infaas", "lmetric", "power_of_two")
+ORACLE = "oracle"
 # Llumnix-base differs from Llumnix only in high-priority headroom, so without high-priority
 # requests the two run identically: it is compared in the priorities experiment only.
-SERVING_POLICIES = ("round_robin", "infaas", "lmetric", "power_of_two", "llumnix")
+SERVING_POLICIES = (*BASELINES, "llumnix", ORACLE)
 PRIORITY_POLICIES = ("llumnix_base", "llumnix")
 AUTOSCALING_POLICIES = ("infaas", "llumnix")
 # The pair whose fragmentation over time is plotted (paper: INFaaS++ against Llumnix).
@@ -64,7 +76,7 @@ class PaperPlan:
 
     instances: int = 16
     profile: str = "llama-7b-a10"
-    seed: int = 0
+    seeds: tuple[int, ...] = (0, 1, 2)
     # serving
     traces: tuple[str, ...] = ("sharegpt", "burstgpt", *PAIRINGS)
     loads: tuple[float, ...] = (0.6, 0.8, 0.9, 1.0)
@@ -79,9 +91,12 @@ class PaperPlan:
     priority_load: float = 0.85
     priority_cvs: tuple[float, ...] = (1.0, 2.0, 4.0, 6.0)
     priority_requests: int = 5_000
+    # Near-ideal decode: within this of a lone sequence's step (the headroom's derivation).
+    priority_tolerance: float = DEFAULT_TOLERANCE
     # autoscaling
     autoscale_trace: str = "L-L"
-    autoscale_loads: tuple[float, ...] = (0.25, 0.5, 0.75)
+    autoscale_loads: tuple[float, ...] = (0.25, 0.5)
+    autoscale_bands: tuple[tuple[float, float], ...] = AUTOSCALE_BANDS
     autoscale_requests: int = 5_000
     # Start fully provisioned: scaling trims the cluster to the load, so no start-up queue (an
     # artefact of the initial size, not of the policy) dominates the P99.
@@ -105,9 +120,15 @@ class PaperPlan:
         unknown = [p for p in self.policies if p not in PRESETS]
         if unknown or not self.policies:
             raise ValueError(f"paper plan: unknown policies {unknown or '(none given)'}; choose from {', '.join(PRESETS)}")
-        for name in ("loads", "autoscale_loads", "priority_cvs", "scalability_sizes"):
+        for name in ("seeds", "loads", "autoscale_loads", "autoscale_bands", "priority_cvs", "scalability_sizes"):
             if not getattr(self, name):
                 raise ValueError(f"paper plan: {name} must not be empty")
+        if len(set(self.seeds)) != len(self.seeds) or not all(isinstance(s, int) for s in self.seeds):
+            raise ValueError(f"paper plan: seeds must be distinct integers, got {self.seeds!r}")
+        if any(not (0 < low < high) for low, high in self.autoscale_bands):
+            raise ValueError(f"paper plan: autoscale_bands must be (low, high) with 0 < low < high, got {self.autoscale_bands}")
+        if not self.priority_tolerance > 0:
+            raise ValueError(f"paper plan: priority_tolerance must be > 0, got {self.priority_tolerance!r}")
         for load in (*self.loads, *self.autoscale_loads, self.priority_load, self.timeline[1]):
             if not (math.isfinite(load) and load > 0):
                 raise ValueError(f"paper plan: load fractions must be finite and > 0, got {load!r}")
@@ -126,14 +147,16 @@ class PaperPlan:
 
     @classmethod
     def quick(cls) -> "PaperPlan":
-        """Two traces, two rates, fewer requests: the shape of every table in a few minutes."""
+        """Two traces, two rates, two seeds, fewer requests: the shape of every table in minutes."""
         return cls(
+            seeds=(0, 1),
             traces=("sharegpt", "M-M"),
             loads=(0.7, 1.0),
             requests=2_000,
             priority_cvs=(1.0, 4.0),
             priority_requests=2_000,
             autoscale_loads=(0.5,),
+            autoscale_bands=((10.0, 60.0), (40.0, 240.0)),
             autoscale_requests=1_000,
         )
 
@@ -161,13 +184,18 @@ class Case:
     seed: int
     cv: float | None = None
     high_priority_share: float = 0.0
+    # Tokens of high-priority headroom (priorities experiment; None: the profile's own).
+    headroom_tokens: int | None = None
     autoscale_startup_delay: float | None = None
+    # The freeness band scaling keeps (autoscaling experiment only).
+    band: tuple[float, float] | None = None
     timeline: bool = False
 
     @property
     def label(self) -> str:
         cv = f" cv {self.cv:g}" if self.cv is not None else ""
-        return f"{self.experiment} {self.trace} load {self.load:g}{cv} ({self.rate:.2f} req/s) {self.policy}"
+        band = f" band [{self.band[0]:g}, {self.band[1]:g}]" if self.band is not None else ""
+        return f"{self.experiment} {self.trace} load {self.load:g}{cv}{band} ({self.rate:.2f} req/s) {self.policy} seed {self.seed}"
 
     @property
     def cost(self) -> float:
@@ -177,6 +205,22 @@ class Case:
 
 # Fields of a run that identify its case; the only ones that may be None.
 _CASE_FIELDS = frozenset(f.name for f in fields(Case))
+# What identifies a setting: every case field but the seed (and the timeline flag).
+_SETTING_FIELDS = tuple(sorted(_CASE_FIELDS - {"seed", "timeline"}))
+
+
+def _median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {k: runs[0].get(k) for k in _SETTING_FIELDS} | {"seeds": len(runs)}
+    for key, value in runs[0].items():
+        if key in _CASE_FIELDS or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        merged[key] = float(np.median(values)) if values else math.nan
+        merged[f"{key}_min"], merged[f"{key}_max"] = (min(values), max(values)) if values else (math.nan, math.nan)
+    timeline = next((r["timeline"] for r in runs if "timeline" in r), None)
+    if timeline is not None:
+        merged["timeline"] = timeline
+    return merged
 
 
 # ------------------------------------------------------------------------------- capacity
@@ -212,45 +256,68 @@ def capacities(plan: PaperPlan) -> dict[str, float]:
     """Ideal capacity (requests/s of the whole `plan.instances` cluster) of every trace the plan uses."""
     profile = load_profile(plan.profile)
     config = make_spec("llumnix", plan.instances, profile=plan.profile).config
-    return {t: float(ideal_capacity(t, plan.instances, profile, config, seed=plan.seed)) for t in plan.all_traces()}
+    return {t: float(ideal_capacity(t, plan.instances, profile, config, seed=plan.seeds[0])) for t in plan.all_traces()}
+
+
+def decode_context_tokens(trace: str, *, seed: int = 0) -> int:
+    """Tokens a request of the trace holds while it decodes, weighted by decode steps: what one
+    sequence of a busy batch holds (long requests hold more, and for longer)."""
+    sample = make_workload(trace, rate=1.0, num_requests=_CAPACITY_SAMPLE, seed=seed)
+    inputs = np.array([r.input_len for r in sample], dtype=np.float64)
+    decodes = np.array([r.output_len - 1 for r in sample], dtype=np.float64)
+    return max(1, round(float((decodes * inputs + decodes * (decodes + 1) / 2).sum() / max(decodes.sum(), 1))))
+
+
+def priority_headroom(plan: PaperPlan) -> Headroom:
+    """The priorities experiment's headroom: derived from the profile for the trace's sequences."""
+    tokens = decode_context_tokens(plan.priority_trace, seed=plan.seeds[0])
+    return derive_headroom(load_profile(plan.profile), tolerance=plan.priority_tolerance, sequence_tokens=tokens)
 
 
 # ------------------------------------------------------------------------------- cases
-def plan_cases(plan: PaperPlan, capacity: dict[str, float]) -> list[Case]:
-    """Every simulation of the plan; each rate is a load fraction times the trace's capacity."""
-    common = dict(instances=plan.instances, profile=plan.profile, seed=plan.seed)
-    cases = [
-        Case(SERVING, trace, load, load * capacity[trace], policy, plan.requests,
-             timeline=(trace, load) == plan.timeline and policy in TIMELINE_POLICIES, **common)
-        for trace in plan.traces
-        for load in plan.loads
-        for policy in plan.policies
-    ]
-    cases += [
-        Case(PRIORITIES, plan.priority_trace, plan.priority_load, plan.priority_load * capacity[plan.priority_trace],
-             policy, plan.priority_requests, cv=cv, high_priority_share=plan.priority_share, **common)
-        for cv in plan.priority_cvs
-        for policy in PRIORITY_POLICIES
-    ]
-    cases += [
-        Case(AUTOSCALING, plan.autoscale_trace, load, load * capacity[plan.autoscale_trace], policy,
-             plan.autoscale_requests, autoscale_startup_delay=plan.autoscale_startup_delay, timeline=True,
-             **(common | {"instances": plan.autoscale_initial_instances}))
-        for load in plan.autoscale_loads
-        for policy in AUTOSCALING_POLICIES
-    ]
+def plan_cases(plan: PaperPlan, capacity: dict[str, float], headroom: Headroom) -> list[Case]:
+    """Every simulation of the plan, once per seed; each rate is a load fraction times the trace's
+    capacity. Timelines are kept for the first seed only."""
+    cases = []
+    for seed in plan.seeds:
+        common = dict(instances=plan.instances, profile=plan.profile, seed=seed)
+        first = seed == plan.seeds[0]
+        cases += [
+            Case(SERVING, trace, load, load * capacity[trace], policy, plan.requests,
+                 timeline=first and (trace, load) == plan.timeline and policy in TIMELINE_POLICIES, **common)
+            for trace in plan.traces
+            for load in plan.loads
+            for policy in plan.policies
+        ]
+        cases += [
+            Case(PRIORITIES, plan.priority_trace, plan.priority_load, plan.priority_load * capacity[plan.priority_trace],
+                 policy, plan.priority_requests, cv=cv, high_priority_share=plan.priority_share,
+                 headroom_tokens=headroom.tokens, **common)
+            for cv in plan.priority_cvs
+            for policy in PRIORITY_POLICIES
+        ]
+        cases += [
+            Case(AUTOSCALING, plan.autoscale_trace, load, load * capacity[plan.autoscale_trace], policy,
+                 plan.autoscale_requests, autoscale_startup_delay=plan.autoscale_startup_delay, band=band, timeline=first,
+                 **(common | {"instances": plan.autoscale_initial_instances}))
+            for load in plan.autoscale_loads
+            for band in plan.autoscale_bands
+            for policy in AUTOSCALING_POLICIES
+        ]
     return cases
 
 
 def case_config(case: Case) -> LlumdaskConfig:
     """The base configuration of a case; the preset is applied on top by `make_spec`."""
     config = load_config()
-    if case.autoscale_startup_delay is None:
+    if case.headroom_tokens is not None:
+        config = replace(config, headroom_tokens={**config.headroom_tokens, Priority.HIGH: case.headroom_tokens})
+    if case.band is None:
         return replace(config, scaling=replace(config.scaling, enabled=False))
     return replace(
         config,
-        scaling=replace(config.scaling, enabled=True, band=AUTOSCALE_BAND, min_instances=1,
-                        max_instances=AUTOSCALE_MAX_INSTANCES, startup_delay=case.autoscale_startup_delay),
+        scaling=replace(config.scaling, enabled=True, band=case.band, min_instances=1,
+                        max_instances=AUTOSCALE_MAX_INSTANCES, startup_delay=case.autoscale_startup_delay or 0.0),
     )
 
 
@@ -299,6 +366,8 @@ class PaperResults:
     capacity: dict[str, float]
     runs: list[dict[str, Any]]
     scalability: list[dict[str, Any]]
+    # The high-priority headroom of the priorities experiment, and what it was derived from.
+    headroom: Headroom | None = None
     wall_seconds: float = 0.0
     jobs: int = 1
     cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
@@ -311,6 +380,15 @@ class PaperResults:
         """Runs of one experiment whose fields equal `match`, in plan order."""
         return [r for r in self.runs if r["experiment"] == experiment and all(r.get(k) == v for k, v in match.items())]
 
+    def medians(self) -> "PaperResults":
+        """The same results with one run per setting and policy: each metric the median over the
+        seeds, with `<metric>_min` / `<metric>_max` beside it and `seeds` the count. A timeline
+        comes from the seed that kept one."""
+        groups: dict[tuple, list[dict[str, Any]]] = {}
+        for run in self.runs:
+            groups.setdefault(tuple(run.get(k) for k in _SETTING_FIELDS), []).append(run)
+        return replace(self, runs=[_median_run(group) for group in groups.values()])
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PaperResults":
         """Back from results.json (`to_dict` after JSON), e.g. to render the report again.
@@ -319,12 +397,14 @@ class PaperResults:
         metric (an undefined mean or percentile) becomes NaN again.
         """
         try:
-            plan = PaperPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["plan"].items()})
+            plan = PaperPlan(**{k: _tuples(v) for k, v in data["plan"].items()})
             capacity = {t: float(c["ideal_requests_per_s"]) for t, c in data["capacity"].items()}
-            runs = [{k: math.nan if v is None and k not in _CASE_FIELDS else v for k, v in run.items()} for run in data["runs"]]
-            return cls(plan, capacity, runs, data["scalability"], data["wall_seconds"], data["jobs"], data["cpus"],
+            runs = [{k: _tuples(v) if k in _CASE_FIELDS else math.nan if v is None else v for k, v in run.items()}
+                    for run in data["runs"]]
+            headroom = Headroom.from_dict(data["headroom"]) if data.get("headroom") else None
+            return cls(plan, capacity, runs, data["scalability"], headroom, data["wall_seconds"], data["jobs"], data["cpus"],
                        LlumdaskConfig.from_dict(data["config"]), data.get("command", cls.command))
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not the results.json of 'llumdask bench paper': {exc!r}") from None
 
     def to_dict(self) -> dict[str, Any]:
@@ -333,6 +413,7 @@ class PaperResults:
             "capacity": {t: {"ideal_requests_per_s": c, "instances": self.plan.instances} for t, c in self.capacity.items()},
             "runs": self.runs,
             "scalability": self.scalability,
+            "headroom": self.headroom.to_dict() if self.headroom is not None else None,
             "config": self.config.to_dict(),
             "command": self.command,
             "wall_seconds": self.wall_seconds,
@@ -368,6 +449,11 @@ def run_cases(cases: Sequence[Case], jobs: int, progress: Callable[[str], None])
     return [r for r in results if r is not None]
 
 
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples they were (plan fields, a case's band)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
 class CaseFailed(RuntimeError):
     """A simulation raised; the message names the case, the cause is chained."""
 
@@ -385,10 +471,13 @@ def run_paper(plan: PaperPlan, *, jobs: int = 2, progress: Callable[[str], None]
     capacity = capacities(plan)
     for trace, value in capacity.items():
         progress(f"ideal capacity {trace}: {value:.2f} req/s on {plan.instances} instances")
-    cases = plan_cases(plan, capacity)
+    headroom = priority_headroom(plan)
+    progress(f"priority headroom {headroom.tokens:,} tokens (near-ideal load {headroom.near_ideal_tokens:,} tokens for "
+             f"sequences of {headroom.sequence_tokens}; ceiling {headroom.ceiling:.2f}x)")
+    cases = plan_cases(plan, capacity, headroom)
     progress(f"{len(cases)} simulations, {jobs} at a time")
     runs = run_cases(cases, jobs, progress)
     progress(f"scheduler scalability at {', '.join(map(str, plan.scalability_sizes))} instances")
-    scalability = [measure(n, rounds=plan.scalability_rounds, seed=plan.seed).to_dict() for n in plan.scalability_sizes]
-    return PaperResults(plan, capacity, runs, scalability, time.perf_counter() - started, jobs)
+    scalability = [measure(n, rounds=plan.scalability_rounds, seed=plan.seeds[0]).to_dict() for n in plan.scalability_sizes]
+    return PaperResults(plan, capacity, runs, scalability, headroom, time.perf_counter() - started, jobs)
 

@@ -22,6 +22,7 @@ STYLE = {
     "power_of_two": ("tab:brown", "^"),
     "llumnix_base": ("tab:cyan", "D"),
     "llumnix": ("tab:blue", "o"),
+    "oracle": ("tab:green", "*"),
 }
 SERVING_PANELS = (
     ("prefill_mean", "prefill mean (s)", True),
@@ -115,23 +116,31 @@ def priorities_figure(results: PaperResults, path: Path) -> Path:
 
 
 def autoscaling_figure(results: PaperResults, path: Path) -> Path:
-    """P99 prefill and mean instances against the rate; instance count over time at the middle rate."""
+    """Cost (mean instances) against P99 prefill over the band sweep, one curve per policy and load
+    (the saving at equal P99 is read between them); instance count over time at the paper's band."""
     runs = results.select(AUTOSCALING)
-    fig = Figure(figsize=(12, 3.5), layout="constrained")
-    p99, cost, over_time = fig.subplots(1, 3)
-    _policy_lines(p99, runs, "rate", "prefill_p99")
-    _style_axes(p99, "prefill P99 (s)", "request rate (req/s)", True)
-    _policy_lines(cost, runs, "rate", "instances_mean")
-    _style_axes(cost, "mean instances (cost)", "request rate (req/s)", False)
+    fig = Figure(figsize=(12, 3.8), layout="constrained")
+    curves, over_time = fig.subplots(1, 2, width_ratios=(1.2, 1))
     loads = sorted(dict.fromkeys(r["load"] for r in runs))
+    for load, dash in zip(loads, ("-", "--", ":", "-.")):
+        for policy in dict.fromkeys(r["policy"] for r in runs):
+            color, marker = STYLE.get(policy, ("black", "."))
+            points = sorted((r["prefill_p99"], r["instances_mean"]) for r in runs
+                            if r["policy"] == policy and r["load"] == load and _finite(r.get("prefill_p99")))
+            curves.plot([p for p, _ in points], [c for _, c in points], dash, color=color, marker=marker, markersize=4,
+                        label=f"{policy}, load {load:g}")
+    _style_axes(curves, "cost vs P99 prefill over the band sweep", "prefill P99 (s)", False)
+    curves.set_xscale("log")
+    curves.set_ylabel("mean instances", fontsize=8)
+    paper_band = next((b for b in results.plan.autoscale_bands if tuple(b) == (10.0, 60.0)), results.plan.autoscale_bands[0])
     middle = loads[len(loads) // 2] if loads else None
-    for run in (r for r in runs if r["load"] == middle and "timeline" in r):
+    for run in (r for r in runs if r["load"] == middle and tuple(r["band"]) == tuple(paper_band) and "timeline" in r):
         color, _ = STYLE.get(run["policy"], ("black", "."))
         over_time.step(run["timeline"]["time"], run["timeline"]["instances"], where="post", color=color,
                        linewidth=0.9, label=run["policy"])
-    _style_axes(over_time, f"instances over time, load {middle:g}" if middle is not None else "instances over time",
-                "time (s)", False)
-    for ax in (p99, over_time):
+    title = f"instances over time, load {middle:g}, band [{paper_band[0]:g}, {paper_band[1]:g}]" if middle is not None else ""
+    _style_axes(over_time, title, "time (s)", False)
+    for ax in (curves, over_time):
         ax.legend(fontsize=7)
     return _save(fig, path)
 

@@ -21,6 +21,7 @@ from llumdask.sim.paper import (
     capacities,
     ideal_capacity,
     plan_cases,
+    priority_headroom,
     run_cases,
     run_paper,
 )
@@ -29,7 +30,11 @@ from llumdask.sim.paper_report import (
     REPRODUCED,
     WEAKER,
     best_ratio,
+    equal_p99_savings,
+    goals,
     headline,
+    knees,
+    serving_goal_rows,
     shortfalls,
     verdict,
     write_paper,
@@ -41,20 +46,23 @@ from llumdask.sim.scalability import measure
 # simulated span (and so the simulator's work) stays short.
 TINY = PaperPlan(
     instances=2,
+    seeds=(0, 1),
     traces=("sharegpt",),
     loads=(1.0, 2.0),
     requests=16,
-    policies=("round_robin", "infaas", "llumnix"),
+    policies=("round_robin", "infaas", "llumnix", "oracle"),
     timeline=("sharegpt", 2.0),
     priority_cvs=(2.0,),
     priority_requests=20,
     autoscale_loads=(2.0,),
+    autoscale_bands=((10.0, 60.0), (40.0, 240.0)),
     autoscale_requests=10,
     autoscale_initial_instances=2,
     scalability_sizes=(4, 16),
     scalability_rounds=3,
 )
 SECTIONS = (
+    "## Goals",
     "## Headline: ours beside the paper",
     "## Where we fall short, and why",
     "## How the rates were chosen",
@@ -98,8 +106,9 @@ def test_tiny_plan_writes_report_json_and_figures(tiny_results, tmp_path):
     assert "14.8x (M-M)" in report and "26.6x" in report  # the paper's numbers sit beside ours
 
     data = json.loads((tmp_path / "results.json").read_text())
-    assert {"plan", "capacity", "runs", "scalability", "headline", "wall_seconds"} <= set(data)
-    assert len(data["runs"]) == len(plan_cases(TINY, tiny_results.capacity))
+    assert {"plan", "capacity", "runs", "scalability", "headline", "goals", "headroom", "wall_seconds"} <= set(data)
+    assert len(data["runs"]) == len(plan_cases(TINY, tiny_results.capacity, priority_headroom(TINY)))
+    assert {goal["met"] for goal in data["goals"]} <= {True, False} and len(data["goals"]) >= 8
     for run in data["runs"]:
         assert RUN_KEYS <= set(run)
         assert run["finished"] + run["rejected"] == run["requests"] > 0
@@ -129,26 +138,42 @@ def test_render_only_needs_a_results_json(tmp_path, capsys):
 
 def test_every_experiment_ran_every_policy_on_the_same_requests(tiny_results, tiny_run):
     serving = tiny_results.select(SERVING)
-    assert {(r["load"], r["policy"]) for r in serving} == {(l, p) for l in TINY.loads for p in TINY.policies}
+    assert sorted((r["load"], r["policy"], r["seed"]) for r in serving) == sorted(
+        (l, p, s) for l in TINY.loads for p in TINY.policies for s in TINY.seeds)
     assert all(r["requests"] == TINY.requests for r in serving)
     assert {r["policy"] for r in tiny_results.select(PRIORITIES)} == {"llumnix_base", "llumnix"}
+    headroom = priority_headroom(TINY)
     for run in tiny_results.select(PRIORITIES):
         assert math.isfinite(run["high_e2e_mean"]) and math.isfinite(run["normal_e2e_mean"])
+        assert run["headroom_tokens"] == headroom.tokens == tiny_results.headroom.tokens
     scaled = tiny_results.select(AUTOSCALING)
-    assert {r["policy"] for r in scaled} == {"infaas", "llumnix"}
-    assert all("timeline" in r and r["autoscale_startup_delay"] == TINY.autoscale_startup_delay for r in scaled)
+    assert {(r["policy"], tuple(r["band"])) for r in scaled} == {(p, b) for p in ("infaas", "llumnix") for b in TINY.autoscale_bands}
+    assert all(r["autoscale_startup_delay"] == TINY.autoscale_startup_delay for r in scaled)
+    assert all(("timeline" in r) == (r["seed"] == TINY.seeds[0]) for r in scaled)
     timelines = {r["policy"] for r in serving if "timeline" in r}
     assert timelines == {"infaas", "llumnix"}
-    assert all(r["load"] == 2.0 for r in serving if "timeline" in r)
+    assert all(r["load"] == 2.0 and r["seed"] == TINY.seeds[0] for r in serving if "timeline" in r)
     progress = tiny_run[1]
     assert sum("ideal capacity" in line for line in progress) == len(tiny_results.capacity)
     assert sum(line.startswith("[") for line in progress) == len(tiny_results.runs)
 
 
+def test_medians_are_over_seeds_with_their_range(tiny_results):
+    medians = tiny_results.medians()
+    assert len(medians.runs) * len(TINY.seeds) == len(tiny_results.runs)
+    for run in medians.select(SERVING):
+        seeds = [r for r in tiny_results.select(SERVING, trace=run["trace"], load=run["load"], policy=run["policy"])]
+        values = sorted(r["prefill_p99"] for r in seeds)
+        assert run["seeds"] == len(seeds) == 2
+        assert run["prefill_p99"] == pytest.approx(sum(values) / 2)
+        assert (run["prefill_p99_min"], run["prefill_p99_max"]) == (values[0], values[-1])
+        assert "seed" not in run
+
+
 def test_rates_are_fractions_of_each_traces_ideal_capacity():
     capacity = capacities(TINY)
     assert set(capacity) == {"sharegpt", "S-S", "L-L"}
-    for case in plan_cases(TINY, capacity):
+    for case in plan_cases(TINY, capacity, priority_headroom(TINY)):
         assert case.rate == pytest.approx(case.load * capacity[case.trace])
 
 
@@ -165,7 +190,7 @@ def test_ideal_capacity_follows_lengths_and_instances():
 
 def test_pool_and_inline_runs_agree():
     capacity = capacities(TINY)
-    cases = [c for c in plan_cases(TINY, capacity) if c.experiment == SERVING][:2]
+    cases = [c for c in plan_cases(TINY, capacity, priority_headroom(TINY)) if c.experiment == SERVING][:2]
     strip = lambda runs: [{k: v for k, v in r.items() if k != "wall_seconds"} for r in runs]  # noqa: E731
     inline = run_cases(cases, 1, lambda _: None)
     pooled = run_cases(cases, 2, lambda _: None)
@@ -202,6 +227,44 @@ def test_headline_takes_the_best_setting_of_the_sweep():
     lines = shortfalls(list(rows.values()))
     assert any(rows["prefill_mean"].claim.text in line for line in lines)
     assert not any(rows["prefill_p99"].claim.text in line for line in lines)
+
+
+def test_serving_goals_hold_llumnix_to_the_best_simpler_router():
+    runs = [
+        _fake("M-M", 0.5, "infaas", prefill_p99=2.0), _fake("M-M", 0.5, "lmetric", prefill_p99=1.0),
+        _fake("M-M", 0.5, "llumnix", prefill_p99=1.04), _fake("M-M", 0.5, "oracle", prefill_p99=0.5),
+        _fake("M-M", 1.0, "infaas", prefill_p99=10.0), _fake("M-M", 1.0, "llumnix", prefill_p99=5.0),
+        _fake("M-M", 1.0, "oracle", prefill_p99=4.0, backlog_at_last_arrival=50),
+    ]
+    results = PaperResults(replace(TINY, traces=("M-M",), timeline=("M-M", 1.0)), {}, runs, [])
+    rows = {r["load"]: r for r in serving_goal_rows(results)}
+    assert rows[0.5]["prefill_p99"] == (pytest.approx(1.04), "lmetric")  # the best router, not INFaaS++
+    assert rows[1.0]["prefill_p99"] == (0.5, "infaas")
+    assert rows[0.5]["oracle_prefill_p99"] == pytest.approx(2.08)
+    assert knees(results) == {"M-M": 0.5}  # at load 1 the oracle leaves 50 of 100 requests waiting
+    by_text = {g.text.split(":")[0]: g for g in goals(results)}
+    assert by_text["P99 prefill"].met and "2 of 2 settings; wins by >10% in 1" in by_text["P99 prefill"].measured
+    oracle = next(g for g in goals(results) if "oracle" in g.text)
+    assert not oracle.met and "M-M load 0.5: 2.08x" in oracle.measured
+    worse = PaperResults(results.plan, {}, runs + [_fake("M-M", 2.0, "infaas", prefill_p99=1.0),
+                                                   _fake("M-M", 2.0, "llumnix", prefill_p99=1.2)], [])
+    assert not next(g for g in goals(worse) if g.text.startswith("P99 prefill")).met
+
+
+def test_autoscaling_saving_is_read_off_the_cost_curves_at_equal_p99():
+    def scaled(policy, band, p99, instances):
+        return {"experiment": AUTOSCALING, "trace": "L-L", "load": 0.5, "policy": policy, "band": band,
+                "prefill_p99": p99, "instances_mean": instances}
+
+    runs = [scaled("infaas", (10, 60), 1.0, 10.0), scaled("infaas", (40, 240), 4.0, 6.0),
+            scaled("llumnix", (10, 60), 0.8, 8.0), scaled("llumnix", (40, 240), 3.0, 5.0)]
+    results = PaperResults(replace(TINY, autoscale_loads=(0.5,)), {}, runs, [])
+    savings = {target: saving for _, target, _, _, saving in equal_p99_savings(results)}
+    # At P99 <= 1 s INFaaS++ needs 10 instances, Llumnix 8; <= 3 s, 10 against 5; <= 4 s, 6 against 5.
+    # At 0.8 s INFaaS++ has no band: no saving is read there.
+    assert savings == {1.0: pytest.approx(0.2), 3.0: pytest.approx(0.5), 4.0: pytest.approx(1 - 5 / 6)}
+    row = next(r for r in headline(results) if r.claim.key == "autoscale_cost")
+    assert row.ours == "-50.0%" and "P99 prefill <= 3.00 s" in row.where
 
 
 @pytest.mark.parametrize(
