@@ -344,6 +344,7 @@ class RealRun:
     probes: dict[str, list[Observed]]
     trace: list[Observed]
     migrations: int
+    preemptions: int
 
 
 def probe_rounds(seed: int, vocab: int) -> list[tuple[str, list[list[int]]]]:
@@ -364,13 +365,20 @@ async def replay_real(address: str, trace: Sequence[TraceRequest], prompts: Sequ
             probes: dict[str, list[Observed]] = defaultdict(list)
             for name, round_prompts in rounds:
                 probes[name] += await send_round(llum, round_prompts, PROBE_TOKENS, settle)
-            before = (await llum.instances()).migrations.get("committed", 0)
+            before = await llum.instances()
             start = time.perf_counter() + 0.5
             observed = await asyncio.gather(*(send(llum, start, r, p) for r, p in zip(trace, prompts)))
-            migrations = (await llum.instances()).migrations.get("committed", 0) - before
+            await asyncio.sleep(settle)  # the last load reports, with the last preemptions
+            after = await llum.instances()
         finally:
             await llum.close()
-    return RealRun(dict(probes), list(observed), migrations)
+        migrations = after.migrations.get("committed", 0) - before.migrations.get("committed", 0)
+        preemptions = _preemptions(after) - _preemptions(before)
+    return RealRun(dict(probes), list(observed), migrations, preemptions)
+
+
+def _preemptions(table) -> int:
+    return sum(row["num_preemptions"] for row in table.rows)
 
 
 def real_latencies(observed: Sequence[Observed]) -> Latencies:
@@ -379,9 +387,9 @@ def real_latencies(observed: Sequence[Observed]) -> Latencies:
 
 # ------------------------------------------------------------------ simulator
 def simulate(trace_file: Path, profile: Path, preset: str, overrides: dict[str, Any],
-             settings: SimulatorSettings) -> tuple[Latencies, int]:
+             settings: SimulatorSettings) -> tuple[Latencies, int, int]:
     """The trace file through the simulated cluster; per-request latencies in trace order (the
-    simulator names the i-th request of a workload req-i) and the migrations."""
+    simulator names the i-th request of a workload req-i), the migrations and the preemptions."""
     spec = make_spec(preset, INSTANCES, profile=str(profile), base=load_config(overrides), settings=settings)
     outcome, _ = run_cluster(spec, make_workload(str(trace_file)))
     done = sorted((r for r in outcome.requests if r.status is RequestStatus.FINISHED),
@@ -391,7 +399,8 @@ def simulate(trace_file: Path, profile: Path, preset: str, overrides: dict[str, 
     committed = migration_outcomes(outcome.migrations).values()
     return (Latencies(tuple(r.timing.prefill_latency for r in done),
                       tuple(r.timing.decode_latency(r.num_output_tokens) for r in done)),
-            sum(e.kind is MigrationEventKind.COMMITTED for e in committed))
+            sum(e.kind is MigrationEventKind.COMMITTED for e in committed),
+            sum(r.timing.preemptions for r in done))
 
 
 def write_requests(path: Path, trace: Sequence[TraceRequest], real: Latencies, simulated: dict[str, Latencies]) -> Path:
@@ -457,8 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     simulated = {name: simulate(trace_file, path, preset.name, overrides, settings)
                  for name, (path, settings) in variants.items()}
     real_lat = real_latencies(real.trace)
-    rows = error_rows(real_lat.stats(), {name: lat.stats() for name, (lat, _) in simulated.items()})
-    per_request = write_requests(work / "requests.csv", trace, real_lat, {n: lat for n, (lat, _) in simulated.items()})
+    rows = error_rows(real_lat.stats(), {name: lat.stats() for name, (lat, _, _) in simulated.items()})
+    per_request = write_requests(work / "requests.csv", trace, real_lat, {n: lat for n, (lat, _, _) in simulated.items()})
+    sim_preemptions = simulated["served"][2]
+    preemption_error = sim_preemptions / real.preemptions - 1 if real.preemptions else None
     facts = {"model": Path(model).name, "requests": requests, "rate": rate, "policy": preset.name,
              "instances": INSTANCES, "kv_tokens": args.kv_tokens, "seed": args.seed,
              "request_path_ms": costs.request_path * 1e3, "per_step_ms": costs.per_step * 1e3,
@@ -468,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
              "probe_instances": {n: [o.instance for o in obs] for n, obs in real.probes.items()},
              "real_completed": len(real.trace), "sim_completed": len(simulated["served"][0].ttft),
              "real_migrations": real.migrations, "sim_migrations": simulated["served"][1],
+             "real_preemptions": real.preemptions, "sim_preemptions": sim_preemptions,
+             "sim_engine_preemptions": simulated["engine"][2], "preemption_error": preemption_error,
+             "preemptions_within_goal": preemption_error is not None and abs(preemption_error) <= GOAL,
              "max_send_lateness_ms": max(o.late for o in real.trace) * 1e3, "goal": GOAL,
              "wall_s": time.perf_counter() - started, **load}
     notes = [f"profile: {profile_path}", f"served profile: {served_path}", f"trace: {trace_file}",

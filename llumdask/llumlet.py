@@ -354,8 +354,9 @@ class Llumlet:
             return
         request_id = self._committed_in.pop(msg.migration_id, None)
         if request_id is not None:
-            # The source gave up before it saw our Committed and goes on with the request itself.
-            self.engine.abort_request(request_id)
+            # The source gave up before it saw our Committed and goes on with the request itself;
+            # a migration of our copy onward (it may already have started) ends with it.
+            self.abort_request(request_id)
 
     def _drop_incoming(self, inc: _Incoming) -> None:
         self.engine.release_reservation(inc.migration_id)

@@ -58,6 +58,7 @@ def instance_row(view: InstanceView, state: str) -> dict[str, Any]:
         "state": state,
         "ready": view.ready,
         "freeness": view.freeness,
+        "dispatch_freeness": view.dispatch_freeness,
         "total_blocks": load.total_blocks,
         "free_blocks": load.free_blocks,
         "num_running": load.num_running,

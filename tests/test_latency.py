@@ -37,13 +37,14 @@ def test_builtin_profiles_load():
 
 def test_builtin_7b_coefficients_follow_their_derivation():
     """The numbers in the JSON are the arithmetic its derivation text states (within rounding)."""
-    peak, bandwidth, params, weights = 125e12, 600e9, 6_738_415_616, 13_476_831_232
+    peak, bandwidth, params, weights, vocab = 125e12, 600e9, 6_738_415_616, 13_476_831_232, 32_000 * 4096
     p = load_profile("llama-7b-a10")
     expected = {
-        "prefill.per_token_s": (p.prefill.per_token_s, 2 * params / (peak * 0.6)),
+        "prefill.base_s": (p.prefill.base_s, weights / (bandwidth * 0.8)),
+        "prefill.per_token_s": (p.prefill.per_token_s, 2 * (params - 2 * vocab) / (peak * 0.6)),
         "prefill.per_token_squared_s": (p.prefill.per_token_squared_s, 2 * 4096 * 32 / (peak * 0.4)),
-        "decode.base_s": (p.decode.base_s, weights / (bandwidth * 0.8) + 0.003),
-        "decode.per_seq_s": (p.decode.per_seq_s, 2 * params / (peak * 0.5)),
+        "decode.base_s": (p.decode.base_s, weights / (bandwidth * 0.8)),
+        "decode.per_seq_s": (p.decode.per_seq_s, 2 * (params - vocab) / (peak * 0.5)),
         "decode.per_context_token_s": (p.decode.per_context_token_s, 524288 / (bandwidth * 0.8)),
     }
     for key, (stored, derived) in expected.items():

@@ -158,6 +158,28 @@ def test_late_abort_after_commit_drops_destination_copy():
     cluster.assert_no_leaks()
 
 
+def test_a_late_abort_also_stops_the_destinations_own_migration_of_the_copy():
+    # i1 has resumed "r" (its Committed not yet back at i0) and already moves it on to i2 when the
+    # source's Abort arrives: dropping the copy must end that onward migration too, leak-free.
+    cluster = InProcessCluster(3, small_config(handshake_timeout=0.05, max_concurrent=2))
+    cluster["i0"].add_request(make_request("r", 6, 40))
+    cluster.step_all()
+    cluster["i0"].migrate_out("i1", "r")
+    while not cluster["i1"].engine.get_request("r"):
+        for pair in [p for p in cluster.transport.pending_pairs() if p in (("i0", "i1"), ("i1", "i0"))]:
+            cluster.transport.deliver_one(pair)
+    assert cluster["i1"].migrate_out("i2", "r")
+    cluster.transport.deliver_one(("i1", "i2"))  # PreAlloc: i2 reserves, its reply waits
+    cluster.clock.advance(0.1)
+    cluster["i0"].tick()  # the source gives up first: unpauses "r", sends Abort to i1
+    cluster.transport.deliver_one(("i0", "i1"))  # i1 drops its copy of "r"...
+    assert cluster["i1"].engine.get_request("r") is None
+    cluster.run_until_idle()  # ... and i2's reply finds no migration left to continue
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 6, 40))
+    assert any(e.source == "i1" and e.reason == "request aborted" for e in cluster.aborted())
+    cluster.assert_no_leaks()
+
+
 def test_terminating_destination_refuses():
     cluster = InProcessCluster(2)
     cluster["i1"].set_terminating(True)

@@ -54,7 +54,8 @@ _DTYPE_BYTES = 2  # fp16 / bf16 weights and KV cache, as profiled
 # Weights + KV cache of the LLaMA-7B A10 profile (13,476,831,232 B + 13,616 x 524,288 B): the default
 # memory for weights + KV of another 24 GB card, so that the profiles share one activation reserve.
 DEFAULT_MEMORY_BYTES = 20_615_536_640
-DEFAULT_CPU_OVERHEAD_S = 0.003  # as in the A10 profiles
+# No fixed CPU cost per step by default: vLLM v1 prepares the next step while the GPU runs this one.
+DEFAULT_CPU_OVERHEAD_S = 0.0
 HOLDOUT_EVERY = 5  # the held-out check predicts every 5th sample from a fit to the others
 
 
@@ -455,12 +456,15 @@ def _derivation(tables: VidurTables, options: FitOptions, size: _ModelSize, capa
         "(attn_pre_proj, the fused QKV GEMM, below the same row's elementwise add): " + dropped + " values of "
         f"{len(tables.tokens)} mlp.csv rows; each operator is interpolated linearly between its own remaining token counts "
         "(extrapolated linearly past its largest).",
-        f"Forward pass = {options.cpu_overhead_s * 1e3:g} ms fixed CPU cost per step (assumed, as in the A10 profiles: scheduling, "
-        "input preparation, sampling; the tables have no CPU profile) + emb(tokens) + lm_head(sequences) "
+        f"Forward pass = {options.cpu_overhead_s * 1e3:g} ms fixed CPU cost per step (the tables have no CPU profile; "
+        "vLLM v1 schedules and prepares the next step while the GPU runs the current one, so by default none is charged) "
+        "+ emb(tokens) + lm_head(sequences) "
         f"+ {layers} x (input_layernorm + attn_pre_proj + attn_rope + attention + attn_post_proj + post_attention_layernorm "
         "+ mlp_up_proj + mlp_act + mlp_down_proj + add), summed per layer as Vidur's ExecutionTime does.",
-        f"lm_head is not profiled: taken as the measured mlp_up_proj GEMM (output width {s.up_proj_width}) at the same number "
-        f"of rows scaled by {s.vocab}/{s.up_proj_width}; it runs for one token per sequence.",
+        f"lm_head is not profiled; it is the same GEMM as the measured mlp_up_proj ({s.hidden} inputs, the same rows) but "
+        f"for its output width, {s.vocab} against {s.up_proj_width}: its time is mlp_up_proj's scaled by {s.vocab}/{s.up_proj_width}, "
+        "which holds whether the GEMM is bound by reading its weights (few rows: lm_head runs for one token per sequence) "
+        "or by its FLOPs (both grow with the output width).",
         f"Prefill: attention.csv rows with batch 1 and an empty KV cache (a whole prompt in one chunk) -> "
         f"a + b x tokens + c x tokens^2 with a = {p.base_s:g} s, b = {p.per_token_s:g} s, c = {p.per_token_squared_s:g} s; "
         f"{prefill.describe()}.",

@@ -494,8 +494,11 @@ class SimEngine:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            count = min(seq.num_tokens - seq.num_computed, budget)
-            needed = blocks_for(seq.num_computed + count, size) - seq.num_blocks
+            computed = seq.num_computed
+            count = seq.num_tokens - computed
+            if count > budget:
+                count = budget
+            needed = -(-(computed + count) // size) - seq.num_blocks
             while needed > blocks.free_blocks:
                 victim = max(running, key=_queue_key)
                 index = running.index(victim)
@@ -510,7 +513,7 @@ class SimEngine:
                     budget += chunk.count
             if needed > 0:
                 self._allocate(seq, needed)
-            chunks.append(_Chunk(seq, seq.num_computed, count))
+            chunks.append(_Chunk(seq, computed, count))
             budget -= count
             i += 1
         return chunks, preempted

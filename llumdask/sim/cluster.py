@@ -218,7 +218,10 @@ class SimCluster:
     def _report(self, inst: SimInstance) -> None:
         load = inst.llumlet.load_report()
         self._loads[inst.instance_id] = load
-        self.events.at(self.events.now + self.settings.report_delay, lambda: self._receive_report(load))
+        if self.settings.report_delay:
+            self.events.at(self.events.now + self.settings.report_delay, lambda: self._receive_report(load))
+        else:  # fresh reports: no event needed (hundreds of thousands in a long run)
+            self._receive_report(load)
 
     def _receive_report(self, load: InstanceLoad) -> None:
         inst = self.instances.get(load.instance_id)
