@@ -52,6 +52,7 @@ class ConfigError(ValueError):
 class DispatchConfig:
     policy: str = "llumnix"
     seed: int = 0
+    interference_freeness: float | None = 16.0
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,11 @@ BLOCKS, BLOCK_SIZE = 100, 16
 SCALING = ScalingConfig(enabled=True, band=(10.0, 60.0), sustained_period=30.0, min_instances=1, max_instances=4)
 
 
-def scheduler(n: int = 0, *, policy: str = "llumnix", **config) -> GlobalScheduler:
-    """A scheduler with `n` ready, empty instances i0..i{n-1} of BLOCKS blocks."""
-    gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(policy=policy), **config))
+def scheduler(n: int = 0, *, policy: str = "llumnix", interference_freeness: float | None = None, **config) -> GlobalScheduler:
+    """A scheduler with `n` ready, empty instances i0..i{n-1} of BLOCKS blocks; Llumnix dispatch
+    by memory alone unless `interference_freeness` is given."""
+    dispatch = DispatchConfig(policy=policy, interference_freeness=interference_freeness)
+    gs = GlobalScheduler(LlumdaskConfig(dispatch=dispatch, **config))
     for k in range(n):
         gs.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
         gs.mark_ready(f"i{k}", 0.0)
@@ -176,6 +178,14 @@ def test_a_burst_is_spread_by_the_dispatch_load_with_each_request_added(k, promp
         assert after[target] == max(after.values())
         assert target == max((i for i in after if after[i] == after[target]), key=lambda i: int(i[1:]))
     assert sum(v.num_pending for v in gs.instances()) == len(prompts)
+
+
+def test_with_memory_to_spare_a_burst_alternates_by_interference():
+    # Plenty of room everywhere: each request goes where the queued prefill times the batch is
+    # least, which counts the requests dispatched but not reported.
+    gs = scheduler(2, interference_freeness=2.0)
+    targets = [gs.dispatch(info(j, 16), 0.0) for j in range(4)]
+    assert targets == ["i0", "i1", "i0", "i1"]
 
 
 def test_reports_absorb_pending_requests_in_dispatch_order():

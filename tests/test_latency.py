@@ -123,3 +123,9 @@ def test_unknown_profile_lists_the_builtin_ones(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_profile(bad)
+
+
+@pytest.mark.parametrize(("prompt", "output"), [(1, 1), (100, 1), (100, 2), (37, 250)])
+def test_solo_latency_is_a_prefill_then_lone_decode_steps(prompt, output):
+    steps = TOY.prefill_time([prompt]) + sum(TOY.decode_time(1, prompt + k) for k in range(1, output))
+    assert TOY.solo_latency(prompt, output) == pytest.approx(steps)

@@ -167,6 +167,23 @@ def test_llumnix_counts_the_arriving_request_so_free_per_request_must_hold_its_p
     assert choose(LlumnixDispatch(), [a, b], DispatchInfo("r", 16, 10)) == "a"  # one block: still a
 
 
+def test_llumnix_goes_where_it_interferes_least_when_memory_is_plentiful():
+    # Both keep far more than 16 free blocks per request with this one: a's queued prefill (300
+    # tokens) would delay it and be stalled by it, b runs more decodes but has nothing queued.
+    a = view("a", total=1000, used=50, running=2, prefill=300, queued=20)
+    b = view("b", total=1000, used=200, running=4)
+    assert a.dispatch_freeness > b.dispatch_freeness
+    assert choose(LlumnixDispatch(16.0), [a, b]) == "b"  # (300 + 100) x 3 against (0 + 100) x 5
+    assert choose(LlumnixDispatch(None), [a, b]) == "a"  # memory only: the freest
+    # Where memory is short, memory decides: b keeps too little for this 720-block prompt.
+    assert choose(LlumnixDispatch(16.0), [a, b], DispatchInfo("r", 16 * 720, 10)) == "a"
+
+
+def test_llumnix_interference_choice_counts_unreported_work():
+    a, b = view("a", total=1000), view("b", total=1000, num_pending=1, pending_blocks=5, pending_prompt_tokens=80)
+    assert choose(LlumnixDispatch(16.0), [a, b]) == "a"
+
+
 def test_round_robin_cycles_over_sorted_ids_and_survives_membership_changes():
     policy = RoundRobinDispatch()
     cluster = [view("b"), view("a"), view("c")]

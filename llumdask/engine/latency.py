@@ -95,6 +95,15 @@ class LatencyProfile:
         d = self.decode
         return d.base_s + d.per_seq_s * batch + d.per_context_token_s * context_tokens
 
+    def solo_latency(self, prompt_tokens: int, output_tokens: int) -> float:
+        """Seconds from arrival to the last token of a request alone on an idle instance: its prefill
+        (which yields the first token), then one lone decode step per further token, the k-th of
+        them over prompt + k tokens. No placement can serve it faster."""
+        decodes = max(output_tokens - 1, 0)
+        d = self.decode
+        context = decodes * (2 * prompt_tokens + decodes + 1) / 2  # prompt + 1 ... prompt + decodes
+        return self.prefill_time([prompt_tokens]) + decodes * (d.base_s + d.per_seq_s) + d.per_context_token_s * context
+
     def step_time(self, prefill_chunks: Iterable[tuple[int, int]], batch: int, context_tokens: int) -> float:
         """A step of prefill chunks (computed, new) plus one decode token per decoding sequence: one
         forward pass, so a step with both pays the smaller fixed cost only as part of the larger."""

@@ -49,6 +49,9 @@ class CandidateTable(Sequence[Candidate]):
         n = len(self._candidates)
         self._surplus = np.empty(n)
         self._requests = np.empty(n)
+        # Prefill tokens queued there (reported waiting + dispatched since) and its batch (running + pending).
+        self._prefill_tokens = np.empty(n)
+        self._batch = np.empty(n)
         self._block_size = np.fromiter((c.block_size for c in self._candidates), dtype=np.int64, count=n)
         self._charge = {p: np.zeros(n) for p in Priority}
         self._slots = {c.instance_id: k for k, c in enumerate(self._candidates)}
@@ -61,6 +64,8 @@ class CandidateTable(Sequence[Candidate]):
         if slot is not None:
             self._surplus[slot] = candidate.dispatch_surplus
             self._requests[slot] = candidate.dispatch_requests
+            self._prefill_tokens[slot] = candidate.load.pending_prefill_tokens + candidate.pending_prompt_tokens
+            self._batch[slot] = candidate.load.num_running + candidate.num_pending
             for priority, column in self._charge.items():
                 column[slot] = candidate.absent_charge(priority)
 
@@ -70,6 +75,11 @@ class CandidateTable(Sequence[Candidate]):
         surplus = self._surplus - (-(-prompt_tokens // self._block_size)) - self._charge[priority]
         requests = self._requests + 1
         return np.where(surplus >= 0, surplus / requests, surplus * requests)
+
+    def interference(self, prompt_tokens: int) -> np.ndarray:
+        """How much this request would interfere with each candidate's work, LMetric's measure:
+        (prefill tokens it waits behind + its own) x (the decodes its prefill stalls + itself)."""
+        return (self._prefill_tokens + prompt_tokens) * (self._batch + 1)
 
     def __len__(self) -> int:
         return len(self._candidates)

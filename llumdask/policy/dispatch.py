@@ -10,9 +10,11 @@ dispatch load in one numpy pass over the table's columns (`llumdask.policy.candi
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from operator import attrgetter
+
 import numpy as np
 
 from llumdask.config import DispatchConfig
@@ -54,16 +56,36 @@ class DispatchPolicy:
 
 
 class LlumnixDispatch(DispatchPolicy):
-    """Llumnix: the highest dispatch freeness once this request is added there.
+    """Llumnix: the highest dispatch freeness once this request is added there; but where memory
+    is not the constraint, the least interference.
 
     Every queued and pending demand counts, and the request's own: an instance whose free blocks
     per request look plentiful but cannot hold this prompt is overloaded for it. A high-priority
     request pays its class's headroom where none of its class runs yet, so it joins high-priority
     work already placed. Ties: the larger id.
+
+    Freeness only measures memory. When at least two instances would keep `interference_freeness`
+    blocks per request with this request added (room to spare: migration would treat them as
+    destinations), memory does not tell them apart, and the request goes to the one of them where
+    it waits behind the least prefill work and its own prefill stalls the fewest decodes
+    (`CandidateTable.interference`; ties: the smaller id). Memory-blind routers that do only this
+    queue and preempt under memory pressure; memory-only ones let short requests share steps with
+    long prefills, which is what a decode's P99 is made of when memory is plentiful.
     """
+
+    def __init__(self, interference_freeness: float | None = None) -> None:
+        self._roomy = math.inf if interference_freeness is None else interference_freeness
+
+    @classmethod
+    def from_config(cls, config: DispatchConfig) -> DispatchPolicy:
+        return cls(config.interference_freeness)
 
     def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
         freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority)
+        roomy = freeness >= self._roomy
+        if np.count_nonzero(roomy) > 1:
+            interference = np.where(roomy, candidates.interference(info.num_prompt_tokens), np.inf)
+            return candidates[int(np.argmin(interference))].instance_id
         return candidates[_last_max(freeness)].instance_id
 
 

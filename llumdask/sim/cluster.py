@@ -8,11 +8,17 @@ over bandwidth, load reports arrive `report_delay` late, new instances take `sta
 Migration messages are handled when they arrive, also while the instance is in the middle of a
 step: KV copies and handshakes run beside the model's compute, as in Llumnix. A request paused or
 resumed mid-step leaves or joins the batch from the next step on.
+
+Load reports leave an instance between steps, at most every `report_interval`, as a llumlet's
+engine thread writes them: a busy instance reports when a step ends, an idle one on the interval.
+An engine step is computed when it starts, so a report taken during it would show its outcome
+early; none is.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
@@ -62,6 +68,7 @@ class SimInstance:
     busy_until: float = 0.0
     step_scheduled: bool = False
     alive: bool = True
+    reported_at: float = -math.inf
 
 
 @dataclass
@@ -192,6 +199,8 @@ class SimCluster:
     def _step(self, inst: SimInstance) -> None:
         inst.step_scheduled = False
         if inst.alive and inst.llumlet.engine.has_work():
+            if self.events.now - inst.reported_at >= self.config.report_interval:
+                self._report(inst)  # between the last step and this one
             result = inst.llumlet.step()
             for request in result.finished:
                 self._finished(request)
@@ -216,6 +225,7 @@ class SimCluster:
 
     # ------------------------------------------------------------------ periodic loops
     def _report(self, inst: SimInstance) -> None:
+        inst.reported_at = self.events.now
         load = inst.llumlet.load_report()
         self._loads[inst.instance_id] = load
         if self.settings.report_delay:
@@ -229,10 +239,13 @@ class SimCluster:
             self.scheduler.report(load, self.events.now)
 
     def _report_loop(self) -> None:
+        """Instances between steps (idle ones, or waiting on a reservation) report on the interval;
+        one in the middle of a step reports when the step ends."""
+        now, interval = self.events.now, self.config.report_interval
         for inst in self.instances.values():
-            if inst.alive:
+            if inst.alive and inst.busy_until <= now and now - inst.reported_at >= interval - 1e-12:
                 self._report(inst)
-        self._repeat(self.config.report_interval, self._report_loop)
+        self._repeat(interval, self._report_loop)
 
     def _pairing_loop(self) -> None:
         for inst in self.instances.values():

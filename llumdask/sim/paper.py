@@ -356,6 +356,10 @@ def run_case(case: Case) -> dict[str, Any]:
     }
     if case.timeline:
         result["timeline"] = timeline(outcome.samples)
+    high = [r for r in workload if r.priority is Priority.HIGH]
+    if high:
+        # The limit of any placement: each high-priority request alone on an idle instance.
+        result["high_solo_e2e_mean"] = float(np.mean([spec.profile.solo_latency(r.input_len, r.output_len) for r in high]))
     return result
 
 

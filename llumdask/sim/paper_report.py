@@ -229,15 +229,18 @@ def _decode_steps(results: PaperResults) -> str:
             f"(sequences of {headroom.sequence_tokens} tokens): no placement makes a decode faster than that.")
 
 
-def priority_ratios(results: PaperResults) -> list[tuple[float, float, float]]:
-    """(CV, high-priority speedup, normal-priority cost) per setting: Llumnix-base / Llumnix mean
-    end-to-end latency of high-priority requests, and Llumnix / Llumnix-base - 1 of normal ones."""
+def priority_ratios(results: PaperResults) -> list[tuple[float, float, float, float]]:
+    """(CV, high-priority speedup, normal-priority cost, ceiling) per setting: Llumnix-base /
+    Llumnix mean end-to-end latency of high-priority requests, Llumnix / Llumnix-base - 1 of
+    normal ones, and Llumnix-base's over what the same high-priority requests would take each
+    alone on an idle instance (the most any placement could gain in that setting)."""
     rows = []
     for (cv,), policies in settings(results, PRIORITIES, "cv"):
         if {"llumnix_base", "llumnix"} <= set(policies):
             base, ours = policies["llumnix_base"], policies["llumnix"]
             rows.append((cv, ratio(base.get("high_e2e_mean"), ours.get("high_e2e_mean")),
-                         ratio(ours.get("normal_e2e_mean"), base.get("normal_e2e_mean")) - 1))
+                         ratio(ours.get("normal_e2e_mean"), base.get("normal_e2e_mean")) - 1,
+                         ratio(base.get("high_e2e_mean"), base.get("high_solo_e2e_mean"))))
     return rows
 
 
@@ -380,19 +383,22 @@ def goals(results: PaperResults) -> list[Goal]:
     return out
 
 
+def priority_target(ceiling: float) -> float:
+    """The high-priority speedup a setting must reach: 1.2x, or where its ceiling is below 1.25x,
+    80% of the ceiling's improvement."""
+    return 1 + 0.8 * (ceiling - 1) if _finite(ceiling) and ceiling < 1.25 else 1.2
+
+
 def _priority_goal(results: PaperResults) -> Goal:
     rows = [r for r in priority_ratios(results) if _finite(r[1]) and _finite(r[2])]
-    ceiling = results.headroom.ceiling if results.headroom is not None else math.nan
     if not rows:
         return Goal("priorities", "not run", False)
-    speedup, cost = min(r[1] for r in rows), max(r[2] for r in rows)
-    if _finite(ceiling) and ceiling < 1.25:
-        text = f"priorities: high-priority speedup - 1 >= 0.8 x (ceiling {ceiling:.2f}x - 1), normal <= +4.5%"
-        met = speedup - 1 >= 0.8 * (ceiling - 1) and cost <= 0.045
-    else:
-        text = f"priorities: high-priority mean latency >= 1.2x Llumnix-base, normal <= +4.5% (ceiling {ceiling:.2f}x)"
-        met = speedup >= 1.2 and cost <= 0.045
-    return Goal(text, f"{_x(speedup)} at worst, normal {_pct(cost, signed=True)} at worst", met)
+    text = ("priorities: high-priority mean latency >= 1.2x Llumnix-base (where the ceiling is below 1.25x: 80% of "
+            "its improvement), normal requests <= +4.5%")
+    measured = "; ".join(f"CV {cv:g}: {_x(speedup)} of {_x(priority_target(ceiling))} needed (ceiling {_x(ceiling)}), "
+                         f"normal {_pct(cost, signed=True)}" for cv, speedup, cost, ceiling in rows)
+    met = all(speedup >= priority_target(ceiling) and cost <= 0.045 for _, speedup, cost, ceiling in rows)
+    return Goal(text, measured, met)
 
 
 # ------------------------------------------------------------------------------- markdown
@@ -512,6 +518,8 @@ def _priorities_table(results: PaperResults) -> str:
                 for priority in ("high", "normal")
                 for metric in ("prefill_mean", "decode_mean", "e2e_mean")
             )))
+            rows.append((f"{cv:g}", "high-priority requests alone", "", "", _num(base.get("high_solo_e2e_mean"), "{:.2f}"),
+                         "", "", f"ceiling {_x(ratio(base.get('high_e2e_mean'), base.get('high_solo_e2e_mean')))}"))
     return table(("CV", "policy", "high prefill s", "high decode s", "high e2e s", "normal prefill s",
                   "normal decode s", "normal e2e s"), rows)
 
