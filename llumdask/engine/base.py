@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, RequestTiming, SamplingParams, blocks_for
 
 
-@dataclass(frozen=True)
-class TokenOutput:
+class TokenOutput(NamedTuple):
     """New tokens of one request from one step. `first_index` is the position of
-    `token_ids[0]` in the request's output: the sequence number the frontend orders by."""
+    `token_ids[0]` in the request's output: the sequence number the frontend orders by.
+
+    A named tuple rather than a frozen dataclass: one is made per request per step, the most
+    made object of a simulation, and a tuple is built several times faster."""
 
     request_id: str
     first_index: int

@@ -138,6 +138,16 @@ def _time_weights(samples: Sequence[ClusterSample], duration: float) -> np.ndarr
     return weights if weights.sum() > 0 else np.ones_like(weights)
 
 
+def mean_instances(samples: Sequence[ClusterSample], until: float) -> float:
+    """Time-weighted mean instance count from the first sample to `until` (samples after it
+    ignored): the cost of a run over a window every policy shares, such as its arrivals."""
+    kept = [s for s in samples if s.time < until] or list(samples[:1])
+    if not kept:
+        return _NAN
+    counts = np.array([len(s.instances) for s in kept], dtype=np.float64)
+    return float(np.average(counts, weights=_time_weights(kept, until)))
+
+
 def _sample_stats(samples: Sequence[ClusterSample], duration: float) -> dict[str, float]:
     if not samples:
         return {"fragmentation_mean": _NAN, "instances_mean": _NAN, "migrating_time_share": _NAN}

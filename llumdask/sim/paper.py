@@ -45,7 +45,7 @@ from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.headroom import DEFAULT_TOLERANCE, Headroom, derive_headroom
 from llumdask.engine.latency import LatencyProfile, load_profile
 from llumdask.request import Priority, Request
-from llumdask.sim.metrics import ClusterSample, summarize
+from llumdask.sim.metrics import ClusterSample, mean_instances, summarize
 from llumdask.sim.presets import PRESETS
 from llumdask.sim.run import make_spec, run_cluster
 from llumdask.sim.scalability import measure
@@ -54,7 +54,7 @@ from llumdask.sim.workload import PAIRINGS, WORKLOADS, make_workload
 SERVING, PRIORITIES, AUTOSCALING = "serving", "priorities", "autoscaling"
 # The paper's auto-scaling band is [10, 60] with 1 to 16 instances; the sweep scales it up and
 # down so that each policy traces a cost-vs-P99 curve.
-AUTOSCALE_BANDS = ((5.0, 30.0), (10.0, 60.0), (20.0, 120.0), (40.0, 240.0))
+AUTOSCALE_BANDS = ((5.0, 30.0), (7.5, 45.0), (10.0, 60.0), (20.0, 120.0))
 AUTOSCALE_MAX_INSTANCES = 16
 # The simpler routers Llumnix must never lose to, and the limit of dispatch beside them.
 BASELINES = ("round_robin", "infaas", "lmetric", "power_of_two")
@@ -354,6 +354,10 @@ def run_case(case: Case) -> dict[str, Any]:
         "simulated_seconds": outcome.duration,
         "wall_seconds": wall,
     }
+    if case.band is not None:
+        # Cost while the trace arrives: a policy that finishes its stragglers sooner must not look
+        # dearer for the idle tail it no longer has.
+        result["instances_serving_mean"] = mean_instances(outcome.samples, workload[-1].arrival if workload else 0.0)
     if case.timeline:
         result["timeline"] = timeline(outcome.samples)
     high = [r for r in workload if r.priority is Priority.HIGH]

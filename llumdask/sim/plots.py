@@ -125,7 +125,7 @@ def autoscaling_figure(results: PaperResults, path: Path) -> Path:
     for load, dash in zip(loads, ("-", "--", ":", "-.")):
         for policy in dict.fromkeys(r["policy"] for r in runs):
             color, marker = STYLE.get(policy, ("black", "."))
-            points = sorted((r["prefill_p99"], r["instances_mean"]) for r in runs
+            points = sorted((r["prefill_p99"], r["instances_serving_mean"]) for r in runs
                             if r["policy"] == policy and r["load"] == load and _finite(r.get("prefill_p99")))
             curves.plot([p for p, _ in points], [c for _, c in points], dash, color=color, marker=marker, markersize=4,
                         label=f"{policy}, load {load:g}")

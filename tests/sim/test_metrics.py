@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from llumdask.llumlet import MigrationEvent, MigrationEventKind
 from llumdask.load import InstanceLoad
 from llumdask.request import Priority, Request, RequestStatus, SamplingParams
-from llumdask.sim.metrics import ClusterSample, InstanceSample, churn, mean_and_p99, summarize
+from llumdask.sim.metrics import ClusterSample, InstanceSample, churn, mean_and_p99, mean_instances, summarize
 
 STARTED, COMMITTED, ABORTED = MigrationEventKind.STARTED, MigrationEventKind.COMMITTED, MigrationEventKind.ABORTED
 
@@ -216,3 +216,10 @@ def test_bad_duration_is_refused():
         summarize([], [], [], duration=-1.0)
     with pytest.raises(ValueError, match="duration"):
         summarize([], [], [], duration=float("nan"))
+
+
+def test_mean_instances_over_a_window_ignores_what_comes_after():
+    samples = [ClusterSample(0.0, (instance("a", 10, 10), instance("b", 10, 10))), ClusterSample(10.0, (instance("a", 10, 10),)),
+               ClusterSample(30.0, (instance("a", 10, 10),))]
+    assert mean_instances(samples, 20.0) == pytest.approx((2 * 10 + 1 * 10) / 20)
+    assert mean_instances(samples, 5.0) == 2.0

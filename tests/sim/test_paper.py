@@ -254,7 +254,7 @@ def test_serving_goals_hold_llumnix_to_the_best_simpler_router():
 def test_autoscaling_saving_is_read_off_the_cost_curves_at_equal_p99():
     def scaled(policy, band, p99, instances):
         return {"experiment": AUTOSCALING, "trace": "L-L", "load": 0.5, "policy": policy, "band": band,
-                "prefill_p99": p99, "instances_mean": instances}
+                "prefill_p99": p99, "instances_serving_mean": instances}
 
     runs = [scaled("infaas", (10, 60), 1.0, 10.0), scaled("infaas", (40, 240), 4.0, 6.0),
             scaled("llumnix", (10, 60), 0.8, 8.0), scaled("llumnix", (40, 240), 3.0, 5.0)]
