@@ -91,6 +91,8 @@ MAX_NUM_BATCHED_TOKENS = 4096
 # measured with a KV cache that holds the grid (the cache's size does not change a step's time).
 GRID = "quick"
 MEASURE_KV_TOKENS = 16384
+# Each instance's KV cache unless --kv-tokens says otherwise: no memory pressure on the trace.
+DEFAULT_KV_TOKENS = 16384
 METRICS = (("ttft", "mean"), ("ttft", "p99"), ("tpot", "mean"), ("tpot", "p99"))
 # Probe rounds per kind (PROBES, below) and output tokens per probe request.
 PROBE_ROUNDS = 3
@@ -427,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=300, help="requests in the trace")
     p.add_argument("--rate", type=float, help=f"mean arrival rate, requests/s (Poisson); default {TINY_RATE} for the "
                    "tiny model, required with --shape")
-    p.add_argument("--kv-tokens", type=int, default=16384,
+    p.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
                    help="KV cache of each instance, tokens (a multiple of 128; default %(default)s)")
     p.add_argument("--policy", default="llumnix", help="scheduling preset of both clusters (llumdask.sim.presets)")
     p.add_argument("--profile", type=Path, help="a profile measured before, instead of measuring one now")
@@ -486,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
              "wall_s": time.perf_counter() - started, **load}
     notes = [f"profile: {profile_path}", f"served profile: {served_path}", f"trace: {trace_file}",
              f"every request, real and simulated: {per_request}"]
-    report("sim_validation" + served.suffix, args.out, rows, COLUMNS, facts, notes)
+    notes.append(f"preemptions: real {real.preemptions}, simulated {sim_preemptions}"
+                 + (f" ({preemption_error:+.1%}; goal {GOAL:.0%})" if preemption_error is not None else ""))
+    pressure = "" if args.kv_tokens == DEFAULT_KV_TOKENS else f"_kv{args.kv_tokens}"
+    report("sim_validation" + served.suffix + pressure, args.out, rows, COLUMNS, facts, notes)
     return 0
 
 
