@@ -71,7 +71,8 @@ class MigrationConfig:
 class ScalingConfig:
     enabled: bool = False
     band: tuple[float, float] = (10.0, 60.0)
-    sustained_period: float = 30.0
+    scale_out_period: float = 5.0
+    scale_in_period: float = 30.0
     min_instances: int = 1
     max_instances: int = 16
     startup_delay: float = 0.0

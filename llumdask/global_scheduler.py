@@ -320,7 +320,7 @@ class GlobalScheduler:
         live = [i for i in self._instances.values() if i.ready and not i.terminating]
         pool = self.pooled_load()
         # Never drain an instance that has just joined: it would be added and removed in turn.
-        settled = [i for i in live if i.joined_at is not None and now - i.joined_at >= scaling.sustained_period]
+        settled = [i for i in live if i.joined_at is not None and now - i.joined_at >= scaling.scale_in_period]
         room = scaling.max_instances - len(self._instances)  # draining instances hold resources until removed
         action = self._scaling_policy.observe(
             now,

@@ -23,7 +23,7 @@ from llumdask.load import migration_freeness as freeness
 from llumdask.request import Priority
 
 BLOCKS, BLOCK_SIZE = 100, 16
-SCALING = ScalingConfig(enabled=True, band=(10.0, 60.0), sustained_period=30.0, min_instances=1, max_instances=4)
+SCALING = ScalingConfig(enabled=True, band=(10.0, 60.0), scale_out_period=30.0, scale_in_period=30.0, min_instances=1, max_instances=4)
 
 
 def scheduler(n: int = 0, *, policy: str = "llumnix", interference_freeness: float | None = None, **config) -> GlobalScheduler:
@@ -321,14 +321,14 @@ def test_one_idle_instance_does_not_lift_the_pool_over_the_band():
         busy(gs, f"i{k}")
     # A mean of per-instance F would be (1 + 1 + 1 + 100) / 4, inside the band; pooled it is 130 / 30.
     assert gs.pooled_load().freeness == pytest.approx(130 / 30)
-    gs5 = scheduler(4, scaling=ScalingConfig(enabled=True, band=(10.0, 60.0), max_instances=8))
+    gs5 = scheduler(4, scaling=ScalingConfig(enabled=True, band=(10.0, 60.0), max_instances=8, scale_out_period=30.0))
     for k in range(3):
         busy(gs5, f"i{k}")
     assert run_scale(gs5, 30.0) == [(30.0, ScaleDecision(add=2))]
 
 
 def test_starting_instances_count_as_capacity_on_its_way():
-    gs = scheduler(2, scaling=ScalingConfig(enabled=True, band=(10.0, 60.0), max_instances=8))
+    gs = scheduler(2, scaling=ScalingConfig(enabled=True, band=(10.0, 60.0), max_instances=8, scale_out_period=30.0))
     busy(gs, "i0")
     busy(gs, "i1")
     gs.register_instance("new", BLOCKS, BLOCK_SIZE, 0.0)
@@ -340,6 +340,18 @@ def test_starting_instances_count_as_capacity_on_its_way():
     for k in range(4):
         busy(full, f"i{k}")
     assert run_scale(full, 100.0) == []
+
+
+def test_scale_out_is_quick_and_scale_in_slow():
+    default = ScalingConfig(enabled=True, band=(10.0, 60.0), max_instances=8)
+    assert (default.scale_out_period, default.scale_in_period) == (5.0, 30.0)
+    busy_cluster = scheduler(2, scaling=default)
+    busy(busy_cluster, "i0")
+    busy(busy_cluster, "i1")
+    assert run_scale(busy_cluster, 5.0) == [(5.0, ScaleDecision(add=2))]
+    idle_cluster = scheduler(3, scaling=default)
+    assert run_scale(idle_cluster, 29.0) == []
+    assert run_scale(idle_cluster, 30.0, start=30.0) == [(30.0, ScaleDecision(terminate=("i2",)))]
 
 
 def test_sustained_high_terminates_the_instance_with_fewest_running_requests():

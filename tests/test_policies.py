@@ -329,7 +329,7 @@ def test_pairing_properties(spec, max_concurrent):
 
 # ---------------------------------------------------------------- scaling hysteresis
 
-SCALING = ScalingConfig(enabled=True, band=(10.0, 60.0), sustained_period=30.0)
+SCALING = ScalingConfig(enabled=True, band=(10.0, 60.0), scale_out_period=30.0, scale_in_period=30.0)
 
 
 def feed(policy: ScalingPolicy, observations, *, can_add=True, can_terminate=True) -> list[tuple[float, ScaleAction]]:
@@ -380,7 +380,7 @@ def test_an_action_not_possible_waits_without_restarting_the_timer():
 
 
 def test_zero_period_decides_at_once():
-    policy = ScalingPolicy(ScalingConfig(enabled=True, sustained_period=0.0))
+    policy = ScalingPolicy(ScalingConfig(enabled=True, scale_out_period=0.0, scale_in_period=0.0))
     assert policy.observe(0.0, 5.0, can_add=True, can_terminate=True) is ScaleAction.ADD
 
 
@@ -409,10 +409,10 @@ def test_every_decision_follows_a_full_period_of_its_condition(steps):
         start = count
         while start > 0 and streak[start - 1][1] is action:
             start -= 1
-        assert now - streak[start][0] >= SCALING.sustained_period
+        assert now - streak[start][0] >= SCALING.scale_in_period
     # ...and decisions are a full period apart.
     times = [t for t, _, _ in decisions]
-    assert all(b - a >= SCALING.sustained_period for a, b in zip(times, times[1:]))
+    assert all(b - a >= SCALING.scale_in_period for a, b in zip(times, times[1:]))
 
 
 @given(

@@ -1,10 +1,12 @@
 """Scaling (paper section 4.4.3): keep the cluster's pooled freeness inside a band.
 
-Pooled F (`llumdask.load.PooledLoad`: the cluster summed as one instance) below the band for a
-sustained period -> add as many instances as the deficit needs (the scheduler sizes it); above
-it -> drain one. Hysteresis keeps a load step or a load oscillating around a band edge from
-flapping the cluster: the timer restarts whenever the condition breaks, and after a decision the
-same condition must hold for another full period before the next one.
+Pooled F (`llumdask.load.PooledLoad`: the cluster summed as one instance) below the band for
+`scale-out-period` -> add as many instances as the deficit needs (the scheduler sizes it); above
+it for `scale-in-period` -> drain one. Out is quick and in is slow, as autoscalers usually are: a
+deficit is requests queueing now, a surplus only cost, and a drained instance takes a start-up
+to come back. Hysteresis keeps a load step or a load oscillating around a band edge from flapping
+the cluster: the timer restarts whenever the condition breaks, and after a decision the same
+condition must hold for another full period before the next one.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class ScalingPolicy:
 
     def __init__(self, config: ScalingConfig) -> None:
         self._low, self._high = config.band
-        self._period = config.sustained_period
+        self._periods = {ScaleAction.ADD: config.scale_out_period, ScaleAction.TERMINATE: config.scale_in_period}
         self._condition: ScaleAction | None = None
         self._since = 0.0
 
@@ -51,7 +53,7 @@ class ScalingPolicy:
         condition = self._condition_of(freeness)
         if condition is not self._condition:
             self._condition, self._since = condition, now
-        if condition is None or now - self._since < self._period:
+        if condition is None or now - self._since < self._periods[condition]:
             return None
         if not (can_add if condition is ScaleAction.ADD else can_terminate):
             return None

@@ -741,7 +741,8 @@ cluster memory (`metrics.ClusterSample.fragmented_blocks`), sampled every second
 
 {plan.autoscale_trace}, scaling enabled for both policies, each over the bands
 {", ".join(f"[{low:g}, {high:g}]" for low, high in plan.autoscale_bands)} of pooled normal-priority freeness (the
-paper's is [10, 60]), 1 to {AUTOSCALE_MAX_INSTANCES} instances, sustained period {results.config.scaling.sustained_period:g} s, start-up delay
+paper's is [10, 60]), 1 to {AUTOSCALE_MAX_INSTANCES} instances, out after {results.config.scaling.scale_out_period:g} s below the band and in after
+{results.config.scaling.scale_in_period:g} s above it, start-up delay
 {plan.autoscale_startup_delay:g} s (assumed: loading LLaMA-7B's 13.5 GB of weights plus engine start),
 {plan.autoscale_initial_instances} instances at the start, {plan.autoscale_requests} requests per run.
 INFaaS++ drains an instance by letting its requests finish; Llumnix migrates them out. The paper

@@ -25,7 +25,7 @@ def actions(llum) -> list[str]:
 def test_scales_up_on_low_freeness_then_back_down_when_idle():
     overrides = {
         "sim-engine": {"total-blocks": 64},
-        "scaling": {"enabled": True, "band": [10.0, 60.0], "sustained-period": 0.5,
+        "scaling": {"enabled": True, "band": [10.0, 60.0], "scale-out-period": 0.5, "scale-in-period": 0.5,
                     "min-instances": 1, "max-instances": 2},
     }
     config = load_config(overrides)

@@ -133,7 +133,7 @@ def test_drained_instances_are_the_only_ones_offered_for_downscaling():
 
 
 def test_with_scaling_enabled_dask_adaptive_target_is_answered():
-    overrides = {"migration": {"interval": 60.0}, "scaling": {"enabled": True, "sustained-period": 0.0,
+    overrides = {"migration": {"interval": 60.0}, "scaling": {"enabled": True, "scale-out-period": 0.0, "scale-in-period": 0.0,
                                                               "min-instances": 1, "max-instances": 3}}
 
     async def check(plugin, scheduler):
