@@ -438,15 +438,16 @@ def _spread(run: dict[str, Any], key: str, fmt: str = "{:.3f}") -> str:
     return _num(run.get(key), fmt)
 
 
-SERVING_COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
-    ("prefill_mean", "prefill mean s", lambda v: _num(v)),
-    ("prefill_p99", "prefill P99 s [range]", lambda v: v),
-    ("decode_mean", "decode mean s", lambda v: _num(v, "{:.4f}")),
-    ("decode_p99", "decode P99 s", lambda v: _num(v, "{:.4f}")),
-    ("e2e_mean", "e2e mean s", lambda v: _num(v, "{:.1f}")),
-    ("preemption_loss_mean", "preempt loss s", lambda v: _num(v)),
-    ("fragmentation_mean", "frag", lambda v: _pct(v)),
-    ("migrations", "migrations", lambda v: str(v)),
+# (metric, column title, format, with its range over the seeds)
+SERVING_COLUMNS: tuple[tuple[str, str, str, bool], ...] = (
+    ("prefill_mean", "prefill mean s", "{:.3f}", False),
+    ("prefill_p99", "prefill P99 s [range]", "{:.3f}", True),
+    ("decode_mean", "decode mean s", "{:.4f}", False),
+    ("decode_p99", "decode P99 s [range]", "{:.4f}", True),
+    ("e2e_mean", "e2e mean s", "{:.1f}", False),
+    ("preemption_loss_mean", "preempt loss s", "{:.3f}", False),
+    ("fragmentation_mean", "frag", "{:.2%}", False),
+    ("migrations", "migrations", "{:.0f}", False),
 )
 
 
@@ -456,9 +457,9 @@ def _serving_tables(results: PaperResults, trace: str) -> str:
         if run_trace != trace:
             continue
         for policy, run in policies.items():
-            cells = [_spread(run, key) if key == "prefill_p99" else fmt(run.get(key)) for key, _, fmt in SERVING_COLUMNS]
+            cells = [_spread(run, key, fmt) if spread else _num(run.get(key), fmt) for key, _, fmt, spread in SERVING_COLUMNS]
             rows.append((f"{load:g}", f"{run['rate']:.2f}", policy, _num(run["backlog_at_last_arrival"], "{:.0f}"), *cells))
-    return table(("load", "rate req/s", "policy", "backlog", *(t for _, t, _ in SERVING_COLUMNS)), rows)
+    return table(("load", "rate req/s", "policy", "backlog", *(t for _, t, _, _ in SERVING_COLUMNS)), rows)
 
 
 def _ratio_table(results: PaperResults) -> str:
