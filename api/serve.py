@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory or hub name (default: llumdask.vllm-engine.model from the config, "
                         "else the offline tiny model, built on first use)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=None,
+                   help="chat template for /v1/chat/completions, a file or the template itself "
+                        "(default: the model's chat_template.jinja or tokenizer_config.json)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length, for the gateway and the vLLM engine (default: what the model declares)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
@@ -233,7 +236,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         if Path(configured_model).is_dir():  # the same directory for every instance, whatever its cwd
             configured_model = str(Path(configured_model).resolve())
         model = configured_model
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model, args.chat_template)
     max_context = args.max_model_len or declared_context(model)
     if max_context is None:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")

@@ -2,8 +2,12 @@
 
 A model directory with a ``tokenizer.json`` (every fast Hugging Face tokenizer has one) is
 loaded with the `tokenizers` library and its chat template rendered with jinja2, the way
-transformers renders it; that starts in milliseconds. Anything else (a hub name, a slow
-tokenizer) goes through transformers' AutoTokenizer, imported only then: it takes seconds.
+transformers renders it; that starts in milliseconds (transformers is an optional extra and
+takes seconds to import). The template is looked up where transformers and vLLM look:
+``chat_template.jinja`` (what ``save_pretrained`` writes today) before the ``chat_template``
+field of ``tokenizer_config.json``, then a processor's ``chat_template.json``; an operator's
+``--chat-template`` (a file or the template itself, as vLLM takes it) overrides all of them.
+Anything else (a hub name, a slow tokenizer) goes through transformers' AutoTokenizer.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def max_context_of(directory: str | Path) -> int | None:
 class FastTokenizer:
     """A ``tokenizer.json`` plus ``tokenizer_config.json`` (special tokens, chat template)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, chat_template: str | None = None) -> None:
         from tokenizers import Tokenizer as RustTokenizer
 
         directory = Path(directory)
@@ -64,7 +68,8 @@ class FastTokenizer:
         self._special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS}
         eos = self._special["eos_token"]
         self._eos_id = None if eos is None else self._tokenizer.token_to_id(eos)
-        self._template = _compile_template(config.get("chat_template"))
+        self._template = _compile_template(chat_template if chat_template is not None
+                                           else model_chat_template(directory, config))
 
     @property
     def eos_token_id(self) -> int | None:
@@ -95,14 +100,16 @@ class FastTokenizer:
 class TransformersTokenizer:
     """Anything AutoTokenizer can load (hub names, slow tokenizers)."""
 
-    def __init__(self, hf_tokenizer: Any) -> None:
+    def __init__(self, hf_tokenizer: Any, chat_template: str | None = None) -> None:
         self._tokenizer = hf_tokenizer
+        if chat_template is not None:
+            hf_tokenizer.chat_template = chat_template
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str) -> "TransformersTokenizer":
+    def from_pretrained(cls, name_or_path: str, chat_template: str | None = None) -> "TransformersTokenizer":
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(name_or_path))
+        return cls(AutoTokenizer.from_pretrained(name_or_path), chat_template)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -127,12 +134,41 @@ class TransformersTokenizer:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
 
 
-def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
-    """The fast path for a directory with tokenizer.json, transformers otherwise."""
+def load_tokenizer(name_or_path: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
+    """The fast path for a directory with tokenizer.json, transformers otherwise.
+
+    `chat_template` overrides the model's own: a template file, or the template text itself.
+    """
+    template = None if chat_template is None else read_chat_template(chat_template)
     path = Path(name_or_path)
     if (path / "tokenizer.json").is_file():
-        return FastTokenizer(path)
-    return TransformersTokenizer.from_pretrained(str(name_or_path))
+        return FastTokenizer(path, template)
+    return TransformersTokenizer.from_pretrained(str(name_or_path), template)
+
+
+def read_chat_template(value: str | Path) -> str:
+    """A `--chat-template` value as vLLM reads it: a file's text, or the value itself when it is a template."""
+    path = Path(value)
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        # Template text holds jinja delimiters or line breaks; anything else was meant as a file.
+        if isinstance(value, str) and any(c in value for c in "{}\n"):
+            return value
+        raise ChatTemplateError(f"chat template file {str(value)!r} cannot be read") from None
+
+
+def model_chat_template(directory: Path, config: dict[str, Any]) -> str | list[dict[str, str]] | None:
+    """A model directory's chat template, found where transformers and vLLM find it."""
+    named = sorted((directory / "additional_chat_templates").glob("*.jinja"))
+    default = directory / "chat_template.jinja"
+    if default.is_file() or named:
+        templates = [{"name": "default", "template": default.read_text(encoding="utf-8")}] if default.is_file() else []
+        templates += [{"name": f.stem, "template": f.read_text(encoding="utf-8")} for f in named]
+        return templates[0]["template"] if len(templates) == 1 and default.is_file() else templates
+    if config.get("chat_template") is not None:
+        return config["chat_template"]
+    return _read_json(directory / "chat_template.json").get("chat_template")
 
 
 def _read_json(file: Path) -> dict[str, Any]:

@@ -379,13 +379,19 @@ def test_metrics_count_what_was_served(server):
 
 
 def test_a_second_gateway_serves_the_same_cluster(server, cache, tmp_path):
+    # The second gateway also renders chat with an operator's template, given as a file.
+    template = tmp_path / "operator.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
     with (tmp_path / "second.log").open("w+") as log:
-        second = start_serve(["--scheduler", server.scheduler], cache, log)
+        second = start_serve(["--scheduler", server.scheduler, "--chat-template", str(template)], cache, log)
         try:
             prompt = "Hello world"
             result = second.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
             expected = reference(server, server.tokenizer.encode(prompt), 8)
             assert result.choices[0].text == server.tokenizer.decode(expected)
+            chat = second.openai().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+            rendered = "".join(f"{m['role']}: {m['content']}\n" for m in MESSAGES) + "assistant:"
+            assert chat.usage.prompt_tokens == len(server.tokenizer.encode(rendered, add_special_tokens=False))
         finally:
             stop_serve(second)
     # The first gateway is unaffected by the second one leaving.

@@ -42,6 +42,8 @@ def test_bad_options_exit_2_naming_the_problem(capsys, tmp_path, monkeypatch):
     assert "llumdask.vllm-engine.tensor-parallel-size is invalid" in capsys.readouterr().err
     assert serve_main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
+    assert serve_main(["--engine", "sim", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "chat template file" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         serve_main(["--instances", "0"])
     assert exit_.value.code == 2

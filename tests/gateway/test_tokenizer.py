@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
-from llumdask.api.gateway.tokenizer import ChatTemplateError, FastTokenizer, TransformersTokenizer, max_context_of
+from llumdask.api.gateway.tokenizer import (
+    ChatTemplateError,
+    FastTokenizer,
+    TransformersTokenizer,
+    load_tokenizer,
+    max_context_of,
+)
+from llumdask.engine.vllm.tiny_model import CHAT_TEMPLATE
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello world"}],
@@ -31,11 +42,88 @@ def test_model_without_chat_template_refuses_chat(tiny_model, tmp_path):
         FastTokenizer(tmp_path).render_chat(CONVERSATIONS[0])
 
 
+# A template that marks where it came from, so each test sees which one was chosen.
+def _marked(mark: str) -> str:
+    return f"[{mark}]" + CHAT_TEMPLATE
+
+
+def _model_without_template(tiny_model: Path, directory: Path) -> Path:
+    """The tiny model's tokenizer files with the template taken out of tokenizer_config.json."""
+    directory.mkdir()
+    shutil.copy(tiny_model / "tokenizer.json", directory)
+    config = json.loads((tiny_model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _mark_of(tokenizer) -> str:
+    return tokenizer.render_chat(CONVERSATIONS[0]).split("]")[0].lstrip("[")
+
+
+def test_chat_template_jinja_file_as_save_pretrained_writes_it(tiny_model, tmp_path):
+    model = _model_without_template(tiny_model, tmp_path / "model")
+    (model / "chat_template.jinja").write_text(_marked("jinja"))
+    assert _mark_of(load_tokenizer(model)) == "jinja"
+
+
+def test_chat_template_jinja_file_wins_over_the_config_field(tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": _marked("config")}))
+    assert _mark_of(load_tokenizer(model)) == "config"
+    (model / "chat_template.jinja").write_text(_marked("jinja"))
+    assert _mark_of(load_tokenizer(model)) == "jinja"
+
+
+def test_named_templates_use_the_default_one(tiny_model, tmp_path):
+    model = _model_without_template(tiny_model, tmp_path / "model")
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "tool_use.jinja").write_text(_marked("tools"))
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        load_tokenizer(model).render_chat(CONVERSATIONS[0])
+    (model / "chat_template.jinja").write_text(_marked("default"))
+    assert _mark_of(load_tokenizer(model)) == "default"
+
+
+def test_processor_chat_template_json(tiny_model, tmp_path):
+    model = _model_without_template(tiny_model, tmp_path / "model")
+    (model / "chat_template.json").write_text(json.dumps({"chat_template": _marked("processor")}))
+    assert _mark_of(load_tokenizer(model)) == "processor"
+
+
+def test_operator_template_overrides_the_model_as_a_file_or_as_text(tiny_model, tmp_path):
+    file = tmp_path / "override.jinja"
+    file.write_text(_marked("file"))
+    assert _mark_of(load_tokenizer(tiny_model, file)) == "file"
+    assert _mark_of(load_tokenizer(tiny_model, str(file))) == "file"
+    assert _mark_of(load_tokenizer(tiny_model, _marked("text"))) == "text"
+    with pytest.raises(ChatTemplateError, match="cannot be read"):
+        load_tokenizer(tiny_model, str(tmp_path / "missing.jinja"))
+
+
+def test_every_layout_renders_as_transformers_renders_it(tiny_model, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    layouts = {
+        "jinja": lambda m: (m / "chat_template.jinja").write_text(_marked("jinja")),
+        "named": lambda m: ((m / "chat_template.jinja").write_text(_marked("default")),
+                            (m / "additional_chat_templates").mkdir(),
+                            (m / "additional_chat_templates" / "tool_use.jinja").write_text(_marked("tools"))),
+    }
+    for name, write in layouts.items():
+        model = _model_without_template(tiny_model, tmp_path / name)
+        write(model)
+        reference = TransformersTokenizer(transformers.PreTrainedTokenizerFast.from_pretrained(str(model)))
+        for messages in CONVERSATIONS:
+            assert load_tokenizer(model).render_chat(messages) == reference.render_chat(messages), name
+
+
 @pytest.mark.slow
 def test_fast_path_matches_transformers(tiny_model, tokenizer):
     # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also imports the model's
     # config class, which needs a working torchvision.
-    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast = pytest.importorskip("transformers").PreTrainedTokenizerFast
 
     reference = TransformersTokenizer(PreTrainedTokenizerFast.from_pretrained(str(tiny_model)))
     for messages in CONVERSATIONS:
