@@ -283,7 +283,8 @@ def test_scalability_numbers_are_sane():
     assert 0 < result.dispatch_p50_us <= result.dispatch_p99_us
     assert 0 < result.pairing_p50_ms <= result.pairing_p99_ms
     assert 0 < result.report_p50_us <= result.report_p99_us
-    assert result.pairs_per_round >= 0
+    # The synthetic reports hold overloaded and free instances: some pair every round, none twice.
+    assert 0 < result.pairs_per_round <= 32 / 2
     assert set(result.to_dict()) >= {"dispatch_p99_us", "pairing_p99_ms", "meets_goals"}
 
 
