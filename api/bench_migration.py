@@ -102,8 +102,15 @@ def _vllm_engines(args: argparse.Namespace, max_len: int) -> tuple[list[Engine],
         model = str(build_llama_like(args.layers, args.hidden, positions=positions))
         facts["model_shape"] = asdict(llama_like_shape(args.layers, args.hidden, positions))
     engine_args = {"dtype": "float32", "max_model_len": max_len, "kv_cache_memory_bytes": args.kv_cache_mib * 2**20, "seed": 0}
-    facts |= {"model": model, "engine_args": engine_args}
+    facts |= {"model": model, "engine_args": engine_args, "vocab_size": model_vocabulary(model)}
     return [VllmEngine(model, engine_args) for _ in range(2)], facts
+
+
+def model_vocabulary(model: str) -> int:
+    """Token ids a prompt may hold: vLLM rejects any id its tokenizer does not have."""
+    from llumdask.api.gateway.tokenizer import load_tokenizer
+
+    return load_tokenizer(model).vocab_size
 
 
 def _set_torch_threads(threads: int) -> int:
@@ -121,7 +128,7 @@ def _sim_engines(config: LlumdaskConfig) -> tuple[list[Engine], dict[str, Any]]:
     sim = replace(config.sim_engine, real_time=True)
     engines = [SimEngine(sim, block_size=config.block_size, clock=time.perf_counter, instance_id=name)
                for name in ("source", "destination")]
-    return engines, {"sim_engine": asdict(sim)}  # type: ignore[return-value]
+    return engines, {"sim_engine": asdict(sim), "vocab_size": sim.vocab_size}  # type: ignore[return-value]
 
 
 def format_table(rows: Sequence[LengthResult]) -> str:
@@ -149,6 +156,7 @@ def main(argv: Sequence[str], progress: Callable[[str], None] = print) -> int:
         engines, facts = _vllm_engines(args, settings.longest_sequence)
     else:
         engines, facts = _sim_engines(config)
+    settings = replace(settings, vocab_size=facts["vocab_size"])  # prompts drawn from the model's vocabulary
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     try:
         try:

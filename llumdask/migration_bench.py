@@ -134,7 +134,7 @@ class _PauseWatch:
         return getattr(self._engine, name)
 
 
-class _Prompts:
+class Prompts:
     def __init__(self, vocab_size: int, seed: int) -> None:
         self._rng = np.random.default_rng(seed)
         self._vocab = vocab_size
@@ -237,7 +237,7 @@ class MigrationBench:
         self._source, self._destination = source, destination
         self._config = config
         self._settings = settings
-        self._prompts = _Prompts(settings.vocab_size, settings.seed)
+        self._prompts = Prompts(settings.vocab_size, settings.seed)
         block_size = source.block_size
         needed = (settings.background * blocks_for(settings.background_prompt + settings.background_tokens, block_size)
                   + 2 * blocks_for(settings.longest_sequence, block_size))  # the request, its copy arriving

@@ -7,8 +7,10 @@ import json
 import pytest
 
 from llumdask.api.bench import main as bench_main
-from llumdask.api.bench_migration import build_parser
-from llumdask.migration_bench import LengthResult, median_result
+from llumdask.api.bench_migration import build_parser, model_vocabulary
+from llumdask.config import load_config
+from llumdask.engine.vllm.tiny_model import TinyLlamaShape, build_tiny_model
+from llumdask.migration_bench import BenchSettings, LengthResult, Prompts, median_result
 
 ROW_KEYS = set(LengthResult.__dataclass_fields__)
 
@@ -80,6 +82,7 @@ def test_sim_run_writes_every_figure(tmp_path, capsys):
     # Recomputing a 1024-token prompt in the modelled A10 time costs more than the live move.
     assert results["lengths"][1]["recompute_downtime_ms"] > results["lengths"][1]["live_downtime_ms"]
     assert results["migration"]["last_stage_blocks"] == 0
+    assert results["settings"]["vocab_size"] == results["vocab_size"] == load_config().sim_engine.vocab_size
     assert {"command", "engine", "settings", "live_downtime_longest_over_shortest", "live_token_gap_longest_over_shortest",
             "recompute_over_live_at_longest",
             "load_average_before", "load_average_after"} <= set(results)
@@ -88,3 +91,11 @@ def test_sim_run_writes_every_figure(tmp_path, capsys):
         assert row["live_destination_steps"] >= 1 and row["live_downtime_ms"] < row["live_token_gap_ms"]
         assert row["blocking_downtime_ms"] < row["blocking_token_gap_ms"]
     assert "recompute/live" in capsys.readouterr().out
+
+
+def test_prompts_come_from_the_model_vocabulary(tmp_path):
+    # A model with fewer tokens than the settings' default once got prompts it could not read.
+    small = build_tiny_model(tmp_path / "small", shape=TinyLlamaShape(vocab_size=300))
+    vocabulary = model_vocabulary(str(small))
+    assert vocabulary <= 300 < BenchSettings(lengths=(1,)).vocab_size
+    assert max(Prompts(vocabulary, seed=0).tokens(5_000)) < vocabulary
