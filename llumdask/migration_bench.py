@@ -135,6 +135,8 @@ class _PauseWatch:
 
 
 class Prompts:
+    """Random prompts below the model's vocabulary (ids from 10 up, clear of special tokens), as requests."""
+
     def __init__(self, vocab_size: int, seed: int) -> None:
         self._rng = np.random.default_rng(seed)
         self._vocab = vocab_size
