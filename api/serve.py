@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import multiprocessing
 import shlex
 import signal
@@ -134,10 +135,14 @@ def cluster_overrides(engine: str, model: str | None, vocab_size: int, engine_ar
 
 @dataclass(frozen=True)
 class VllmCheck:
-    """What stops vLLM from serving: it cannot be imported, or an engine argument is wrong."""
+    """What stops vLLM from serving (it cannot be imported, or an engine argument is wrong), and
+    the device its local instances would share: vLLM's platform name, its memory free and in all."""
 
     unavailable: str | None = None
     bad_argument: str | None = None
+    device: str | None = None
+    free_bytes: int = 0
+    total_bytes: int = 0
 
 
 def check_vllm(config: VllmEngineConfig) -> VllmCheck:
@@ -159,14 +164,27 @@ def _check_vllm(config: VllmEngineConfig) -> VllmCheck:
         check_engine_arguments(engine_arguments(config))
     except ConfigError as exc:
         return VllmCheck(bad_argument=str(exc))
-    return VllmCheck()
+    from vllm.platforms import current_platform
+
+    device = current_platform.device_type
+    if device == "cpu":
+        import psutil
+
+        memory = psutil.virtual_memory()
+        free, total = memory.available, memory.total
+    else:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+    return VllmCheck(device=device, free_bytes=free, total_bytes=total)
 
 
-def pick_engine(requested: str | None, config: VllmEngineConfig) -> str:
-    """`requested`, or by default vllm when it imports and sim (after saying why) when not.
-    Fails before any instance starts when vLLM was asked for and cannot serve `config`."""
+def pick_engine(requested: str | None, config: VllmEngineConfig) -> tuple[str, VllmCheck | None]:
+    """`requested`, or by default vllm when it imports and sim (after saying why) when not, with
+    what the check found. Fails before any instance starts when vLLM was asked for and cannot
+    serve `config`."""
     if requested == "sim":
-        return "sim"
+        return "sim", None
     check = check_vllm(config)
     if check.unavailable is not None:
         if requested == "vllm":
@@ -174,10 +192,35 @@ def pick_engine(requested: str | None, config: VllmEngineConfig) -> str:
         print(f"llumdask serve: not using vLLM: {check.unavailable}\n"
               "llumdask serve: serving with the sim engine instead (--engine sim chooses it without this check)",
               file=sys.stderr, flush=True)
-        return "sim"
+        return "sim", check
     if check.bad_argument is not None:
         raise ValueError(check.bad_argument)
-    return "vllm"
+    return "vllm", check
+
+
+# Of the memory free when local instances start, what they take together: the rest is for the
+# processes around them (gateway, scheduler, Dask workers) and, on a CPU, for model weights and
+# activations, which the KV cache size does not count.
+SHARED_MEMORY_FRACTION = {"cpu": 0.5, "default": 0.9}
+
+
+def memory_share(config: VllmEngineConfig, instances: int, check: VllmCheck) -> dict[str, Any]:
+    """Each local instance's memory when several share one device and the user chose none: on a
+    CPU its KV cache bytes, on an accelerator its `gpu-memory-utilization` (weights included).
+    Empty when vLLM's choice stands. vLLM's default reserves 92% of the whole device for one
+    instance, so a second one (or a device already in use) fails to start."""
+    if instances < 2 or config.gpu_memory_utilization is not None or config.kv_cache_memory_bytes is not None:
+        return {}
+    if config.model is None or not check.total_bytes:  # the tiny model has a fixed KV cache
+        return {}
+    fraction = SHARED_MEMORY_FRACTION.get(check.device or "", SHARED_MEMORY_FRACTION["default"])
+    each = fraction * check.free_bytes / instances
+    if each < 2**28:
+        raise ValueError(f"{instances} instances cannot share the {check.device} device: "
+                         f"{check.free_bytes / 2**30:.1f} of {check.total_bytes / 2**30:.1f} GiB is free")
+    if check.device == "cpu":
+        return {"kv-cache-memory-bytes": int(each) // 2**20 * 2**20}
+    return {"gpu-memory-utilization": math.floor(100 * each / check.total_bytes) / 100}
 
 
 def declared_context(model: str) -> int | None:
@@ -248,8 +291,17 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             from llumdask.clusters.local import InstanceStartupError, local_cluster
 
             options = (configured_model, tokenizer.vocab_size, engine_args, args.max_model_len)
-            engine = "sim" if args.engine == "sim" else pick_engine(
-                args.engine, load_config(cluster_overrides("vllm", *options)).vllm_engine)
+            vllm_config = load_config(cluster_overrides("vllm", *options)).vllm_engine
+            engine, check = ("sim", None) if args.engine == "sim" else pick_engine(args.engine, vllm_config)
+            share = memory_share(vllm_config, args.instances, check) if engine == "vllm" and check else {}
+            if share:
+                engine_args = {**engine_args, **share}
+                options = (configured_model, tokenizer.vocab_size, engine_args, args.max_model_len)
+                chosen = " ".join(f"--{k} {v}" + (f" ({v / 2**30:.1f} GiB)" if k.endswith("bytes") else "")
+                                  for k, v in share.items())
+                print(f"llumdask serve: {args.instances} instances share one {check.device} device "
+                      f"({check.free_bytes / 2**30:.1f} of {check.total_bytes / 2**30:.1f} GiB free): {chosen} each; "
+                      "pass --kv-cache-memory-bytes or --gpu-memory-utilization to choose", file=sys.stderr, flush=True)
             overrides = cluster_overrides(engine, *options)
             print(f"llumdask serve: starting {args.instances} {engine} instances...", file=sys.stderr, flush=True)
             try:

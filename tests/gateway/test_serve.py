@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -49,6 +49,7 @@ class Server:
     tokenizer: Tokenizer
     banner: str
     model_dir: Path
+    log: str = ""  # what the command wrote to stderr up to its banner
 
     @property
     def auth(self) -> dict[str, str]:
@@ -403,16 +404,22 @@ def test_a_second_gateway_serves_the_same_cluster(server, cache, tmp_path):
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory):
-    """`llumdask serve` with no engine options: two vLLM instances of the offline tiny model."""
+    """`llumdask serve --model DIR`: two vLLM instances of the tiny model, given as a model directory
+    as a user gives theirs (so the two divide the machine's memory between them)."""
     from llumdask.engine.vllm.internals import check_vllm_importable
+    from llumdask.engine.vllm.tiny_model import build_tiny_model
 
     try:
         check_vllm_importable()
     except ImportError as exc:
         pytest.skip(str(exc))
     cache = tmp_path_factory.mktemp("vllm-cache")
+    model = build_tiny_model(cache / "llumdask" / "tiny-llama")
     with (tmp_path_factory.mktemp("log") / "serve-vllm.log").open("w+") as log:
-        server = start_serve(["--dashboard-address", "127.0.0.1:0"], cache, log, budget=VLLM_STARTUP_BUDGET)
+        options = ["--dashboard-address", "127.0.0.1:0", "--model", str(model), "--served-model-name", MODEL]
+        server = start_serve(options, cache, log, budget=VLLM_STARTUP_BUDGET)
+        log.seek(0)
+        server = replace(server, log=log.read())
         yield server
         stop_serve(server)
 
@@ -431,9 +438,11 @@ def plain_vllm(model: Path, prompts: list[tuple[list[int], int]]) -> list[list[i
 
 
 @pytest.mark.vllm
-def test_default_serve_answers_openai_clients_with_vllm(vllm_server):
+def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_server):
     server = vllm_server
     assert "on 2 vllm instances" in server.banner and server.startup_seconds < VLLM_STARTUP_BUDGET
+    # vLLM's own default (92% of the machine for one instance) would stop the second instance.
+    assert re.search(r"2 instances share one cpu device .*--kv-cache-memory-bytes \d+ \([\d.]+ GiB\) each", server.log)
     assert httpx.get(f"{server.url}/health").json()["ready_instances"] == 2
     client = server.openai()
     prompts = ["Hello world", "Once upon a time"]

@@ -82,7 +82,7 @@ def test_without_vllm_the_default_falls_back_to_sim_and_says_why(capsys, monkeyp
     from llumdask.config import VllmEngineConfig
 
     monkeypatch.setattr(serve, "check_vllm", lambda config: serve.VllmCheck(unavailable="vllm is not installed"))
-    assert serve.pick_engine(None, VllmEngineConfig()) == "sim"
+    assert serve.pick_engine(None, VllmEngineConfig())[0] == "sim"
     err = capsys.readouterr().err
     assert "not using vLLM: vllm is not installed" in err and "serving with the sim engine instead" in err
     with pytest.raises(ValueError, match="--engine vllm: vllm is not installed"):
@@ -90,3 +90,23 @@ def test_without_vllm_the_default_falls_back_to_sim_and_says_why(capsys, monkeyp
     monkeypatch.setattr(serve, "check_vllm", lambda config: serve.VllmCheck(bad_argument="llumdask.x is wrong"))
     with pytest.raises(ValueError, match="llumdask.x is wrong"):
         serve.pick_engine(None, VllmEngineConfig())
+
+
+def test_local_instances_share_their_device_unless_the_user_chose():
+    from llumdask.api.serve import VllmCheck, memory_share
+    from llumdask.config import VllmEngineConfig
+
+    gib = 2**30
+    model = VllmEngineConfig(model="/models/m")
+    cpu = VllmCheck(device="cpu", free_bytes=20 * gib, total_bytes=24 * gib)
+    assert memory_share(model, 2, cpu) == {"kv-cache-memory-bytes": 5 * gib}
+    gpu = VllmCheck(device="cuda", free_bytes=80 * gib, total_bytes=80 * gib)
+    assert memory_share(model, 2, gpu) == {"gpu-memory-utilization": 0.45}
+    assert memory_share(model, 4, gpu) == {"gpu-memory-utilization": 0.22}
+    # One instance, the user's own choice, or the tiny model's fixed cache: vLLM's settings stand.
+    assert memory_share(model, 1, gpu) == {}
+    assert memory_share(VllmEngineConfig(model="/m", gpu_memory_utilization=0.3), 2, gpu) == {}
+    assert memory_share(VllmEngineConfig(model="/m", kv_cache_memory_bytes=gib), 2, cpu) == {}
+    assert memory_share(VllmEngineConfig(), 2, cpu) == {}
+    with pytest.raises(ValueError, match="cannot share the cpu device"):
+        memory_share(model, 8, VllmCheck(device="cpu", free_bytes=gib, total_bytes=24 * gib))
