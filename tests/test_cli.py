@@ -8,7 +8,7 @@ import types
 import pytest
 
 import llumdask
-from llumdask.cli import COMMANDS, Command, main
+from llumdask.api.cli import COMMANDS, Command, main
 
 
 @pytest.fixture
