@@ -19,6 +19,7 @@ from bokeh.models import ColumnDataSource, DataTable, Div, Span, TableColumn
 from bokeh.plotting import figure
 
 PAGE = "/llumdask"
+MENU_NAME = "Llumdask"
 REFRESH_MS = 500
 
 # Fill colour of an instance by its role (the scheduler plugin's `_state_of`).
@@ -171,4 +172,21 @@ def add_page(scheduler, plugin) -> str | None:
     http.add_application(app)
     app.initialize(IOLoop.current())
     app.start()
+    list_in_menu(scheduler)
     return f"{prefix}{PAGE}"
+
+
+def list_in_menu(scheduler) -> None:
+    """Add the page to the dashboard's "More..." menu, as distributed lists its own extra pages.
+
+    Every dashboard page renders its menu from one list per scheduler (the template variables
+    distributed computes once per scheduler and shares by reference), so adding to it lists
+    the page on every page served from now on.
+    """
+    from distributed.dashboard.scheduler import template_variables
+
+    menu = template_variables(scheduler)["plots"]
+    entry = {"url": PAGE.strip("/"), "name": MENU_NAME}
+    if entry not in menu:
+        menu.append(entry)
+        menu.sort(key=lambda page: page["name"])

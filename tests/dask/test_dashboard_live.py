@@ -43,6 +43,14 @@ def test_the_page_is_served_beside_the_dask_dashboard(migrated):
     assert r.status_code == 200 and "bokeh" in r.text.lower()
 
 
+def test_the_dashboard_menu_lists_the_page(migrated):
+    _, page, _ = migrated
+    status = httpx.get(page.rsplit("/", 1)[0] + "/status", timeout=30)
+    assert status.status_code == 200
+    menu = status.text.split("More...", 1)[1].split("</ul>", 1)[0]  # the "More..." dropdown
+    assert '<a href="llumdask">Llumdask</a>' in menu
+
+
 def test_the_live_document_holds_every_instance_and_the_migration(migrated):
     llum, page, request_id = migrated
     with pull_session(url=page) as session:
@@ -65,7 +73,11 @@ def test_a_browser_renders_the_instances_and_the_migration(migrated, tmp_path: P
             page = browser.new_page()
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(page_url)
+            # As a user finds it: the dashboard's "More..." menu, then the llumdask link.
+            page.goto(page_url.rsplit("/", 1)[0] + "/status")
+            page.get_by_text("More...").hover()
+            page.get_by_role("link", name="Llumdask").click()
+            page.wait_for_url(page_url)
             page.get_by_text("2 of 2 instances ready").wait_for(timeout=30_000)
             page.get_by_text(request_id).wait_for(timeout=30_000)  # the migrations table's row
             assert page.get_by_text("1 committed").count() >= 1
