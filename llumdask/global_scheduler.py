@@ -34,6 +34,7 @@ from llumdask.load import (
     instance_order,
     migration_freeness,
     per_request,
+    virtual_usage,
 )
 from llumdask.policy.candidates import CandidateTable
 from llumdask.policy.dispatch import DispatchInfo, DispatchPolicy, make_dispatch_policy
@@ -77,6 +78,8 @@ class InstanceView:
     num_pending: int
     pending_blocks: int
     last_report_at: float | None
+    # Virtual usage in blocks (Algorithm 1, pending demand included; inf while terminating).
+    virtual_blocks: float
 
 
 class _Instance:
@@ -195,6 +198,7 @@ class _Instance:
         return InstanceView(
             self.instance_id, self.ready, self.terminating, self.freeness, self.dispatch_freeness, self.load,
             self.num_pending, self.pending_blocks, self.last_report_at,
+            math.inf if self.terminating else virtual_usage(self.load, self.headroom, extra_demand=self.pending_blocks),
         )
 
 

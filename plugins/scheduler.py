@@ -44,6 +44,7 @@ from llumdask.global_scheduler import (
 )
 from llumdask.load import InstanceLoad
 from llumdask.plugins.dashboard import add_page
+from llumdask.plugins.metrics import SchedulerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self.migration_downtime = 0.0
         self.recent_migrations: deque[dict] = deque(maxlen=200)  # outcomes, for the dashboard page
         self.dashboard_page: str | None = None
+        self.metrics: SchedulerMetrics | None = None
 
     # ------------------------------------------------------------------ plugin hooks
     async def start(self, scheduler) -> None:
@@ -118,11 +120,15 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self._periodic = PeriodicCallback(self.tick, self.config.migration.interval * 1000)
         self._periodic.start()
         self.dashboard_page = add_page(scheduler, self)
+        self.metrics = SchedulerMetrics(self._scheduler().instances)
+        self.metrics.install()
 
     async def close(self) -> None:
         if self._periodic is not None:
             self._periodic.stop()
             self._periodic = None
+        if self.metrics is not None:
+            self.metrics.uninstall()
 
     def add_worker(self, scheduler, worker: str) -> None:
         # A new worker is the instance a scale-up asked for.
@@ -167,9 +173,12 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
     ) -> dict:
         info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, scheduling_priority, execution_priority)
         try:
-            return {"instance": self._scheduler().dispatch(info, time.time()), "reason": ""}
+            instance = self._scheduler().dispatch(info, time.time())
         except NoInstanceAvailable as exc:
+            self._metrics().dispatches.labels("refused").inc()
             return {"instance": None, "reason": str(exc)}
+        self._metrics().dispatches.labels("placed").inc()
+        return {"instance": instance, "reason": ""}
 
     def status(self) -> dict:
         return {
@@ -240,6 +249,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
     def on_event(self, event: dict, worker: str | None = None) -> None:
         kind = event.get("kind")
         self.migration_counts[kind] += 1
+        self._metrics().on_migration_event(event)
         if kind == "committed":
             self.migration_downtime += float(event.get("downtime", 0.0))
         if kind != "started":
@@ -256,14 +266,18 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         decision = self._scheduler().scale(now)
         for victim in decision.terminate:
             self._send(victim, {"op": "llumnix_set_terminating", "flag": True})
-            self.scaling_log.append({"time": now, "action": "terminate", "instance": victim})
+            self._log_scaling(now, "terminate", victim)
         if decision.add and not self._adds_wanted and not self._workers_starting():
             self._adds_wanted = min(decision.add, self.config.scaling.max_instances - len(self.scheduler.workers))
             if self._adds_wanted > 0:
-                self.scaling_log.append({"time": now, "action": "add", "instance": None})
+                self._log_scaling(now, "add", None)
         for instance in decision.remove:
             self._drained.add(instance)
-            self.scaling_log.append({"time": now, "action": "remove", "instance": instance})
+            self._log_scaling(now, "remove", instance)
+
+    def _log_scaling(self, now: float, action: str, instance: str | None) -> None:
+        self.scaling_log.append({"time": now, "action": action, "instance": instance})
+        self._metrics().scaling.labels(action).inc()
 
     def pair(self) -> None:
         """Every migration interval: pair sources with destinations and tell each source."""
@@ -278,6 +292,11 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         if self.global_scheduler is None:
             raise RuntimeError("the llumdask scheduler plugin has not started")
         return self.global_scheduler
+
+    def _metrics(self) -> SchedulerMetrics:
+        if self.metrics is None:
+            raise RuntimeError("the llumdask scheduler plugin has not started")
+        return self.metrics
 
     def _instance_ids(self) -> list[str]:
         return [view.instance_id for view in self._scheduler().instances()]

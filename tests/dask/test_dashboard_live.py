@@ -10,6 +10,7 @@ import httpx
 import pytest
 from bokeh.client import pull_session
 from bokeh.models import ColumnDataSource
+from prometheus_client.parser import text_string_to_metric_families
 from daskhelpers import prompt_of, wait_until
 
 from llumdask.api.client import connect
@@ -60,6 +61,26 @@ def test_the_live_document_holds_every_instance_and_the_migration(migrated):
     assert sorted(instances["instance"]) == sorted(r["instance"] for r in llum.instances())
     assert migrations["request_id"] == [request_id] and migrations["kind"] == ["committed"]
     assert migrations["downtime_ms"][0] > 0 and migrations["stages"][0] >= 1
+
+
+def test_the_scheduler_metrics_carry_the_llumdask_series(migrated):
+    llum, page, _ = migrated
+    text = httpx.get(page.rsplit("/", 1)[0] + "/metrics", timeout=30).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    rows = llum.instances()
+    for row in rows:
+        label = (("instance", row["instance"]),)
+        assert samples[("llumdask_instance_total_blocks", label)] == row["total_blocks"] == 256
+        assert samples[("llumdask_instance_freeness", label)] > 0  # idle after the migration
+        assert ("llumdask_instance_virtual_blocks", label) in samples
+    assert samples[("llumdask_migrations_total", (("outcome", "started"),))] == 1
+    assert samples[("llumdask_migrations_total", (("outcome", "committed"),))] == 1
+    assert samples[("llumdask_migration_downtime_seconds_count", ())] == 1
+    assert samples[("llumdask_migration_bytes_total", ())] > 0
+    assert samples[("llumdask_dispatches_total", (("outcome", "placed"),))] >= 1
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (make test installs Debian's chromium)")
