@@ -2,12 +2,15 @@
 
 The page is a Bokeh document served by the scheduler's own dashboard server, fed from the
 scheduler plugin's state twice a second: per instance the blocks in use, freeness (with the
-pairing thresholds), running and waiting requests and the instance's role this round; below,
-the latest migrations. Nothing here talks to workers: the plugin already holds every report.
+pairing thresholds), running and waiting requests and the instance's role this round; then the
+last ten minutes (pooled freeness against the scaling band, ready instances, dispatches and
+migrations per second, migration downtime, each instance's KV use); below, the latest
+migrations. Nothing here talks to workers: the plugin already holds every report.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -18,9 +21,15 @@ from bokeh.layouts import column, row
 from bokeh.models import ColumnDataSource, DataTable, Div, Span, TableColumn
 from bokeh.plotting import figure
 
+from llumdask.load import instance_order
+from llumdask.plugins.history import INTERVAL_SECONDS, SPAN_SECONDS, Sample
+
 PAGE = "/llumdask"
 MENU_NAME = "Llumdask"
 REFRESH_MS = 500
+HISTORY_POINTS = int(SPAN_SECONDS / INTERVAL_SECONDS) + 1
+# Line colours of the per-instance history (cycled).
+PALETTE = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#ff9da6", "#9d755d", "#bab0ac")
 
 # Fill colour of an instance by its role (the scheduler plugin's `_state_of`).
 STATE_COLORS = {
@@ -55,8 +64,7 @@ def instance_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
         columns["state"].append(r["state"])
         columns["color"].append(STATE_COLORS.get(r["state"], STATE_COLORS["normal"]))
         columns["used_pct"].append(100.0 * used / total)
-        # -inf (terminating) and +inf cannot be drawn: clip to the axis, the state says why.
-        columns["freeness"].append(max(min(float(r["freeness"]), 1e6), -1e6))
+        columns["freeness"].append(_drawable(r["freeness"]))
         columns["running"].append(int(r["num_running"]))
         columns["waiting"].append(int(r["num_waiting"]) + int(r.get("num_pending", 0)))
         columns["used_blocks"].append(used)
@@ -80,6 +88,47 @@ def migration_columns(events: Sequence[Mapping[str, Any]]) -> dict[str, list]:
     return columns
 
 
+SERIES_COLUMNS = ("time", "pooled_freeness", "instances", "dispatch_rate", "committed_rate", "aborted_rate",
+                  "downtime_ms")
+
+
+def series_columns(samples: Sequence[Sample], previous: Sample | None = None) -> dict[str, list]:
+    """The time series' new rows: counters become rates over each sample's interval (from
+    `previous`, the last sample already shown; the first row of a page has no rate yet)."""
+    columns: dict[str, list] = {key: [] for key in SERIES_COLUMNS}
+    for sample in samples:
+        columns["time"].append(1000.0 * sample.time)  # Bokeh's datetime axis counts milliseconds
+        columns["pooled_freeness"].append(_drawable(sample.pooled_freeness))
+        columns["instances"].append(sample.ready_instances)
+        elapsed = sample.time - previous.time if previous is not None else 0.0
+        for key, field in (("dispatch_rate", "dispatches"), ("committed_rate", "committed"), ("aborted_rate", "aborted")):
+            done = getattr(sample, field) - getattr(previous, field) if previous is not None else 0
+            columns[key].append(done / elapsed if elapsed > 0 else 0.0)
+        committed = sample.committed - previous.committed if previous is not None else 0
+        # Mean downtime of the migrations committed in the interval; a gap where none was.
+        columns["downtime_ms"].append(1000.0 * (sample.downtime - previous.downtime) / committed
+                                      if committed > 0 else math.nan)
+        previous = sample
+    return columns
+
+
+def usage_lines(samples: Sequence[Sample]) -> dict[str, list]:
+    """Each instance's KV use over the window, one line per instance (natural order)."""
+    instances = sorted({i for s in samples for i in s.used_pct}, key=instance_order)
+    lines: dict[str, list] = {"name": instances, "xs": [], "ys": [], "color": []}
+    for k, instance in enumerate(instances):
+        held = [s for s in samples if instance in s.used_pct]
+        lines["xs"].append([1000.0 * s.time for s in held])
+        lines["ys"].append([s.used_pct[instance] for s in held])
+        lines["color"].append(PALETTE[k % len(PALETTE)])
+    return lines
+
+
+def _drawable(value: float) -> float:
+    """-inf and +inf cannot be drawn: clip to the axis (the state or summary says why)."""
+    return max(min(float(value), 1e6), -1e6)
+
+
 def summary_html(status: Mapping[str, Any]) -> str:
     rows = status["instances"]
     counts = status["migrations"]
@@ -97,8 +146,13 @@ def summary_html(status: Mapping[str, Any]) -> str:
 
 def build_document(doc: Document, read_status: Callable[[], Mapping[str, Any]],
                    read_migrations: Callable[[], Sequence[Mapping[str, Any]]],
-                   thresholds: tuple[float, float]) -> Callable[[], None]:
-    """Lay out the page on `doc`; returns the refresh function (also scheduled on the document)."""
+                   thresholds: tuple[float, float],
+                   read_history: Callable[[float], Sequence[Sample]] = lambda after: (),
+                   band: tuple[float, float] | None = None) -> Callable[[], None]:
+    """Lay out the page on `doc`; returns the refresh function (also scheduled on the document).
+
+    `read_history(after)` gives the samples newer than `after`; `band` is the scaling band
+    drawn over the pooled freeness (None when scaling is off)."""
     instances = ColumnDataSource(instance_columns([]))
     migrations = ColumnDataSource(migration_columns([]))
     summary = Div(text="", sizing_mode="stretch_width")
@@ -128,6 +182,35 @@ def build_document(doc: Document, read_status: Callable[[], Mapping[str, Any]],
     table = DataTable(source=migrations, columns=[TableColumn(field=k, title=t) for k, t in MIGRATION_COLUMNS],
                       height=300, sizing_mode="stretch_width", index_position=None)
 
+    series = ColumnDataSource(series_columns([]))
+    usage = ColumnDataSource(usage_lines([]))
+    shown: list[Sample] = []  # the last sample on the page
+
+    def over_time(title: str, y_label: str):
+        plot = figure(title=title, x_axis_type="datetime", height=220, sizing_mode="stretch_width",
+                      toolbar_location=None)
+        plot.yaxis.axis_label = y_label
+        return plot
+
+    pooled = over_time("Pooled freeness (the scaling signal)" + (", with the band" if band else ""), "F")
+    pooled.line("time", "pooled_freeness", source=series, line_width=2)
+    for level in band or ():
+        pooled.add_layout(Span(location=level, dimension="width", line_dash="dashed", line_color="#555"))
+    count = over_time("Ready instances", "instances")
+    count.step("time", "instances", source=series, line_width=2, mode="after")
+    rates = over_time("Per second", "events / s")
+    for field, color, label in (("dispatch_rate", "#4c78a8", "dispatches"), ("committed_rate", "#54a24b", "migrations committed"),
+                                ("aborted_rate", "#e45756", "migrations aborted")):
+        rates.line("time", field, source=series, color=color, legend_label=label, line_width=2)
+    rates.legend.location = "top_left"
+    downtime = over_time("Mean migration downtime", "ms")
+    downtime.scatter("time", "downtime_ms", source=series, size=6, color="#54a24b")
+    kv = over_time("KV blocks in use, per instance", "% of the instance's blocks")
+    kv.multi_line("xs", "ys", color="color", source=usage, line_width=2)
+    kv.y_range.start, kv.y_range.end = 0, 100
+    for plot in (count, rates, downtime, kv):
+        plot.x_range = pooled.x_range
+
     def refresh() -> None:
         status = read_status()
         data = instance_columns(status["instances"])
@@ -135,10 +218,17 @@ def build_document(doc: Document, read_status: Callable[[], Mapping[str, Any]],
         instances.data = data
         migrations.data = migration_columns(read_migrations())
         summary.text = summary_html(status)
+        new = list(read_history(shown[-1].time if shown else -math.inf))
+        if new:
+            series.stream(series_columns(new, shown[-1] if shown else None), rollover=HISTORY_POINTS)
+            shown[:] = [new[-1]]
+            usage.data = usage_lines(read_history(-math.inf))
 
     doc.title = "llumdask"
     doc.add_root(column(Div(text="<h2>llumdask: instances and migrations</h2>"), summary,
                         row(memory, freeness, sizing_mode="stretch_width"), load,
+                        Div(text="<h3>The last minutes</h3>"), row(pooled, count, sizing_mode="stretch_width"),
+                        row(rates, downtime, sizing_mode="stretch_width"), kv,
                         Div(text="<h3>Latest migrations</h3>"), table, sizing_mode="stretch_width"))
     refresh()
     doc.add_periodic_callback(refresh, REFRESH_MS)
@@ -147,9 +237,10 @@ def build_document(doc: Document, read_status: Callable[[], Mapping[str, Any]],
 
 def _page(plugin, scheduler, extra: dict, doc: Document) -> None:
     """The Bokeh application function (the dashboard passes the scheduler and template data)."""
-    migration = plugin.config.migration
+    migration, scaling = plugin.config.migration, plugin.config.scaling
     build_document(doc, plugin.status, lambda: list(plugin.recent_migrations),
-                   (migration.low_threshold, migration.high_threshold))
+                   (migration.low_threshold, migration.high_threshold), plugin.history.samples,
+                   scaling.band if scaling.enabled else None)
 
 
 def page_link(dashboard_link: str) -> str:

@@ -44,6 +44,7 @@ from llumdask.global_scheduler import (
 )
 from llumdask.load import InstanceLoad
 from llumdask.plugins.dashboard import add_page
+from llumdask.plugins.history import ClusterHistory, Sample
 from llumdask.plugins.metrics import SchedulerMetrics
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self.recent_migrations: deque[dict] = deque(maxlen=200)  # outcomes, for the dashboard page
         self.dashboard_page: str | None = None
         self.metrics: SchedulerMetrics | None = None
+        self.dispatch_count = 0
+        self.history = ClusterHistory()
 
     # ------------------------------------------------------------------ plugin hooks
     async def start(self, scheduler) -> None:
@@ -178,6 +181,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             self._metrics().dispatches.labels("refused").inc()
             return {"instance": None, "reason": str(exc)}
         self._metrics().dispatches.labels("placed").inc()
+        self.dispatch_count += 1
         return {"instance": instance, "reason": ""}
 
     def status(self) -> dict:
@@ -259,6 +263,24 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
     def tick(self) -> None:
         self.pair()
         self.scale()
+        now = time.time()
+        if self.history.due(now):
+            self.history.record(self.sample(now))
+
+    def sample(self, now: float) -> Sample:
+        """The cluster now, for the dashboard's time series."""
+        scheduler = self._scheduler()
+        views = scheduler.instances()
+        return Sample(
+            time=now,
+            pooled_freeness=scheduler.pooled_load().freeness,
+            ready_instances=sum(v.ready for v in views),
+            dispatches=self.dispatch_count,
+            committed=self.migration_counts["committed"],
+            aborted=self.migration_counts["aborted"],
+            downtime=self.migration_downtime,
+            used_pct={v.instance_id: 100.0 * v.load.used_blocks / max(v.load.total_blocks, 1) for v in views},
+        )
 
     def scale(self) -> None:
         """Act on the scaling decision: drain victims, ask for instances, offer drained ones."""

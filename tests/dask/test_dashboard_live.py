@@ -61,6 +61,12 @@ def test_the_live_document_holds_every_instance_and_the_migration(migrated):
     assert sorted(instances["instance"]) == sorted(r["instance"] for r in llum.instances())
     assert migrations["request_id"] == [request_id] and migrations["kind"] == ["committed"]
     assert migrations["downtime_ms"][0] > 0 and migrations["stages"][0] >= 1
+    # The last minutes: a sample a second since the scheduler started, each instance's KV use.
+    series = next(s.data for s in sources if "pooled_freeness" in s.data)
+    usage = next(s.data for s in sources if "xs" in s.data)
+    assert len(series["time"]) >= 2 and series["instances"][-1] == 2
+    assert sum(series["dispatch_rate"]) > 0 and max(series["committed_rate"]) > 0
+    assert sorted(usage["name"]) == sorted(instances["instance"]) and all(len(ys) >= 2 for ys in usage["ys"])
 
 
 def test_the_scheduler_metrics_carry_the_llumdask_series(migrated):
@@ -102,7 +108,8 @@ def test_a_browser_renders_the_instances_and_the_migration(migrated, tmp_path: P
             page.get_by_text("2 of 2 instances ready").wait_for(timeout=30_000)
             page.get_by_text(request_id).wait_for(timeout=30_000)  # the migrations table's row
             assert page.get_by_text("1 committed").count() >= 1
-            assert page.locator("canvas").count() >= 3  # the three plots drew
+            page.get_by_text("The last minutes").wait_for(timeout=30_000)
+            assert page.locator("canvas").count() >= 8  # the three instance plots and five time series drew
             page.screenshot(path=str(tmp_path / "llumdask-dashboard.png"), full_page=True)
             assert not errors, errors
         finally:
