@@ -50,6 +50,7 @@ class Server:
     banner: str
     model_dir: Path
     log: str = ""  # what the command wrote to stderr up to its banner
+    log_file: Path | None = None  # where it writes its stderr
 
     @property
     def auth(self) -> dict[str, str]:
@@ -87,7 +88,8 @@ def start_serve(options: list[str], cache: Path, log, budget: float = STARTUP_BU
     url = re.search(r"OpenAI API:\s+(\S+)/v1", banner).group(1)
     scheduler = re.search(r"scheduler:\s+(\S+)", banner).group(1)
     model_dir = cache / "llumdask" / "tiny-llama"
-    return Server(url, scheduler, process, time.monotonic() - started, load_tokenizer(model_dir), banner, model_dir)
+    return Server(url, scheduler, process, time.monotonic() - started, load_tokenizer(model_dir), banner, model_dir,
+                  log_file=Path(log.name))
 
 
 def stop_serve(server: Server) -> None:
@@ -214,6 +216,13 @@ def test_api_key_is_enforced(server):
         server.openai(api_key="wrong").completions.create(model=MODEL, prompt="Hi", max_tokens=1)
     r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    # Neither the key nor a wrong one a client sent ever reaches the logs.
+    wrong = "sk-wrong-" + "9" * 24
+    assert httpx.post(f"{server.url}/v1/completions", headers={"authorization": f"Bearer {wrong}"},
+                      json={"model": MODEL, "prompt": "Hi"}).status_code == 401
+    assert server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+    logged = server.log_file.read_text()
+    assert KEY not in logged and wrong not in logged
 
 
 BAD_INPUTS = [
