@@ -214,6 +214,9 @@ class GlobalScheduler:
         self._instances: dict[str, _Instance] = {}
         # Ready, non-terminating instances; rebuilt only when membership changes.
         self._candidates: CandidateTable | None = None
+        # Counts membership changes (an instance registered, ready, draining or gone), so that a
+        # poller can ask "anything new since epoch n?" and get the lists only when there is.
+        self.epoch = 0
 
     # ------------------------------------------------------------------ instance table
 
@@ -240,18 +243,19 @@ class GlobalScheduler:
         tokens = {p: t if t is not None else derived.get(p, 0) for p, t in self._config.headroom_tokens.items()}
         headroom = headroom_blocks(tokens, block_size)
         self._instances[instance_id] = _Instance(instance_id, total_blocks, block_size, headroom)
+        self._membership_changed()
 
     def mark_ready(self, instance_id: str, now: float) -> None:
         instance = self._get(instance_id)
         instance.ready = True
         instance.joined_at = now
-        self._candidates = None
+        self._membership_changed()
 
     def remove_instance(self, instance_id: str) -> None:
         """Forget an instance (closed, or lost), with its pending-dispatch accounting."""
         self._get(instance_id)
         del self._instances[instance_id]
-        self._candidates = None
+        self._membership_changed()
 
     def set_terminating(self, instance_id: str, now: float) -> None:
         """Drain an instance: F = -inf, no new requests, everything migrates out. Idempotent."""
@@ -260,7 +264,7 @@ class GlobalScheduler:
             instance.terminating = True
             instance.reported_since_terminating = False
             instance.refresh()
-            self._candidates = None
+            self._membership_changed()
 
     def report(self, load: InstanceLoad, now: float) -> None:
         """Replace an instance's last load report."""
@@ -274,7 +278,7 @@ class GlobalScheduler:
         instance.absorb(load)
         instance.last_report_at = now
         if instance.terminating and not was_terminating:
-            self._candidates = None
+            self._membership_changed()
         elif self._candidates is not None:
             self._candidates.update(instance)
 
@@ -285,6 +289,11 @@ class GlobalScheduler:
     def instances(self) -> list[InstanceView]:
         """The whole table, in registration order."""
         return [instance.view() for instance in self._instances.values()]
+
+    def members(self) -> tuple[list[str], list[str]]:
+        """Every known instance, and those a request may be placed on (ready, not draining)."""
+        placeable = [i.instance_id for i in self._instances.values() if i.ready and not i.terminating]
+        return list(self._instances), placeable
 
     # ------------------------------------------------------------------ decisions
 
@@ -347,6 +356,10 @@ class GlobalScheduler:
         return PooledLoad.of((i.load, i.pending_blocks, i.num_pending) for i in counted)
 
     # ------------------------------------------------------------------ helpers
+
+    def _membership_changed(self) -> None:
+        self._candidates = None
+        self.epoch += 1
 
     def _get(self, instance_id: str) -> _Instance:
         try:

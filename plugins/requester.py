@@ -93,6 +93,9 @@ class Requester:
         # Instances last seen in the scheduler's table (for bypass mode), in rotation order.
         self._known: list[str] = []
         self._rotation = itertools.count()
+        # The scheduler's membership epoch of `_alive` (every instance it knows) and `_known`.
+        self._epoch: str | None = None
+        self._alive: set[str] = set()
         self.resubmissions = 0
         self.bypassed = 0
 
@@ -130,12 +133,21 @@ class Requester:
                 logger.info("could not abort %s on %s", request_id, holder)
 
     async def status(self) -> dict:
-        """The scheduler's `llumnix_status`; also refreshes the instances known for bypass mode."""
+        """The scheduler's `llumnix_status` (the whole instance table and the migration counts)."""
         reply = await asyncio.wait_for(self._client.scheduler.llumnix_status(), self._rpc_timeout)
         if reply is None:
             raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin")
-        self._known = [row["instance"] for row in reply["instances"] if row["ready"] and row["state"] != "terminating"]
         return reply
+
+    async def members(self) -> set[str]:
+        """The instances the scheduler knows, asked as "anything new since the last answer?"; also
+        keeps the placeable ones for bypass mode."""
+        reply = await asyncio.wait_for(self._client.scheduler.llumnix_members(epoch=self._epoch), self._rpc_timeout)
+        if reply is None:
+            raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin")
+        if reply["alive"] is not None:
+            self._epoch, self._alive, self._known = reply["epoch"], set(reply["alive"]), list(reply["placeable"])
+        return self._alive
 
     async def close(self) -> None:
         if self._watchdog is not None:
@@ -202,6 +214,7 @@ class Requester:
         except (OSError, asyncio.TimeoutError):
             if instance in self._known:
                 self._known.remove(instance)
+                self._epoch = None  # the next poll brings the lists again, whatever the epoch
             raise
         if reply is None:
             raise RequestRejected(f"{instance} runs no llumlet (its worker plugin is gone)")
@@ -215,7 +228,7 @@ class Requester:
             self._listener = await TokenListener(f"tcp://{host}:0", on_sender_closed=self._on_sender_closed).start()
             self._watchdog = asyncio.ensure_future(self._watch())
             try:
-                await self.status()  # know some instances in case the scheduler stops answering
+                await self.members()  # know some instances in case the scheduler stops answering
             except (OSError, asyncio.TimeoutError, NoLlumdaskScheduler):
                 pass
         return self._listener
@@ -238,10 +251,9 @@ class Requester:
 
     async def _recover_lost(self) -> None:
         try:
-            reply = await self.status()
+            alive = await self.members()
         except (OSError, asyncio.TimeoutError, NoLlumdaskScheduler):
             return  # no instance table to go by: an unanswered check proves no death
-        alive = {row["instance"] for row in reply["instances"]}
         for entry in list(self._open.values()):
             if not entry.recovering and not entry.stream.sequence.done and entry.holder not in alive:
                 entry.recovering = True

@@ -12,6 +12,8 @@ RPC handlers (reply dicts):
     llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, scheduling_priority,
                      execution_priority)                 -> {"instance": str | None, "reason": str}
     llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
+    llumnix_members(epoch=None)                          -> {"epoch": str, "alive": [id, ...] | None,
+                                                             "placeable": [id, ...] | None} (None: unchanged)
     llumnix_drain(instance)                              -> {"draining": bool, "reason": str}
     llumnix_migrate(request_id, destination, source=None) -> {"migration_id": str | None, "reason": str}
     llumnix_adaptive_target()                            -> {"target": int, "drained": [worker name, ...]}
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import Counter, deque
 from typing import Any
 
@@ -98,6 +101,8 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self.dashboard_page: str | None = None
         self.metrics: SchedulerMetrics | None = None
         self.dispatch_count = 0
+        # Epochs of a restarted scheduler must not match the ones a requester saw before.
+        self._incarnation = uuid.uuid4().hex[:12]
         self.history = ClusterHistory()
 
     # ------------------------------------------------------------------ plugin hooks
@@ -112,6 +117,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                 "llumnix_unregister": self.unregister,
                 "llumnix_dispatch": self.dispatch,
                 "llumnix_status": self.status,
+                "llumnix_members": self.members,
                 "llumnix_drain": self.drain,
                 "llumnix_migrate": self.migrate,
                 "llumnix_adaptive_target": self.adaptive_target,
@@ -194,6 +200,15 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             "scaling": {"adds_wanted": self._adds_wanted, "drained": sorted(self._drained),
                         "log": list(self.scaling_log)},
         }
+
+    def members(self, epoch: str | None = None) -> dict:
+        """The instance ids (all, and those a request may go to), or only the epoch when the caller's
+        `epoch` is current: what a requester polls every second to notice a dead instance."""
+        current = f"{self._incarnation}:{self._scheduler().epoch}"
+        if epoch == current:
+            return {"epoch": current, "alive": None, "placeable": None}
+        alive, placeable = self._scheduler().members()
+        return {"epoch": current, "alive": alive, "placeable": placeable}
 
     def drain(self, instance: str) -> dict:
         """Operator drain: F = -inf, no new requests, its requests migrate out."""

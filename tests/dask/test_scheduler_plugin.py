@@ -162,3 +162,22 @@ def test_routes_follow_incoming_migrations_to_commit_or_expiry():
     assert len(routes) == 2
     routes.sweep(now=11.0, is_known=lambda r: r != "r1")
     assert routes.owned == {} and len(routes) == 0
+
+
+def test_members_answer_lists_only_when_membership_changed():
+    async def check(plugin, scheduler):
+        plugin.register("a", 100, 16)
+        first = plugin.members()
+        assert first["alive"] == ["a"] and first["placeable"] == []  # registered, not ready yet
+        assert plugin.members(epoch=first["epoch"]) == {"epoch": first["epoch"], "alive": None, "placeable": None}
+        plugin.on_load(load("a"))  # a load report is no membership change
+        assert plugin.members(epoch=first["epoch"])["alive"] is None
+        plugin.ready("a")
+        ready = plugin.members(epoch=first["epoch"])
+        assert ready["epoch"] != first["epoch"] and ready["placeable"] == ["a"]
+        plugin.drain("a")
+        assert plugin.members(epoch=ready["epoch"])["placeable"] == []
+        plugin.unregister("a")
+        assert plugin.members(epoch=ready["epoch"])["alive"] == []
+
+    run_plugin(check)
