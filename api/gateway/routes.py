@@ -18,13 +18,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import llumdask
 from llumdask.api.gateway.backend import Backend
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
 from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
 from llumdask.api.gateway.generation import Generation, InFlight
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.responses import ChatFormat, CompletionFormat, ResponseFormat
-from llumdask.api.gateway.schemas import GenerationOptions, parse_chat, parse_completion, parse_priority
+from llumdask.api.gateway.schemas import (
+    GenerationOptions,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_priority,
+    parse_tokenize,
+)
 from llumdask.api.gateway.settings import GatewaySettings
 from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
 from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer
@@ -236,6 +244,37 @@ def model_card(backend: Backend) -> dict:
             "max_model_len": model.max_context}
 
 
+async def tokenize(request: Request, gateway: Gateway) -> Response:
+    """vLLM's /tokenize: a prompt's token ids (or a conversation's, rendered with the chat template)."""
+    parsed = parse_tokenize(await read_json(request, gateway.settings.max_body_bytes))
+    if parsed.model is not None:
+        check_model(gateway.backend, parsed.model)
+    tokenizer = gateway.tokenizer
+    if parsed.messages is not None:
+        try:
+            text = tokenizer.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(str(exc), param="messages", code="invalid_value") from None
+    else:
+        text = parsed.prompt
+    tokens = tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)
+    return JSONResponse({"count": len(tokens), "max_model_len": gateway.backend.model.max_context, "tokens": tokens,
+                         "token_strs": tokenizer.token_strings(tokens) if parsed.return_token_strs else None})
+
+
+async def detokenize(request: Request, gateway: Gateway) -> Response:
+    """vLLM's /detokenize: the text of token ids (special tokens left out, as in completions)."""
+    model, tokens = parse_detokenize(await read_json(request, gateway.settings.max_body_bytes))
+    if model is not None:
+        check_model(gateway.backend, model)
+    check_token_ids(tokens, gateway.tokenizer.vocab_size, "tokens")
+    return JSONResponse({"prompt": gateway.tokenizer.decode(tokens)})
+
+
+async def version(request: Request, gateway: Gateway) -> Response:
+    return JSONResponse({"version": llumdask.__version__})
+
+
 async def list_models(request: Request, gateway: Gateway) -> Response:
     return JSONResponse({"object": "list", "data": [model_card(gateway.backend)]})
 
@@ -266,6 +305,9 @@ ROUTES = [
     Route("/v1/chat/completions", endpoint("chat_completions", chat_completions), methods=["POST"]),
     Route("/v1/models", endpoint("models", list_models), methods=["GET"]),
     Route("/v1/models/{model:path}", endpoint("models", get_model), methods=["GET"]),
+    Route("/tokenize", endpoint("tokenize", tokenize), methods=["POST"]),
+    Route("/detokenize", endpoint("detokenize", detokenize), methods=["POST"]),
+    Route("/version", endpoint("version", version), methods=["GET"]),
     Route("/health", endpoint("health", health), methods=["GET"]),
     Route("/metrics", endpoint("metrics", metrics), methods=["GET"]),
 ]

@@ -84,6 +84,46 @@ def parse_chat(body: Any) -> ChatRequest:
     return ChatRequest(options, _messages(body))
 
 
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """vLLM's /tokenize: a text, or chat messages rendered with the model's template first."""
+
+    model: str | None
+    prompt: str | None
+    messages: tuple[dict[str, str], ...] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    body = _object(body)
+    model = _str(body, "model") if body.get("model") is not None else None
+    chat = body.get("messages") is not None
+    if chat and body.get("prompt") is not None:
+        raise InvalidRequest("give a prompt or messages, not both", param="prompt", code="invalid_value")
+    if not chat and body.get("prompt") is None:
+        raise InvalidRequest("you must provide a prompt or messages", param="prompt", code="missing_required_parameter")
+    return TokenizeRequest(
+        model=model,
+        prompt=None if chat else _str(body, "prompt"),
+        messages=_messages(body) if chat else None,
+        # vLLM's defaults: a chat template adds its own special tokens, a plain prompt gets them.
+        add_special_tokens=_bool(body, "add_special_tokens", not chat),
+        add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        return_token_strs=_bool(body, "return_token_strs", False),
+    )
+
+
+def parse_detokenize(body: Any) -> tuple[str | None, tuple[int, ...]]:
+    """vLLM's /detokenize: (model, token ids)."""
+    body = _object(body)
+    model = _str(body, "model") if body.get("model") is not None else None
+    if body.get("tokens") is None:
+        raise InvalidRequest("you must provide tokens", param="tokens", code="missing_required_parameter")
+    return model, _token_ids(body["tokens"], "tokens", allow_empty=True)
+
+
 # ------------------------------------------------------------------ shared fields
 def _object(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):

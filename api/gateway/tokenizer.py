@@ -41,8 +41,13 @@ class Tokenizer(Protocol):
         """Text of `token_ids`, special tokens left out."""
         ...
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The prompt text for `messages`, ending where the assistant's reply starts."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`, ending where the assistant's reply starts (or, without
+        the generation prompt, where the last message ends)."""
+        ...
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token id's own vocabulary entry (byte-level pieces as the tokenizer spells them)."""
         ...
 
 
@@ -85,13 +90,16 @@ class FastTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [self._tokenizer.id_to_token(t) or "" for t in token_ids]
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=True,
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                          **{k: v or "" for k, v in self._special.items()})
         except TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
@@ -125,11 +133,15 @@ class TransformersTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [t or "" for t in self._tokenizer.convert_ids_to_tokens(list(token_ids))]
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self._tokenizer.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
-            return self._tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return self._tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                       add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja2 and transformers raise several kinds for a bad conversation
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
 

@@ -8,6 +8,7 @@ import time
 import pytest
 from gatewayfakes import MAX_CONTEXT, MODEL
 
+import llumdask
 from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable
 from llumdask.request import FinishReason, Priority
 
@@ -250,3 +251,43 @@ def test_finish_reason_of_an_engine_abort_is_reported(make_client, backend, monk
     monkeypatch.setattr("gatewayfakes.ScriptedBatches.__aiter__", aborted)
     r = make_client(backend).post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
     assert r.json()["choices"][0]["finish_reason"] == "abort"
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(client, tokenizer):
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": "Hello world"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode("Hello world") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_CONTEXT and body["token_strs"] is None
+    plain = client.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False,
+                                           "return_token_strs": True}).json()
+    assert plain["tokens"] == tokenizer.encode("Hello world", add_special_tokens=False)
+    assert len(plain["token_strs"]) == plain["count"] and all(isinstance(t, str) and t for t in plain["token_strs"])
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = client.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert chat["tokens"] == tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)
+    # The same ids /v1/chat/completions counts as its prompt.
+    usage = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1}).json()
+    assert usage["usage"]["prompt_tokens"] == chat["count"]
+    open_ended = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert open_ended["count"] < chat["count"]
+    back = client.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "Hello world"}
+
+
+@pytest.mark.parametrize("path, body, status, code", [
+    ("/tokenize", {"model": MODEL}, 400, "missing_required_parameter"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "invalid_value"),
+    ("/tokenize", {"prompt": 7}, 400, "invalid_type"),
+    ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model_not_found"),
+    ("/detokenize", {"tokens": [1, -2]}, 400, "invalid_type"),
+    ("/detokenize", {"tokens": [10**6]}, 400, "invalid_value"),
+    ("/detokenize", {}, 400, "missing_required_parameter"),
+])
+def test_tokenize_and_detokenize_reject_bad_input(client, path, body, status, code):
+    r = client.post(path, json=body)
+    assert r.status_code == status and r.json()["error"]["code"] == code
+
+
+def test_version(client):
+    assert client.get("/version").json() == {"version": llumdask.__version__}
