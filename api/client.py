@@ -23,8 +23,8 @@ from llumdask.plugins.requester import NoLlumdaskScheduler, RequestRejected, Req
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
 
-__all__ = ["Generation", "InstanceTable", "LlumdaskClient", "MigrationNotStarted", "NoLlumdaskScheduler",
-           "RequestRejected", "TokenIterator", "connect"]
+__all__ = ["Generation", "InstanceTable", "LlumdaskClient", "MigrationNotStarted", "MigrationTable",
+           "NoLlumdaskScheduler", "RequestRejected", "TokenIterator", "connect"]
 
 T = TypeVar("T")
 
@@ -44,8 +44,38 @@ class Generation:
     instance: str | None
 
 
-@dataclass(frozen=True)
-class InstanceTable:
+class _Table:
+    """Rows of dicts shown as a fixed-width text table, and as HTML in Jupyter."""
+
+    COLUMNS: tuple[str, ...] = ()
+    rows: tuple[dict[str, Any], ...]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.rows)
+
+    @staticmethod
+    def _cell(value: Any) -> str:
+        return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+    def __repr__(self) -> str:
+        lines = ["  ".join(self.COLUMNS)]
+        lines += ["  ".join(self._cell(row.get(c, "")) for c in self.COLUMNS) for row in self.rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(self._cell(row.get(c, '')))}</td>" for c in self.COLUMNS) + "</tr>"
+            for row in self.rows
+        )
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+@dataclass(frozen=True, repr=False)
+class InstanceTable(_Table):
     """The scheduler's instance table; renders as HTML in Jupyter."""
 
     rows: tuple[dict[str, Any], ...]
@@ -54,34 +84,20 @@ class InstanceTable:
     COLUMNS = ("instance", "state", "freeness", "free_blocks", "total_blocks", "num_running",
                "num_waiting", "num_pending", "num_migrating_out", "num_migrating_in", "num_preemptions")
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(self.rows)
-
     def __getitem__(self, instance: str) -> dict[str, Any]:
         for row in self.rows:
             if row["instance"] == instance:
                 return row
         raise KeyError(f"no instance {instance!r} in the table")
 
-    @staticmethod
-    def _cell(value: Any) -> str:
-        return f"{value:.1f}" if isinstance(value, float) else str(value)
 
-    def __repr__(self) -> str:
-        lines = ["  ".join(self.COLUMNS)]
-        lines += ["  ".join(self._cell(row[c]) for c in self.COLUMNS) for row in self.rows]
-        return "\n".join(lines)
+@dataclass(frozen=True, repr=False)
+class MigrationTable(_Table):
+    """The latest migration outcomes (committed and aborted), newest last; downtime in ms."""
 
-    def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.COLUMNS)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(self._cell(row[c]))}</td>" for c in self.COLUMNS) + "</tr>"
-            for row in self.rows
-        )
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    rows: tuple[dict[str, Any], ...]
+
+    COLUMNS = ("time", "kind", "request_id", "source", "destination", "stages", "blocks", "downtime_ms", "reason")
 
 
 class TokenIterator:
@@ -184,6 +200,12 @@ class LlumdaskClient:
     def instances(self) -> InstanceTable | Awaitable[InstanceTable]:
         return self._sync(self._instances)
 
+    def migrations(self, limit: int = 50) -> MigrationTable | Awaitable[MigrationTable]:
+        """The scheduler's latest `limit` migration outcomes (committed and aborted), newest last."""
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ValueError(f"limit must be an integer >= 1, got {limit!r}")
+        return self._sync(self._migrations, limit)
+
     def migrate(self, request_id: str, to: str, *, source: str | None = None) -> str | Awaitable[str]:
         """Operator-forced live migration of a running request; returns the migration id.
 
@@ -233,6 +255,14 @@ class LlumdaskClient:
     async def _instances(self) -> InstanceTable:
         reply = await self.requester.status()
         return InstanceTable(tuple(dict(row) for row in reply["instances"]), dict(reply["migrations"]))
+
+    async def _migrations(self, limit: int) -> MigrationTable:
+        events = await self._client.scheduler.llumnix_migrations(limit=limit)
+        if events is None:
+            raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin")
+        rows = tuple({**e, "time": time.strftime("%H:%M:%S", time.localtime(e["time"])),
+                      "downtime_ms": round(1000.0 * e.get("downtime", 0.0), 1)} for e in events)
+        return MigrationTable(rows)
 
     async def _migrate(self, request_id: str, to: str, source: str | None) -> str:
         source = source or self.requester.holder(request_id)

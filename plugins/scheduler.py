@@ -14,6 +14,7 @@ RPC handlers (reply dicts):
     llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
     llumnix_members(epoch=None)                          -> {"epoch": str, "alive": [id, ...] | None,
                                                              "placeable": [id, ...] | None} (None: unchanged)
+    llumnix_migrations(limit=50)                         -> [event, ...] (the latest outcomes, oldest first)
     llumnix_drain(instance)                              -> {"draining": bool, "reason": str}
     llumnix_migrate(request_id, destination, source=None) -> {"migration_id": str | None, "reason": str}
     llumnix_adaptive_target()                            -> {"target": int, "drained": [worker name, ...]}
@@ -118,6 +119,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                 "llumnix_dispatch": self.dispatch,
                 "llumnix_status": self.status,
                 "llumnix_members": self.members,
+                "llumnix_migrations": self.migrations,
                 "llumnix_drain": self.drain,
                 "llumnix_migrate": self.migrate,
                 "llumnix_adaptive_target": self.adaptive_target,
@@ -209,6 +211,10 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             return {"epoch": current, "alive": None, "placeable": None}
         alive, placeable = self._scheduler().members()
         return {"epoch": current, "alive": alive, "placeable": placeable}
+
+    def migrations(self, limit: int = 50) -> list[dict]:
+        """The latest `limit` migration outcomes (committed and aborted), oldest first."""
+        return list(self.recent_migrations)[-limit:] if limit > 0 else []
 
     def drain(self, instance: str) -> dict:
         """Operator drain: F = -inf, no new requests, its requests migrate out."""

@@ -10,7 +10,7 @@ import pytest
 from llumdask.api.client import MigrationNotStarted, RequestRejected
 from llumdask.request import FinishReason
 
-from daskhelpers import prompt_of, reference_tokens, worker_statuses
+from daskhelpers import prompt_of, reference_tokens, wait_until, worker_statuses
 
 pytestmark = pytest.mark.slow
 
@@ -96,6 +96,16 @@ def test_forced_migration_keeps_the_stream_identical(clean, cluster_config):
     assert [e["kind"] for e in events] == ["started", "committed"]
     assert events[-1]["destination"] == destination and events[-1]["blocks"] >= 7
     assert clean.instances().migrations["committed"] >= 1
+    # The notebook's view of it: the latest outcome, as a text and an HTML table.
+    wait_until(lambda: any(r["migration_id"] == migration_id for r in clean.migrations()), 10, what="the outcome")
+    table = clean.migrations(limit=1)
+    [row] = table.rows
+    assert (row["migration_id"], row["kind"], row["source"], row["destination"]) == (
+        migration_id, "committed", source, destination)
+    assert row["downtime_ms"] > 0 and stream.request_id in repr(table)
+    assert table._repr_html_().count("<tr>") == 2
+    with pytest.raises(ValueError, match="limit"):
+        clean.migrations(limit=0)
 
 
 def test_operator_migration_of_an_unknown_request_is_refused(clean):
