@@ -623,8 +623,10 @@ REASONS = {
         "Llumnix-base here differs from Llumnix only in the headroom (the design's definition of the switch): both "
         "order every instance's queue by priority, so high-priority requests skip queues in both, and what is left "
         "is the headroom keeping normal requests off high-priority requests' instances. The gain is bounded by how "
-        "much faster a lightly loaded instance decodes, and the capacity those instances leave unused is what "
-        "normal requests pay."
+        "much faster a lightly loaded instance decodes (the ceiling column), and the capacity those instances leave "
+        "unused is what normal requests pay: the headroom's tolerance sets that trade. The derived headroom (a "
+        "decode step within 10% of a lone sequence's) keeps normal requests inside the paper's +4.5%; a tighter "
+        "tolerance reserves more and moves high-priority requests closer to the ceiling at a higher normal cost."
     ),
     "priority_normal": "Headroom for high-priority requests packs normal ones tighter on the other instances.",
     "scalability": (
