@@ -624,11 +624,14 @@ REASONS = {
         "order every instance's queue by priority, so high-priority requests skip queues in both, and what is left "
         "is the headroom keeping normal requests off high-priority requests' instances. The gain is bounded by how "
         "much faster a lightly loaded instance decodes (the ceiling column), and the capacity those instances leave "
-        "unused is what normal requests pay: the headroom's tolerance sets that trade. The derived headroom (a "
-        "decode step within 10% of a lone sequence's) keeps normal requests inside the paper's +4.5%; a tighter "
-        "tolerance reserves more and moves high-priority requests closer to the ceiling at a higher normal cost."
+        "unused is what normal requests pay."
     ),
-    "priority_normal": "Headroom for high-priority requests packs normal ones tighter on the other instances.",
+    "priority_normal": (
+        "Headroom for high-priority requests packs normal ones tighter on the other instances, and the headroom's "
+        "tolerance sets that trade: the derived headroom keeps a high-priority request's decode step within 10% of "
+        "a lone sequence's; a looser tolerance reserves less, costing normal requests less and high-priority ones "
+        "more of their gain."
+    ),
     "scalability": (
         "These are wall-clock times on a shared machine: a P99 over a few thousand calls also catches the moments "
         "other processes held the CPU, while the median is the cost of the call itself."
