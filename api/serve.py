@@ -290,19 +290,18 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         if args.scheduler is None:
             from llumdask.clusters.local import InstanceStartupError, local_cluster
 
-            options = (configured_model, tokenizer.vocab_size, engine_args, args.max_model_len)
-            vllm_config = load_config(cluster_overrides("vllm", *options)).vllm_engine
+            vllm_config = load_config(cluster_overrides("vllm", configured_model, tokenizer.vocab_size, engine_args,
+                                                        args.max_model_len)).vllm_engine
             engine, check = ("sim", None) if args.engine == "sim" else pick_engine(args.engine, vllm_config)
             share = memory_share(vllm_config, args.instances, check) if engine == "vllm" and check else {}
             if share:
-                engine_args = {**engine_args, **share}
-                options = (configured_model, tokenizer.vocab_size, engine_args, args.max_model_len)
                 chosen = " ".join(f"--{k} {v}" + (f" ({v / 2**30:.1f} GiB)" if k.endswith("bytes") else "")
                                   for k, v in share.items())
                 print(f"llumdask serve: {args.instances} instances share one {check.device} device "
                       f"({check.free_bytes / 2**30:.1f} of {check.total_bytes / 2**30:.1f} GiB free): {chosen} each; "
                       "pass --kv-cache-memory-bytes or --gpu-memory-utilization to choose", file=sys.stderr, flush=True)
-            overrides = cluster_overrides(engine, *options)
+            overrides = cluster_overrides(engine, configured_model, tokenizer.vocab_size, {**engine_args, **share},
+                                          args.max_model_len)
             print(f"llumdask serve: starting {args.instances} {engine} instances...", file=sys.stderr, flush=True)
             try:
                 cluster = local_cluster(args.instances, engine, overrides, timeout=args.startup_timeout,

@@ -100,14 +100,13 @@ def series_columns(samples: Sequence[Sample], previous: Sample | None = None) ->
         columns["time"].append(1000.0 * sample.time)  # Bokeh's datetime axis counts milliseconds
         columns["pooled_freeness"].append(_drawable(sample.pooled_freeness))
         columns["instances"].append(sample.ready_instances)
-        elapsed = sample.time - previous.time if previous is not None else 0.0
+        base = previous or sample  # the first row has no interval: no rate, no downtime
+        elapsed = sample.time - base.time
         for key, field in (("dispatch_rate", "dispatches"), ("committed_rate", "committed"), ("aborted_rate", "aborted")):
-            done = getattr(sample, field) - getattr(previous, field) if previous is not None else 0
-            columns[key].append(done / elapsed if elapsed > 0 else 0.0)
-        committed = sample.committed - previous.committed if previous is not None else 0
+            columns[key].append((getattr(sample, field) - getattr(base, field)) / elapsed if elapsed > 0 else 0.0)
+        committed = sample.committed - base.committed
         # Mean downtime of the migrations committed in the interval; a gap where none was.
-        columns["downtime_ms"].append(1000.0 * (sample.downtime - previous.downtime) / committed
-                                      if committed > 0 else math.nan)
+        columns["downtime_ms"].append(1000.0 * (sample.downtime - base.downtime) / committed if committed else math.nan)
         previous = sample
     return columns
 

@@ -1,19 +1,20 @@
 """The scheduler's ``llumdask_`` series, on the Dask scheduler's own ``/metrics``.
 
 Dask serves ``prometheus_client``'s process-wide registry there, so the scheduler plugin adds
-one collector to it for as long as the plugin runs: counters the plugin bumps as dispatches,
+one collector to it for as long as the plugin runs: counts the plugin bumps as dispatches,
 migration events and scaling actions happen, and per-instance gauges read from the global
 scheduler's table when Prometheus scrapes (no work between scrapes).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llumdask.global_scheduler import InstanceView
 
@@ -33,33 +34,43 @@ INSTANCE_GAUGES: tuple[tuple[str, str, Callable[[InstanceView], float]], ...] = 
 )
 
 
+# (name, help, label, the SchedulerMetrics count it reads)
+COUNTERS = (
+    ("dispatches", "Dispatch decisions, by outcome (placed or refused)", "outcome", "dispatches"),
+    ("migrations", "Live migrations started, committed and aborted", "outcome", "migrations"),
+    ("migrations_aborted", "Aborted live migrations, by reason", "reason", "aborted"),
+    ("scaling_events", "Scaling actions (terminate, add, remove)", "action", "scaling"),
+)
+
+
 class SchedulerMetrics:
-    """What the scheduler plugin counts; `install` puts it on the process's /metrics."""
+    """The scheduler plugin's counts, kept once: its status, the dashboard's history and /metrics
+    all read them here. `install` puts them on the process's /metrics."""
 
     def __init__(self, instances: Callable[[], Iterable[InstanceView]]) -> None:
         self._instances = instances
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.dispatches = Counter("llumdask_dispatches", "Dispatch decisions, by outcome (placed or refused)",
-                                  ["outcome"], registry=r)
-        self.migrations = Counter("llumdask_migrations", "Live migrations started, committed and aborted",
-                                  ["outcome"], registry=r)
-        self.aborted = Counter("llumdask_migrations_aborted", "Aborted live migrations, by reason", ["reason"], registry=r)
-        self.migration_bytes = Counter("llumdask_migration_bytes", "KV bytes moved by committed migrations", registry=r)
-        self.downtime = Histogram("llumdask_migration_downtime_seconds",
-                                  "Committed migrations' downtime: the request paused to resumed on its destination",
-                                  buckets=DOWNTIME_BUCKETS, registry=r)
-        self.scaling = Counter("llumdask_scaling_events", "Scaling actions (terminate, add, remove)", ["action"], registry=r)
+        self.dispatches: Counter[str] = Counter()  # by outcome: placed, refused
+        self.migrations: Counter[str] = Counter()  # by event kind: started, committed, aborted
+        self.aborted: Counter[str] = Counter()  # by reason
+        self.scaling: Counter[str] = Counter()  # by action: terminate, add, remove
+        self.migration_bytes = 0
+        self.downtime = 0.0  # seconds, summed over committed migrations
+        # The downtime histogram's buckets are the one thing the counts above cannot give.
+        self._registry = CollectorRegistry(auto_describe=True)
+        self._downtime = Histogram("llumdask_migration_downtime_seconds",
+                                   "Committed migrations' downtime: the request paused to resumed on its destination",
+                                   buckets=DOWNTIME_BUCKETS, registry=self._registry)
         self._installed = False
 
     def on_migration_event(self, event: Mapping[str, Any]) -> None:
         kind = str(event.get("kind"))
-        self.migrations.labels(kind).inc()
+        self.migrations[kind] += 1
         if kind == "committed":
-            self.migration_bytes.inc(float(event.get("bytes", 0)))
-            self.downtime.observe(float(event.get("downtime", 0.0)))
+            self.migration_bytes += int(event.get("bytes", 0))
+            self.downtime += float(event.get("downtime", 0.0))
+            self._downtime.observe(float(event.get("downtime", 0.0)))
         elif kind == "aborted":
-            self.aborted.labels(str(event.get("reason", ""))).inc()
+            self.aborted[str(event.get("reason", ""))] += 1
 
     # ------------------------------------------------------------------ prometheus_client collector
     def describe(self) -> list[Metric]:
@@ -67,7 +78,14 @@ class SchedulerMetrics:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.registry.collect()
+        for name, text, label, counts in COUNTERS:
+            family = CounterMetricFamily(f"llumdask_{name}", text, labels=[label])
+            for value, count in getattr(self, counts).items():
+                family.add_metric([value], count)
+            yield family
+        yield CounterMetricFamily("llumdask_migration_bytes", "KV bytes moved by committed migrations",
+                                  value=self.migration_bytes)
+        yield from self._registry.collect()
         views = list(self._instances())
         for name, text, value in INSTANCE_GAUGES:
             family = GaugeMetricFamily(f"llumdask_instance_{name}", text, labels=["instance"])

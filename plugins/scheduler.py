@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter, deque
+from collections import deque
 from typing import Any
 
 from distributed.core import CommClosedError
@@ -96,12 +96,9 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self._adds_wanted = 0
         self._drained: set[str] = set()
         self.scaling_log: deque[dict] = deque(maxlen=100)
-        self.migration_counts: Counter[str] = Counter()
-        self.migration_downtime = 0.0
         self.recent_migrations: deque[dict] = deque(maxlen=200)  # outcomes, for the dashboard page
         self.dashboard_page: str | None = None
-        self.metrics: SchedulerMetrics | None = None
-        self.dispatch_count = 0
+        self.metrics = SchedulerMetrics(lambda: self._scheduler().instances())
         # Epochs of a restarted scheduler must not match the ones a requester saw before.
         self._incarnation = uuid.uuid4().hex[:12]
         self.history = ClusterHistory()
@@ -131,15 +128,13 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self._periodic = PeriodicCallback(self.tick, self.config.migration.interval * 1000)
         self._periodic.start()
         self.dashboard_page = add_page(scheduler, self)
-        self.metrics = SchedulerMetrics(self._scheduler().instances)
         self.metrics.install()
 
     async def close(self) -> None:
         if self._periodic is not None:
             self._periodic.stop()
             self._periodic = None
-        if self.metrics is not None:
-            self.metrics.uninstall()
+        self.metrics.uninstall()
 
     def add_worker(self, scheduler, worker: str) -> None:
         # A new worker is the instance a scale-up asked for.
@@ -186,19 +181,19 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         try:
             instance = self._scheduler().dispatch(info, time.time())
         except NoInstanceAvailable as exc:
-            self._metrics().dispatches.labels("refused").inc()
+            self.metrics.dispatches["refused"] += 1
             return {"instance": None, "reason": str(exc)}
-        self._metrics().dispatches.labels("placed").inc()
-        self.dispatch_count += 1
+        self.metrics.dispatches["placed"] += 1
         return {"instance": instance, "reason": ""}
 
     def status(self) -> dict:
+        metrics = self.metrics
         return {
             "instances": [instance_row(view, self._state_of(view)) for view in self._scheduler().instances()],
-            "migrations": {"committed": self.migration_counts["committed"],
-                           "aborted": self.migration_counts["aborted"],
-                           "started": self.migration_counts["started"],
-                           "downtime": self.migration_downtime},
+            "migrations": {"committed": metrics.migrations["committed"],
+                           "aborted": metrics.migrations["aborted"],
+                           "started": metrics.migrations["started"],
+                           "downtime": metrics.downtime},
             "scaling": {"adds_wanted": self._adds_wanted, "drained": sorted(self._drained),
                         "log": list(self.scaling_log)},
         }
@@ -272,12 +267,8 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             logger.exception("bad load report from %s ignored", worker)
 
     def on_event(self, event: dict, worker: str | None = None) -> None:
-        kind = event.get("kind")
-        self.migration_counts[kind] += 1
-        self._metrics().on_migration_event(event)
-        if kind == "committed":
-            self.migration_downtime += float(event.get("downtime", 0.0))
-        if kind != "started":
+        self.metrics.on_migration_event(event)
+        if event.get("kind") != "started":
             self.recent_migrations.append(dict(event))
 
     # ------------------------------------------------------------------ periodic decisions
@@ -290,16 +281,16 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
 
     def sample(self, now: float) -> Sample:
         """The cluster now, for the dashboard's time series."""
-        scheduler = self._scheduler()
+        scheduler, metrics = self._scheduler(), self.metrics
         views = scheduler.instances()
         return Sample(
             time=now,
             pooled_freeness=scheduler.pooled_load().freeness,
             ready_instances=sum(v.ready for v in views),
-            dispatches=self.dispatch_count,
-            committed=self.migration_counts["committed"],
-            aborted=self.migration_counts["aborted"],
-            downtime=self.migration_downtime,
+            dispatches=metrics.dispatches["placed"],
+            committed=metrics.migrations["committed"],
+            aborted=metrics.migrations["aborted"],
+            downtime=metrics.downtime,
             used_pct={v.instance_id: 100.0 * v.load.used_blocks / max(v.load.total_blocks, 1) for v in views},
         )
 
@@ -320,7 +311,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
 
     def _log_scaling(self, now: float, action: str, instance: str | None) -> None:
         self.scaling_log.append({"time": now, "action": action, "instance": instance})
-        self._metrics().scaling.labels(action).inc()
+        self.metrics.scaling[action] += 1
 
     def pair(self) -> None:
         """Every migration interval: pair sources with destinations and tell each source."""
@@ -335,11 +326,6 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         if self.global_scheduler is None:
             raise RuntimeError("the llumdask scheduler plugin has not started")
         return self.global_scheduler
-
-    def _metrics(self) -> SchedulerMetrics:
-        if self.metrics is None:
-            raise RuntimeError("the llumdask scheduler plugin has not started")
-        return self.metrics
 
     def _instance_ids(self) -> list[str]:
         return [view.instance_id for view in self._scheduler().instances()]

@@ -172,12 +172,11 @@ def read_chat_template(value: str | Path) -> str:
 
 def model_chat_template(directory: Path, config: dict[str, Any]) -> str | list[dict[str, str]] | None:
     """A model directory's chat template, found where transformers and vLLM find it."""
-    named = sorted((directory / "additional_chat_templates").glob("*.jinja"))
     default = directory / "chat_template.jinja"
-    if default.is_file() or named:
-        templates = [{"name": "default", "template": default.read_text(encoding="utf-8")}] if default.is_file() else []
-        templates += [{"name": f.stem, "template": f.read_text(encoding="utf-8")} for f in named]
-        return templates[0]["template"] if len(templates) == 1 and default.is_file() else templates
+    if default.is_file():
+        return default.read_text(encoding="utf-8")
+    if any((directory / "additional_chat_templates").glob("*.jinja")):
+        return None  # named templates and no default: transformers then ignores the config's field too
     if config.get("chat_template") is not None:
         return config["chat_template"]
     return _read_json(directory / "chat_template.json").get("chat_template")

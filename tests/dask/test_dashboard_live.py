@@ -13,15 +13,13 @@ from bokeh.models import ColumnDataSource
 from prometheus_client.parser import text_string_to_metric_families
 from daskhelpers import prompt_of, wait_until
 
+from benchmarks.dashboard_screenshot import CHROMIUM_ARGS
 from llumdask.api.client import connect
 from llumdask.clusters.local import local_cluster
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-# What Chromium needs on a closed network, as root, without a display.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture(scope="module")
