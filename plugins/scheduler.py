@@ -98,7 +98,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self.scaling_log: deque[dict] = deque(maxlen=100)
         self.recent_migrations: deque[dict] = deque(maxlen=200)  # outcomes, for the dashboard page
         self.dashboard_page: str | None = None
-        self.metrics = SchedulerMetrics(lambda: self._scheduler().instances())
+        self.metrics: SchedulerMetrics | None = None  # made at start: a registered plugin is pickled first
         # Epochs of a restarted scheduler must not match the ones a requester saw before.
         self._incarnation = uuid.uuid4().hex[:12]
         self.history = ClusterHistory()
@@ -128,13 +128,15 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self._periodic = PeriodicCallback(self.tick, self.config.migration.interval * 1000)
         self._periodic.start()
         self.dashboard_page = add_page(scheduler, self)
+        self.metrics = SchedulerMetrics(self.global_scheduler.instances)
         self.metrics.install()
 
     async def close(self) -> None:
         if self._periodic is not None:
             self._periodic.stop()
             self._periodic = None
-        self.metrics.uninstall()
+        if self.metrics is not None:
+            self.metrics.uninstall()
 
     def add_worker(self, scheduler, worker: str) -> None:
         # A new worker is the instance a scale-up asked for.
@@ -181,13 +183,13 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         try:
             instance = self._scheduler().dispatch(info, time.time())
         except NoInstanceAvailable as exc:
-            self.metrics.dispatches["refused"] += 1
+            self._metrics().dispatches["refused"] += 1
             return {"instance": None, "reason": str(exc)}
-        self.metrics.dispatches["placed"] += 1
+        self._metrics().dispatches["placed"] += 1
         return {"instance": instance, "reason": ""}
 
     def status(self) -> dict:
-        metrics = self.metrics
+        metrics = self._metrics()
         return {
             "instances": [instance_row(view, self._state_of(view)) for view in self._scheduler().instances()],
             "migrations": {"committed": metrics.migrations["committed"],
@@ -267,7 +269,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             logger.exception("bad load report from %s ignored", worker)
 
     def on_event(self, event: dict, worker: str | None = None) -> None:
-        self.metrics.on_migration_event(event)
+        self._metrics().on_migration_event(event)
         if event.get("kind") != "started":
             self.recent_migrations.append(dict(event))
 
@@ -281,7 +283,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
 
     def sample(self, now: float) -> Sample:
         """The cluster now, for the dashboard's time series."""
-        scheduler, metrics = self._scheduler(), self.metrics
+        scheduler, metrics = self._scheduler(), self._metrics()
         views = scheduler.instances()
         return Sample(
             time=now,
@@ -311,7 +313,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
 
     def _log_scaling(self, now: float, action: str, instance: str | None) -> None:
         self.scaling_log.append({"time": now, "action": action, "instance": instance})
-        self.metrics.scaling[action] += 1
+        self._metrics().scaling[action] += 1
 
     def pair(self) -> None:
         """Every migration interval: pair sources with destinations and tell each source."""
@@ -326,6 +328,11 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         if self.global_scheduler is None:
             raise RuntimeError("the llumdask scheduler plugin has not started")
         return self.global_scheduler
+
+    def _metrics(self) -> SchedulerMetrics:
+        if self.metrics is None:
+            raise RuntimeError("the llumdask scheduler plugin has not started")
+        return self.metrics
 
     def _instance_ids(self) -> list[str]:
         return [view.instance_id for view in self._scheduler().instances()]
