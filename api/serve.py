@@ -143,6 +143,8 @@ class VllmCheck:
     device: str | None = None
     free_bytes: int = 0
     total_bytes: int = 0
+    # The most KV cache one instance of this model can fill (on a CPU; None elsewhere).
+    usable_kv_bytes: int | None = None
 
 
 def check_vllm(config: VllmEngineConfig) -> VllmCheck:
@@ -153,7 +155,7 @@ def check_vllm(config: VllmEngineConfig) -> VllmCheck:
 
 
 def _check_vllm(config: VllmEngineConfig) -> VllmCheck:
-    from llumdask.engine.vllm.factory import check_engine_arguments, engine_arguments
+    from llumdask.engine.vllm.factory import check_engine_arguments, engine_arguments, usable_kv_bytes
     from llumdask.engine.vllm.internals import check_vllm_importable
 
     try:
@@ -171,11 +173,11 @@ def _check_vllm(config: VllmEngineConfig) -> VllmCheck:
         import psutil
 
         memory = psutil.virtual_memory()
-        free, total = memory.available, memory.total
-    else:
-        import torch
+        return VllmCheck(device=device, free_bytes=memory.available, total_bytes=memory.total,
+                         usable_kv_bytes=usable_kv_bytes(config))
+    import torch
 
-        free, total = torch.cuda.mem_get_info()
+    free, total = torch.cuda.mem_get_info()
     return VllmCheck(device=device, free_bytes=free, total_bytes=total)
 
 
@@ -208,7 +210,8 @@ def memory_share(config: VllmEngineConfig, instances: int, check: VllmCheck) -> 
     """Each local instance's memory when several share one device and the user chose none: on a
     CPU its KV cache bytes, on an accelerator its `gpu-memory-utilization` (weights included).
     Empty when vLLM's choice stands. vLLM's default reserves 92% of the whole device for one
-    instance, so a second one (or a device already in use) fails to start."""
+    instance, so a second one (or a device already in use) fails to start. A CPU instance takes no
+    more than it can fill (`usable_kv_bytes`): it zeroes all of it at start."""
     if instances < 2 or config.gpu_memory_utilization is not None or config.kv_cache_memory_bytes is not None:
         return {}
     if config.model is None or not check.total_bytes:  # the tiny model has a fixed KV cache
@@ -219,7 +222,10 @@ def memory_share(config: VllmEngineConfig, instances: int, check: VllmCheck) -> 
         raise ValueError(f"{instances} instances cannot share the {check.device} device: "
                          f"{check.free_bytes / 2**30:.1f} of {check.total_bytes / 2**30:.1f} GiB is free")
     if check.device == "cpu":
-        return {"kv-cache-memory-bytes": int(each) // 2**20 * 2**20}
+        share = int(each) // 2**20 * 2**20
+        if check.usable_kv_bytes is not None:
+            share = min(share, -(-check.usable_kv_bytes // 2**20) * 2**20)
+        return {"kv-cache-memory-bytes": share}
     return {"gpu-memory-utilization": math.floor(100 * each / check.total_bytes) / 100}
 
 
@@ -297,8 +303,10 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             if share:
                 chosen = " ".join(f"--{k} {v}" + (f" ({v / 2**30:.1f} GiB)" if k.endswith("bytes") else "")
                                   for k, v in share.items())
+                fills = share.get("kv-cache-memory-bytes", 0) >= (check.usable_kv_bytes or math.inf)
                 print(f"llumdask serve: {args.instances} instances share one {check.device} device "
-                      f"({check.free_bytes / 2**30:.1f} of {check.total_bytes / 2**30:.1f} GiB free): {chosen} each; "
+                      f"({check.free_bytes / 2**30:.1f} of {check.total_bytes / 2**30:.1f} GiB free): {chosen} each"
+                      f"{' (all that max-num-seqs sequences of max-model-len tokens can fill)' if fills else ''}; "
                       "pass --kv-cache-memory-bytes or --gpu-memory-utilization to choose", file=sys.stderr, flush=True)
             overrides = cluster_overrides(engine, configured_model, tokenizer.vocab_size, {**engine_args, **share},
                                           args.max_model_len)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -100,6 +101,10 @@ def test_local_instances_share_their_device_unless_the_user_chose():
     model = VllmEngineConfig(model="/models/m")
     cpu = VllmCheck(device="cpu", free_bytes=20 * gib, total_bytes=24 * gib)
     assert memory_share(model, 2, cpu) == {"kv-cache-memory-bytes": 5 * gib}
+    # A CPU instance takes no more than its sequences can fill (rounded up to a MiB).
+    small = replace(cpu, usable_kv_bytes=gib + 1)
+    assert memory_share(model, 2, small) == {"kv-cache-memory-bytes": gib + 2**20}
+    assert memory_share(model, 2, replace(cpu, usable_kv_bytes=64 * gib)) == {"kv-cache-memory-bytes": 5 * gib}
     gpu = VllmCheck(device="cuda", free_bytes=80 * gib, total_bytes=80 * gib)
     assert memory_share(model, 2, gpu) == {"gpu-memory-utilization": 0.45}
     assert memory_share(model, 4, gpu) == {"gpu-memory-utilization": 0.22}

@@ -6,10 +6,13 @@ PROMPTS_JSON is a list of [prompt token ids, max_tokens].
 """
 
 import json
+import os
 import sys
 
 
 def main() -> None:
+    # The engine core in this process, as llumdask's engine runs it: one vLLM start, not two.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams, TokensPrompt
 
     model, engine_args, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])

@@ -7,7 +7,9 @@ import dataclasses
 import pytest
 
 from llumdask.config import ConfigError, VllmEngineConfig
-from llumdask.engine.vllm.factory import check_engine_arguments, engine_arguments, resolve_model, worker_processes
+from llumdask.engine.vllm.factory import (
+    check_engine_arguments, engine_arguments, resolve_model, usable_kv_bytes, worker_processes,
+)
 from llumdask.engine.vllm.tiny_model import DEFAULT_KV_CACHE_BYTES, STAMP_FILE
 
 
@@ -48,6 +50,16 @@ def test_engine_arguments_are_checked_against_vllm(vllm_ready):
     check_engine_arguments(engine_arguments(VllmEngineConfig(engine_args={"max_num_seqs": 8})))
     with pytest.raises(ConfigError, match=r"engine-args\.max_num_seq is not a vLLM engine argument; did you mean max_num_seqs"):
         check_engine_arguments(["max_num_seq"])
+
+
+@pytest.mark.vllm
+def test_usable_kv_bytes_are_the_sequences_vllm_admits_at_full_length(vllm_ready, tiny_model):
+    # The tiny model: 2 layers, K and V, 2 KV heads of 64 dimensions.
+    per_token = {"bfloat16": 2 * 2 * 2 * 64 * 2, "float32": 2 * 2 * 2 * 64 * 4}
+    for dtype, seqs, length in (("bfloat16", 8, 512), ("float32", 8, 512), ("float32", 32, 1024)):
+        config = VllmEngineConfig(model=str(tiny_model), dtype=dtype, max_model_len=length,
+                                  engine_args={"max_num_seqs": seqs})
+        assert usable_kv_bytes(config) == seqs * length * per_token[dtype]
 
 
 def test_a_daemonic_worker_refuses_an_instance_that_needs_vllm_worker_processes(monkeypatch):

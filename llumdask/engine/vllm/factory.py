@@ -57,6 +57,23 @@ def check_engine_arguments(names: Iterable[str]) -> None:
             raise ConfigError(f"{_KEY}.engine-args.{name}", f"is not a vLLM engine argument{hint}")
 
 
+def usable_kv_bytes(config: VllmEngineConfig) -> int:
+    """The most KV cache one instance can ever fill: vLLM's `max_num_seqs` sequences of
+    `max_model_len` tokens, both as vLLM resolves them for this model, platform and arguments.
+    Memory past it holds no request (at most cached prefixes), and a CPU instance zeroes it all
+    at start."""
+    from vllm import EngineArgs
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, get_dtype_size
+
+    from llumdask.engine.vllm.engine import engine_args_for
+
+    vllm_config = EngineArgs(**engine_args_for(resolve_model(config), engine_arguments(config))).create_engine_config()
+    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    element = get_dtype_size(model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype])
+    per_token = 2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size() * element
+    return vllm_config.scheduler_config.max_num_seqs * model.max_model_len * per_token
+
+
 def worker_processes(config: VllmEngineConfig) -> int:
     """Processes vLLM starts for one instance beyond its own: 0 unless it is split over devices."""
     args = engine_arguments(config)
