@@ -1,8 +1,13 @@
-"""The notebook client: `llumdask.connect(...)` -> generate, stream, instances, migrate.
+"""The notebook client: `llumdask.connect(...)` -> generate, chat, stream, instances, migrate.
 
 A thin synchronous/asynchronous face over `llumdask.plugins.requester.Requester`, which places
 requests (scheduler dispatch, or bypass mode when the scheduler does not answer), receives their
 tokens on a listener, and resubmits a request whose instance died.
+
+Prompts are text or token ids. Text goes through the served model's tokenizer and chat template,
+loaded once per client the way the gateway loads them (`llumdask.api.gateway.tokenizer`), and
+comes back as text, stop strings included (`IncrementalText`, the gateway's own). A list of
+prompts runs concurrently, bounded, with a progress bar, results in input order.
 
 Works with a synchronous Dask client (methods block; `async for` also works from another event
 loop, e.g. Jupyter's) and with an asynchronous one (methods return awaitables).
@@ -11,20 +16,26 @@ loop, e.g. Jupyter's) and with an asynchronous one (methods return awaitables).
 from __future__ import annotations
 
 import asyncio
+import functools
 import html
+import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from distributed import Client
 from distributed.deploy.cluster import Cluster
+from tqdm.auto import tqdm
 
+from llumdask.api.gateway.detok import IncrementalText
+from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer, model_location, stop_token_ids
+from llumdask.config import load_config
 from llumdask.plugins.requester import NoLlumdaskScheduler, RequestRejected, Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
 
 __all__ = ["Generation", "InstanceTable", "LlumdaskClient", "MigrationNotStarted", "MigrationTable",
-           "NoLlumdaskScheduler", "RequestRejected", "TokenIterator", "connect"]
+           "NoLlumdaskScheduler", "RequestRejected", "TextIterator", "TokenIterator", "connect"]
 
 T = TypeVar("T")
 
@@ -42,6 +53,15 @@ class Generation:
     finish_reason: FinishReason | None
     # The instance that produced the last tokens (the owner at the end).
     instance: str | None
+    # The completion's text, for a text prompt (None for token ids).
+    text: str | None = None
+    num_prompt_tokens: int = 0
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """Tokens in the prompt and received, as the gateway reports them."""
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": len(self.token_ids),
+                "total_tokens": self.num_prompt_tokens + len(self.token_ids)}
 
 
 class _Table:
@@ -156,6 +176,88 @@ class TokenIterator:
         return self._buffer.pop(0)
 
 
+class TextIterator:
+    """Text deltas of one request as they arrive (`for` or `async for`), stop strings applied;
+    `token_ids` holds the tokens received so far. A stop string aborts the request."""
+
+    def __init__(self, tokens: TokenIterator, text: IncrementalText, vocab_size: int) -> None:
+        self._tokens = tokens
+        self._text = text
+        self._vocab_size = vocab_size
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._tokens.request_id
+
+    @property
+    def instance(self) -> str | None:
+        return self._tokens.instance
+
+    async def _next_delta(self) -> str | None:
+        """The next non-empty text (None at the end), on the client's loop."""
+        while not self._done:
+            batch = await self._tokens._next_tokens()
+            if not batch:
+                self._done = True
+                rest = self._text.finish()
+                self.finish_reason = FinishReason.STOP if rest.stopped else self._tokens.finish_reason
+                return rest.text or None
+            if max(batch) >= self._vocab_size:
+                self._done = True
+                await self._tokens._client.requester.abort(self.request_id)
+                raise ValueError(f"{self.instance} sent token id {max(batch)}, outside the tokenizer's vocabulary of "
+                                 f"{self._vocab_size}: it serves another model (sim instances take the tokenizer's "
+                                 "vocabulary as sim-engine.vocab-size)")
+            self.token_ids += batch
+            delta = self._text.add(batch)
+            if delta.stopped:  # the engine still runs it
+                self._done = True
+                self.finish_reason = FinishReason.STOP
+                await self._tokens._client.requester.abort(self.request_id)
+            if delta.text:
+                return delta.text
+        return None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        client = self._tokens._client
+        if client.asynchronous:
+            raise TypeError("with an asynchronous Dask client iterate with `async for`")
+        delta = client._client.sync(self._next_delta)
+        if delta is None:
+            raise StopIteration
+        return delta
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self
+
+    async def __anext__(self) -> str:
+        delta = await self._tokens._client._on_loop(self._next_delta)
+        if delta is None:
+            raise StopAsyncIteration
+        return delta
+
+
+# A prompt: text, or token ids. Messages: a chat conversation.
+Prompt = str | Sequence[int]
+Messages = Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class _Chat:
+    """A conversation as a prompt: the chat template renders it when its request is made."""
+
+    messages: tuple[Mapping[str, Any], ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.messages)
+
+
 class LlumdaskClient:
     """Talks to a llumdask cluster through a Dask client; see `connect`.
 
@@ -163,10 +265,20 @@ class LlumdaskClient:
     bypass_period, placement_timeout, rpc_timeout).
     """
 
-    def __init__(self, client: Client, *, owns_client: bool = False, **requester_options: Any) -> None:
+    def __init__(self, client: Client, *, owns_client: bool = False, model: str | None = None,
+                 chat_template: str | None = None, **requester_options: Any) -> None:
         self._client = client
         self._owns_client = owns_client
+        self._model = model
+        self._chat_template = chat_template
         self.requester = Requester(client, **requester_options)
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer (loaded on first use of text): `model` given to `connect`,
+        else llumdask's configured vLLM model, else the offline tiny model, as `llumdask serve` picks."""
+        model = self._model if self._model is not None else load_config().vllm_engine.model
+        return load_tokenizer(model_location(model), self._chat_template)
 
     @property
     def dask_client(self) -> Client:
@@ -182,20 +294,38 @@ class LlumdaskClient:
         return self.requester.resubmissions
 
     # ------------------------------------------------------------------ public API
-    def generate(self, prompt: Sequence[int], max_tokens: int = 16, *, priority: Priority | str = "normal",
-                 timeout: float | None = None, **sampling: Any) -> Generation | Awaitable[Generation]:
+    def generate(self, prompt: Prompt | Sequence[Prompt], max_tokens: int = 16, *, priority: Priority | str = "normal",
+                 timeout: float | None = None, stop: Sequence[str] = (), concurrency: int = 64,
+                 progress: bool = True, **sampling: Any) -> Any:
         """Generate to the end; returns a `Generation` (an awaitable with an asynchronous client).
 
-        `sampling` takes the `SamplingParams` fields (temperature, seed, stop_token_ids, ...).
-        `timeout` (seconds) bounds the whole request; on expiry it is aborted and TimeoutError raised.
+        `prompt` is text (the result has `.text`) or token ids; a list of prompts runs them at
+        most `concurrency` at a time with a progress bar (`progress`) and returns their results
+        in input order, a failed one as its exception in its place. `stop` strings end a text
+        generation (not part of the text). `sampling` takes the `SamplingParams` fields
+        (temperature, top_p, seed, stop_token_ids, ignore_eos); text prompts stop at the model's
+        end-of-sequence token unless `ignore_eos`. `timeout` (seconds) bounds each request; on
+        expiry it is aborted and TimeoutError raised (returned, in a list).
         """
-        request = self._make_request(prompt, max_tokens, priority, sampling)
-        return self._sync(self._generate, request, timeout)
+        if _is_batch(prompt):
+            jobs = [self._job(p, max_tokens, priority, stop, sampling) for p in prompt]
+            return self._sync(self._generate_many, jobs, timeout, _positive("concurrency", concurrency), progress)
+        return self._sync(self._generate, *self._job(prompt, max_tokens, priority, stop, sampling), timeout)
 
-    def stream(self, prompt: Sequence[int], max_tokens: int = 16, *, priority: Priority | str = "normal",
-               **sampling: Any) -> TokenIterator:
-        """A token iterator (sync and async); `.request_id` names the request for `migrate`."""
-        return TokenIterator(self, self._make_request(prompt, max_tokens, priority, sampling))
+    def chat(self, messages: Messages | Sequence[Messages], max_tokens: int = 16, **options: Any) -> Any:
+        """`generate` on the prompt the model's chat template makes of `messages` (a list of
+        {"role", "content"} dicts, or a list of such conversations for a batch)."""
+        if _is_conversation_batch(messages):
+            return self.generate([_Chat(tuple(m)) for m in messages], max_tokens, **options)
+        return self.generate(_Chat(tuple(messages)), max_tokens, **options)
+
+    def stream(self, prompt: Prompt, max_tokens: int = 16, *, priority: Priority | str = "normal",
+               stop: Sequence[str] = (), **sampling: Any) -> TokenIterator | TextIterator:
+        """Text deltas for a text prompt (`TextIterator`), token ids for token ids (`TokenIterator`),
+        both sync and async; `.request_id` names the request for `migrate`."""
+        request, text = self._job(prompt, max_tokens, priority, stop, sampling)
+        tokens = TokenIterator(self, request)
+        return tokens if text is None else TextIterator(tokens, text, self.tokenizer.vocab_size)
 
     def instances(self) -> InstanceTable | Awaitable[InstanceTable]:
         return self._sync(self._instances)
@@ -235,22 +365,47 @@ class LlumdaskClient:
         await self._on_loop(self._close)
 
     # ------------------------------------------------------------------ on the client's loop
-    async def _generate(self, request: Request, timeout: float | None = None) -> Generation:
+    async def _generate(self, request: Request, text: IncrementalText | None, timeout: float | None = None) -> Generation:
         try:
-            return await asyncio.wait_for(self._run_to_end(request), timeout)
+            return await asyncio.wait_for(self._run_to_end(request, text), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"request {request.request_id} did not finish within {timeout} s") from None
         finally:
             # Still open only if it did not finish (timeout, cancellation, error).
             await self.requester.abort(request.request_id)
 
-    async def _run_to_end(self, request: Request) -> Generation:
-        stream: TokenStream = await self.requester.submit(request)
-        tokens: list[int] = []
-        while chunk := await stream.next_tokens():
-            tokens += chunk
-        self.requester.forget(request.request_id)
-        return Generation(request.request_id, tokens, stream.sequence.finish_reason, stream.sequence.owner)
+    async def _run_to_end(self, request: Request, text: IncrementalText | None) -> Generation:
+        tokens = TokenIterator(self, request)
+        prompt_tokens = len(request.prompt_token_ids)
+        if text is None:
+            ids: list[int] = []
+            while chunk := await tokens._next_tokens():
+                ids += chunk
+            return Generation(request.request_id, ids, tokens.finish_reason, tokens.instance,
+                              num_prompt_tokens=prompt_tokens)
+        deltas = TextIterator(tokens, text, self.tokenizer.vocab_size)
+        parts = []
+        while (delta := await deltas._next_delta()) is not None:
+            parts.append(delta)
+        return Generation(request.request_id, deltas.token_ids, deltas.finish_reason, deltas.instance,
+                          "".join(parts), prompt_tokens)
+
+    async def _generate_many(self, jobs: list[tuple[Request, IncrementalText | None]], timeout: float | None,
+                             concurrency: int, progress: bool) -> list[Generation | BaseException]:
+        gate = asyncio.Semaphore(concurrency)
+        bar = tqdm(total=len(jobs), unit="req", disable=not progress)
+
+        async def one(request: Request, text: IncrementalText | None) -> Generation:
+            async with gate:
+                try:
+                    return await self._generate(request, text, timeout)
+                finally:
+                    bar.update(1)
+
+        try:
+            return await asyncio.gather(*(one(*job) for job in jobs), return_exceptions=True)
+        finally:
+            bar.close()
 
     async def _instances(self) -> InstanceTable:
         reply = await self.requester.status()
@@ -282,14 +437,34 @@ class LlumdaskClient:
             await self._client.close()
 
     # ------------------------------------------------------------------ plumbing
+    def _job(self, prompt: Prompt, max_tokens: int, priority: Priority | str, stop: Sequence[str],
+             sampling: dict[str, Any]) -> tuple[Request, IncrementalText | None]:
+        """The request for one prompt, and for text its detokenizer (stop strings applied)."""
+        if isinstance(stop, str):
+            stop = (stop,)
+        if isinstance(prompt, (str, _Chat)):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            tokenizer = self.tokenizer
+            # A rendered template carries its own special tokens, as the gateway encodes it.
+            ids = (tokenizer.encode(prompt) if isinstance(prompt, str)
+                   else tokenizer.encode(tokenizer.render_chat(list(prompt.messages)), add_special_tokens=False))
+            sampling = {**sampling, "stop_token_ids": stop_token_ids(
+                tokenizer, sampling.get("stop_token_ids", ()), sampling.get("ignore_eos", False))}
+            return self._make_request(ids, max_tokens, priority, sampling), IncrementalText(tokenizer, stop)
+        if stop:
+            raise ValueError("stop strings need a text prompt; with token ids pass stop_token_ids")
+        return self._make_request(prompt, max_tokens, priority, sampling), None
+
     def _make_request(self, prompt: Sequence[int], max_tokens: int, priority: Priority | str,
                       sampling: dict[str, Any]) -> Request:
-        if isinstance(prompt, str):
-            raise TypeError("prompt must be a list of token ids; tokenize text first (the gateway does)")
+        ids = list(prompt)
+        if not ids or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError("prompt must be text or a non-empty list of token ids (integers >= 0)")
         level = Priority.parse(priority)
         return Request(
             request_id=new_request_id(),
-            prompt_token_ids=list(prompt),
+            prompt_token_ids=[int(t) for t in ids],
             sampling=SamplingParams(max_tokens=max_tokens, **sampling),
             scheduling_priority=level,
             execution_priority=level,
@@ -308,19 +483,44 @@ class LlumdaskClient:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(*args), loop))
 
 
-def connect(target: "Cluster | Client | str", **requester_options: Any) -> LlumdaskClient:
+def connect(target: "Cluster | Client | str", *, model: str | None = None, chat_template: str | None = None,
+            **requester_options: Any) -> LlumdaskClient:
     """A `LlumdaskClient` for a cluster object, an existing Dask client, or a scheduler address.
 
     For a cluster or an address a synchronous Dask client is made (and closed by `close()`); for
-    asyncio, pass an asynchronous `Client` you awaited. `requester_options`: see `LlumdaskClient`.
+    asyncio, pass an asynchronous `Client` you awaited. `model` (a directory or hub name) and
+    `chat_template` (a file or the template) are the served model's, for text prompts, as
+    `llumdask serve` takes them. `requester_options`: see `LlumdaskClient`.
     """
     if isinstance(target, Client):
-        return LlumdaskClient(target, **requester_options)
+        return LlumdaskClient(target, model=model, chat_template=chat_template, **requester_options)
     if isinstance(target, (Cluster, str)):
         client = Client(target)
         try:
-            return LlumdaskClient(client, owns_client=True, **requester_options)
+            return LlumdaskClient(client, owns_client=True, model=model, chat_template=chat_template,
+                                  **requester_options)
         except BaseException:
             client.close()
             raise
     raise TypeError(f"connect() takes a Dask cluster, a Client or a scheduler address, not {type(target).__name__}")
+
+
+def _is_batch(prompt: Any) -> bool:
+    """A list of prompts (texts or token-id lists) rather than one prompt."""
+    if isinstance(prompt, (str, _Chat)):
+        return False
+    if not isinstance(prompt, Sequence) or not prompt:
+        raise ValueError("prompt must be text, a non-empty list of token ids, or a non-empty list of prompts")
+    return not isinstance(prompt[0], numbers.Integral)
+
+
+def _is_conversation_batch(messages: Any) -> bool:
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
+    return not isinstance(messages[0], Mapping)
+
+
+def _positive(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value

@@ -271,20 +271,15 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
     from llumdask.api.gateway import GatewaySettings, ModelInfo, create_app
     from llumdask.api.gateway.dask_backend import DaskBackend
-    from llumdask.api.gateway.tokenizer import load_tokenizer
+    from llumdask.api.gateway.tokenizer import load_tokenizer, model_location
 
     if args.config is not None:
         dask.config.update(dask.config.config, yaml.safe_load(args.config.read_text()) or {}, priority="new")
     configured_model = args.model if args.model is not None else load_config().vllm_engine.model
-    if configured_model is None:
-        from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
-
-        model, default_name = str(build_tiny_model(default_model_dir())), TINY_MODEL_NAME
-    else:
-        default_name = configured_model
-        if Path(configured_model).is_dir():  # the same directory for every instance, whatever its cwd
-            configured_model = str(Path(configured_model).resolve())
-        model = configured_model
+    default_name = TINY_MODEL_NAME if configured_model is None else configured_model
+    model = model_location(configured_model)
+    if configured_model is not None:  # the same directory for every instance, whatever its cwd
+        configured_model = model
     tokenizer = load_tokenizer(model, args.chat_template)
     max_context = args.max_model_len or declared_context(model)
     if max_context is None:

@@ -35,7 +35,7 @@ from llumdask.api.gateway.schemas import (
 )
 from llumdask.api.gateway.settings import GatewaySettings
 from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
-from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer
+from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer, stop_token_ids
 from llumdask.request import Priority, SamplingParams, new_request_id
 
 logger = logging.getLogger(__name__)
@@ -170,13 +170,10 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
 
 def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tokens: int) -> SamplingParams:
     max_tokens = max_tokens_within_context(options.max_tokens, num_prompt_tokens, gateway.backend.model.max_context)
-    stop_ids = list(options.stop_token_ids)
-    check_token_ids(stop_ids, gateway.tokenizer.vocab_size, "stop_token_ids")
-    eos = gateway.tokenizer.eos_token_id
-    if eos is not None and not options.ignore_eos and eos not in stop_ids:
-        stop_ids.append(eos)
+    check_token_ids(options.stop_token_ids, gateway.tokenizer.vocab_size, "stop_token_ids")
     return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
-                          seed=options.seed, stop_token_ids=tuple(stop_ids), ignore_eos=options.ignore_eos)
+                          seed=options.seed, ignore_eos=options.ignore_eos,
+                          stop_token_ids=stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos))
 
 
 def max_tokens_within_context(requested: int | None, num_prompt_tokens: int, max_context: int) -> int:

@@ -158,6 +158,27 @@ def load_tokenizer(name_or_path: str | Path, chat_template: str | Path | None = 
     return TransformersTokenizer.from_pretrained(str(name_or_path), template)
 
 
+def model_location(model: str | None) -> str:
+    """Where a served model's files are: a directory made absolute (every process finds it,
+    whatever its working directory), a hub name as it is, and for None (no model configured)
+    the offline tiny model, built on first use."""
+    if model is None:
+        from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
+
+        return str(build_tiny_model(default_model_dir()))
+    return str(Path(model).resolve()) if Path(model).is_dir() else model
+
+
+def stop_token_ids(tokenizer: Tokenizer, requested: Sequence[int], ignore_eos: bool) -> tuple[int, ...]:
+    """The token ids that end a generation: the requested ones and, unless `ignore_eos`, the
+    model's end-of-sequence token (the engine knows only ids, not the model's conventions)."""
+    ids = list(requested)
+    eos = tokenizer.eos_token_id
+    if eos is not None and not ignore_eos and eos not in ids:
+        ids.append(eos)
+    return tuple(ids)
+
+
 def read_chat_template(value: str | Path) -> str:
     """A `--chat-template` value as vLLM reads it: a file's text, or the value itself when it is a template."""
     path = Path(value)

@@ -1,0 +1,143 @@
+"""The notebook client with text: generate, stop strings, chat, streams and batches of prompts,
+on a real two-process LocalCluster whose sim instances draw tokens from the tiny model's vocabulary."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from daskhelpers import assert_workers_clean, reference_tokens
+
+from llumdask.api.client import RequestRejected, TextIterator, connect
+from llumdask.api.gateway.tokenizer import load_tokenizer, model_location
+from llumdask.config import load_config
+from llumdask.request import FinishReason
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(model_location(None))
+
+
+@pytest.fixture(scope="module")
+def overrides(tokenizer) -> dict:
+    return {"sim-engine": {"total-blocks": 128, "vocab-size": tokenizer.vocab_size}}
+
+
+@pytest.fixture(scope="module")
+def llum(overrides):
+    from llumdask.clusters.local import local_cluster
+
+    cluster = local_cluster(2, config_overrides=overrides)
+    client = connect(cluster)
+    try:
+        yield client
+    finally:
+        client.close()
+        cluster.close()
+
+
+@pytest.fixture
+def clean(llum):
+    yield llum
+    assert_workers_clean(llum.dask_client)
+
+
+def expected(overrides: dict, tokenizer, prompt: str, max_tokens: int) -> list[int]:
+    """The sim engine's tokens for the prompt alone, ending at the model's EOS as text prompts do."""
+    return reference_tokens(load_config(overrides), tokenizer.encode(prompt), max_tokens,
+                            stop_token_ids=(tokenizer.eos_token_id,))
+
+
+def test_text_in_text_out_with_usage(clean, overrides, tokenizer):
+    result = clean.generate("Hello world", max_tokens=20, timeout=30)
+    tokens = expected(overrides, tokenizer, "Hello world", 20)
+    assert result.token_ids == tokens and result.text == tokenizer.decode(tokens)
+    assert result.usage == {"prompt_tokens": len(tokenizer.encode("Hello world")), "completion_tokens": len(tokens),
+                            "total_tokens": len(tokenizer.encode("Hello world")) + len(tokens)}
+    assert result.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+def test_a_stop_string_ends_the_text_before_it_and_frees_the_request(clean, overrides, tokenizer):
+    full = tokenizer.decode(expected(overrides, tokenizer, "Once upon a time", 60))
+    stop = next(full[i:i + 3] for i in range(len(full) // 2, len(full) - 3) if full[i:i + 3].strip())
+    result = clean.generate("Once upon a time", max_tokens=60, stop=[stop], timeout=30)
+    assert result.text == full[: full.index(stop)] and result.finish_reason is FinishReason.STOP
+    # `clean` checks that the aborted request left no block behind.
+
+
+def test_the_text_stream_adds_up_to_the_generation(clean, tokenizer):
+    whole = clean.generate("The weather", max_tokens=30, timeout=30)
+    stream = clean.stream("The weather", max_tokens=30)
+    assert isinstance(stream, TextIterator)
+    deltas = list(stream)
+    assert "".join(deltas) == whole.text and all(deltas)
+    assert stream.token_ids == whole.token_ids and stream.finish_reason is whole.finish_reason
+
+    async def collect() -> str:
+        return "".join([d async for d in clean.stream("The weather", max_tokens=30)])
+
+    assert asyncio.run(collect()) == whole.text
+
+
+def test_chat_renders_the_models_template(clean, tokenizer):
+    messages = [{"role": "user", "content": "Hi there"}]
+    rendered = tokenizer.render_chat(messages)
+    result = clean.chat(messages, max_tokens=12, timeout=30)
+    assert result.usage["prompt_tokens"] == len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert result.text == tokenizer.decode(result.token_ids)
+    [again] = clean.chat([messages], max_tokens=12, progress=False, timeout=30)
+    assert again.text == result.text
+
+
+def test_a_batch_keeps_input_order_and_reports_a_failure_in_its_place(clean, overrides, tokenizer):
+    prompts = [f"Prompt number {k}" for k in range(6)]
+    results = clean.generate(prompts, max_tokens=10, concurrency=2, timeout=60)
+    assert [r.text for r in results] == [tokenizer.decode(expected(overrides, tokenizer, p, 10)) for p in prompts]
+    # One that can never fit fails alone; token-id prompts mix with text.
+    mixed = clean.generate(["short", [5] * 128 * 16, [5, 6, 7]], max_tokens=40, progress=False, timeout=60)
+    assert mixed[0].text is not None and mixed[2].text is None and len(mixed[2].token_ids) >= 1
+    assert isinstance(mixed[1], RequestRejected)
+
+
+def test_bad_input_is_refused_before_anything_is_sent(clean):
+    with pytest.raises(ValueError, match="stop strings need a text prompt"):
+        clean.generate([1, 2, 3], stop=["x"])
+    with pytest.raises(ValueError, match="concurrency"):
+        clean.generate(["a", "b"], concurrency=0)
+    with pytest.raises(ValueError, match="prompt must"):
+        clean.generate([])
+    with pytest.raises(ValueError, match="prompt must not be empty"):
+        clean.generate(["fine", ""])
+    with pytest.raises(ValueError, match="temperature"):
+        clean.generate("Hello", temperature=-1)
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        clean.generate("Hello", stop=[""])
+    with pytest.raises(ValueError, match="messages"):
+        clean.chat([])
+
+
+def test_tokens_from_another_vocabulary_are_a_clear_error(clean):
+    """Instances that serve a bigger vocabulary than the tokenizer's: the text client says so
+    instead of decoding nonsense, and aborts the request (`clean` checks its blocks)."""
+    other = connect(clean.dask_client)
+    other.tokenizer = _Narrow(clean.tokenizer)
+    try:
+        with pytest.raises(ValueError, match="outside the tokenizer's vocabulary of 8"):
+            other.generate("Hello world", max_tokens=40, ignore_eos=True, timeout=30)
+    finally:
+        other.close()
+
+
+class _Narrow:
+    """The tiny tokenizer claiming a vocabulary of 8 tokens (the instances draw from 512)."""
+
+    vocab_size = 8
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
