@@ -21,7 +21,7 @@ import html
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from distributed import Client
 from distributed.deploy.cluster import Cluster
@@ -33,6 +33,9 @@ from llumdask.config import load_config
 from llumdask.plugins.requester import NoLlumdaskScheduler, RequestRejected, Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
+
+if TYPE_CHECKING:
+    import dask.bag
 
 __all__ = ["Generation", "InstanceTable", "LlumdaskClient", "MigrationNotStarted", "MigrationTable",
            "NoLlumdaskScheduler", "RequestRejected", "TextIterator", "TokenIterator", "connect"]
@@ -318,6 +321,22 @@ class LlumdaskClient:
         if _is_conversation_batch(messages):
             return self.generate([_Chat(tuple(m)) for m in messages], max_tokens, **options)
         return self.generate(_Chat(tuple(messages)), max_tokens, **options)
+
+    def map(self, prompts: "dask.bag.Bag", max_tokens: int = 16, *, priority: Priority | str = "normal",
+            timeout: float | None = None, stop: Sequence[str] = (), concurrency: int = 64,
+            **sampling: Any) -> "dask.bag.Bag":
+        """Batch inference over a Dask bag of prompts (texts or token-id lists): a lazy bag of
+        `Generation`s in the same order (a failed prompt: its exception), each partition an
+        ordinary Dask task on the cluster that submits through its own requester, at most
+        `concurrency` at once. The options are `generate`'s, checked here before anything runs."""
+        from llumdask.api.batch import generate_bag
+
+        Priority.parse(priority)
+        SamplingParams(max_tokens=max_tokens, **sampling)
+        IncrementalText(self.tokenizer, (stop,) if isinstance(stop, str) else stop)
+        options = dict(max_tokens=max_tokens, priority=priority, timeout=timeout, stop=stop,
+                       concurrency=_positive("concurrency", concurrency), **sampling)
+        return generate_bag(prompts, model=self._model, chat_template=self._chat_template, options=options)
 
     def stream(self, prompt: Prompt, max_tokens: int = 16, *, priority: Priority | str = "normal",
                stop: Sequence[str] = (), **sampling: Any) -> TokenIterator | TextIterator:

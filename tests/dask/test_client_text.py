@@ -141,3 +141,16 @@ class _Narrow:
 
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
+
+
+def test_a_dask_bag_of_prompts_becomes_a_bag_of_generations_in_order(clean, overrides, tokenizer):
+    import dask.bag as db
+
+    prompts = [f"Row {k} of the table" for k in range(10)] + [[5] * 128 * 16]  # the last never fits
+    bag = clean.map(db.from_sequence(prompts, npartitions=3), max_tokens=8, concurrency=4)
+    results = clean.dask_client.compute(bag).result(timeout=120)
+    assert [r.text for r in results[:-1]] == [tokenizer.decode(expected(overrides, tokenizer, p, 8))
+                                              for p in prompts[:-1]]
+    assert isinstance(results[-1], RequestRejected)
+    with pytest.raises(ValueError, match="temperature"):
+        clean.map(db.from_sequence(["a"]), temperature=-1)
