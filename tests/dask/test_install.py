@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from daskhelpers import (
@@ -54,8 +57,9 @@ def test_register_plugin_in_either_order_and_again_without_restarting_engines():
         llum.close()
 
 
-def test_preload_installs_both_plugins(tmp_path):
-    env = {"DASK_LLUMDASK__SIM_ENGINE__TOTAL_BLOCKS": "96"}
+def test_preload_installs_both_plugins_and_the_example_script_uses_them(tmp_path):
+    # The tiny model's vocabulary, as examples/existing_cluster.py asks, so that its text decodes.
+    env = {"DASK_LLUMDASK__SIM_ENGINE__TOTAL_BLOCKS": "96", "DASK_LLUMDASK__SIM_ENGINE__VOCAB_SIZE": "512"}
     with ProcessCluster(tmp_path, n_workers=2, env=env) as processes, \
             Client(processes.address, timeout=30) as client:
         wait_for_instances(client, 2, timeout=60)
@@ -64,6 +68,13 @@ def test_preload_installs_both_plugins(tmp_path):
         assert [row["total_blocks"] for row in rows] == [96, 96]  # dask.config reached the workers
         prompt = prompt_of(21, 25)
         result = llum.generate(prompt, max_tokens=20, timeout=30)
-        assert result.token_ids == reference_tokens(load_config({"sim-engine": {"total-blocks": 96}}), prompt, 20)
-        assert_workers_clean(client)
+        config = load_config({"sim-engine": {"total-blocks": 96, "vocab-size": 512}})
+        assert result.token_ids == reference_tokens(config, prompt, 20)
         llum.close()
+        script = Path(__file__).parents[2] / "examples" / "existing_cluster.py"
+        done = subprocess.run([sys.executable, str(script), processes.address], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "text: '" in done.stdout and "'completion_tokens': " in done.stdout
+        assert done.stdout.count("normal") >= 2  # both instances in its table
+        assert_workers_clean(client)
