@@ -1,4 +1,4 @@
-"""Batch inference over a Dask bag of prompts, as ordinary Dask tasks.
+"""Batch inference over Dask collections of prompts (a bag, or a dataframe column), as ordinary Dask tasks.
 
 Each partition becomes one task that submits its prompts through a requester of its own, from
 the worker it runs on (its worker client), so a notebook scores a large collection with one
@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     import dask.bag
+    import dask.dataframe
+    import pandas
 
     from llumdask.api.client import Generation
+
+# The columns a dataframe of prompts becomes: what Parquet and pandas users read results by.
+COLUMNS = {"text": "string", "finish_reason": "string", "prompt_tokens": "int64", "completion_tokens": "int64",
+           "error": "string"}
 
 
 def generate_bag(prompts: "dask.bag.Bag", *, model: str | None, chat_template: str | None,
@@ -22,6 +28,35 @@ def generate_bag(prompts: "dask.bag.Bag", *, model: str | None, chat_template: s
     """A bag with one `Generation` per prompt, in order (a failed prompt: its exception).
     `options` are `LlumdaskClient.generate`'s keywords."""
     return prompts.map_partitions(_generate_partition, model=model, chat_template=chat_template, options=options)
+
+
+def generate_column(prompts: "dask.dataframe.Series", *, model: str | None, chat_template: str | None,
+                    options: dict[str, Any]) -> "dask.dataframe.DataFrame":
+    """A frame with the prompts' index and one row per prompt (`COLUMNS`): its text, finish reason
+    and token counts, or for a failed prompt its error (`Type: message`) and no text."""
+    from dask.dataframe.utils import make_meta
+
+    return prompts.map_partitions(_generate_frame, model=model, chat_template=chat_template, options=options,
+                                  meta=_frame([], make_meta(prompts).index))
+
+
+def _generate_frame(prompts: "pandas.Series", model: str | None, chat_template: str | None,
+                    options: dict[str, Any]) -> "pandas.DataFrame":
+    results = _generate_partition(prompts.tolist(), model, chat_template, options)
+    return _frame([_row(r) for r in results], prompts.index)
+
+
+def _row(result: "Generation | BaseException") -> tuple:
+    if isinstance(result, BaseException):
+        return None, None, 0, 0, f"{type(result).__name__}: {result}"
+    reason = None if result.finish_reason is None else result.finish_reason.value
+    return result.text, reason, result.num_prompt_tokens, len(result.token_ids), None
+
+
+def _frame(rows: list[tuple], index: Any) -> "pandas.DataFrame":
+    import pandas
+
+    return pandas.DataFrame(rows, index=index, columns=list(COLUMNS)).astype(COLUMNS)
 
 
 def _generate_partition(prompts: Iterable[Any], model: str | None, chat_template: str | None,

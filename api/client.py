@@ -36,6 +36,7 @@ from llumdask.request import FinishReason, Priority, Request, SamplingParams, ne
 
 if TYPE_CHECKING:
     import dask.bag
+    import dask.dataframe
 
 __all__ = ["Generation", "InstanceTable", "LlumdaskClient", "MigrationNotStarted", "MigrationTable",
            "NoLlumdaskScheduler", "RequestRejected", "TextIterator", "TokenIterator", "connect"]
@@ -322,21 +323,36 @@ class LlumdaskClient:
             return self.generate([_Chat(tuple(m)) for m in messages], max_tokens, **options)
         return self.generate(_Chat(tuple(messages)), max_tokens, **options)
 
-    def map(self, prompts: "dask.bag.Bag", max_tokens: int = 16, *, priority: Priority | str = "normal",
-            timeout: float | None = None, stop: Sequence[str] = (), concurrency: int = 64,
-            **sampling: Any) -> "dask.bag.Bag":
-        """Batch inference over a Dask bag of prompts (texts or token-id lists): a lazy bag of
-        `Generation`s in the same order (a failed prompt: its exception), each partition an
-        ordinary Dask task on the cluster that submits through its own requester, at most
-        `concurrency` at once. The options are `generate`'s, checked here before anything runs."""
-        from llumdask.api.batch import generate_bag
+    def map(self, prompts: "dask.bag.Bag | dask.dataframe.Series", max_tokens: int = 16, *,
+            priority: Priority | str = "normal", timeout: float | None = None, stop: Sequence[str] = (),
+            concurrency: int = 64, **sampling: Any) -> "dask.bag.Bag | dask.dataframe.DataFrame":
+        """Batch inference over a Dask collection of prompts, lazily, each partition an ordinary
+        Dask task on the cluster that submits through its own requester, at most `concurrency`
+        at once. A bag (texts or token-id lists) gives a bag of `Generation`s in the same order
+        (a failed prompt: its exception); a dataframe column of texts gives a frame with its
+        index and the columns of `llumdask.api.batch.COLUMNS` (text, finish_reason,
+        prompt_tokens, completion_tokens, error). The options are `generate`'s, checked here
+        before anything runs."""
+        import dask.bag
+
+        from llumdask.api.batch import generate_bag, generate_column
 
         Priority.parse(priority)
         SamplingParams(max_tokens=max_tokens, **sampling)
         IncrementalText(self.tokenizer, (stop,) if isinstance(stop, str) else stop)
         options = dict(max_tokens=max_tokens, priority=priority, timeout=timeout, stop=stop,
                        concurrency=_positive("concurrency", concurrency), **sampling)
-        return generate_bag(prompts, model=self._model, chat_template=self._chat_template, options=options)
+        if isinstance(prompts, dask.bag.Bag):
+            return generate_bag(prompts, model=self._model, chat_template=self._chat_template, options=options)
+        try:
+            import dask.dataframe
+        except ImportError:  # pandas is an extra: pip install 'dask[dataframe]'
+            series = ()
+        else:
+            series = dask.dataframe.Series
+        if isinstance(prompts, series):
+            return generate_column(prompts, model=self._model, chat_template=self._chat_template, options=options)
+        raise TypeError(f"map() takes a dask.bag.Bag or a dask.dataframe Series of prompts, not {type(prompts).__name__}")
 
     def stream(self, prompt: Prompt, max_tokens: int = 16, *, priority: Priority | str = "normal",
                stop: Sequence[str] = (), **sampling: Any) -> TokenIterator | TextIterator:

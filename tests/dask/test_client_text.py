@@ -154,3 +154,19 @@ def test_a_dask_bag_of_prompts_becomes_a_bag_of_generations_in_order(clean, over
     assert isinstance(results[-1], RequestRejected)
     with pytest.raises(ValueError, match="temperature"):
         clean.map(db.from_sequence(["a"]), temperature=-1)
+
+
+def test_a_dataframe_column_of_prompts_becomes_a_frame_of_completions(clean, overrides, tokenizer, tmp_path):
+    import dask.dataframe as dd
+    import pandas as pd
+
+    prompts = pd.Series([f"Question {k}" for k in range(7)], index=[f"q{k}" for k in range(7)], name="prompt")
+    frame = clean.map(dd.from_pandas(prompts, npartitions=3), max_tokens=8, concurrency=3)
+    frame.to_parquet(tmp_path / "scored")  # computed on the cluster as ordinary tasks
+    scored = pd.read_parquet(tmp_path / "scored")
+    assert list(scored.index) == list(prompts.index)
+    assert list(scored["text"]) == [tokenizer.decode(expected(overrides, tokenizer, p, 8)) for p in prompts]
+    assert scored["error"].isna().all() and (scored["completion_tokens"] >= 1).all()
+    assert list(scored["prompt_tokens"]) == [len(tokenizer.encode(p)) for p in prompts]
+    with pytest.raises(TypeError, match="dask.bag.Bag or a dask.dataframe Series"):
+        clean.map(["not", "a", "collection"])
