@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import socket
 import struct
 import time
@@ -344,6 +345,12 @@ class TokenPusher:
     def _send(self, address: str, frame: bytes) -> None:
         try:
             sock = self._sockets.get(address)
+            if sock is not None and _closed_by_peer(sock):
+                # That requester closed; a new one may listen at its address (a port is reused).
+                # A send on the old connection would vanish, and the next one fail as if the new
+                # requester were unreachable, aborting its requests.
+                self._drop(address)
+                sock = None
             if sock is None:
                 sock = socket.create_connection(get_address_host_port(address), timeout=self._connect_timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame is a message
@@ -364,6 +371,14 @@ class TokenPusher:
     def close(self) -> None:
         for address in list(self._sockets):
             self._drop(address)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """A requester never writes to a token connection: readable means closed (EOF or reset).
+    (poll, not select: a worker may hold descriptors past select's limit.)"""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def encode_frame(msgs: list[dict]) -> bytes:

@@ -167,6 +167,33 @@ def test_pusher_reports_an_unreachable_requester_and_tries_again_later():
     asyncio.run(main())
 
 
+def test_a_new_requester_at_a_closed_ones_address_gets_every_token():
+    """Listener ports are reused: after a requester closes, another may bind its address. The
+    pusher's old connection to it must not swallow the new one's tokens or call it unreachable."""
+    async def main():
+        first = await TokenListener().start()
+        lost: list[str] = []
+        pusher = TokenPusher("w", on_unreachable=lost.append)
+        stream = first.open("r1")
+        await _push(pusher, [(first.address, TokenOutput("r1", 0, (1,), True, FinishReason.LENGTH))])
+        assert await asyncio.wait_for(_collect(stream), 10) == [1]
+        address = first.address
+        await first.close()
+        second = await TokenListener(address).start()
+        try:
+            assert second.address == address
+            stream = second.open("r2")
+            for k in range(3):
+                await _push(pusher, [(address, TokenOutput("r2", k, (10 + k,), k == 2, FinishReason.LENGTH))])
+            assert await asyncio.wait_for(_collect(stream), 10) == [10, 11, 12]
+            assert lost == []
+        finally:
+            pusher.close()
+            await second.close()
+
+    asyncio.run(main())
+
+
 def test_a_requester_that_stops_reading_is_reported_when_a_send_times_out():
     async def main():
         server = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never reads
