@@ -56,6 +56,8 @@ class Workload:
     vocab_size: int
     prompt_tokens: int
     output_tokens: int
+    # llumdask's priority extension ("high", "normal"); None sends none.
+    priority: str | None = None
 
     def prompt(self, number: int) -> list[int]:
         # Ids from 3 up: the tiny model's 0-2 are BOS, EOS and padding.
@@ -68,7 +70,8 @@ async def _one(client: openai.AsyncOpenAI, work: Workload, number: int) -> Sampl
     tokens = 0
     stream = await client.completions.create(
         model=work.model, prompt=work.prompt(number), max_tokens=work.output_tokens, temperature=0.0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, **({"priority": work.priority} if work.priority else {})})
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices:
