@@ -170,3 +170,21 @@ def test_a_dataframe_column_of_prompts_becomes_a_frame_of_completions(clean, ove
     assert list(scored["prompt_tokens"]) == [len(tokenizer.encode(p)) for p in prompts]
     with pytest.raises(TypeError, match="dask.bag.Bag or a dask.dataframe Series"):
         clean.map(["not", "a", "collection"])
+
+
+def test_an_asynchronous_dask_client_gets_awaitables(clean):
+    from distributed import Client
+
+    async def main():
+        async with Client(clean.dask_client.scheduler.address, asynchronous=True) as dask_client:
+            async with connect(dask_client) as llm:
+                result = await llm.generate("Hello world", max_tokens=8)
+                deltas = [d async for d in llm.stream("Hello world", max_tokens=8)]
+                batch = await llm.generate(["One", "Two"], max_tokens=4, progress=False)
+                table = await llm.instances()
+        return result, deltas, batch, table
+
+    result, deltas, batch, table = asyncio.run(main())
+    assert "".join(deltas) == result.text and len(result.token_ids) >= 1
+    assert [type(r).__name__ for r in batch] == ["Generation", "Generation"]
+    assert len(table) == 2
