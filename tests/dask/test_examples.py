@@ -29,27 +29,14 @@ def test_the_notebook_runs_top_to_bottom(path, tmp_path):
     assert CHECKS[path.stem] in run_notebook(path, tmp_path)
 
 
-@pytest.mark.vllm
-def test_the_quickstart_runs_on_vllm_engines_with_its_flag(tmp_path):
-    from llumdask.engine.vllm.internals import check_vllm_importable
-
-    try:
-        check_vllm_importable()
-    except ImportError as exc:
-        pytest.skip(str(exc))
-    assert CHECKS["quickstart"] in run_notebook(EXAMPLES / "quickstart.ipynb", tmp_path, {'ENGINE = "sim"': 'ENGINE = "vllm"'})
-
-
-def run_notebook(path: Path, cwd: Path, edits: dict[str, str] | None = None) -> str:
-    """Execute the notebook in a real kernel (with a user's `edits` of its cells); what it printed.
-    Fails on any cell's error."""
+def run_notebook(path: Path, cwd: Path) -> str:
+    """Execute the notebook in a real kernel; what it printed. Fails on any cell's error.
+    (The quickstart's `ENGINE = "vllm"` is not run here: the same client, stream and migration
+    calls on vLLM instances are tests/vllm/test_dask_vllm.py's.)"""
     import nbformat
     from nbclient import NotebookClient
 
     notebook = nbformat.read(path, as_version=4)
-    for old, new in (edits or {}).items():
-        [cell] = [c for c in notebook.cells if old in c.source]
-        cell.source = cell.source.replace(old, new)
     NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
