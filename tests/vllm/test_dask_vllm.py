@@ -169,7 +169,8 @@ def test_forced_migrations_keep_the_tokens_of_plain_vllm(clean, reference, name,
 
 
 def test_destination_killed_mid_migration_the_request_completes_on_the_source(llum, reference, initial_free_blocks):
-    """Last in the module: the killed worker's nanny restarts it in the background."""
+    """Last in the module. The destination's nanny is told that its worker's end is the cluster's
+    (so it does not start a new vLLM instance while the module's cluster closes)."""
     name, prompt_len, max_tokens, _ = CASES[3]
     client = llum.dask_client
     resubmitted_before = llum.resubmissions
@@ -178,6 +179,7 @@ def test_destination_killed_mid_migration_the_request_completes_on_the_source(ll
     source = stream.instance
     destination = next(row["instance"] for row in llum.instances() if row["instance"] != source)
     destination_pid = client.run(os.getpid, workers=[destination])[destination]
+    client.run(_no_restart, workers=[destination], nanny=True)
     migration_id = llum.migrate(stream.request_id, to=destination)
     os.kill(destination_pid, signal.SIGKILL)
     tokens += list(stream)
@@ -194,3 +196,8 @@ def test_destination_killed_mid_migration_the_request_completes_on_the_source(ll
     status = worker_statuses(client)[source]
     assert status["integrity_error"] is None
     assert status["free_blocks"] == initial_free_blocks[source] and status["reserved_blocks"] == 0
+
+
+def _no_restart(dask_worker) -> None:
+    """On a nanny (Client.run names it dask_worker): do not restart the worker when it exits."""
+    dask_worker.close_gracefully(reason="the test kills its worker")
