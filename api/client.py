@@ -209,10 +209,10 @@ class TextIterator:
                 rest = self._text.finish()
                 self.finish_reason = FinishReason.STOP if rest.stopped else self._tokens.finish_reason
                 return rest.text or None
-            if max(batch) >= self._vocab_size:
+            if (largest := max(batch)) >= self._vocab_size:
                 self._done = True
                 await self._tokens._client.requester.abort(self.request_id)
-                raise ValueError(f"{self.instance} sent token id {max(batch)}, outside the tokenizer's vocabulary of "
+                raise ValueError(f"{self.instance} sent token id {largest}, outside the tokenizer's vocabulary of "
                                  f"{self._vocab_size}: it serves another model (sim instances take the tokenizer's "
                                  "vocabulary as sim-engine.vocab-size)")
             self.token_ids += batch
@@ -339,7 +339,8 @@ class LlumdaskClient:
 
         Priority.parse(priority)
         SamplingParams(max_tokens=max_tokens, **sampling)
-        IncrementalText(self.tokenizer, (stop,) if isinstance(stop, str) else stop)
+        if stop:  # stop strings mean text: their rules are the detokenizer's
+            IncrementalText(self.tokenizer, _stop_strings(stop))
         options = dict(max_tokens=max_tokens, priority=priority, timeout=timeout, stop=stop,
                        concurrency=_positive("concurrency", concurrency), **sampling)
         if isinstance(prompts, dask.bag.Bag):
@@ -475,8 +476,7 @@ class LlumdaskClient:
     def _job(self, prompt: Prompt, max_tokens: int, priority: Priority | str, stop: Sequence[str],
              sampling: dict[str, Any]) -> tuple[Request, IncrementalText | None]:
         """The request for one prompt, and for text its detokenizer (stop strings applied)."""
-        if isinstance(stop, str):
-            stop = (stop,)
+        stop = _stop_strings(stop)
         if isinstance(prompt, (str, _Chat)):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -553,6 +553,11 @@ def _is_conversation_batch(messages: Any) -> bool:
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
     return not isinstance(messages[0], Mapping)
+
+
+def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
+    """`stop` as OpenAI clients give it: one string or several."""
+    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 def _positive(name: str, value: Any) -> int:

@@ -145,10 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         for phase, phase_runs in runs.items()]
     alone = rows[0]
     for r in rows:
-        r["ttft_p99_ratio"] = ratio(r["ttft_p99_ms"], alone["ttft_p99_ms"])
-        r["tpot_p99_ratio"] = ratio(r["tpot_p99_ms"], alone["tpot_p99_ms"])
-        r["ttft_mean_ratio"] = ratio(r["ttft_mean_ms"], alone["ttft_mean_ms"])
-        r["tpot_mean_ratio"] = ratio(r["tpot_mean_ms"], alone["tpot_mean_ms"])
+        for key in ("ttft_p99", "tpot_p99", "ttft_mean", "tpot_mean"):
+            r[f"{key}_ratio"] = ratio(r[f"{key}_ms"], alone[f"{key}_ms"])
     facts = {"instances": args.instances, "engine": "sim (real time, llama-7b-a10)", "streams": args.streams,
              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "seconds": args.seconds,
              "repeats": args.repeats, "batch_prompts_per_bag": args.batch_prompts, "batch_tokens": args.batch_tokens,

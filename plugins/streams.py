@@ -323,7 +323,11 @@ class TokenPusher:
     buffer absorbs a requester that reads late. A requester that cannot be reached (no
     connection within `connect_timeout`, or a send not done within `send_timeout`, i.e. it
     stopped reading) is reported with `on_unreachable(address)` and its connection dropped; a
-    later push tries to connect again. Not thread-safe: one thread pushes and closes.
+    later push tries to connect again. A requester that closed is forgotten before the next push
+    (one poll over every connection: requesters never write, so readable means closed), because a
+    new requester may listen at its address: a frame sent on the old connection would vanish and
+    the next send fail as if the new requester were unreachable, aborting its requests. Not
+    thread-safe: one thread pushes and closes.
     """
 
     def __init__(self, instance: str, on_unreachable: Callable[[str], None] | None = None,
@@ -333,9 +337,13 @@ class TokenPusher:
         self._connect_timeout = connect_timeout
         self._send_timeout = send_timeout
         self._sockets: dict[str, socket.socket] = {}
+        self._closed = select.poll()  # every connection, for POLLIN (its requester closed it)
+        self._addresses: dict[int, str] = {}  # connection fd -> requester address
 
     def push(self, outbox: Iterable[tuple[str, TokenOutput]]) -> None:
         """Send token outputs, each to its requester's address, one frame per requester."""
+        for fd, _ in self._closed.poll(0):
+            self._drop(self._addresses[fd])
         by_requester: dict[str, list[dict]] = {}
         for reply_to, output in outbox:
             by_requester.setdefault(reply_to, []).append(TokenBatch.from_output(output, self.instance).to_msg())
@@ -345,17 +353,13 @@ class TokenPusher:
     def _send(self, address: str, frame: bytes) -> None:
         try:
             sock = self._sockets.get(address)
-            if sock is not None and _closed_by_peer(sock):
-                # That requester closed; a new one may listen at its address (a port is reused).
-                # A send on the old connection would vanish, and the next one fail as if the new
-                # requester were unreachable, aborting its requests.
-                self._drop(address)
-                sock = None
             if sock is None:
                 sock = socket.create_connection(get_address_host_port(address), timeout=self._connect_timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame is a message
                 sock.settimeout(self._send_timeout)
                 self._sockets[address] = sock
+                self._addresses[sock.fileno()] = address
+                self._closed.register(sock, select.POLLIN)
             sock.sendall(frame)
         except (OSError, ValueError) as exc:  # socket.timeout is an OSError; ValueError: a bad address
             logger.warning("requester %s is unreachable: %s", address, exc)
@@ -366,19 +370,13 @@ class TokenPusher:
     def _drop(self, address: str) -> None:
         sock = self._sockets.pop(address, None)
         if sock is not None:
+            self._closed.unregister(sock)
+            del self._addresses[sock.fileno()]
             sock.close()
 
     def close(self) -> None:
         for address in list(self._sockets):
             self._drop(address)
-
-
-def _closed_by_peer(sock: socket.socket) -> bool:
-    """A requester never writes to a token connection: readable means closed (EOF or reset).
-    (poll, not select: a worker may hold descriptors past select's limit.)"""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 def encode_frame(msgs: list[dict]) -> bytes:
