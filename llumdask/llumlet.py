@@ -204,7 +204,7 @@ class Llumlet:
             return None
         if request_id is None:
             request_id = self.choose_migrant()
-        elif request_id in self._outgoing_by_request or not self._is_running(request_id):
+        elif request_id in self._outgoing_by_request or not self._is_migratable(request_id):
             return None
         if request_id is None:
             return None
@@ -297,9 +297,9 @@ class Llumlet:
         del self._outgoing[out.migration_id]
         del self._outgoing_by_request[out.request_id]
 
-    def _is_running(self, request_id: str) -> bool:
-        request = self.engine.get_request(request_id)
-        return request is not None and request.status is RequestStatus.RUNNING
+    def _is_migratable(self, request_id: str) -> bool:
+        """Running, and able to move now (not pinned by its sampling, not paused)."""
+        return any(r.request_id == request_id and r.migratable for r in self.engine.snapshot().running)
 
     # ------------------------------------------------------------------ destination side
     def _on_prealloc(self, sender: str, msg: PreAlloc) -> None:

@@ -55,7 +55,12 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What an engine needs to generate; validated here so that every entry point shares it."""
+    """What an engine needs to generate; validated here so that every entry point shares it.
+
+    The defaults change nothing: top_k 0 and min_p 0 filter no token, penalties 0 (1 for the
+    multiplicative repetition penalty) and an empty `logit_bias` leave the logits as they are,
+    min_tokens 0 lets a stop token end the request at once. `logit_bias` is (token id, bias)
+    pairs, sorted by token id, so that the parameters stay hashable and cross comms as lists."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -63,21 +68,79 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (_is_number(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1: no limit), got {self.top_k!r}")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def counts_own_output(self) -> str:
+        """Which option depends on what this request generated rather than on its whole sequence
+        ("" when none): resumed with its output as prompt, such a request would sample differently."""
+        if self.presence_penalty:
+            return "presence_penalty"
+        if self.frequency_penalty:
+            return "frequency_penalty"
+        return ""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _logit_bias(pairs: object) -> tuple[tuple[int, float], ...]:
+    """(token id, bias in [-100, 100]) pairs from pairs or a {token id: bias} mapping (ids may be
+    decimal strings, as JSON object keys are), sorted by id; a repeated id: the last wins."""
+    items = pairs.items() if isinstance(pairs, dict) else pairs
+    out: dict[int, float] = {}
+    try:
+        for token, bias in items:
+            if isinstance(token, str) and token.isdecimal():
+                token = int(token)
+            if not (_is_int(token) and token >= 0 and _is_number(bias) and -100 <= bias <= 100):
+                raise ValueError(f"logit_bias: {token!r} -> {bias!r}")
+            out[token] = float(bias)
+    except (TypeError, ValueError):
+        raise ValueError("logit_bias must map token ids (integers >= 0) to biases in [-100, 100], "
+                         f"got {pairs!r}") from None
+    return tuple(sorted(out.items()))
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A requester hands a request to the instance the scheduler chose as one plain dict, so that the
 worker rebuilds an identical `Request` from plain data:
     {"request_id": str, "prompt_token_ids": [int], "output_token_ids": [int],
-     "sampling": {"max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "ignore_eos"},
+     "sampling": {every field of SamplingParams; logit_bias as [[token id, bias], ...]},
      "scheduling_priority": int, "execution_priority": int, "arrival_time": float}
 `output_token_ids` is non-empty only for a resubmission (the instance that held the request died):
 the new instance recomputes prompt + output and continues from there.

@@ -394,7 +394,8 @@ class LlumletHost:
         if migration_id is None:
             return {"migration_id": None,
                     "reason": f"{self.instance_id} did not start it: the request is not running here, "
-                              "is already migrating, or migrations are at their limit"}
+                              "cannot move exactly (pinned by its sampling options), is already migrating, "
+                              "or migrations are at their limit"}
         return {"migration_id": migration_id, "reason": ""}
 
     async def status(self) -> dict:

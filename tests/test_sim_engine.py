@@ -324,6 +324,44 @@ def test_stop_token_ends_the_request_and_frees_its_blocks(make_engine):
     assert engine.snapshot().free_blocks == engine.total_blocks
 
 
+def test_min_tokens_masks_stop_tokens_until_reached(make_engine):
+    plain = reference(make_engine, request("a", max_tokens=20))
+    stop = plain[2]
+    masked = reference(make_engine, request("a", max_tokens=20, stop_token_ids=(stop,), min_tokens=6))
+    # Before the 6th token the stop token is replaced by the next id that is not one; what is
+    # generated after that replacement follows from it.
+    assert masked[:2] == plain[:2] and masked[2] == (stop + 1) % 32000
+    assert stop not in masked[:6] and len(masked) >= 6
+    assert masked[-1] == stop or len(masked) == 20
+
+
+def test_min_tokens_migrate_exactly(make_engine):
+    plain = reference(make_engine, request("r", max_tokens=30))
+    once = reference(make_engine, request("r", max_tokens=30, stop_token_ids=(plain[1],), min_tokens=9))
+    # Stop tokens at positions 1 (before the migration) and 5 (after it), both masked.
+    stops = (plain[1], once[5])
+    req = request("r", max_tokens=30, stop_token_ids=stops, min_tokens=9)
+    expected = reference(make_engine, request("r", max_tokens=30, stop_token_ids=stops, min_tokens=9))
+    assert expected[:5] == once[:5] and expected[5] != once[5]
+    source, destination = make_engine(), make_engine()
+    source.add_request(req)
+    before = [source.step() for _ in range(4)]
+    state = migrate(source, destination, "r")
+    assert tokens_by_request(before)["r"] == state.output_token_ids[:4]
+    assert tokens_by_request(run(destination), {"r": state.output_token_ids})["r"] == expected
+
+
+@pytest.mark.parametrize("option", [{"repetition_penalty": 1.2}, {"presence_penalty": 0.5},
+                                    {"frequency_penalty": -1.0}, {"logit_bias": {5: 10.0}}], ids=str)
+def test_options_that_need_logits_are_refused_by_name(make_engine, option):
+    engine = make_engine()
+    (name,) = option
+    with pytest.raises(ValueError, match=f"sim engine does not model {name}"):
+        engine.add_request(request("x", **option))
+    engine.add_request(request("y", top_k=5, min_p=0.1))  # filters: accepted, nothing to change
+    assert engine.get_request("y") is not None
+
+
 def test_seeds_and_greedy_are_deterministic_and_distinct(make_engine):
     greedy = reference(make_engine, request("a"))
     assert greedy == reference(make_engine, request("a"))

@@ -26,7 +26,8 @@ from llumdask.request import FinishReason, Priority, SamplingParams
 
 
 class InFlight:
-    """At most `limit` generations at once; `acquire` raises Overloaded (429) past it."""
+    """At most `limit` generations at once; `acquire` raises Overloaded (429) past it. A response
+    of n choices holds n of them: each choice is its own request on the cluster."""
 
     def __init__(self, limit: int, retry_after: float, gauge: Gauge) -> None:
         self.limit = limit
@@ -34,14 +35,14 @@ class InFlight:
         self._count = 0
         self._gauge = gauge
 
-    def acquire(self) -> None:
-        if self._count >= self.limit:
+    def acquire(self, count: int = 1) -> None:
+        if self._count + count > self.limit:
             raise Overloaded(self.limit, self.retry_after)
-        self._count += 1
+        self._count += count
         self._gauge.set(self._count)
 
-    def release(self) -> None:
-        self._count -= 1
+    def release(self, count: int = 1) -> None:
+        self._count -= count
         self._gauge.set(self._count)
 
 
@@ -128,3 +129,51 @@ def _finish_reason(reason: FinishReason | None) -> str:
     if reason is None:
         return "stop"
     return reason.value
+
+
+async def start_all(generations: Sequence[Generation]) -> None:
+    """Start every choice's generation; if one fails, its error once all have settled (the caller
+    closes them all, so none that did start keeps running)."""
+    results = await asyncio.gather(*(g.start() for g in generations), return_exceptions=True)
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        raise error
+
+
+def total_usage(generations: Sequence[Generation]) -> Usage:
+    """The prompt once, the completions of every choice."""
+    return Usage(generations[0].usage.prompt_tokens, sum(g.num_output_tokens for g in generations))
+
+
+async def merged_deltas(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, str | None]]:
+    """(choice index, text delta) as each choice produces them, then (index, None) once that
+    choice has finished (its `finish_reason` is set). One choice is read directly; several are
+    read by one task each into a queue as short as their number, so a slow client slows them."""
+    if len(generations) == 1:
+        async for text in generations[0].deltas():
+            yield 0, text
+        yield 0, None
+        return
+    queue: asyncio.Queue[tuple[int, str | None | Exception]] = asyncio.Queue(maxsize=len(generations))
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for text in generation.deltas():
+                await queue.put((index, text))
+            await queue.put((index, None))
+        except Exception as exc:  # raised to the reader, which ends the response with it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            running -= item is None
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

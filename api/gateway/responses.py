@@ -36,20 +36,21 @@ class ResponseFormat(ABC):
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def body(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
-        body = self._envelope(self.object, [self._choice(text, finish_reason)])
+    def body(self, choices: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
+        """The whole response: one (text, finish reason) per choice, in index order."""
+        body = self._envelope(self.object, [self._choice(i, text, reason) for i, (text, reason) in enumerate(choices)])
         body["usage"] = usage.to_dict()
         return body
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        """Chunks sent before the first token (chat announces the role)."""
+    def opening_chunks(self, index: int) -> list[dict[str, Any]]:
+        """Chunks sent before choice `index`'s first token (chat announces the role)."""
         return []
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._envelope(self.chunk_object, [self._delta(text, None)])
+    def text_chunk(self, index: int, text: str) -> dict[str, Any]:
+        return self._envelope(self.chunk_object, [self._delta(index, text, None)])
 
-    def final_chunk(self, finish_reason: str | None) -> dict[str, Any]:
-        return self._envelope(self.chunk_object, [self._delta(None, finish_reason)])
+    def final_chunk(self, index: int, finish_reason: str | None) -> dict[str, Any]:
+        return self._envelope(self.chunk_object, [self._delta(index, None, finish_reason)])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """stream_options.include_usage: one last chunk with no choices and the usage."""
@@ -58,36 +59,36 @@ class ResponseFormat(ABC):
         return chunk
 
     @abstractmethod
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]: ...
 
     @abstractmethod
-    def _delta(self, text: str | None, finish_reason: str | None) -> dict[str, Any]: ...
+    def _delta(self, index: int, text: str | None, finish_reason: str | None) -> dict[str, Any]: ...
 
 
 class CompletionFormat(ResponseFormat):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    def _delta(self, text: str | None, finish_reason: str | None) -> dict[str, Any]:
-        return self._choice(text or "", finish_reason)
+    def _delta(self, index: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+        return self._choice(index, text or "", finish_reason)
 
 
 class ChatFormat(ResponseFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
                 "finish_reason": finish_reason}
 
-    def _delta(self, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+    def _delta(self, index: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
         delta = {} if text is None else {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        chunk = self._envelope(self.chunk_object, [self._delta("", None)])
+    def opening_chunks(self, index: int) -> list[dict[str, Any]]:
+        chunk = self._envelope(self.chunk_object, [self._delta(index, "", None)])
         chunk["choices"][0]["delta"]["role"] = "assistant"
         return [chunk]

@@ -8,11 +8,12 @@ refusal gets its own status; what fails after the first streamed byte arrives as
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,10 +23,11 @@ import llumdask
 from llumdask.api.gateway.backend import Backend
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
 from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
-from llumdask.api.gateway.generation import Generation, InFlight
+from llumdask.api.gateway.generation import Generation, InFlight, merged_deltas, start_all, total_usage
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.responses import ChatFormat, CompletionFormat, ResponseFormat
 from llumdask.api.gateway.schemas import (
+    MAX_SEED,
     GenerationOptions,
     parse_chat,
     parse_completion,
@@ -112,52 +114,71 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
 async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseFormat, request_id: str,
                    prompt_ids: list[int], options: GenerationOptions) -> Response:
     """The response's id carries `request_id`, the cluster's name for the request (an operator
-    migrates or inspects it by that name)."""
+    migrates or inspects it by that name); with n choices, choice i > 0 is `request_id-i`."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
     sampling = sampling_params(gateway, options, len(prompt_ids))
     priority = request_priority(request, options)
-    generation = Generation(gateway.backend, gateway.tokenizer, gateway.metrics, name, request_id, prompt_ids,
-                            sampling, priority, options.stop)
-    gateway.in_flight.acquire()
+    generations = [Generation(gateway.backend, gateway.tokenizer, gateway.metrics, name,
+                              request_id if i == 0 else f"{request_id}-{i}", prompt_ids,
+                              choice_sampling(sampling, i), priority, options.stop)
+                   for i in range(options.n)]
+    gateway.in_flight.acquire(len(generations))
     try:
         # Not cancelled by a disconnect: until it returns there is no request id to abort with.
         # A client gone meanwhile is noticed right after, while waiting for tokens.
-        await generation.start()
+        await start_all(generations)
         if options.stream:
             async def on_close(complete: bool) -> None:
                 if not complete:
                     gateway.metrics.error("client_disconnected")
-                await finish(gateway, generation)
+                await finish(gateway, generations)
 
-            events = stream_events(request, gateway, fmt, generation, options.include_usage)
-            return EventStreamResponse(events, on_close)  # owns the generation and the slot from here
-        text = await until_disconnect(request.receive, generation.text())
+            events = stream_events(request, gateway, fmt, generations, options.include_usage)
+            return EventStreamResponse(events, on_close)  # owns the generations and the slots from here
+
+        async def texts() -> list[str]:
+            return await asyncio.gather(*(g.text() for g in generations))
+
+        choices = await until_disconnect(request.receive, texts())
     except BaseException:
-        await finish(gateway, generation)
+        await finish(gateway, generations)
         raise
-    await finish(gateway, generation)
-    return JSONResponse(fmt.body(text, generation.finish_reason, generation.usage))
+    await finish(gateway, generations)
+    return JSONResponse(fmt.body([(text, g.finish_reason) for text, g in zip(choices, generations)],
+                                 total_usage(generations)))
 
 
-async def finish(gateway: Gateway, generation: Generation) -> None:
-    """Abort the request if it is still running somewhere, and free its admission slot."""
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: a seeded one gets seed + index, as vLLM seeds its n samples."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + index) % (MAX_SEED + 1))
+
+
+async def finish(gateway: Gateway, generations: Sequence[Generation]) -> None:
+    """Abort every choice's request still running somewhere, and free their admission slots. The
+    aborts are tasks of their own: a cancelled caller (a client gone) still gets them all done."""
+    closing = [asyncio.ensure_future(g.close()) for g in generations]
     try:
-        await generation.close()
+        await asyncio.shield(asyncio.gather(*closing))
     finally:
-        gateway.in_flight.release()
+        gateway.in_flight.release(len(generations))
 
 
-async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat, generation: Generation,
+async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat, generations: Sequence[Generation],
                         include_usage: bool) -> AsyncGenerator[bytes, None]:
-    for chunk in fmt.opening_chunks():
-        yield event(chunk)
+    for index in range(len(generations)):
+        for chunk in fmt.opening_chunks(index):
+            yield event(chunk)
     try:
-        async for text in generation.deltas():
-            yield event(fmt.text_chunk(text))
-        yield event(fmt.final_chunk(generation.finish_reason))
+        async for index, text in merged_deltas(generations):
+            if text is None:
+                yield event(fmt.final_chunk(index, generations[index].finish_reason))
+            else:
+                yield event(fmt.text_chunk(index, text))
         if include_usage:
-            yield event(fmt.usage_chunk(generation.usage))
+            yield event(fmt.usage_chunk(total_usage(generations)))
     except APIError as exc:
         gateway.metrics.error(exc.code)
         yield event(exc.body())
@@ -171,9 +192,16 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
 def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tokens: int) -> SamplingParams:
     max_tokens = max_tokens_within_context(options.max_tokens, num_prompt_tokens, gateway.backend.model.max_context)
     check_token_ids(options.stop_token_ids, gateway.tokenizer.vocab_size, "stop_token_ids")
+    extra = options.sampling
+    if extra.get("min_tokens", 0) > max_tokens:
+        raise InvalidRequest(f"min_tokens ({extra['min_tokens']}) must not exceed max_tokens ({max_tokens})",
+                             param="min_tokens", code="invalid_value")
+    if "logit_bias" in extra:
+        check_token_ids([int(t) for t in extra["logit_bias"]], gateway.tokenizer.vocab_size, "logit_bias")
     return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
                           seed=options.seed, ignore_eos=options.ignore_eos,
-                          stop_token_ids=stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos))
+                          stop_token_ids=stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos),
+                          **extra)
 
 
 def max_tokens_within_context(requested: int | None, num_prompt_tokens: int, max_context: int) -> int:

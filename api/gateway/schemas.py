@@ -1,10 +1,12 @@
 """OpenAI request bodies -> validated, typed requests; every problem is a 400 naming the field.
 
-Fields OpenAI defines that this server cannot honour (n > 1, logprobs, penalties, tools, ...)
-are refused with a 400 rather than silently ignored: a client relying on them would otherwise
-get a different answer than it asked for. Fields not listed anywhere (``user``, ``metadata``)
-are ignored, as OpenAI-compatible servers commonly do. Extensions also accepted by vLLM's
-server: ``stop_token_ids``, ``ignore_eos``; llumdask's own: ``priority``.
+Fields OpenAI defines that this server cannot honour (logprobs, tools, best_of > n, ...) are refused
+with a 400 rather than silently ignored: a client relying on them would otherwise get a different
+answer than it asked for. Fields not listed anywhere (``user``, ``metadata``) are ignored, as
+OpenAI-compatible servers commonly do. Extensions also accepted by vLLM's server (clients send
+them through ``extra_body``): ``stop_token_ids``, ``ignore_eos``, ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``; llumdask's own: ``priority``. The ranges of sampling
+options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
 """
 
 from __future__ import annotations
@@ -15,26 +17,34 @@ from dataclasses import dataclass
 from typing import Any
 
 from llumdask.api.gateway.errors import InvalidRequest
-from llumdask.request import Priority
+from llumdask.request import Priority, SamplingParams
 
 MAX_SEED = (1 << 63) - 1
+# OpenAI's bound on choices per request.
+MAX_CHOICES = 128
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 # field -> (is the value the harmless default?, what to say when it is not)
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v in (None, 1), "only n=1 is supported; send one request per completion"),
-    "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
     "logprobs": (lambda v: v in (None, False), "logprobs are not supported"),
     "top_logprobs": (lambda v: v in (None, 0), "top_logprobs are not supported"),
     "echo": (lambda v: v in (None, False), "echo is not supported"),
     "suffix": (lambda v: v in (None, ""), "suffix is not supported"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    "presence_penalty": (lambda v: v in (None, 0), "presence_penalty is not supported (only 0)"),
-    "frequency_penalty": (lambda v: v in (None, 0), "frequency_penalty is not supported (only 0)"),
     "tools": (lambda v: not v, "tools are not supported"),
     "functions": (lambda v: not v, "functions are not supported"),
     "response_format": (lambda v: v is None or (isinstance(v, Mapping) and v.get("type") == "text"),
                         "response_format other than text is not supported"),
+}
+
+# Sampling options passed to the engine as given: name -> the JSON type it must have.
+SAMPLING_OPTIONS: dict[str, str] = {
+    "top_k": "integer",
+    "min_p": "number",
+    "repetition_penalty": "number",
+    "presence_penalty": "number",
+    "frequency_penalty": "number",
+    "min_tokens": "integer",
+    "logit_bias": "object",
 }
 
 
@@ -54,6 +64,10 @@ class GenerationOptions:
     stream: bool
     include_usage: bool
     priority: Priority | None
+    # Choices: each is its own request on the cluster.
+    n: int
+    # The SAMPLING_OPTIONS given, each checked on its own (min_tokens against max_tokens later).
+    sampling: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -164,7 +178,39 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None,
         stream=stream,
         include_usage=_bool(stream_options or {}, "include_usage", False, param="stream_options.include_usage"),
         priority=_priority(body.get("priority")),
+        n=_choices(body),
+        sampling={name: _sampling_option(body, name, kind) for name, kind in SAMPLING_OPTIONS.items()
+                  if body.get(name) is not None},
     )
+
+
+def _choices(body: Mapping[str, Any]) -> int:
+    n = _int(body, "n", minimum=1, maximum=MAX_CHOICES) if body.get("n") is not None else 1
+    best_of = body.get("best_of")
+    if best_of is not None:
+        best_of = _int(body, "best_of", minimum=1, maximum=MAX_CHOICES)
+        if best_of < n:
+            raise InvalidRequest(f"best_of ({best_of}) must be >= n ({n})", param="best_of", code="invalid_value")
+        if best_of > n:
+            raise InvalidRequest("best_of > n (ranking choices by their log probability) is not supported; "
+                                 "leave it out or set it to n", param="best_of", code="unsupported_parameter")
+    return n
+
+
+def _sampling_option(body: Mapping[str, Any], name: str, kind: str) -> Any:
+    value = body[name]
+    if kind == "object":
+        if not isinstance(value, Mapping):
+            raise _wrong_type(name, "an object", value)
+    elif kind == "integer" and not _is_int(value):
+        raise _wrong_type(name, "an integer", value)
+    elif kind == "number" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise _wrong_type(name, "a number", value)
+    try:
+        SamplingParams(max_tokens=max(1, value) if name == "min_tokens" else 1, **{name: value})
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param=name, code="invalid_value") from None
+    return value
 
 
 def _stop(value: Any) -> tuple[str, ...]:

@@ -18,8 +18,12 @@ position, read through the block table. A migration that loses, misplaces or cor
 therefore changes later tokens, while a faithful one (or a recompute) reproduces them exactly.
 Sampling: greedy uses that function alone; temperature > 0 mixes in a value derived from
 (seed, position) when seeded, or drawn from a per-request numpy Generator whose state travels in
-`MigrationState.engine_state` when not. The sim has no EOS token: a request ends at max_tokens
-or when a generated token is one of its stop_token_ids.
+`MigrationState.engine_state` when not. top_p, top_k and min_p are accepted and change nothing
+(the sampled value stands for a draw from whatever the filters keep); options that move
+probability between named tokens (penalties, logit_bias) would need logits, so the sim refuses
+them. The sim has no EOS token: a request ends at max_tokens or when a generated token is one
+of its stop_token_ids; before min_tokens a stop token is masked (the next id that is not one
+is generated instead), as vLLM masks them.
 
 With `kv_bytes_per_token = 0` there is no content: tokens are a function of the prompt hash and
 position only (plus the sampling value), exported buffers have shape (blocks, block_size, 0) and
@@ -51,7 +55,7 @@ from llumdask.engine.base import (
 )
 from llumdask.engine.block_manager import BlockManager
 from llumdask.engine.latency import LatencyProfile, load_profile
-from llumdask.request import FinishReason, Priority, Request, RequestStatus, blocks_for
+from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
 
 if TYPE_CHECKING:
     from llumdask.config import LlumdaskConfig, SimEngineConfig
@@ -153,6 +157,28 @@ def _new_seq(request: Request, rng_state: dict[str, Any] | None = None) -> _Seq:
     )
 
 
+def unmodelled_option(sampling: SamplingParams) -> str:
+    """The first sampling option the sim cannot model ("" when none)."""
+    if sampling.repetition_penalty != 1:
+        return "repetition_penalty"
+    if sampling.presence_penalty:
+        return "presence_penalty"
+    if sampling.frequency_penalty:
+        return "frequency_penalty"
+    if sampling.logit_bias:
+        return "logit_bias"
+    return ""
+
+
+def _unstopped(token: int, stop_token_ids: tuple[int, ...], vocab: int) -> int:
+    """The first id after `token` (cyclically) that is no stop token: what masking them leaves."""
+    for offset in range(1, vocab):
+        candidate = (token + offset) % vocab
+        if candidate not in stop_token_ids:
+            return candidate
+    raise ValueError(f"every token id is a stop token ({vocab} of them)")
+
+
 def _u64(values: list[int]) -> np.ndarray:
     return np.array(values, dtype=_U64)
 
@@ -248,6 +274,9 @@ class SimEngine:
                 f"{self._name}: request {rid!r} can never fit: {request.num_prompt_tokens} prompt tokens + "
                 f"max_tokens {request.sampling.max_tokens} > capacity {capacity} tokens"
             )
+        if option := unmodelled_option(request.sampling):
+            raise ValueError(f"{self._name}: the sim engine does not model {option} (it has no logits); "
+                             "serve a vLLM engine for it")
         request.status = RequestStatus.WAITING
         seq = _new_seq(request)
         self._seqs[rid] = seq
@@ -638,14 +667,16 @@ class SimEngine:
     # ------------------------------------------------------------------ helpers
     def _append_token(self, seq: _Seq, token: int, now: float) -> TokenOutput:
         request = seq.request
+        sampling = request.sampling
         output = request.output_token_ids
+        if len(output) < sampling.min_tokens and token in sampling.stop_token_ids:
+            token = _unstopped(token, sampling.stop_token_ids, int(self._vocab))
         output.append(token)
         seq.num_tokens += 1
         timing = request.timing
         if timing.first_token is None:
             timing.first_token = now
         timing.last_token = now
-        sampling = request.sampling
         reason = None
         if token in sampling.stop_token_ids:
             reason = FinishReason.STOP

@@ -71,6 +71,19 @@ def test_sampling_fields_reach_the_backend(client, backend, tokenizer):
     assert backend.submitted[1].sampling.stop_token_ids == ()
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_penalties_filters_and_biases_reach_the_backend(client, backend, path):
+    body = {"model": MODEL, "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+            "logit_bias": {"12": 5, "3": -100}, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+            "min_tokens": 2}
+    body |= {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    assert client.post(path, json=body).status_code == 200
+    s = backend.submitted[0].sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.top_k, s.min_p, s.repetition_penalty, s.min_tokens) == (
+        0.5, -0.25, 20, 0.05, 1.1, 2)
+    assert s.logit_bias == ((3, -100.0), (12, 5.0))
+
+
 def test_chat_renders_the_template_and_answers_as_assistant(client, backend, tokenizer, script):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_completion_tokens": 4})
@@ -291,3 +304,46 @@ def test_tokenize_and_detokenize_reject_bad_input(client, path, body, status, co
 
 def test_version(client):
     assert client.get("/version").json() == {"version": llumdask.__version__}
+
+
+def test_n_choices_are_requests_of_their_own(client, backend, tokenizer, script):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5, "n": 3,
+                                             "temperature": 0.8, "seed": 5})
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["text"] == tokenizer.decode(script[:5]) and c["finish_reason"] == "length" for c in body["choices"])
+    rid = body["id"].removeprefix("cmpl-")
+    assert [s.request_id for s in backend.submitted] == [rid, f"{rid}-1", f"{rid}-2"]
+    # Seeded as vLLM seeds its n samples: seed + index.
+    assert [s.sampling.seed for s in backend.submitted] == [5, 6, 7]
+    prompt_tokens = len(backend.submitted[0].prompt_token_ids)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 15, "total_tokens": prompt_tokens + 15}
+
+
+def test_n_choices_stream_interleaved_by_index(make_client, backend, tokenizer, script):
+    backend.delay = 0.001
+    client = make_client(backend)
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 6, "n": 2, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    *chunks, usage = sse_payloads(r)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert "".join(c["delta"].get("content", "") for c in mine) == tokenizer.decode(script[:6])
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"] and mine[-1]["finish_reason"]
+    assert usage["usage"]["completion_tokens"] == 12
+
+
+def test_a_stop_string_ends_every_choice_and_aborts_them(client, backend):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 30, "n": 2, "stop": ["fox"]})
+    assert [c["text"] for c in r.json()["choices"]] == ["The quick brown "] * 2
+    assert sorted(backend.aborted) == sorted(s.request_id for s in backend.submitted)
+
+
+def test_n_choices_need_n_admission_slots(make_client, backend):
+    client = make_client(backend, max_in_flight=2, retry_after=3)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": 3})
+    assert r.status_code == 429 and not backend.submitted
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": 2}).status_code == 200
+    assert "llumdask_gateway_requests_in_flight 0.0" in client.get("/metrics").text

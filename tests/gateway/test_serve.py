@@ -193,6 +193,26 @@ def test_chat_stream(server):
     assert chunks[-1].usage.completion_tokens == len(expected)
 
 
+def test_n_choices_through_the_openai_client(server):
+    """Greedy choices are equal; seeded random ones differ (seed + index each) and repeat exactly."""
+    greedy = server.openai().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, n=3)
+    expected = server.tokenizer.decode(reference(server, chat_prompt(server, MESSAGES), 8))
+    assert [c.message.content for c in greedy.choices] == [expected] * 3 and [c.index for c in greedy.choices] == [0, 1, 2]
+    assert greedy.usage.completion_tokens == 3 * 8
+
+    def sampled() -> dict[int, str]:
+        chunks = server.openai().completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0,
+                                                    seed=11, n=2, stream=True, extra_body={"ignore_eos": True})
+        texts = {0: "", 1: ""}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        return texts
+
+    first = sampled()
+    assert first == sampled() and first[0] != first[1]
+
+
 def test_concurrent_streams_do_not_mix(server):
     prompts = [f"Question {i}: what is the capital of France?" for i in range(4)]
     results: dict[int, str] = {}
@@ -230,11 +250,13 @@ BAD_INPUTS = [
     ("unknown model", {"model": "gpt-9", "prompt": "Hi"}, 404, "model_not_found", "gpt-9"),
     ("malformed json", b'{"model": ', 400, "invalid_json", "not valid JSON"),
     ("wrong type", {"model": MODEL, "prompt": "Hi", "max_tokens": "many"}, 400, "invalid_type", "max_tokens"),
-    ("n > 1", {"model": MODEL, "prompt": "Hi", "n": 2}, 400, "unsupported_parameter", "n=1"),
+    ("best_of > n", {"model": MODEL, "prompt": "Hi", "best_of": 2}, 400, "unsupported_parameter", "best_of > n"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "invalid_value", "empty"),
     ("beyond the context", {"model": MODEL, "prompt": "Hi", "max_tokens": 5000}, 400, "context_length_exceeded",
      "maximum context length is 4096 tokens"),
     ("too large", {"model": MODEL, "prompt": "x" * (2 << 20)}, 413, "request_too_large", "bytes"),
+    ("needs logits", {"model": MODEL, "prompt": "Hi", "presence_penalty": 0.5}, 400, "request_rejected",
+     "the sim engine does not model presence_penalty"),
 ]
 
 
@@ -433,13 +455,14 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory):
         stop_serve(server)
 
 
-def plain_vllm(model: Path, prompts: list[tuple[list[int], int]]) -> list[list[int]]:
-    """Greedy tokens (EOS ignored) from an unmodified vllm.LLM with serve's defaults for the tiny model."""
+def plain_vllm(model: Path, prompts: list[tuple]) -> list[list[int]]:
+    """Greedy tokens (EOS ignored) from an unmodified vllm.LLM with serve's defaults for the tiny model,
+    for each (prompt ids, max_tokens[, more vLLM sampling parameters])."""
     from llumdask.engine.vllm.tiny_model import DEFAULT_KV_CACHE_BYTES
 
     done = subprocess.run(
         [sys.executable, str(PLAIN_VLLM), str(model), json.dumps({"kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES}),
-         json.dumps([[list(ids), n] for ids, n in prompts])],
+         json.dumps([[list(ids), *rest] for ids, *rest in prompts])],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("PLAIN-VLLM-OUTPUT ")]
@@ -459,7 +482,21 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
                                        extra_body={"ignore_eos": True})
     chunks = list(client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=40, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True}))
-    expected = plain_vllm(server.model_dir, [(server.tokenizer.encode(p), n) for p, n in zip(prompts, (24, 40))])
+    # Penalties, a bias, filters: OpenAI's fields and vLLM's extensions, as vLLM applies them.
+    biased = server.tokenizer.encode(prompts[0])
+    sampling = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "logit_bias": {str(t): -50 for t in biased[1:3]}}
+    extensions = {"repetition_penalty": 1.2, "top_k": 8, "min_p": 0.05, "ignore_eos": True}
+    chat_chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompts[0]}], max_tokens=32, temperature=0,
+        stream=True, extra_body=extensions, **sampling))
+    chat_prompt = server.tokenizer.encode(server.tokenizer.render_chat([{"role": "user", "content": prompts[0]}]),
+                                          add_special_tokens=False)
+    vllm_sampling = {**sampling, **extensions, "logit_bias": {t: -50 for t in biased[1:3]}}
+    del vllm_sampling["ignore_eos"]
+    expected = plain_vllm(server.model_dir, [(server.tokenizer.encode(p), n) for p, n in zip(prompts, (24, 40))]
+                          + [(chat_prompt, 32, vllm_sampling), (chat_prompt, 32)])
     assert result.choices[0].text == server.tokenizer.decode(expected[0])
     assert result.usage.completion_tokens == 24 and result.choices[0].finish_reason == "length"
     assert "".join(c.choices[0].text for c in chunks if c.choices) == server.tokenizer.decode(expected[1])
+    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == server.tokenizer.decode(expected[2])
+    assert expected[2] != expected[3]  # the options changed what greedy decoding picks

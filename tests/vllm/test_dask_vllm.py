@@ -168,6 +168,22 @@ def test_forced_migrations_keep_the_tokens_of_plain_vllm(clean, reference, name,
     assert stream.instance == migrations[-1][2]
 
 
+def test_a_pinned_request_is_never_moved(clean):
+    """A presence penalty counts only what vLLM generated where the request runs: it stays there."""
+    from llumdask.api.client import MigrationNotStarted
+
+    stream = clean.stream(prompt_of("pinned", 40), max_tokens=60, ignore_eos=True, presence_penalty=0.5)
+    tokens = [next(stream) for _ in range(5)]
+    source = stream.instance
+    destination = next(r["instance"] for r in clean.instances() if r["instance"] != source)
+    with pytest.raises(MigrationNotStarted, match="pinned"):
+        clean.migrate(stream.request_id, to=destination)
+    tokens += list(stream)
+    assert len(tokens) == 60 and stream.instance == source
+    events = worker_statuses(clean.dask_client)[source]["events"]
+    assert not [e for e in events if e["request_id"] == stream.request_id]
+
+
 def test_destination_killed_mid_migration_the_request_completes_on_the_source(llum, reference, initial_free_blocks):
     """Last in the module. The destination's nanny is told that its worker's end is the cluster's
     (so it does not start a new vLLM instance while the module's cluster closes)."""

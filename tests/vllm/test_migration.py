@@ -231,3 +231,63 @@ def test_resume_adopts_the_imported_full_blocks(vllm_engine, peer_engine):
     drain(peer_engine, streams[1])
     drain(vllm_engine, streams[0])
     assert len(received_tokens(list(streams), "adopt")) == 40
+
+
+def run_alone(engine, request_id: str, prompt_len: int, max_tokens: int, **sampling) -> list[int]:
+    request = make_request(request_id, prompt_len, max_tokens, **sampling)
+    engine.add_request(request)
+    drain(engine, {})
+    return request.output_token_ids
+
+
+def migrated_run(source, destination, request_id: str, prompt_len: int, max_tokens: int, decode_before: int,
+                 **sampling) -> list[int]:
+    free = (source.snapshot().free_blocks, destination.snapshot().free_blocks)
+    streams = ({}, {})
+    source.add_request(make_request(request_id, prompt_len, max_tokens, **sampling))
+    for _ in range(decode_before):
+        step(source, streams[0])
+    migrate(source, destination, request_id, f"m-{request_id}", 2, streams)
+    drain(destination, streams[1])
+    drain(source, streams[0])
+    assert (source.snapshot().free_blocks, destination.snapshot().free_blocks) == free
+    return received_tokens(list(streams), request_id)
+
+
+@pytest.mark.parametrize("option", ["repetition_penalty", "logit_bias", "top_k_min_p"])
+def test_logit_options_migrate_with_identical_tokens(vllm_engine, peer_engine, reference, option):
+    plain = reference[(100, 300)][:60]
+    sampling = {
+        "repetition_penalty": {"repetition_penalty": 1.3},
+        # Forbid the tokens greedy decoding picks at 20 and 21: the output turns there.
+        "logit_bias": {"logit_bias": {plain[20]: -100, plain[21]: -100}},
+        "top_k_min_p": {"top_k": 3, "min_p": 0.1},
+    }[option]
+    alone = run_alone(vllm_engine, f"{option}-alone", 100, 60, **sampling)
+    # The option acts (filters keep the argmax, so greedy decoding is unchanged by them).
+    assert (alone == plain) == (option == "top_k_min_p")
+    assert migrated_run(vllm_engine, peer_engine, option, 100, 60, 25, **sampling) == alone
+
+
+def test_min_tokens_count_what_was_generated_before_the_migration(vllm_engine, peer_engine, reference):
+    plain = reference[(100, 300)]
+    once = run_alone(vllm_engine, "min-once", 100, 40, stop_token_ids=(plain[3],), min_tokens=12)
+    # A stop token at 3 (masked before the move), one at 14: past min_tokens overall, but within
+    # min_tokens of the destination's own count had the 6 tokens before the move been forgotten.
+    stops = (plain[3], once[14])
+    alone = run_alone(vllm_engine, "min-alone", 100, 40, stop_token_ids=stops, min_tokens=12)
+    assert alone == once[:15]
+    assert migrated_run(vllm_engine, peer_engine, "min", 100, 40, 6, stop_token_ids=stops, min_tokens=12) == alone
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_penalties_on_own_output_are_not_migratable(vllm_engine, penalty):
+    vllm_engine.add_request(make_request("pinned", 20, 50, **{penalty: 0.5}))
+    for _ in range(3):
+        vllm_engine.step()
+    (load,) = vllm_engine.snapshot().running
+    assert not load.migratable
+    with pytest.raises(MigrationRefused, match=penalty):
+        vllm_engine.pause("pinned")
+    vllm_engine.abort_request("pinned")
+    drain(vllm_engine, {})

@@ -77,11 +77,13 @@ step's attention over the context. The destination needs no block beyond its res
 plus the tail's, so a committed request never waits for memory there.
 
 Sampling state that cannot move exactly (decided per request by `migration_refusal`):
-a re-added request restarts vLLM's per-request state, so seeded random sampling (the
-generator restarts from the seed), and any parameter counting output tokens (penalties,
-min_tokens; llumdask's SamplingParams has none today) would change the continuation. Seeded
-random requests are therefore not migratable; greedy and unseeded requests are. Stop token
-ids carry over unchanged (they look only at the new token).
+a re-added request restarts vLLM's per-request state with its output as part of the prompt.
+Seeded random sampling (the generator restarts from the seed) and presence / frequency
+penalties (they count output tokens only) would change the continuation, so such requests are
+not migratable. Everything else moves exactly: greedy and unseeded sampling, top_k, min_p and
+logit_bias (they look at the logits of one step), the repetition penalty (prompt and output
+alike), stop token ids (they look only at the new token) and min_tokens (lowered by the
+tokens already generated).
 
 vLLM symbols this relies on are pinned by tests/vllm/test_contract.py.
 """

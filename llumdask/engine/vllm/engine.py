@@ -86,16 +86,21 @@ def engine_args_for(model: str, overrides: Mapping[str, Any] | None = None) -> d
 
 def migration_refusal(request: Request) -> str:
     """Why the request cannot move exactly ("" when it can). A resumed request restarts vLLM's
-    per-request sampling state, so a seeded random sampler would replay its seed."""
+    per-request sampling state, so a seeded random sampler would replay its seed, and it resumes
+    with its output as prompt, which presence and frequency penalties do not count (the
+    repetition penalty counts prompt and output alike, so it moves exactly)."""
     s = request.sampling
     if s.temperature > 0 and s.seed is not None:
         return "seeded random sampling restarts its generator on the destination"
+    if option := s.counts_own_output:
+        return f"{option} counts only the tokens generated where the request runs"
     return ""
 
 
 def to_vllm_sampling(request: Request, migration_id: str | None = None) -> "vllm.SamplingParams":
     """vLLM sampling parameters for one of our requests: deltas only, token ids only; a request
-    resumed after a migration asks only for the tokens it still lacks."""
+    resumed after a migration asks only for the tokens it still lacks, and for fewer minimum
+    tokens by those it has."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -108,8 +113,15 @@ def to_vllm_sampling(request: Request, migration_id: str | None = None) -> "vllm
     return VllmSamplingParams(
         n=1,
         max_tokens=s.max_tokens - request.num_output_tokens,
+        min_tokens=max(0, s.min_tokens - request.num_output_tokens),
         temperature=s.temperature,
         top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias=dict(s.logit_bias) or None,
         seed=s.seed,
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,

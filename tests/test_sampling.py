@@ -1,0 +1,49 @@
+"""SamplingParams: the one validation every entry point shares, and what crosses comms intact."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from llumdask.request import Request, SamplingParams
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"top_k": -2}, "top_k must be an integer >= -1"),
+    ({"top_k": 1.5}, "top_k must be an integer"),
+    ({"min_p": 1.01}, "min_p must be in"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be in"),
+    ({"presence_penalty": 2.1}, "presence_penalty must be in"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty must be in"),
+    ({"min_tokens": -1}, "min_tokens must be an integer >= 0"),
+    ({"min_tokens": 17}, r"min_tokens \(17\) must not exceed max_tokens \(16\)"),
+    ({"logit_bias": {True: 1}}, "logit_bias must map token ids"),
+    ({"logit_bias": {"3.5": 1}}, "logit_bias must map token ids"),
+    ({"logit_bias": {3: 100.5}}, "logit_bias must map token ids"),
+    ({"logit_bias": [1, 2]}, "logit_bias must map token ids"),
+])
+def test_bad_options_name_themselves(fields, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**fields)
+
+
+def test_logit_bias_is_sorted_pairs_from_a_mapping_or_pairs():
+    assert SamplingParams(logit_bias={"12": 5, 3: -100}).logit_bias == ((3, -100.0), (12, 5.0))
+    assert SamplingParams(logit_bias=[[12, 5], [3, -100]]) == SamplingParams(logit_bias={12: 5.0, 3: -100.0})
+
+
+def test_only_penalties_on_own_output_count_it():
+    assert SamplingParams().counts_own_output == ""
+    assert SamplingParams(repetition_penalty=1.3, top_k=5, min_p=0.2, logit_bias={1: 2}).counts_own_output == ""
+    assert SamplingParams(presence_penalty=0.1).counts_own_output == "presence_penalty"
+    assert SamplingParams(frequency_penalty=-0.1).counts_own_output == "frequency_penalty"
+
+
+def test_every_option_survives_the_wire():
+    from llumdask.plugins.wire import request_from_msg, request_to_msg
+
+    sampling = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.9, seed=4, stop_token_ids=(2,), top_k=7,
+                              min_p=0.1, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.4,
+                              min_tokens=3, logit_bias={8: -1.5})
+    msg = msgpack.unpackb(msgpack.packb(request_to_msg(Request("r", [1, 2], sampling))))
+    assert request_from_msg(msg).sampling == sampling
