@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer, model_location, stop_token_ids
 from llumdask.config import load_config
+from llumdask.engine.base import TokenLogprob
 from llumdask.plugins.requester import NoLlumdaskScheduler, RequestRejected, Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
@@ -60,6 +61,9 @@ class Generation:
     # The completion's text, for a text prompt (None for token ids).
     text: str | None = None
     num_prompt_tokens: int = 0
+    # One per token (sampling logprobs=k), and per prompt token (prompt_logprobs=k; the first None).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -146,6 +150,21 @@ class TokenIterator:
     def instance(self) -> str | None:
         """The instance that sent the latest tokens (changes when a migration commits)."""
         return None if self._stream is None else self._stream.sequence.owner
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Log probabilities of the tokens received so far (None unless the request asked for them)."""
+        if self.request.sampling.logprobs is None or self._stream is None:
+            return None
+        sequence = self._stream.sequence
+        return sequence.logprobs(0, sequence.next_index)
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt's, once the first token came (None unless the request asked for them)."""
+        if self._stream is None or self._stream.sequence.prompt_logprobs is None:
+            return None
+        return list(self._stream.sequence.prompt_logprobs)
 
     async def _next_tokens(self) -> list[int]:
         """On the client's loop."""
@@ -308,7 +327,8 @@ class LlumdaskClient:
         in input order, a failed one as its exception in its place. `stop` strings end a text
         generation (not part of the text). `sampling` takes the `SamplingParams` fields
         (temperature, top_p, seed, stop_token_ids, ignore_eos, top_k, min_p, penalties,
-        min_tokens, logit_bias); text prompts stop at the model's
+        min_tokens, logit_bias, logprobs, prompt_logprobs: the result's `.logprobs` and
+        `.prompt_logprobs`); text prompts stop at the model's
         end-of-sequence token unless `ignore_eos`. `timeout` (seconds) bounds each request; on
         expiry it is aborted and TimeoutError raised (returned, in a list).
         """
@@ -419,13 +439,16 @@ class LlumdaskClient:
             while chunk := await tokens._next_tokens():
                 ids += chunk
             return Generation(request.request_id, ids, tokens.finish_reason, tokens.instance,
-                              num_prompt_tokens=prompt_tokens)
+                              num_prompt_tokens=prompt_tokens, logprobs=tokens.logprobs,
+                              prompt_logprobs=tokens.prompt_logprobs)
         deltas = TextIterator(tokens, text, self.tokenizer.vocab_size)
         parts = []
         while (delta := await deltas._next_delta()) is not None:
             parts.append(delta)
+        logprobs = tokens.logprobs
         return Generation(request.request_id, deltas.token_ids, deltas.finish_reason, deltas.instance,
-                          "".join(parts), prompt_tokens)
+                          "".join(parts), prompt_tokens,
+                          None if logprobs is None else logprobs[:len(deltas.token_ids)], tokens.prompt_logprobs)
 
     async def _generate_many(self, jobs: list[tuple[Request, IncrementalText | None]], timeout: float | None,
                              concurrency: int, progress: bool) -> list[Generation | BaseException]:

@@ -7,6 +7,7 @@ so every timestamp the paper reports is recorded on it (by whoever owns the cloc
 from __future__ import annotations
 
 import enum
+import json
 import math
 import uuid
 from dataclasses import dataclass, field
@@ -53,6 +54,10 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
+# The most alternatives per position an engine reports (OpenAI's limit, and vLLM's default).
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What an engine needs to generate; validated here so that every entry point shares it.
@@ -75,6 +80,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log probabilities of each generated (prompt) token and of this many alternatives; None: none.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Structured output: JSON text of a JSON schema the output must satisfy, or any JSON object.
+    json_schema: str | None = None
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -101,6 +112,17 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, str) or not isinstance(_json_or_none(self.json_schema), dict):
+                raise ValueError(f"json_schema must be the JSON text of a schema object, got {self.json_schema!r:.80}")
+            if self.json_object:
+                raise ValueError("json_schema and json_object exclude each other")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +137,13 @@ class SamplingParams:
         if self.frequency_penalty:
             return "frequency_penalty"
         return ""
+
+
+def _json_or_none(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _is_int(value: object) -> bool:

@@ -10,7 +10,9 @@ them back in order by sequence number and drops duplicates. `TokenSequence` is p
 
 Wire format: frames, each a 4-byte big-endian length and then a msgpack list of token messages:
     {"op": "llumnix_tokens", "request_id": str, "first_index": int, "token_ids": [int, ...],
-     "finished": bool, "finish_reason": "length" | "stop" | "abort" | None, "instance": str}
+     "finished": bool, "finish_reason": "length" | "stop" | "abort" | None, "instance": str,
+     "logprobs": [[logprob, [[token id, logprob], ...]], ...] (one per token; only if asked for),
+     "prompt_logprobs": [null | [logprob, [[token id, logprob], ...]], ...] (first batch only)}
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import msgpack
 from distributed.comm.addressing import get_address_host_port
 
-from llumdask.engine.base import TokenOutput
+from llumdask.engine.base import TokenLogprob, TokenOutput
 from llumdask.request import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -48,14 +50,16 @@ class TokenBatch:
     instance: str
     finished: bool = False
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @classmethod
     def from_output(cls, output: TokenOutput, instance: str) -> "TokenBatch":
         return cls(output.request_id, output.first_index, tuple(output.token_ids), instance,
-                   output.finished, output.finish_reason)
+                   output.finished, output.finish_reason, output.logprobs, output.prompt_logprobs)
 
     def to_msg(self) -> dict:
-        return {
+        msg = {
             "op": TOKENS_OP,
             "request_id": self.request_id,
             "first_index": self.first_index,
@@ -64,18 +68,37 @@ class TokenBatch:
             "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
             "instance": self.instance,
         }
+        if self.logprobs is not None:
+            msg["logprobs"] = list(self.logprobs)
+        if self.prompt_logprobs is not None:
+            msg["prompt_logprobs"] = list(self.prompt_logprobs)
+        return msg
 
     @classmethod
     def from_msg(cls, msg: Mapping) -> "TokenBatch":
         reason = msg.get("finish_reason")
+        token_ids = tuple(int(t) for t in msg["token_ids"])
+        logprobs = msg.get("logprobs")
+        if logprobs is not None:
+            logprobs = tuple(_token_logprob(entry) for entry in logprobs)
+            if len(logprobs) != len(token_ids):
+                raise ValueError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
+        prompt = msg.get("prompt_logprobs")
         return cls(
             request_id=msg["request_id"],
             first_index=int(msg["first_index"]),
-            token_ids=tuple(int(t) for t in msg["token_ids"]),
+            token_ids=token_ids,
             instance=msg["instance"],
             finished=bool(msg["finished"]),
             finish_reason=None if reason is None else FinishReason(reason),
+            logprobs=logprobs,
+            prompt_logprobs=None if prompt is None else tuple(None if e is None else _token_logprob(e) for e in prompt),
         )
+
+
+def _token_logprob(entry: Iterable) -> TokenLogprob:
+    logprob, top = entry
+    return TokenLogprob(float(logprob), tuple((int(t), float(lp)) for t, lp in top))
 
 
 class TokenOutbox:
@@ -122,6 +145,8 @@ class TokenSequence:
     A duplicate index is dropped; if it carries a different token it is counted in `conflicts`
     (greedy and seeded sampling make both owners agree, so a conflict is a bug worth seeing).
     The sequence is done once a finished batch fixed the length and every token up to it arrived.
+    Log probabilities, when the request asked for them, travel and are kept beside their tokens
+    (`logprobs`), the prompt's with the first batch (`prompt_logprobs`).
     """
 
     def __init__(self, start_index: int = 0) -> None:
@@ -131,6 +156,9 @@ class TokenSequence:
         self._next = start_index
         self._pending: dict[int, int] = {}
         self._delivered: list[int] = []
+        self._pending_logprobs: dict[int, TokenLogprob] = {}
+        self._delivered_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
         self._length: int | None = None
         self.finish_reason: FinishReason | None = None
         self.conflicts = 0
@@ -152,6 +180,10 @@ class TokenSequence:
     def done(self) -> bool:
         return self._length is not None and self._next >= self._length
 
+    def logprobs(self, start: int, end: int) -> list[TokenLogprob]:
+        """The log probabilities of delivered tokens [start, end) (by sequence number)."""
+        return self._delivered_logprobs[start - self._start : end - self._start]
+
     def add(self, batch: TokenBatch) -> list[int]:
         if batch.first_index < 0:
             raise ValueError(f"request {batch.request_id}: negative first_index {batch.first_index}")
@@ -161,6 +193,12 @@ class TokenSequence:
             self._furthest = max(self._furthest, end)
         for offset, token in enumerate(batch.token_ids):
             self._accept(batch.first_index + offset, token)
+        if batch.logprobs is not None:
+            for offset, logprob in enumerate(batch.logprobs):
+                if batch.first_index + offset >= self._next:
+                    self._pending_logprobs.setdefault(batch.first_index + offset, logprob)
+        if batch.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = batch.prompt_logprobs
         if batch.finished and self._length is None:
             self._length = end
             self.finish_reason = batch.finish_reason
@@ -178,6 +216,9 @@ class TokenSequence:
         new: list[int] = []
         while self._next in self._pending:
             new.append(self._pending.pop(self._next))
+            logprob = self._pending_logprobs.pop(self._next, None)
+            if logprob is not None:
+                self._delivered_logprobs.append(logprob)
             self._next += 1
         self._delivered.extend(new)
         return new

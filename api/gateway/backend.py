@@ -9,10 +9,11 @@ gateway gets dispatch, ordered token streams and failover from the same code a n
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from llumdask.engine.base import TokenLogprob
 from llumdask.request import FinishReason, Priority, SamplingParams
 
 
@@ -51,6 +52,15 @@ class TokenBatches(Protocol):
     def finish_reason(self) -> FinishReason | None: ...
 
     def __aiter__(self) -> AsyncIterator[list[int]]: ...
+
+    def logprobs(self, start: int, end: int) -> Sequence[TokenLogprob]:
+        """Log probabilities of output tokens [start, end) received so far (the request asked for them)."""
+        ...
+
+    @property
+    def prompt_logprobs(self) -> Sequence[TokenLogprob | None] | None:
+        """The prompt's, once the first batch came (the request asked for them), else None."""
+        ...
 
 
 class Backend(Protocol):

@@ -17,6 +17,7 @@ from distributed import Client
 
 from llumdask.api.client import LlumdaskClient, NoLlumdaskScheduler, RequestRejected
 from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable, ModelInfo
+from llumdask.engine.base import TokenLogprob
 from llumdask.global_scheduler import NoInstanceAvailable
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
@@ -41,6 +42,13 @@ class DaskTokenBatches:
         self.finish_reason = self._stream.sequence.finish_reason
         # Finished: nothing to abort. An unfinished request stays known so that abort finds its instance.
         self._requester.forget(self.request_id)
+
+    def logprobs(self, start: int, end: int) -> list[TokenLogprob]:
+        return self._stream.sequence.logprobs(start, end)
+
+    @property
+    def prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+        return self._stream.sequence.prompt_logprobs
 
 
 class DaskBackend:

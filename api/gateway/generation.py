@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import NamedTuple
 
 from prometheus_client import Gauge
 
@@ -22,6 +23,7 @@ from llumdask.api.gateway.errors import InvalidRequest, Overloaded, Unavailable
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.responses import Usage
 from llumdask.api.gateway.tokenizer import Tokenizer
+from llumdask.engine.base import TokenLogprob
 from llumdask.request import FinishReason, Priority, SamplingParams
 
 
@@ -46,6 +48,14 @@ class InFlight:
         self._gauge.set(self._count)
 
 
+class Delta(NamedTuple):
+    """New text of one choice, and which of its output tokens made it: [start, end)."""
+
+    text: str
+    start: int
+    end: int
+
+
 class Generation:
     """Use as: `await start()`, iterate `deltas()`, then read `finish_reason` / `usage`; always `close()`."""
 
@@ -65,12 +75,28 @@ class Generation:
         self._started = time.perf_counter()
         self._first_token: float | None = None
         self._last_token: float | None = None
-        self.num_output_tokens = 0
+        self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens the client was given (what usage counts)."""
+        return len(self.token_ids)
 
     @property
     def usage(self) -> Usage:
         return Usage(len(self._prompt), self.num_output_tokens)
+
+    def logprobs(self, start: int, end: int) -> Sequence[TokenLogprob]:
+        """Log probabilities of output tokens [start, end) (the request asked for them)."""
+        assert self._batches is not None, "start() first"
+        return self._batches.logprobs(start, end)
+
+    @property
+    def prompt_logprobs(self) -> Sequence[TokenLogprob | None]:
+        """The prompt's (the request asked for them; the first is None): once a token came."""
+        assert self._batches is not None, "start() first"
+        return self._batches.prompt_logprobs or [None] * len(self._prompt)
 
     async def start(self) -> None:
         try:
@@ -80,7 +106,7 @@ class Generation:
         except BackendRejected as exc:
             raise InvalidRequest(f"The request was rejected: {exc}", code="request_rejected") from None
 
-    async def deltas(self) -> AsyncIterator[str]:
+    async def deltas(self) -> AsyncIterator[Delta]:
         """One text delta per token batch until the request finishes or hits a stop string.
 
         A delta may be empty: its tokens' text is held back (a character split over tokens, the
@@ -93,9 +119,10 @@ class Generation:
                 self._last_token = time.perf_counter()
                 if self._first_token is None:
                     self._first_token = self._last_token
-                self.num_output_tokens += len(batch)
+                start = self.num_output_tokens
+                self.token_ids.extend(batch)
                 delta = self._text.add(batch)
-                yield delta.text
+                yield Delta(delta.text, start, self.num_output_tokens)
                 if delta.stopped:  # the engine still runs it: close() aborts it
                     self._end("stop")
                     return
@@ -105,7 +132,7 @@ class Generation:
         rest = self._text.finish()
         self._end("stop" if rest.stopped else _finish_reason(self._batches.finish_reason))
         if rest.text:
-            yield rest.text
+            yield Delta(rest.text, self.num_output_tokens, self.num_output_tokens)
 
     def _end(self, finish_reason: str) -> None:
         self.finish_reason = finish_reason
@@ -114,7 +141,7 @@ class Generation:
 
     async def text(self) -> str:
         """The whole completion (non-streaming responses)."""
-        return "".join([delta async for delta in self.deltas()])
+        return "".join([delta.text async for delta in self.deltas()])
 
     async def close(self) -> None:
         """Abort the request unless it finished; safe to call in any state, even while cancelled."""
@@ -145,21 +172,21 @@ def total_usage(generations: Sequence[Generation]) -> Usage:
     return Usage(generations[0].usage.prompt_tokens, sum(g.num_output_tokens for g in generations))
 
 
-async def merged_deltas(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, str | None]]:
-    """(choice index, text delta) as each choice produces them, then (index, None) once that
+async def merged_deltas(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Delta | None]]:
+    """(choice index, delta) as each choice produces them, then (index, None) once that
     choice has finished (its `finish_reason` is set). One choice is read directly; several are
     read by one task each into a queue as short as their number, so a slow client slows them."""
     if len(generations) == 1:
-        async for text in generations[0].deltas():
-            yield 0, text
+        async for delta in generations[0].deltas():
+            yield 0, delta
         yield 0, None
         return
-    queue: asyncio.Queue[tuple[int, str | None | Exception]] = asyncio.Queue(maxsize=len(generations))
+    queue: asyncio.Queue[tuple[int, Delta | None | Exception]] = asyncio.Queue(maxsize=len(generations))
 
     async def pump(index: int, generation: Generation) -> None:
         try:
-            async for text in generation.deltas():
-                await queue.put((index, text))
+            async for delta in generation.deltas():
+                await queue.put((index, delta))
             await queue.put((index, None))
         except Exception as exc:  # raised to the reader, which ends the response with it
             await queue.put((index, exc))

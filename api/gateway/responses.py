@@ -7,8 +7,13 @@ shape is a small class and the serving logic in routes.py is written once.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from llumdask.api.gateway.logprobs import chat_logprobs, completion_logprobs
+from llumdask.api.gateway.tokenizer import Tokenizer
+from llumdask.engine.base import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -36,9 +41,9 @@ class ResponseFormat(ABC):
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def body(self, choices: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
-        """The whole response: one (text, finish reason) per choice, in index order."""
-        body = self._envelope(self.object, [self._choice(i, text, reason) for i, (text, reason) in enumerate(choices)])
+    def body(self, choices: list[tuple[str, str | None, dict | None]], usage: Usage) -> dict[str, Any]:
+        """The whole response: one (text, finish reason, logprobs) per choice, in index order."""
+        body = self._envelope(self.object, [self._choice(i, *choice) for i, choice in enumerate(choices)])
         body["usage"] = usage.to_dict()
         return body
 
@@ -46,11 +51,16 @@ class ResponseFormat(ABC):
         """Chunks sent before choice `index`'s first token (chat announces the role)."""
         return []
 
-    def text_chunk(self, index: int, text: str) -> dict[str, Any]:
-        return self._envelope(self.chunk_object, [self._delta(index, text, None)])
+    def text_chunk(self, index: int, text: str, logprobs: dict | None = None) -> dict[str, Any]:
+        return self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs)])
 
     def final_chunk(self, index: int, finish_reason: str | None) -> dict[str, Any]:
-        return self._envelope(self.chunk_object, [self._delta(index, None, finish_reason)])
+        return self._envelope(self.chunk_object, [self._delta(index, None, finish_reason, None)])
+
+    @abstractmethod
+    def logprobs(self, tokenizer: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None],
+                 text_offset: int) -> dict[str, Any]:
+        """This shape's log probabilities of `token_ids`, the first at `text_offset` in the text."""
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """stream_options.include_usage: one last chunk with no choices and the usage."""
@@ -59,36 +69,44 @@ class ResponseFormat(ABC):
         return chunk
 
     @abstractmethod
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]: ...
 
     @abstractmethod
-    def _delta(self, index: int, text: str | None, finish_reason: str | None) -> dict[str, Any]: ...
+    def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]: ...
 
 
 class CompletionFormat(ResponseFormat):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def logprobs(self, tokenizer: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None],
+                 text_offset: int) -> dict[str, Any]:
+        return completion_logprobs(tokenizer, token_ids, entries, text_offset)
 
-    def _delta(self, index: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
-        return self._choice(index, text or "", finish_reason)
+    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
+        return self._choice(index, text or "", finish_reason, logprobs)
 
 
 class ChatFormat(ResponseFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def logprobs(self, tokenizer: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None],
+                 text_offset: int) -> dict[str, Any]:
+        return chat_logprobs(tokenizer, token_ids, entries)
+
+    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    def _delta(self, index: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+    def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
         delta = {} if text is None else {"content": text}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def opening_chunks(self, index: int) -> list[dict[str, Any]]:
-        chunk = self._envelope(self.chunk_object, [self._delta(index, "", None)])
+        chunk = self._envelope(self.chunk_object, [self._delta(index, "", None, None)])
         chunk["choices"][0]["delta"]["role"] = "assistant"
         return [chunk]

@@ -95,7 +95,10 @@ async def completions(request: Request, gateway: Gateway) -> Response:
         check_token_ids(prompt_ids, gateway.tokenizer.vocab_size, "prompt")
     request_id = new_request_id()
     fmt = CompletionFormat(f"cmpl-{request_id}", int(time.time()), gateway.backend.model.name)
-    return await generate(request, gateway, "completions", fmt, request_id, prompt_ids, parsed.options)
+    echo = None
+    if parsed.options.echo:
+        echo = parsed.prompt if isinstance(parsed.prompt, str) else gateway.tokenizer.decode(prompt_ids)
+    return await generate(request, gateway, "completions", fmt, request_id, prompt_ids, parsed.options, echo)
 
 
 async def chat_completions(request: Request, gateway: Gateway) -> Response:
@@ -112,9 +115,10 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
 
 
 async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseFormat, request_id: str,
-                   prompt_ids: list[int], options: GenerationOptions) -> Response:
+                   prompt_ids: list[int], options: GenerationOptions, echo: str | None = None) -> Response:
     """The response's id carries `request_id`, the cluster's name for the request (an operator
-    migrates or inspects it by that name); with n choices, choice i > 0 is `request_id-i`."""
+    migrates or inspects it by that name); with n choices, choice i > 0 is `request_id-i`.
+    `echo`: the prompt's text, to come first in every choice (and its tokens in the logprobs)."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
     sampling = sampling_params(gateway, options, len(prompt_ids))
@@ -134,7 +138,7 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                     gateway.metrics.error("client_disconnected")
                 await finish(gateway, generations)
 
-            events = stream_events(request, gateway, fmt, generations, options.include_usage)
+            events = stream_events(request, gateway, fmt, generations, prompt_ids, options, echo)
             return EventStreamResponse(events, on_close)  # owns the generations and the slots from here
 
         async def texts() -> list[str]:
@@ -145,8 +149,14 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
         await finish(gateway, generations)
         raise
     await finish(gateway, generations)
-    return JSONResponse(fmt.body([(text, g.finish_reason) for text, g in zip(choices, generations)],
-                                 total_usage(generations)))
+    wanted = options.logprobs is not None
+    body = []
+    for text, g in zip(choices, generations):
+        ids, entries = g.token_ids, list(g.logprobs(0, g.num_output_tokens)) if wanted else []
+        if echo is not None:
+            text, ids, entries = echo + text, [*prompt_ids, *ids], [*g.prompt_logprobs, *entries] if wanted else []
+        body.append((text, g.finish_reason, fmt.logprobs(gateway.tokenizer, ids, entries, 0) if wanted else None))
+    return JSONResponse(fmt.body(body, total_usage(generations)))
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -167,17 +177,35 @@ async def finish(gateway: Gateway, generations: Sequence[Generation]) -> None:
 
 
 async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat, generations: Sequence[Generation],
-                        include_usage: bool) -> AsyncGenerator[bytes, None]:
+                        prompt_ids: Sequence[int], options: GenerationOptions,
+                        echo: str | None) -> AsyncGenerator[bytes, None]:
+    """Each choice's chunks: its opening, its echoed prompt (with the first tokens: the prompt's
+    log probabilities come with them), a chunk per token batch with those tokens' log
+    probabilities, its finish; then the usage if asked for."""
+    wanted = options.logprobs is not None
+    sent = [0] * len(generations)  # characters each choice has shown: its next text offset
     for index in range(len(generations)):
         for chunk in fmt.opening_chunks(index):
             yield event(chunk)
+
+    def chunk(index: int, text: str, token_ids: Sequence[int], entries: Sequence) -> bytes:
+        logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, sent[index]) if wanted else None
+        sent[index] += len(text)
+        return event(fmt.text_chunk(index, text, logprobs))
+
     try:
-        async for index, text in merged_deltas(generations):
-            if text is None:
-                yield event(fmt.final_chunk(index, generations[index].finish_reason))
+        echoed: set[int] = set()
+        async for index, delta in merged_deltas(generations):
+            g = generations[index]
+            if echo is not None and index not in echoed:
+                echoed.add(index)
+                yield chunk(index, echo, prompt_ids, g.prompt_logprobs if wanted else ())
+            if delta is None:
+                yield event(fmt.final_chunk(index, g.finish_reason))
             else:
-                yield event(fmt.text_chunk(index, text))
-        if include_usage:
+                entries = g.logprobs(delta.start, delta.end) if wanted else ()
+                yield chunk(index, delta.text, g.token_ids[delta.start:delta.end], entries)
+        if options.include_usage:
             yield event(fmt.usage_chunk(total_usage(generations)))
     except APIError as exc:
         gateway.metrics.error(exc.code)
@@ -201,6 +229,7 @@ def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tok
     return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
                           seed=options.seed, ignore_eos=options.ignore_eos,
                           stop_token_ids=stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos),
+                          logprobs=options.logprobs, prompt_logprobs=options.logprobs if options.echo else None,
                           **extra)
 
 

@@ -1,6 +1,6 @@
 """OpenAI request bodies -> validated, typed requests; every problem is a 400 naming the field.
 
-Fields OpenAI defines that this server cannot honour (logprobs, tools, best_of > n, ...) are refused
+Fields OpenAI defines that this server cannot honour (tools, suffix, best_of > n) are refused
 with a 400 rather than silently ignored: a client relying on them would otherwise get a different
 answer than it asked for. Fields not listed anywhere (``user``, ``metadata``) are ignored, as
 OpenAI-compatible servers commonly do. Extensions also accepted by vLLM's server (clients send
@@ -11,13 +11,14 @@ options are `SamplingParams`'s, so that the gateway and the notebook client acce
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from llumdask.api.gateway.errors import InvalidRequest
-from llumdask.request import Priority, SamplingParams
+from llumdask.request import MAX_LOGPROBS, Priority, SamplingParams
 
 MAX_SEED = (1 << 63) - 1
 # OpenAI's bound on choices per request.
@@ -26,14 +27,9 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 # field -> (is the value the harmless default?, what to say when it is not)
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logprobs": (lambda v: v in (None, False), "logprobs are not supported"),
-    "top_logprobs": (lambda v: v in (None, 0), "top_logprobs are not supported"),
-    "echo": (lambda v: v in (None, False), "echo is not supported"),
     "suffix": (lambda v: v in (None, ""), "suffix is not supported"),
     "tools": (lambda v: not v, "tools are not supported"),
     "functions": (lambda v: not v, "functions are not supported"),
-    "response_format": (lambda v: v is None or (isinstance(v, Mapping) and v.get("type") == "text"),
-                        "response_format other than text is not supported"),
 }
 
 # Sampling options passed to the engine as given: name -> the JSON type it must have.
@@ -66,6 +62,10 @@ class GenerationOptions:
     priority: Priority | None
     # Choices: each is its own request on the cluster.
     n: int
+    # Log probabilities of each token and of this many alternatives (None: none asked for);
+    # echo (completions): the prompt comes first in the text, and in the log probabilities.
+    logprobs: int | None
+    echo: bool
     # The SAMPLING_OPTIONS given, each checked on its own (min_tokens against max_tokens later).
     sampling: Mapping[str, Any]
 
@@ -86,7 +86,9 @@ class ChatRequest:
 
 def parse_completion(body: Any) -> CompletionRequest:
     body = _object(body)
-    options = _options(body, max_tokens_default=16, max_tokens_fields=("max_tokens",))
+    logprobs = _int(body, "logprobs", minimum=0, maximum=MAX_LOGPROBS) if body.get("logprobs") is not None else None
+    options = _options(body, max_tokens_default=16, max_tokens_fields=("max_tokens",), logprobs=logprobs,
+                       echo=_bool(body, "echo", False))
     return CompletionRequest(options, _prompt(body))
 
 
@@ -94,7 +96,12 @@ def parse_chat(body: Any) -> ChatRequest:
     body = _object(body)
     if body.get("tool_choice") not in (None, "none"):
         raise InvalidRequest("tool_choice is not supported", param="tool_choice", code="unsupported_parameter")
-    options = _options(body, max_tokens_default=None, max_tokens_fields=("max_completion_tokens", "max_tokens"))
+    top = _int(body, "top_logprobs", minimum=0, maximum=MAX_LOGPROBS) if body.get("top_logprobs") is not None else None
+    wanted = _bool(body, "logprobs", False)
+    if top is not None and not wanted:
+        raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
+    options = _options(body, max_tokens_default=None, max_tokens_fields=("max_completion_tokens", "max_tokens"),
+                       logprobs=(top or 0) if wanted else None, echo=False)
     return ChatRequest(options, _messages(body))
 
 
@@ -145,8 +152,8 @@ def _object(body: Any) -> Mapping[str, Any]:
     return body
 
 
-def _options(body: Mapping[str, Any], *, max_tokens_default: int | None,
-             max_tokens_fields: tuple[str, ...]) -> GenerationOptions:
+def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tokens_fields: tuple[str, ...],
+             logprobs: int | None, echo: bool) -> GenerationOptions:
     for name, (is_default, message) in _UNSUPPORTED.items():
         if not is_default(body.get(name)):
             raise InvalidRequest(message, param=name, code="unsupported_parameter")
@@ -179,9 +186,42 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None,
         include_usage=_bool(stream_options or {}, "include_usage", False, param="stream_options.include_usage"),
         priority=_priority(body.get("priority")),
         n=_choices(body),
-        sampling={name: _sampling_option(body, name, kind) for name, kind in SAMPLING_OPTIONS.items()
-                  if body.get(name) is not None},
+        logprobs=logprobs,
+        echo=echo,
+        sampling={**{name: _sampling_option(body, name, kind) for name, kind in SAMPLING_OPTIONS.items()
+                     if body.get(name) is not None}, **_response_format(body.get("response_format"))},
     )
+
+
+def _response_format(value: Any) -> dict[str, Any]:
+    """OpenAI's response_format as SamplingParams fields: text (nothing), json_object, or
+    json_schema with a schema that must itself be valid (checked against its metaschema)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _wrong_type("response_format", "an object", value)
+    kind = value.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise InvalidRequest(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                             param="response_format.type", code="invalid_value")
+    spec = value.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise _wrong_type("response_format.json_schema", "an object", spec)
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise _wrong_type("response_format.json_schema.schema", "an object", schema)
+    from jsonschema import SchemaError, validators
+
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        raise InvalidRequest(f"response_format.json_schema.schema is not a valid JSON schema: {exc.message}",
+                             param="response_format.json_schema.schema", code="invalid_value") from None
+    return {"json_schema": json.dumps(schema)}
 
 
 def _choices(body: Mapping[str, Any]) -> int:

@@ -19,9 +19,19 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, runt
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, RequestTiming, SamplingParams, blocks_for
 
 
+class TokenLogprob(NamedTuple):
+    """One position's log probabilities: of the token there, and the most likely alternatives
+    (token id, log probability), most likely first, as many as the request asked for."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class TokenOutput(NamedTuple):
     """New tokens of one request from one step. `first_index` is the position of
     `token_ids[0]` in the request's output: the sequence number the frontend orders by.
+    `logprobs` is one entry per token when the request asked for them; `prompt_logprobs` one
+    per prompt token (None for the first, which nothing predicts), on the request's first output.
 
     A named tuple rather than a frozen dataclass: one is made per request per step, the most
     made object of a simulation, and a tuple is built several times faster."""
@@ -31,6 +41,8 @@ class TokenOutput(NamedTuple):
     token_ids: tuple[int, ...]
     finished: bool = False
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ Sampling: greedy uses that function alone; temperature > 0 mixes in a value deri
 (seed, position) when seeded, or drawn from a per-request numpy Generator whose state travels in
 `MigrationState.engine_state` when not. top_p, top_k and min_p are accepted and change nothing
 (the sampled value stands for a draw from whatever the filters keep); options that move
-probability between named tokens (penalties, logit_bias) would need logits, so the sim refuses
-them. The sim has no EOS token: a request ends at max_tokens or when a generated token is one
-of its stop_token_ids; before min_tokens a stop token is masked (the next id that is not one
-is generated instead), as vLLM masks them.
+probability between named tokens (penalties, logit_bias, structured output) or report it
+(logprobs) would need logits, so the sim refuses them. The sim has no EOS token: a request ends at max_tokens or when
+a generated token is one of its stop_token_ids; before min_tokens a stop token is masked (the
+next id that is not one is generated instead), as vLLM masks them.
 
 With `kv_bytes_per_token = 0` there is no content: tokens are a function of the prompt hash and
 position only (plus the sampling value), exported buffers have shape (blocks, block_size, 0) and
@@ -167,6 +167,12 @@ def unmodelled_option(sampling: SamplingParams) -> str:
         return "frequency_penalty"
     if sampling.logit_bias:
         return "logit_bias"
+    if sampling.logprobs is not None:
+        return "logprobs"
+    if sampling.prompt_logprobs is not None:
+        return "prompt_logprobs"
+    if sampling.json_schema is not None or sampling.json_object:
+        return "response_format"
     return ""
 
 

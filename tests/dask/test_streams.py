@@ -10,7 +10,7 @@ from distributed.comm.addressing import get_address_host_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llumdask.engine.base import TokenOutput
+from llumdask.engine.base import TokenLogprob, TokenOutput
 from llumdask.plugins.streams import TokenBatch, TokenListener, TokenOutbox, TokenPusher, TokenSequence
 from llumdask.request import FinishReason
 
@@ -22,8 +22,13 @@ def batches_of(tokens: list[int], cuts: list[int], owner_switch: int) -> list[To
     for k, (i, j) in enumerate(zip(bounds, bounds[1:])):
         last = j == len(tokens)
         out.append(TokenBatch("r", i, tuple(tokens[i:j]), "a" if k < owner_switch else "b",
-                              finished=last, finish_reason=FinishReason.LENGTH if last else None))
+                              finished=last, finish_reason=FinishReason.LENGTH if last else None,
+                              logprobs=tuple(logprob_at(n) for n in range(i, j))))
     return out
+
+
+def logprob_at(index: int) -> TokenLogprob:
+    return TokenLogprob(-index / 8, ((index, -index / 8), (index + 1, -1 - index / 8)))
 
 
 class ManualClock:
@@ -124,7 +129,24 @@ def test_any_arrival_order_with_duplicates_reassembles_the_stream(tokens, cuts, 
     for batch in arrival:
         delivered += seq.add(batch)
         assert delivered == tokens[: len(delivered)]
+        assert seq.logprobs(0, len(delivered)) == [logprob_at(n) for n in range(len(delivered))]
     assert delivered == tokens and seq.done and seq.conflicts == 0
+
+
+def test_logprobs_cross_the_wire_beside_their_tokens():
+    import msgpack
+
+    prompt = (None, TokenLogprob(-2.5, ((7, -0.5),)))
+    batch = TokenBatch("r", 0, (4, 5), "a", logprobs=(logprob_at(0), logprob_at(1)), prompt_logprobs=prompt)
+    back = TokenBatch.from_msg(msgpack.unpackb(msgpack.packb(batch.to_msg())))
+    assert back == batch
+    plain = TokenBatch("r", 0, (4,), "a")
+    assert "logprobs" not in plain.to_msg() and TokenBatch.from_msg(plain.to_msg()) == plain
+    with pytest.raises(ValueError, match="1 logprobs for 2 tokens"):
+        TokenBatch.from_msg({**batch.to_msg(), "logprobs": [list(logprob_at(0))]})
+    seq = TokenSequence()
+    seq.add(batch)
+    assert seq.prompt_logprobs == prompt and seq.logprobs(1, 2) == [logprob_at(1)]
 
 
 def test_listener_receives_pushed_tokens_in_order_over_a_real_connection():

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from llumdask.api.gateway.backend import BackendUnavailable, ModelInfo
+from llumdask.engine.base import TokenLogprob
 from llumdask.request import FinishReason, Priority, SamplingParams
 
 # The model the fake serves.
@@ -29,12 +30,32 @@ class Submitted:
     priority: Priority
 
 
+def fake_logprob(token: int, position: int, top: int) -> TokenLogprob:
+    """A made-up but checkable entry: -(position + 1) / 10 for the token, alternatives after it."""
+    own = -(position + 1) / 10
+    return TokenLogprob(own, tuple((token + 1 + k, own - 1 - k) for k in range(top)))
+
+
 class ScriptedBatches:
-    def __init__(self, backend: "FakeBackend", request_id: str, sampling: SamplingParams) -> None:
+    def __init__(self, backend: "FakeBackend", request_id: str, sampling: SamplingParams,
+                 prompt_token_ids: list[int]) -> None:
         self.request_id = request_id
         self.finish_reason: FinishReason | None = None
         self._backend = backend
         self._sampling = sampling
+        self._prompt = prompt_token_ids
+        self._tokens: list[int] = []
+
+    def logprobs(self, start: int, end: int) -> list[TokenLogprob]:
+        assert self._sampling.logprobs is not None, "logprobs of a request that did not ask for them"
+        return [fake_logprob(t, i, self._sampling.logprobs) for i, t in enumerate(self._tokens)][start:end]
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        top = self._sampling.prompt_logprobs
+        if top is None or not self._tokens:
+            return None
+        return [None] + [fake_logprob(t, 100 + i, top) for i, t in enumerate(self._prompt[1:])]
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
         b = self._backend
@@ -52,6 +73,7 @@ class ScriptedBatches:
                 batch = batch[: stop_at + 1]
             await asyncio.sleep(b.delay)
             emitted += len(batch)
+            self._tokens.extend(batch)
             yield batch
             if stop_at is not None:
                 self.finish_reason = FinishReason.STOP
@@ -83,7 +105,7 @@ class FakeBackend:
         if self.submit_error is not None:
             raise self.submit_error
         self.submitted.append(Submitted(request_id, list(prompt_token_ids), sampling, priority))
-        return ScriptedBatches(self, request_id, sampling)
+        return ScriptedBatches(self, request_id, sampling, list(prompt_token_ids))
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from gatewayfakes import MAX_CONTEXT, MODEL
+from gatewayfakes import MAX_CONTEXT, MODEL, fake_logprob
 
 import llumdask
 from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable
@@ -347,3 +347,67 @@ def test_n_choices_need_n_admission_slots(make_client, backend):
     assert r.status_code == 429 and not backend.submitted
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": 2}).status_code == 200
     assert "llumdask_gateway_requests_in_flight 0.0" in client.get("/metrics").text
+
+
+def test_completion_logprobs_in_openai_legacy_shape(client, backend, tokenizer, script):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4, "logprobs": 2})
+    logprobs = r.json()["choices"][0]["logprobs"]
+    texts = [tokenizer.decode([t]) for t in script[:4]]
+    assert logprobs["tokens"] == texts
+    assert logprobs["token_logprobs"] == [fake_logprob(t, i, 2).logprob for i, t in enumerate(script[:4])]
+    # The two most likely alternatives and the token's own, keyed by their text.
+    for i, (t, top) in enumerate(zip(script[:4], logprobs["top_logprobs"])):
+        entry = fake_logprob(t, i, 2)
+        assert top == {texts[i]: entry.logprob} | {tokenizer.decode([a]): lp for a, lp in entry.top}
+    assert logprobs["text_offset"] == [sum(len(x) for x in texts[:i]) for i in range(4)]
+    assert backend.submitted[0].sampling.logprobs == 2 and backend.submitted[0].sampling.prompt_logprobs is None
+
+
+def test_echo_puts_the_prompt_first_with_its_logprobs(client, backend, tokenizer, script):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "echo": True,
+                                             "logprobs": 1})
+    choice = r.json()["choices"][0]
+    prompt = backend.submitted[0].prompt_token_ids
+    assert backend.submitted[0].sampling.prompt_logprobs == 1
+    assert choice["text"] == "Hello there" + tokenizer.decode(script[:3])
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt) + 3
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1] == fake_logprob(prompt[1], 100, 1).logprob
+    assert logprobs["token_logprobs"][len(prompt):] == [-0.1, -0.2, -0.3]
+    plain = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3,
+                                                 "echo": True}).json()["choices"][0]
+    assert plain["text"] == choice["text"] and plain["logprobs"] is None
+
+
+def test_chat_logprobs_stream_with_their_tokens(make_client, backend, tokenizer, script):
+    backend.batch_size = 2
+    client = make_client(backend)
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 5, "logprobs": True, "top_logprobs": 2,
+                                                  "stream": True})
+    chunks = [c["choices"][0] for c in sse_payloads(r)]
+    content = [entry for c in chunks if c["logprobs"] for entry in c["logprobs"]["content"]]
+    assert [e["token"] for e in content] == [tokenizer.decode([t]) for t in script[:5]]
+    assert [e["logprob"] for e in content] == [-0.1, -0.2, -0.3, -0.4, -0.5]
+    assert all(len(e["top_logprobs"]) == 2 and e["bytes"] == list(e["token"].encode()) for e in content)
+    # Each chunk carries the entries of the tokens it brings.
+    assert [len(c["logprobs"]["content"]) for c in chunks if c["logprobs"]] == [2, 2, 1]
+    whole = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 5, "logprobs": True}).json()["choices"][0]
+    assert [e["logprob"] for e in whole["logprobs"]["content"]] == [-0.1, -0.2, -0.3, -0.4, -0.5]
+    assert all(e["top_logprobs"] == [] for e in whole["logprobs"]["content"])
+
+
+def test_response_formats_reach_the_backend_as_sampling(client, backend):
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"]}
+    for response_format, expected in [
+        ({"type": "json_schema", "json_schema": {"name": "color", "schema": schema}}, (json.dumps(schema), False)),
+        ({"type": "json_object"}, (None, True)),
+        ({"type": "text"}, (None, False)),
+    ]:
+        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 2, "response_format": response_format})
+        assert r.status_code == 200
+        s = backend.submitted[-1].sampling
+        assert (s.json_schema, s.json_object) == expected

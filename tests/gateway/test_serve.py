@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -257,6 +258,10 @@ BAD_INPUTS = [
     ("too large", {"model": MODEL, "prompt": "x" * (2 << 20)}, 413, "request_too_large", "bytes"),
     ("needs logits", {"model": MODEL, "prompt": "Hi", "presence_penalty": 0.5}, 400, "request_rejected",
      "the sim engine does not model presence_penalty"),
+    ("logprobs of the sim", {"model": MODEL, "prompt": "Hi", "logprobs": 1}, 400, "request_rejected",
+     "the sim engine does not model logprobs"),
+    ("json of the sim", {"model": MODEL, "prompt": "Hi", "response_format": {"type": "json_object"}}, 400,
+     "request_rejected", "the sim engine does not model response_format"),
 ]
 
 
@@ -455,9 +460,10 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory):
         stop_serve(server)
 
 
-def plain_vllm(model: Path, prompts: list[tuple]) -> list[list[int]]:
+def plain_vllm(model: Path, prompts: list[tuple]) -> tuple[list[list[int]], list[dict]]:
     """Greedy tokens (EOS ignored) from an unmodified vllm.LLM with serve's defaults for the tiny model,
-    for each (prompt ids, max_tokens[, more vLLM sampling parameters])."""
+    for each (prompt ids, max_tokens[, more vLLM sampling parameters]), and the log probabilities
+    asked for ({"logprobs", "prompt_logprobs"}: per position [logprob, [[token, logprob], ...]])."""
     from llumdask.engine.vllm.tiny_model import DEFAULT_KV_CACHE_BYTES
 
     done = subprocess.run(
@@ -465,8 +471,11 @@ def plain_vllm(model: Path, prompts: list[tuple]) -> list[list[int]]:
          json.dumps([[list(ids), *rest] for ids, *rest in prompts])],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("PLAIN-VLLM-OUTPUT ")]
-    return json.loads(lines[-1].split(" ", 1)[1])
+    def printed(tag: str):
+        lines = [line for line in done.stdout.splitlines() if line.startswith(tag + " ")]
+        return json.loads(lines[-1].split(" ", 1)[1])
+
+    return printed("PLAIN-VLLM-OUTPUT"), printed("PLAIN-VLLM-LOGPROBS")
 
 
 @pytest.mark.vllm
@@ -493,8 +502,47 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
                                           add_special_tokens=False)
     vllm_sampling = {**sampling, **extensions, "logit_bias": {t: -50 for t in biased[1:3]}}
     del vllm_sampling["ignore_eos"]
-    expected = plain_vllm(server.model_dir, [(server.tokenizer.encode(p), n) for p, n in zip(prompts, (24, 40))]
-                          + [(chat_prompt, 32, vllm_sampling), (chat_prompt, 32)])
+    # Log probabilities, the prompt's too (echo), as vLLM computes them.
+    scored = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0, logprobs=2,
+                                       echo=True, extra_body={"ignore_eos": True}).choices[0]
+    chat_scored = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[1]}],
+                                                 max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+                                                 stream=True, extra_body={"ignore_eos": True})
+    chat_entries = [e for c in chat_scored if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    chat_prompt_1 = server.tokenizer.encode(server.tokenizer.render_chat([{"role": "user", "content": prompts[1]}]),
+                                            add_special_tokens=False)
+    expected, logprobs = plain_vllm(
+        server.model_dir, [(server.tokenizer.encode(p), n) for p, n in zip(prompts, (24, 40))]
+        + [(chat_prompt, 32, vllm_sampling), (chat_prompt, 32),
+           (server.tokenizer.encode(prompts[1]), 6, {"logprobs": 2, "prompt_logprobs": 2}),
+           (chat_prompt_1, 6, {"logprobs": 3})])
+    prompt_ids = server.tokenizer.encode(prompts[1])
+    reference = [None, *logprobs[4]["prompt_logprobs"][1:], *logprobs[4]["logprobs"]]
+    assert scored.text == prompts[1] + server.tokenizer.decode(expected[4])
+    assert scored.logprobs.tokens == [server.tokenizer.decode([t]) for t in [*prompt_ids, *expected[4]]]
+    assert scored.logprobs.token_logprobs[0] is None and scored.logprobs.top_logprobs[0] is None
+    assert scored.logprobs.token_logprobs[1:] == pytest.approx([own for own, _ in reference[1:]], abs=1e-4)
+    for top, (own, alternatives) in zip(scored.logprobs.top_logprobs[1:], reference[1:]):
+        # The two most likely and the token's own, keyed by text.
+        known = [own, *(lp for _, lp in alternatives)]
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(max(known), abs=1e-4)
+        assert all(any(abs(value - lp) < 1e-4 for lp in known) for value in top.values())
+    assert [e.token for e in chat_entries] == [server.tokenizer.decode([t]) for t in expected[5]]
+    assert [e.logprob for e in chat_entries] == pytest.approx([own for own, _ in logprobs[5]["logprobs"]], abs=1e-4)
+    assert [[a.logprob for a in e.top_logprobs] for e in chat_entries] == [
+        pytest.approx([lp for _, lp in top], abs=1e-4) for _, top in logprobs[5]["logprobs"]]
+    # Structured outputs through vLLM's guided decoding: the answer parses and fits the schema.
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
+              "additionalProperties": False}
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A color?"}], max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "color", "schema": schema}}).choices[0]
+    assert answer.finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.message.content), schema)
+    # (A random model's whitespace may run on for a while within a grammar: this prompt closes soon.)
+    anything = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=64, temperature=0,
+                                         extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    assert anything.finish_reason == "stop" and isinstance(json.loads(anything.text), dict)
     assert result.choices[0].text == server.tokenizer.decode(expected[0])
     assert result.usage.completion_tokens == 24 and result.choices[0].finish_reason == "length"
     assert "".join(c.choices[0].text for c in chunks if c.choices) == server.tokenizer.decode(expected[1])

@@ -168,6 +168,22 @@ def test_forced_migrations_keep_the_tokens_of_plain_vllm(clean, reference, name,
     assert stream.instance == migrations[-1][2]
 
 
+def test_logprobs_cross_the_token_stream_and_a_migration(clean):
+    prompt = prompt_of("logprobs", 60)
+    alone = clean.generate(prompt, max_tokens=30, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    assert len(alone.logprobs) == 30 and all(len(e.top) == 2 for e in alone.logprobs)
+    assert len(alone.prompt_logprobs) == 60 and alone.prompt_logprobs[0] is None
+    stream = clean.stream(prompt, max_tokens=30, ignore_eos=True, logprobs=2)
+    tokens = [next(stream) for _ in range(10)]
+    destination = next(row["instance"] for row in clean.instances() if row["instance"] != stream.instance)
+    clean.migrate(stream.request_id, to=destination)
+    tokens += list(stream)
+    assert tokens == alone.token_ids and stream.instance == destination
+    assert [e.logprob for e in stream.logprobs] == pytest.approx([e.logprob for e in alone.logprobs], abs=1e-4)
+    assert [[t for t, _ in e.top] for e in stream.logprobs] == [[t for t, _ in e.top] for e in alone.logprobs]
+    assert stream.prompt_logprobs is None  # not asked for
+
+
 def test_a_pinned_request_is_never_moved(clean):
     """A presence penalty counts only what vLLM generated where the request runs: it stays there."""
     from llumdask.api.client import MigrationNotStarted

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llumdask.engine.base import MigrationRefused, TokenOutput
+from llumdask.engine.base import MigrationRefused, TokenLogprob, TokenOutput
 from llumdask.request import Priority, Request, SamplingParams, blocks_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -280,14 +280,60 @@ def test_min_tokens_count_what_was_generated_before_the_migration(vllm_engine, p
     assert migrated_run(vllm_engine, peer_engine, "min", 100, 40, 6, stop_token_ids=stops, min_tokens=12) == alone
 
 
-@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
-def test_penalties_on_own_output_are_not_migratable(vllm_engine, penalty):
-    vllm_engine.add_request(make_request("pinned", 20, 50, **{penalty: 0.5}))
-    for _ in range(3):
+@pytest.mark.parametrize(("option", "reason"), [
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"json_schema": '{"type": "object"}'}, "grammar"),
+], ids=["presence_penalty", "frequency_penalty", "json_schema"])
+def test_options_that_cannot_move_exactly_are_pinned(vllm_engine, option, reason):
+    vllm_engine.add_request(make_request("pinned", 20, 50, **option))
+    # A grammar compiles before its request is scheduled: step until it decodes.
+    for _ in range(200):
         vllm_engine.step()
+        if len(vllm_engine.get_request("pinned").output_token_ids) >= 2:
+            break
     (load,) = vllm_engine.snapshot().running
     assert not load.migratable
-    with pytest.raises(MigrationRefused, match=penalty):
+    with pytest.raises(MigrationRefused, match=reason):
         vllm_engine.pause("pinned")
     vllm_engine.abort_request("pinned")
     drain(vllm_engine, {})
+
+
+def received_logprobs(streams: list[dict[str, list[TokenOutput]]], request_id: str) -> dict[int, TokenLogprob]:
+    by_index: dict[int, TokenLogprob] = {}
+    for stream in streams:
+        for out in stream.get(request_id, []):
+            for offset, entry in enumerate(out.logprobs or ()):
+                by_index.setdefault(out.first_index + offset, entry)
+    return by_index
+
+
+def test_logprobs_migrate_with_the_values_of_an_unmigrated_run(vllm_engine, peer_engine, reference):
+    streams: dict[str, list[TokenOutput]] = {}
+    alone = make_request("lp-alone", 100, 40, logprobs=3, prompt_logprobs=2)
+    vllm_engine.add_request(alone)
+    drain(vllm_engine, streams)
+    assert alone.output_token_ids == reference[(100, 300)][:40]
+    expected = received_logprobs([streams], "lp-alone")
+    assert sorted(expected) == list(range(40)) and all(len(e.top) == 3 for e in expected.values())
+    (first,) = [o for o in streams["lp-alone"] if o.first_index == 0]
+    assert len(first.prompt_logprobs) == 100 and first.prompt_logprobs[0] is None
+    assert all(len(e.top) == 2 for e in first.prompt_logprobs[1:])
+
+    moved = ({}, {})
+    vllm_engine.add_request(make_request("lp", 100, 40, logprobs=3, prompt_logprobs=2))
+    for _ in range(15):
+        step(vllm_engine, moved[0])
+    migrate(vllm_engine, peer_engine, "lp", "m-lp", 2, moved)
+    drain(peer_engine, moved[1])
+    drain(vllm_engine, moved[0])
+    assert received_tokens(list(moved), "lp") == alone.output_token_ids
+    got = received_logprobs(list(moved), "lp")
+    assert sorted(got) == list(range(40))
+    # The destination resumes without asking for the prompt's again.
+    assert not any(o.prompt_logprobs for o in moved[1].get("lp", []))
+    for index, entry in expected.items():
+        assert got[index].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert [t for t, _ in got[index].top] == [t for t, _ in entry.top]
+        assert [lp for _, lp in got[index].top] == pytest.approx([lp for _, lp in entry.top], abs=1e-4)

@@ -18,6 +18,7 @@ running with those blocks, as on the sim engine.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +34,7 @@ from llumdask.engine.base import (
     PendingBlocks,
     RequestLoad,
     StepResult,
+    TokenLogprob,
     TokenOutput,
 )
 from llumdask.engine.vllm import internals
@@ -40,6 +42,7 @@ from llumdask.request import FinishReason, Request, RequestStatus, SamplingParam
 
 if TYPE_CHECKING:
     import vllm
+    from vllm.sampling_params import StructuredOutputsParams
     from vllm.v1.request import Request as VllmRequest
 
 # Our request id travels inside vLLM's SamplingParams: LLMEngine suffixes the id it schedules
@@ -94,6 +97,8 @@ def migration_refusal(request: Request) -> str:
         return "seeded random sampling restarts its generator on the destination"
     if option := s.counts_own_output:
         return f"{option} counts only the tokens generated where the request runs"
+    if s.json_schema is not None or s.json_object:
+        return "a structured output's grammar would start over on the destination"
     return ""
 
 
@@ -122,6 +127,10 @@ def to_vllm_sampling(request: Request, migration_id: str | None = None) -> "vllm
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         logit_bias=dict(s.logit_bias) or None,
+        logprobs=s.logprobs,
+        structured_outputs=structured_outputs(s),
+        # The prompt's come with the first output: a request that has output already had them.
+        prompt_logprobs=s.prompt_logprobs if request.num_output_tokens == 0 else None,
         seed=s.seed,
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
@@ -129,6 +138,21 @@ def to_vllm_sampling(request: Request, migration_id: str | None = None) -> "vllm
         output_kind=RequestOutputKind.DELTA,
         extra_args=extra_args,
     )
+
+
+def structured_outputs(s: SamplingParams) -> StructuredOutputsParams | None:
+    """vLLM's structured-output parameters for a JSON schema or any JSON object (None for neither)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if s.json_schema is not None:
+        return StructuredOutputsParams(json=json.loads(s.json_schema))
+    return StructuredOutputsParams(json_object=True) if s.json_object else None
+
+
+def _logprob(position: Mapping[int, Any], token: int, top: int) -> TokenLogprob:
+    """vLLM's {token id: Logprob} of one position: the token's own, and the `top` most likely by rank."""
+    ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= top))
+    return TokenLogprob(position[token].logprob, tuple((t, logprob) for _, t, logprob in ranked))
 
 
 class VllmEngine:
@@ -559,7 +583,16 @@ class VllmEngine:
             del self._internal_ids[request.request_id]
         if not new_tokens and not output.finished:
             return None
-        return TokenOutput(request.request_id, first_index, new_tokens, output.finished, finish_reason)
+        logprobs = prompt_logprobs = None
+        if request.sampling.logprobs is not None:
+            logprobs = tuple(_logprob(position, token, request.sampling.logprobs)
+                             for position, token in zip(completion.logprobs, new_tokens))
+        if first_index == 0 and output.prompt_logprobs:
+            prompt = request.prompt_token_ids
+            prompt_logprobs = tuple(None if position is None else _logprob(position, token, request.sampling.prompt_logprobs)
+                                    for position, token in zip(output.prompt_logprobs, prompt))
+        return TokenOutput(request.request_id, first_index, new_tokens, output.finished, finish_reason,
+                           logprobs, prompt_logprobs)
 
     # ------------------------------------------------------------------ load
     def _holders(self) -> Iterator[tuple[Request, int, bool]]:
