@@ -28,12 +28,17 @@ class TextDelta:
 
 
 class IncrementalText:
-    """Feed token batches with `add`, then `finish` for the rest; `text` is what was emitted."""
+    """Feed token batches with `add`, then `finish` for the rest; `text` is what was emitted.
+    `include_stop`: the text ends with the stop string found instead of just before it;
+    `skip_special_tokens`: special tokens have no text (vLLM's default)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
+        self._include_stop = include_stop
+        self._skip = skip_special_tokens
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
@@ -51,8 +56,8 @@ class IncrementalText:
         if self.stopped:
             return TextDelta("", stopped=True)
         self._ids.extend(token_ids)
-        context = self._tokenizer.decode(self._ids[self._prefix : self._read])
-        full = self._tokenizer.decode(self._ids[self._prefix :])
+        context = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
         if len(full) > len(context) and not full.endswith(REPLACEMENT):
             self._decoded += full[len(context) :]
             self._prefix, self._read = self._read, len(self._ids)
@@ -61,20 +66,24 @@ class IncrementalText:
     def finish(self) -> TextDelta:
         """Everything still held back (a trailing partial character included)."""
         if not self.stopped:
-            context = self._tokenizer.decode(self._ids[self._prefix : self._read])
-            full = self._tokenizer.decode(self._ids[self._prefix :])
+            context = self._decode(self._ids[self._prefix : self._read])
+            full = self._decode(self._ids[self._prefix :])
             self._decoded += full[len(context) :]
             self._prefix = self._read = len(self._ids)
         return self._release(final=True)
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip)
 
     def _release(self, final: bool) -> TextDelta:
         if self.stopped:
             return TextDelta("", stopped=True)
         # A stop string may straddle what was emitted and what is new: search from there.
         start = max(0, self._emitted - self._hold)
-        hits = [i for i in (self._decoded.find(s, start) for s in self._stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self._decoded.find(s, start), s) for s in self._stop) if i >= 0]
         if hits:
-            end = min(hits)
+            at, length = min(hits)
+            end = at + length if self._include_stop else at
             self.stopped = True
             self._decoded = self._decoded[:end]
         else:

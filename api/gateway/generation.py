@@ -22,7 +22,6 @@ from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.errors import InvalidRequest, Overloaded, Unavailable
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.responses import Usage
-from llumdask.api.gateway.tokenizer import Tokenizer
 from llumdask.engine.base import TokenLogprob
 from llumdask.request import FinishReason, Priority, SamplingParams
 
@@ -59,9 +58,9 @@ class Delta(NamedTuple):
 class Generation:
     """Use as: `await start()`, iterate `deltas()`, then read `finish_reason` / `usage`; always `close()`."""
 
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, metrics: GatewayMetrics, endpoint: str,
+    def __init__(self, backend: Backend, metrics: GatewayMetrics, endpoint: str,
                  request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
-                 stop: Sequence[str] = ()) -> None:
+                 text: IncrementalText) -> None:
         self._backend = backend
         self._request_id = request_id
         self._metrics = metrics
@@ -69,7 +68,7 @@ class Generation:
         self._prompt = list(prompt_token_ids)
         self._sampling = sampling
         self._priority = priority
-        self._text = IncrementalText(tokenizer, stop)
+        self._text = text
         self._batches: TokenBatches | None = None
         self._finished = False  # by the engine: nothing to abort
         self._started = time.perf_counter()

@@ -23,6 +23,7 @@ import llumdask
 from llumdask.api.gateway.backend import Backend
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
 from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
+from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.generation import Generation, InFlight, merged_deltas, start_all, total_usage
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -117,16 +118,21 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
 async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseFormat, request_id: str,
                    prompt_ids: list[int], options: GenerationOptions, echo: str | None = None) -> Response:
     """The response's id carries `request_id`, the cluster's name for the request (an operator
-    migrates or inspects it by that name); with n choices, choice i > 0 is `request_id-i`.
+    migrates or inspects it by that name); with several choices, choice i > 0 is `request_id-i`.
+    best_of > n generates best_of and returns the n with the highest log probability per token.
     `echo`: the prompt's text, to come first in every choice (and its tokens in the logprobs)."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
     sampling = sampling_params(gateway, options, len(prompt_ids))
+    if options.best_of > options.n and sampling.logprobs is None:
+        sampling = replace(sampling, logprobs=0)  # the ranking reads the tokens' own
     priority = request_priority(request, options)
-    generations = [Generation(gateway.backend, gateway.tokenizer, gateway.metrics, name,
-                              request_id if i == 0 else f"{request_id}-{i}", prompt_ids,
-                              choice_sampling(sampling, i), priority, options.stop)
-                   for i in range(options.n)]
+    generations = [Generation(gateway.backend, gateway.metrics, name, request_id if i == 0 else f"{request_id}-{i}",
+                              prompt_ids, choice_sampling(sampling, i), priority,
+                              IncrementalText(gateway.tokenizer, options.stop,
+                                              include_stop=options.include_stop_str_in_output,
+                                              skip_special_tokens=options.skip_special_tokens))
+                   for i in range(options.best_of)]
     gateway.in_flight.acquire(len(generations))
     try:
         # Not cancelled by a disconnect: until it returns there is no request id to abort with.
@@ -151,12 +157,26 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
     await finish(gateway, generations)
     wanted = options.logprobs is not None
     body = []
-    for text, g in zip(choices, generations):
+    for text, g in best(options.n, choices, generations):
         ids, entries = g.token_ids, list(g.logprobs(0, g.num_output_tokens)) if wanted else []
         if echo is not None:
             text, ids, entries = echo + text, [*prompt_ids, *ids], [*g.prompt_logprobs, *entries] if wanted else []
         body.append((text, g.finish_reason, fmt.logprobs(gateway.tokenizer, ids, entries, 0) if wanted else None))
     return JSONResponse(fmt.body(body, total_usage(generations)))
+
+
+def best(n: int, texts: Sequence[str], generations: Sequence[Generation]) -> list[tuple[str, Generation]]:
+    """The n of (text, generation) with the highest mean log probability per token, best first
+    (all of them, in order, when there are only n)."""
+    pairs = list(zip(texts, generations))
+    if len(pairs) == n:
+        return pairs
+
+    def per_token(pair: tuple[str, Generation]) -> float:
+        g = pair[1]
+        return sum(e.logprob for e in g.logprobs(0, g.num_output_tokens)) / max(1, g.num_output_tokens)
+
+    return sorted(pairs, key=per_token, reverse=True)[:n]
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

@@ -1,11 +1,12 @@
 """OpenAI request bodies -> validated, typed requests; every problem is a 400 naming the field.
 
-Fields OpenAI defines that this server cannot honour (tools, suffix, best_of > n) are refused
+Fields OpenAI defines that this server cannot honour (tools, suffix) are refused
 with a 400 rather than silently ignored: a client relying on them would otherwise get a different
 answer than it asked for. Fields not listed anywhere (``user``, ``metadata``) are ignored, as
 OpenAI-compatible servers commonly do. Extensions also accepted by vLLM's server (clients send
 them through ``extra_body``): ``stop_token_ids``, ``ignore_eos``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``; llumdask's own: ``priority``. The ranges of sampling
+``repetition_penalty``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``;
+llumdask's own: ``priority``. The ranges of sampling
 options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
 """
 
@@ -55,13 +56,17 @@ class GenerationOptions:
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
+    # vLLM's: the text ends with the stop string found; special tokens have text.
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     stream: bool
     include_usage: bool
     priority: Priority | None
-    # Choices: each is its own request on the cluster.
+    # Choices returned, of best_of generated (the n likeliest per token); each is its own request.
     n: int
+    best_of: int
     # Log probabilities of each token and of this many alternatives (None: none asked for);
     # echo (completions): the prompt comes first in the text, and in the log probabilities.
     logprobs: int | None
@@ -180,12 +185,14 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
         top_p=_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True),
         seed=_int(body, "seed", minimum=0, maximum=MAX_SEED) if body.get("seed") is not None else None,
         stop=_stop(body.get("stop")),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", allow_empty=True),
         ignore_eos=_bool(body, "ignore_eos", False),
         stream=stream,
         include_usage=_bool(stream_options or {}, "include_usage", False, param="stream_options.include_usage"),
         priority=_priority(body.get("priority")),
-        n=_choices(body),
+        **_choices(body, stream),
         logprobs=logprobs,
         echo=echo,
         sampling={**{name: _sampling_option(body, name, kind) for name, kind in SAMPLING_OPTIONS.items()
@@ -224,17 +231,17 @@ def _response_format(value: Any) -> dict[str, Any]:
     return {"json_schema": json.dumps(schema)}
 
 
-def _choices(body: Mapping[str, Any]) -> int:
+def _choices(body: Mapping[str, Any], stream: bool) -> dict[str, int]:
     n = _int(body, "n", minimum=1, maximum=MAX_CHOICES) if body.get("n") is not None else 1
-    best_of = body.get("best_of")
-    if best_of is not None:
+    best_of = n
+    if body.get("best_of") is not None:
         best_of = _int(body, "best_of", minimum=1, maximum=MAX_CHOICES)
         if best_of < n:
             raise InvalidRequest(f"best_of ({best_of}) must be >= n ({n})", param="best_of", code="invalid_value")
-        if best_of > n:
-            raise InvalidRequest("best_of > n (ranking choices by their log probability) is not supported; "
-                                 "leave it out or set it to n", param="best_of", code="unsupported_parameter")
-    return n
+        if best_of > n and stream:
+            raise InvalidRequest("best_of > n cannot be streamed: the best are known only at the end",
+                                 param="best_of", code="invalid_value")
+    return {"n": n, "best_of": best_of}
 
 
 def _sampling_option(body: Mapping[str, Any], name: str, kind: str) -> Any:

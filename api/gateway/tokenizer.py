@@ -37,8 +37,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of `token_ids`, special tokens left out."""
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`, special tokens left out unless asked for."""
         ...
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -87,8 +87,8 @@ class FastTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [self._tokenizer.id_to_token(t) or "" for t in token_ids]
@@ -130,8 +130,8 @@ class TransformersTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [t or "" for t in self._tokenizer.convert_ids_to_tokens(list(token_ids))]

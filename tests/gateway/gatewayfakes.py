@@ -30,9 +30,10 @@ class Submitted:
     priority: Priority
 
 
-def fake_logprob(token: int, position: int, top: int) -> TokenLogprob:
-    """A made-up but checkable entry: -(position + 1) / 10 for the token, alternatives after it."""
-    own = -(position + 1) / 10
+def fake_logprob(token: int, position: int, top: int, seed: int | None = None) -> TokenLogprob:
+    """A made-up but checkable entry: -(position + 1) / 10 for the token (plus seed / 100, so that
+    seeded choices differ), alternatives after it."""
+    own = -(position + 1) / 10 + (seed or 0) / 100
     return TokenLogprob(own, tuple((token + 1 + k, own - 1 - k) for k in range(top)))
 
 
@@ -48,7 +49,8 @@ class ScriptedBatches:
 
     def logprobs(self, start: int, end: int) -> list[TokenLogprob]:
         assert self._sampling.logprobs is not None, "logprobs of a request that did not ask for them"
-        return [fake_logprob(t, i, self._sampling.logprobs) for i, t in enumerate(self._tokens)][start:end]
+        s = self._sampling
+        return [fake_logprob(t, i, s.logprobs, s.seed) for i, t in enumerate(self._tokens)][start:end]
 
     @property
     def prompt_logprobs(self) -> list[TokenLogprob | None] | None:

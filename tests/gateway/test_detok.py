@@ -17,8 +17,8 @@ def batches_of(tokens: list[int], cuts: list[int]) -> list[list[int]]:
     return [tokens[a:b] for a, b in zip(points, points[1:], strict=False)]
 
 
-def run(tokenizer, batches, stop=()):
-    text = IncrementalText(tokenizer, stop)
+def run(tokenizer, batches, stop=(), include_stop=False):
+    text = IncrementalText(tokenizer, stop, include_stop=include_stop)
     deltas = [text.add(b) for b in batches] + [text.finish()]
     return text, deltas
 
@@ -45,8 +45,9 @@ def test_stop_string_cuts_before_its_first_occurrence(tokenizer, tokens, cuts, d
         stop = full[i : i + data.draw(st.integers(1, 4))]
     else:
         stop = data.draw(st.text(min_size=1, max_size=3))
-    text, deltas = run(tokenizer, batches_of(tokens, cuts), [stop])
-    expected = full[: full.find(stop)] if stop in full else full
+    include = data.draw(st.booleans())
+    text, deltas = run(tokenizer, batches_of(tokens, cuts), [stop], include_stop=include)
+    expected = full[: full.find(stop) + (len(stop) if include else 0)] if stop in full else full
     assert "".join(d.text for d in deltas) == expected == text.text
     assert text.stopped == (stop in full)
     stopped_at = next((i for i, d in enumerate(deltas) if d.stopped), len(deltas))
@@ -64,3 +65,10 @@ def test_partial_characters_are_held_back_until_complete(tokenizer):
 def test_empty_stop_strings_are_refused(tokenizer):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalText(tokenizer, [""])
+
+
+def test_special_tokens_show_when_asked(tokenizer):
+    tokens = [*tokenizer.encode("Hi", add_special_tokens=False), tokenizer.eos_token_id]
+    shown = IncrementalText(tokenizer, skip_special_tokens=False)
+    text = shown.add(tokens).text + shown.finish().text
+    assert text == tokenizer.decode(tokens, skip_special_tokens=False) != tokenizer.decode(tokens)

@@ -411,3 +411,24 @@ def test_response_formats_reach_the_backend_as_sampling(client, backend):
         assert r.status_code == 200
         s = backend.submitted[-1].sampling
         assert (s.json_schema, s.json_object) == expected
+
+
+def test_best_of_returns_the_likeliest_per_token(client, backend, tokenizer, script):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "n": 2, "best_of": 4,
+                                             "temperature": 1.0, "seed": 10})
+    body = r.json()
+    assert len(backend.submitted) == 4 and all(s.sampling.logprobs == 0 for s in backend.submitted)
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in body["choices"])  # ranked by them, not asked for
+    assert body["usage"]["completion_tokens"] == 4 * 3  # every generated completion counts
+    asked = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "best_of": 3,
+                                                 "temperature": 1.0, "seed": 10, "logprobs": 1}).json()
+    (choice,) = asked["choices"]
+    # The fake's seeded choices are likelier the higher their seed: of seeds 10-12, 12 wins.
+    assert choice["logprobs"]["token_logprobs"] == [fake_logprob(t, i, 1, 12).logprob for i, t in enumerate(script[:3])]
+
+
+def test_stop_strings_can_stay_in_the_text(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 30, "stop": ["fox"],
+                                             "include_stop_str_in_output": True})
+    assert r.json()["choices"][0]["text"] == "The quick brown fox"

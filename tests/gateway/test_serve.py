@@ -251,7 +251,8 @@ BAD_INPUTS = [
     ("unknown model", {"model": "gpt-9", "prompt": "Hi"}, 404, "model_not_found", "gpt-9"),
     ("malformed json", b'{"model": ', 400, "invalid_json", "not valid JSON"),
     ("wrong type", {"model": MODEL, "prompt": "Hi", "max_tokens": "many"}, 400, "invalid_type", "max_tokens"),
-    ("best_of > n", {"model": MODEL, "prompt": "Hi", "best_of": 2}, 400, "unsupported_parameter", "best_of > n"),
+    ("best_of ranks by logprobs", {"model": MODEL, "prompt": "Hi", "best_of": 2}, 400, "request_rejected",
+     "the sim engine does not model logprobs"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "invalid_value", "empty"),
     ("beyond the context", {"model": MODEL, "prompt": "Hi", "max_tokens": 5000}, 400, "context_length_exceeded",
      "maximum context length is 4096 tokens"),
@@ -531,6 +532,9 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
     assert [e.logprob for e in chat_entries] == pytest.approx([own for own, _ in logprobs[5]["logprobs"]], abs=1e-4)
     assert [[a.logprob for a in e.top_logprobs] for e in chat_entries] == [
         pytest.approx([lp for _, lp in top], abs=1e-4) for _, top in logprobs[5]["logprobs"]]
+    ranked = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6, temperature=1.0, seed=3, n=2,
+                                       best_of=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in ranked.choices] == [0, 1] and ranked.usage.completion_tokens == 3 * 6
     # Structured outputs through vLLM's guided decoding: the answer parses and fits the schema.
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
               "additionalProperties": False}
