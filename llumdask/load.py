@@ -40,7 +40,7 @@ _DIGITS = re.compile(r"(\d+)")
 # The counters of a report; none can be negative.
 _COUNTS = (
     "num_running", "num_waiting", "head_of_line_demand", "waiting_demand", "pending_prefill_tokens",
-    "reserved_blocks", "num_migrating_out", "num_migrating_in", "num_preemptions", "num_received",
+    "reserved_blocks", "num_migrating_out", "num_migrating_in", "num_preemptions", "num_received", "num_pinned",
 )
 
 
@@ -69,6 +69,8 @@ class InstanceLoad:
     num_preemptions: int = 0
     # Requests this instance has ever been handed (dispatch accounting on the scheduler side).
     num_received: int = 0
+    # Running requests that never migrate (their sampling cannot move exactly).
+    num_pinned: int = 0
     terminating: bool = False
     timestamp: float = 0.0
 

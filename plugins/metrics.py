@@ -30,6 +30,8 @@ INSTANCE_GAUGES: tuple[tuple[str, str, Callable[[InstanceView], float]], ...] = 
     ("virtual_blocks", "Virtual usage: used blocks plus queued demand and priority headroom (Inf while draining)",
      lambda v: v.virtual_blocks),
     ("running", "Running requests", lambda v: v.load.num_running),
+    ("pinned", "Running requests that never migrate (their sampling options cannot move exactly)",
+     lambda v: v.load.num_pinned),
     ("waiting", "Queued requests", lambda v: v.load.num_waiting),
 )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -295,6 +295,15 @@ def test_a_source_needs_a_running_request_to_give():
     queued_only = view("q", total=100, head=99, queued=99, running=0)
     assert queued_only.freeness < MIGRATION.low_threshold
     assert pairs([queued_only, with_freeness("d", 100)]) == []
+
+
+def test_a_source_whose_running_requests_are_all_pinned_has_none_to_give():
+    def source(pinned: int) -> View:
+        low = view("s", total=100, used=99, running=2)
+        return View("s", replace(low.load, num_pinned=pinned))
+
+    assert pairs([source(pinned=2), with_freeness("d", 100)]) == []
+    assert pairs([source(pinned=1), with_freeness("d", 100)]) == [("s", "d")]
 
 
 def test_disabled_migration_pairs_nothing():

@@ -69,6 +69,8 @@ class RequestLoad:
     execution_priority: Priority
     scheduling_priority: Priority
     migratable: bool = True
+    # Never migratable: its sampling options cannot move exactly (seeded sampling on vLLM, ...).
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ class LoadTotals:
     waiting_demand: int
     pending_prefill_tokens: int
     num_preemptions: int
+    # Running requests pinned by their sampling options (the sim engine pins none).
+    num_pinned: int = 0
 
     @property
     def num_running(self) -> int:
@@ -129,6 +133,7 @@ class LoadTotals:
         running: Iterable[tuple[Priority, int]],
         waiting_tokens: Sequence[int],
         num_preemptions: int,
+        num_pinned: int = 0,
     ) -> "LoadTotals":
         """Sum per-request figures: `running` as (execution priority, blocks held), `waiting_tokens`
         in queue order (head first)."""
@@ -150,6 +155,7 @@ class LoadTotals:
             waiting_demand=sum(demand),
             pending_prefill_tokens=sum(waiting_tokens),
             num_preemptions=num_preemptions,
+            num_pinned=num_pinned,
         )
 
     @classmethod
@@ -163,6 +169,7 @@ class LoadTotals:
             running=[(r.execution_priority, r.num_blocks) for r in snapshot.running],
             waiting_tokens=[w.num_tokens for w in snapshot.waiting],
             num_preemptions=snapshot.num_preemptions,
+            num_pinned=sum(r.pinned for r in snapshot.running),
         )
 
 

@@ -38,9 +38,9 @@ class PairingView(Protocol):
 def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig) -> list[MigrationPair]:
     """This round's pairs; none when migration is disabled.
 
-    A source needs a running request to give away (only running requests migrate) and fewer
-    than `max_concurrent` migrations out; a destination fewer than `max_concurrent` in, both as
-    of its last report.
+    A source needs a running request it can give away (only running requests migrate, and
+    pinned ones never) and fewer than `max_concurrent` migrations out; a destination fewer than
+    `max_concurrent` in, both as of its last report.
     """
     if not config.enabled:
         return []
@@ -50,7 +50,7 @@ def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig) -
     for view in instances:
         load = view.load
         if view.terminating or view.freeness < config.low_threshold:
-            if load.num_running > 0 and load.num_migrating_out < limit:
+            if load.num_running > load.num_pinned and load.num_migrating_out < limit:
                 sources.append(view)
         elif view.freeness > config.high_threshold and load.num_migrating_in < limit:
             destinations.append(view)

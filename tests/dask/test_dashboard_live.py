@@ -80,6 +80,7 @@ def test_the_scheduler_metrics_carry_the_llumdask_series(migrated):
         assert samples[("llumdask_instance_total_blocks", label)] == row["total_blocks"] == 256
         assert samples[("llumdask_instance_freeness", label)] > 0  # idle after the migration
         assert ("llumdask_instance_virtual_blocks", label) in samples
+        assert samples[("llumdask_instance_pinned", label)] == 0  # the sim engine pins nothing
     assert samples[("llumdask_migrations_total", (("outcome", "started"),))] == 1
     assert samples[("llumdask_migrations_total", (("outcome", "committed"),))] == 1
     assert samples[("llumdask_migration_downtime_seconds_count", ())] == 1

@@ -293,7 +293,8 @@ def test_options_that_cannot_move_exactly_are_pinned(vllm_engine, option, reason
         if len(vllm_engine.get_request("pinned").output_token_ids) >= 2:
             break
     (load,) = vllm_engine.snapshot().running
-    assert not load.migratable
+    assert not load.migratable and load.pinned and vllm_engine.load_totals().num_pinned == 1
+    vllm_engine.check_integrity()  # the totals equal a recount, pinned ones included
     with pytest.raises(MigrationRefused, match=reason):
         vllm_engine.pause("pinned")
     vllm_engine.abort_request("pinned")

@@ -294,14 +294,16 @@ class VllmEngine:
     def load_totals(self) -> LoadTotals:
         """One pass over vLLM's queues without building per-request loads. O(requests), unlike
         the sim engine's counters: a real step costs far more than this pass."""
+        holders = list(self._holders())
         return LoadTotals.tally(
             total_blocks=self.total_blocks,
             block_size=self.block_size,
             free_blocks=self._pool.get_num_free_blocks(),
             reserved_blocks=self._num_reserved(),
-            running=[(request.execution_priority, blocks) for request, blocks, _ in self._holders()],
+            running=[(request.execution_priority, blocks) for request, blocks, _ in holders],
             waiting_tokens=[self._requests[_our_id(r)].num_tokens for r in internals.waiting_requests(self._scheduler)],
             num_preemptions=self._num_preemptions,
+            num_pinned=sum(1 for request, _, _ in holders if migration_refusal(request)),
         )
 
     def get_request(self, request_id: str) -> Request | None:
@@ -616,6 +618,7 @@ class VllmEngine:
             execution_priority=request.execution_priority,
             scheduling_priority=request.scheduling_priority,
             migratable=not paused and not migration_refusal(request),
+            pinned=bool(migration_refusal(request)),
         )
 
 
