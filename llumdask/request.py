@@ -129,6 +129,14 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def resume_breaks(self) -> str:
+        """Why this request cannot go on from its output so far on another engine ("" when it can):
+        a structured output's grammar starts over there, so it would begin a second document."""
+        if self.json_schema is not None or self.json_object:
+            return "a structured output's grammar would start over"
+        return ""
+
+    @property
     def counts_own_output(self) -> str:
         """Which option depends on what this request generated rather than on its whole sequence
         ("" when none): resumed with its output as prompt, such a request would sample differently."""

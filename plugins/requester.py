@@ -11,7 +11,8 @@ Recovery: the requester keeps every open request (prompt, sampling, tokens recei
 When the instance holding one is gone from the scheduler's instance table (checked every
 `liveness_interval`, and at once when that instance's token connection closes), it resubmits prompt +
 tokens so far elsewhere; the new instance recomputes them and continues, and the stream goes on
-with the next sequence number. A scheduler restart looks the same: the old instances are not in
+with the next sequence number. A request that cannot go on from its tokens (a structured output,
+whose grammar would start over) fails with that reason instead of going on wrong. A scheduler restart looks the same: the old instances are not in
 the new scheduler's table, so their requests are resubmitted to the new ones.
 
 Everything here runs on the Dask client's event loop.
@@ -268,6 +269,11 @@ class Requester:
         request.output_token_ids = sequence.delivered
         reason = _finished_by(request)
         try:
+            if reason is None and request.output_token_ids and (breaks := request.sampling.resume_breaks):
+                entry.stream.fail(RuntimeError(
+                    f"request {request.request_id}: its instance died after {len(request.output_token_ids)} tokens, "
+                    f"and it cannot go on elsewhere: {breaks}; send it again"))
+                return
             if reason is not None:
                 # Only the final message was lost: the tokens say the request is complete.
                 entry.stream.push(TokenBatch(request.request_id, len(request.output_token_ids), (),

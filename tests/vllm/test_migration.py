@@ -185,16 +185,16 @@ def test_aborting_a_paused_request_frees_its_blocks(vllm_engine):
     assert vllm_engine.snapshot().free_blocks == free and vllm_engine.snapshot().reserved_blocks == 0
 
 
-def test_seeded_random_sampling_is_not_migratable(vllm_engine):
-    vllm_engine.add_request(make_request("seeded", 20, 50, temperature=0.8, seed=7))
-    for _ in range(3):
-        vllm_engine.step()
-    (load,) = vllm_engine.snapshot().running
-    assert not load.migratable
-    with pytest.raises(MigrationRefused, match="seed"):
-        vllm_engine.pause("seeded")
-    vllm_engine.abort_request("seeded")
-    drain(vllm_engine, {})
+def test_seeded_random_sampling_is_refused_on_the_cpu_and_pinned_elsewhere(vllm_engine):
+    from llumdask.engine.vllm.engine import migration_refusal
+
+    seeded = make_request("seeded", 20, 50, temperature=0.8, seed=7)
+    with pytest.raises(ValueError, match="cannot run seeded random sampling"):
+        vllm_engine.add_request(seeded)
+    assert vllm_engine.get_request("seeded") is None
+    # On a GPU it runs, and stays where it runs: its generator would restart from the seed.
+    assert "seed" in migration_refusal(seeded)
+    assert migration_refusal(make_request("greedy", 20, 50, seed=7)) == ""
 
 
 def test_resume_adopts_the_imported_full_blocks(vllm_engine, peer_engine):

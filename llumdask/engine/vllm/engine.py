@@ -97,9 +97,7 @@ def migration_refusal(request: Request) -> str:
         return "seeded random sampling restarts its generator on the destination"
     if option := s.counts_own_output:
         return f"{option} counts only the tokens generated where the request runs"
-    if s.json_schema is not None or s.json_object:
-        return "a structured output's grammar would start over on the destination"
-    return ""
+    return s.resume_breaks
 
 
 def to_vllm_sampling(request: Request, migration_id: str | None = None) -> "vllm.SamplingParams":
@@ -172,6 +170,7 @@ class VllmEngine:
         self._pool = internals.block_pool_of(self._llm)
         self._clock = clock
         self._max_model_len: int = self._llm.vllm_config.model_config.max_model_len
+        self._on_cpu = self._llm.vllm_config.device_config.device_type == "cpu"
         self._connector = self._scheduler.get_kv_connector()
         self._requests: dict[str, Request] = {}
         self._internal_ids: dict[str, str] = {}
@@ -214,6 +213,13 @@ class VllmEngine:
     def add_request(self, request: Request) -> None:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id} is already on this engine")
+        s = request.sampling
+        if self._on_cpu and s.seed is not None and not s.greedy:
+            # vLLM rewinds a seeded request's generator when it discards the token of a prompt
+            # chunk; torch's CPU generators cannot rewind, and the failed step stops every request.
+            raise ValueError(f"request {request.request_id}: vLLM on the CPU cannot run seeded random sampling "
+                             "(its engine step fails once such a prompt is prefilled in chunks); leave out the "
+                             "seed, or serve on a GPU")
         needed = request.num_prompt_tokens + request.sampling.max_tokens
         if needed > self._max_model_len:
             raise ValueError(
