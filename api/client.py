@@ -219,6 +219,16 @@ class TextIterator:
     def instance(self) -> str | None:
         return self._tokens.instance
 
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Log probabilities of `token_ids` (None unless the request asked for them)."""
+        logprobs = self._tokens.logprobs
+        return None if logprobs is None else logprobs[:len(self.token_ids)]
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        return self._tokens.prompt_logprobs
+
     async def _next_delta(self) -> str | None:
         """The next non-empty text (None at the end), on the client's loop."""
         while not self._done:
@@ -445,10 +455,8 @@ class LlumdaskClient:
         parts = []
         while (delta := await deltas._next_delta()) is not None:
             parts.append(delta)
-        logprobs = tokens.logprobs
         return Generation(request.request_id, deltas.token_ids, deltas.finish_reason, deltas.instance,
-                          "".join(parts), prompt_tokens,
-                          None if logprobs is None else logprobs[:len(deltas.token_ids)], tokens.prompt_logprobs)
+                          "".join(parts), prompt_tokens, deltas.logprobs, deltas.prompt_logprobs)
 
     async def _generate_many(self, jobs: list[tuple[Request, IncrementalText | None]], timeout: float | None,
                              concurrency: int, progress: bool) -> list[Generation | BaseException]:

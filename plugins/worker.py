@@ -52,6 +52,7 @@ from llumdask.plugins.engine_thread import EngineThread
 from llumdask.plugins.streams import TokenOutbox, TokenPusher
 from llumdask.plugins.transport import MIGRATION_OP, CommTransport
 from llumdask.plugins.wire import event_to_msg, request_from_msg
+from llumdask.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -273,13 +274,30 @@ class LlumletHost:
             try:
                 result = llumlet.step()
             except BaseException:
-                self._hand_off(force=True)  # what the failed step produced still goes
+                self._end_requests_after_a_failed_step()
+                self._hand_off(force=True)  # what the failed step produced still goes, and the ends
                 raise
             progress = result.batch_size > 0 and llumlet.engine.has_work()
         # Nothing is held while the thread sleeps, nor while it runs calls (a KV stage's import
         # may take longer than the stream interval).
         self._hand_off(force=not progress or self._engine_thread.calls_waiting)
         return progress
+
+    def _end_requests_after_a_failed_step(self) -> None:
+        """A step that raised may have left the engine unable to go on (a vLLM engine core that
+        failed does not recover): every request someone waits on here ends now, as aborted with
+        the tokens it has, so that no client waits for tokens that will never come. Not
+        resubmitted elsewhere: the request may be what broke the engine."""
+        llumlet = self._llumlet()
+        for request_id, reply_to in list(self._routes.owned.items()):
+            request = llumlet.engine.get_request(request_id)
+            delivered = request.num_output_tokens if request is not None else 0
+            try:
+                llumlet.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting %s after a failed step failed as well", request_id)
+            del self._routes.owned[request_id]
+            self._outbox.add(reply_to, TokenOutput(request_id, delivered, (), True, FinishReason.ABORT))
 
     def _hand_off(self, force: bool) -> None:
         """Send every request's tokens due (TokenOutbox); hand the load report, when one is due,

@@ -19,6 +19,7 @@ from llumdask.clusters.local import local_cluster, wait_for_instances
 from llumdask.config import load_config
 from llumdask.plugins.transport import MIGRATION_OP
 from llumdask.protocol import PreAlloc
+from llumdask.request import FinishReason
 
 pytestmark = pytest.mark.slow
 
@@ -102,3 +103,36 @@ def test_destination_death_mid_migration_aborts_it_and_the_request_goes_on(llum,
     events = [e for e in worker_statuses(llum.dask_client, [source])[source]["events"] if e["migration_id"] == migration_id]
     assert [e["kind"] for e in events] == ["started", "aborted"]
     assert "lost" in events[-1]["reason"]
+
+
+def _break_a_step_once(dask_worker) -> None:
+    """In a worker: the engine's first step once a request has 3 tokens raises (an engine bug)."""
+    engine = dask_worker.plugins["llumdask"].host.llumlet.engine
+    engine.working_step = engine.step
+
+    def step():
+        if any(r.num_tokens - r.num_prompt_tokens >= 3 for r in engine.snapshot().running):
+            engine.step = engine.working_step
+            raise RuntimeError("the engine broke")
+        return engine.working_step()
+
+    engine.step = step
+
+
+def _mend(dask_worker) -> None:
+    engine = dask_worker.plugins["llumdask"].host.llumlet.engine
+    engine.step = getattr(engine, "working_step", engine.step)
+
+
+def test_a_failed_engine_step_ends_its_requests_as_aborted_instead_of_leaving_them_waiting(llum, two_instances):
+    client = llum.dask_client
+    client.run(_break_a_step_once)
+    try:
+        # Without the abort the request would wait for ever: the timeout makes that a failure.
+        ended = llum.generate(prompt_of(70, 20), max_tokens=3000, ignore_eos=True, timeout=30)
+    finally:
+        client.run(_mend)
+    assert ended.finish_reason is FinishReason.ABORT and 3 <= len(ended.token_ids) < 3000
+    # The instance goes on serving (the sim engine survives a failed step; its blocks were freed).
+    again = llum.generate(prompt_of(71, 20), max_tokens=8, ignore_eos=True)
+    assert len(again.token_ids) == 8

@@ -12,6 +12,7 @@ import pytest
 from llumdask.config import load_config
 from llumdask.engine.base import StepResult, TokenOutput
 from llumdask.plugins.worker import LlumletHost
+from llumdask.request import FinishReason
 
 
 class FakeLoop:
@@ -25,13 +26,15 @@ class FakeLoop:
 
 
 class FakePusher:
-    """Records each send: the first index of every token output in it."""
+    """Records each send: the first index of every token output in it (and the outputs)."""
 
     def __init__(self) -> None:
         self.hand_offs: list[list[int]] = []
+        self.outputs: list[TokenOutput] = []
 
     def push(self, outbox) -> None:
         self.hand_offs.append([output.first_index for _, output in outbox])
+        self.outputs += [output for _, output in outbox]
 
 
 class FakeLlumlet:
@@ -43,7 +46,12 @@ class FakeLlumlet:
         self.index = 1
         self.fail = False
         self.ticks = 0
-        self.engine = SimpleNamespace(has_work=lambda: self.left > 0, get_request=lambda request_id: request_id)
+        self.aborted: list[str] = []
+        self.engine = SimpleNamespace(has_work=lambda: self.left > 0,
+                                      get_request=lambda request_id: SimpleNamespace(num_output_tokens=self.index))
+
+    def abort_request(self, request_id: str) -> None:
+        self.aborted.append(request_id)
 
     def tick(self) -> None:
         self.ticks += 1
@@ -80,14 +88,18 @@ def test_tokens_wait_for_the_interval_while_steps_make_progress_then_go_when_wor
     assert host.pusher.hand_offs == [[1], [2, 3, 4]]
 
 
-def test_held_tokens_go_when_a_step_fails(host):
+def test_held_tokens_go_when_a_step_fails_and_the_request_ends_aborted(host):
     host.llumlet = FakeLlumlet(host, steps=5)
     host._step_once()
     host._step_once()
     host.llumlet.fail = True
     with pytest.raises(RuntimeError, match="broken step"):
         host._step_once()
-    assert host.pusher.hand_offs == [[1], [2, 3]]
+    # Tokens 2 and 3 (the failed step's), then the end after the 4 tokens "r" has.
+    assert host.pusher.hand_offs == [[1], [2, 3, 4]]
+    end = host.pusher.outputs[-1]
+    assert end.token_ids == () and end.finished and end.finish_reason is FinishReason.ABORT
+    assert host.llumlet.aborted == ["r"] and "r" not in host._routes.owned
 
 
 def test_held_tokens_go_before_queued_calls_run(host):

@@ -182,6 +182,8 @@ def test_logprobs_cross_the_token_stream_and_a_migration(clean):
     assert [e.logprob for e in stream.logprobs] == pytest.approx([e.logprob for e in alone.logprobs], abs=1e-4)
     assert [[t for t, _ in e.top] for e in stream.logprobs] == [[t for t, _ in e.top] for e in alone.logprobs]
     assert stream.prompt_logprobs is None  # not asked for
+    text = clean.generate("Hello", max_tokens=5, ignore_eos=True, logprobs=1)
+    assert text.text and len(text.logprobs) == len(text.token_ids) == 5 and text.prompt_logprobs is None
 
 
 def test_a_pinned_request_is_never_moved(clean):
