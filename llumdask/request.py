@@ -129,6 +129,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def seeded_random(self) -> bool:
+        """Random sampling from a seed: its generator's state is per request and per engine."""
+        return not self.greedy and self.seed is not None
+
+    @property
     def resume_breaks(self) -> str:
         """Why this request cannot go on from its output so far on another engine ("" when it can):
         a structured output's grammar starts over there, so it would begin a second document."""

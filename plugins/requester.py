@@ -12,8 +12,9 @@ When the instance holding one is gone from the scheduler's instance table (check
 `liveness_interval`, and at once when that instance's token connection closes), it resubmits prompt +
 tokens so far elsewhere; the new instance recomputes them and continues, and the stream goes on
 with the next sequence number. A request that cannot go on from its tokens (a structured output,
-whose grammar would start over) fails with that reason instead of going on wrong. A scheduler restart looks the same: the old instances are not in
-the new scheduler's table, so their requests are resubmitted to the new ones.
+whose grammar would start over) fails with that reason instead of going on wrong. A scheduler
+restart looks the same: the old instances are not in the new scheduler's table, so their
+requests are resubmitted to the new ones.
 
 Everything here runs on the Dask client's event loop.
 """

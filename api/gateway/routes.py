@@ -155,13 +155,15 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
         await finish(gateway, generations)
         raise
     await finish(gateway, generations)
-    wanted = options.logprobs is not None
     body = []
     for text, g in best(options.n, choices, generations):
-        ids, entries = g.token_ids, list(g.logprobs(0, g.num_output_tokens)) if wanted else []
-        if echo is not None:
-            text, ids, entries = echo + text, [*prompt_ids, *ids], [*g.prompt_logprobs, *entries] if wanted else []
-        body.append((text, g.finish_reason, fmt.logprobs(gateway.tokenizer, ids, entries, 0) if wanted else None))
+        logprobs = None
+        if options.logprobs is not None:
+            ids, entries = g.token_ids, g.logprobs(0, g.num_output_tokens)
+            if echo is not None:
+                ids, entries = [*prompt_ids, *ids], [*g.prompt_logprobs, *entries]
+            logprobs = fmt.logprobs(gateway.tokenizer, ids, entries, 0)
+        body.append((text if echo is None else echo + text, g.finish_reason, logprobs))
     return JSONResponse(fmt.body(body, total_usage(generations)))
 
 

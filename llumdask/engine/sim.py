@@ -161,10 +161,8 @@ def unmodelled_option(sampling: SamplingParams) -> str:
     """The first sampling option the sim cannot model ("" when none)."""
     if sampling.repetition_penalty != 1:
         return "repetition_penalty"
-    if sampling.presence_penalty:
-        return "presence_penalty"
-    if sampling.frequency_penalty:
-        return "frequency_penalty"
+    if option := sampling.counts_own_output:
+        return option
     if sampling.logit_bias:
         return "logit_bias"
     if sampling.logprobs is not None:

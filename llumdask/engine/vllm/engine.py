@@ -93,7 +93,7 @@ def migration_refusal(request: Request) -> str:
     with its output as prompt, which presence and frequency penalties do not count (the
     repetition penalty counts prompt and output alike, so it moves exactly)."""
     s = request.sampling
-    if s.temperature > 0 and s.seed is not None:
+    if s.seeded_random:
         return "seeded random sampling restarts its generator on the destination"
     if option := s.counts_own_output:
         return f"{option} counts only the tokens generated where the request runs"
@@ -213,8 +213,7 @@ class VllmEngine:
     def add_request(self, request: Request) -> None:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id} is already on this engine")
-        s = request.sampling
-        if self._on_cpu and s.seed is not None and not s.greedy:
+        if self._on_cpu and request.sampling.seeded_random:
             # vLLM rewinds a seeded request's generator when it discards the token of a prompt
             # chunk; torch's CPU generators cannot rewind, and the failed step stops every request.
             raise ValueError(f"request {request.request_id}: vLLM on the CPU cannot run seeded random sampling "
@@ -615,6 +614,7 @@ class VllmEngine:
 
     @staticmethod
     def _load(request: Request, num_blocks: int, *, running: bool, paused: bool = False) -> RequestLoad:
+        pinned = bool(migration_refusal(request))
         return RequestLoad(
             request_id=request.request_id,
             running=running,
@@ -623,8 +623,8 @@ class VllmEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             execution_priority=request.execution_priority,
             scheduling_priority=request.scheduling_priority,
-            migratable=not paused and not migration_refusal(request),
-            pinned=bool(migration_refusal(request)),
+            migratable=not paused and not pinned,
+            pinned=pinned,
         )
 
 
