@@ -64,6 +64,7 @@ class MigrationConfig:
     max_concurrent: int = 1
     max_stages: int = 6
     last_stage_blocks: int = 2
+    last_stage_slack_blocks: int = 1
     handshake_timeout: float = 5.0
 
 

@@ -7,10 +7,12 @@ the injected `Transport`, so the same code runs on a virtual clock and across pr
 
 Protocol (paper section 4.2). Source, per stage k: PRE-ALLOC n blocks -> ACK -> send the blocks
 completed so far as one fused buffer -> StageAck -> next stage, while the request keeps decoding.
-When little is left (or the stage budget is spent) the last stage pauses the request, sends the
-remaining blocks and its state; the destination resumes it and answers Committed; the source then
-frees it. Any refusal, abort, timeout, finish, preemption or dead peer ends the migration with
-every reserved block released and the request running on its source.
+When little is left (or the stage budget is spent) the last stage reserves the tail, plus slack
+for the tokens decoded while the reservation travels, and only on its ACK pauses the request and
+sends the remaining blocks and its state; the destination resumes it and answers Committed; the
+source then frees it. So the pause lasts one round trip. (A tail that outgrew the slack is
+reserved again while paused.) Any refusal, abort, timeout, finish, preemption or dead peer ends
+the migration with every reserved block released and the request running on its source.
 
 Stage copies: by default the source fuses a stage's blocks when it sends the stage, on the
 thread that drives it. A host whose transport copies `PendingBlocks` payloads itself (see
@@ -81,6 +83,7 @@ class _Outgoing:
     stage: int = 0
     sent_blocks: int = 0
     stage_blocks: int = 0
+    last: bool = False
     bytes: int = 0
     state: MigrationState | None = None
     paused_at: float | None = None
@@ -227,20 +230,41 @@ class Llumlet:
         return migration_id
 
     def _next_stage(self, out: _Outgoing) -> None:
-        """Either another copy stage while decoding goes on, or the last stage (pause + rest + state)."""
+        """Either another copy stage while decoding goes on, or the last stage's reservation:
+        the tail it will have, plus slack, reserved before the pause (`_pause_for_last_stage`)."""
         remaining = self.engine.completed_blocks(out.request_id) - out.sent_blocks
-        last = remaining <= self._migration.last_stage_blocks or out.stage >= self._migration.max_stages - 1
-        if last:
-            out.state = self.engine.pause(out.request_id)
-            out.paused_at = self._clock()
-            remaining = blocks_for(out.state.num_tokens, self.engine.block_size) - out.sent_blocks
+        out.last = remaining <= self._migration.last_stage_blocks or out.stage >= self._migration.max_stages - 1
+        if out.last:
+            request = self.engine.get_request(out.request_id)
+            assert request is not None
+            tail = blocks_for(request.num_tokens, self.engine.block_size) - out.sent_blocks
+            remaining = tail + self._migration.last_stage_slack_blocks
         out.stage_blocks = remaining
+        self._prealloc(out, remaining)
+
+    def _prealloc(self, out: _Outgoing, num_blocks: int) -> None:
         out.phase = _Phase.AWAIT_PREALLOC
         out.deadline = self._clock() + self._migration.handshake_timeout
         self._send(
             out.destination,
-            PreAlloc(out.migration_id, self.instance_id, out.destination, out.request_id, out.stage, remaining),
+            PreAlloc(out.migration_id, self.instance_id, out.destination, out.request_id, out.stage, num_blocks),
         )
+
+    def _pause_for_last_stage(self, out: _Outgoing) -> bool:
+        """Pause the request now that its tail is reserved; False when the migration ended instead
+        (it cannot pause, or its tail outgrew the reservation and more is being reserved)."""
+        try:
+            out.state = self.engine.pause(out.request_id)
+        except MigrationRefused as exc:
+            self._abort_outgoing(out, f"source cannot pause: {exc}", notify=True)
+            return False
+        out.paused_at = self._clock()
+        tail = blocks_for(out.state.num_tokens, self.engine.block_size) - out.sent_blocks
+        reserved, out.stage_blocks = out.stage_blocks, tail
+        if tail > reserved:
+            self._prealloc(out, tail - reserved)
+            return False
+        return True
 
     def _on_prealloc_reply(self, out: _Outgoing, reply: PreAllocReply) -> None:
         if not reply.accepted:
@@ -251,6 +275,8 @@ class Llumlet:
             reason = self._source_lost_reason(out)
             if reason:
                 self._abort_outgoing(out, reason, notify=True)
+                return
+            if out.last and not self._pause_for_last_stage(out):
                 return
         start, end = out.sent_blocks, out.sent_blocks + out.stage_blocks
         pending = self.engine.export_later(out.request_id, start, end)

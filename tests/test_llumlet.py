@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from inprocess import InProcessCluster, make_request, reference_tokens, small_config
+from llumdask.engine.base import MigrationRefused
 from llumdask.llumlet import MigrationEventKind
 from llumdask.protocol import PreAlloc, StageData
 from llumdask.request import Priority
@@ -243,4 +244,74 @@ def test_stale_and_foreign_messages_are_dropped():
     cluster.transport.deliver_all()
     cluster.run_until_idle()
     assert cluster.log.sequence("r") == reference_tokens(make_request("r", 10, 10))
+    cluster.assert_no_leaks()
+
+
+def _spy_source_messages(cluster: InProcessCluster, request_id: str) -> list[tuple[str, bool]]:
+    """Every message i0 sends, with whether `request_id` was paused then (a decoding request
+    that cannot move: the sim engine lists paused requests as running but not migratable)."""
+    sent: list[tuple[str, bool]] = []
+    send = cluster.transport.send
+
+    def spy(sender, receiver, message):
+        if sender == "i0":
+            movable = {r.request_id for r in cluster["i0"].engine.snapshot().running if r.migratable}
+            sent.append((type(message).__name__, request_id not in movable))
+        send(sender, receiver, message)
+
+    cluster.transport.send = spy
+    return sent
+
+
+def test_last_stage_reserves_its_tail_before_it_pauses():
+    cluster = InProcessCluster(2)
+    cluster["i0"].add_request(make_request("r", 120, 60))
+    sent = _spy_source_messages(cluster, "r")
+    for _ in range(3):
+        cluster.step_all()
+    assert cluster["i0"].migrate_out("i1", "r") is not None
+    cluster.run_until_idle()
+    (event,) = cluster.committed()
+    assert event.stages >= 2
+    # Every reservation is asked while the request decodes; paused, the source sends only the last stage.
+    assert [name for name, paused in sent if paused] == ["StageData"]
+    assert sent[-1] == ("StageData", True) and sent[-2] == ("PreAlloc", False)
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 120, 60))
+    cluster.assert_no_leaks()
+
+
+@pytest.mark.parametrize("slack, steps_in_flight, prealloc_paused", [(1, 3, 0), (0, 4, 1), (1, 8, 1)])
+def test_a_tail_that_outgrew_its_reservation_is_reserved_again_while_paused(slack, steps_in_flight, prealloc_paused):
+    # The first stage is the last (last-stage-blocks 100); the source decodes `steps_in_flight`
+    # tokens (block size 4) before its reservation is answered.
+    config = small_config(last_stage_blocks=100, last_stage_slack_blocks=slack)
+    cluster = InProcessCluster(2, config)
+    cluster["i0"].add_request(make_request("r", 10, 40))
+    sent = _spy_source_messages(cluster, "r")
+    for _ in range(3):
+        cluster.step_all()
+    assert cluster["i0"].migrate_out("i1", "r") is not None
+    for _ in range(steps_in_flight):
+        cluster["i0"].step()
+    cluster.run_until_idle()
+    assert len(cluster.committed()) == 1
+    assert sent.count(("PreAlloc", True)) == prealloc_paused
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 10, 40), config)
+    cluster.assert_no_leaks()
+
+
+def test_a_source_that_cannot_pause_aborts_and_keeps_the_request():
+    cluster = InProcessCluster(2)
+    cluster["i0"].add_request(make_request("r", 10, 30))
+    cluster.step_all()
+
+    def refuse(request_id):
+        raise MigrationRefused(f"request {request_id!r} is not in the running batch")
+
+    cluster["i0"].engine.pause = refuse
+    assert cluster["i0"].migrate_out("i1", "r") is not None
+    cluster.run_until_idle()
+    (aborted,) = cluster.aborted()
+    assert aborted.reason.startswith("source cannot pause")
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 10, 30))
     cluster.assert_no_leaks()
