@@ -70,7 +70,7 @@ async def measure(address: str, calls: int, concurrency: int) -> list[dict[str, 
         per_caller = max(calls // concurrency, 1)
         for _ in range(3):
             for name, call in callers.items():
-                async def caller() -> None:
+                async def caller(call: Callable[[int], Awaitable[Any]] = call) -> None:
                     for _ in range(per_caller):
                         await call(next(numbers))
 

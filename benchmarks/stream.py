@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from distributed import Client
 
@@ -93,10 +93,10 @@ def modelled_tokens_per_s(config: LlumdaskConfig, work: Workload, instances: int
         users = len(range(k, work.concurrency, instances))
         share = len(range(k, work.requests, instances))
         now = [0.0]
-        engine = SimEngine.from_config(config, clock=lambda: now[0], instance_id=f"model-{k}")
+        engine = SimEngine.from_config(config, clock=lambda now=now: now[0], instance_id=f"model-{k}")
         numbers = itertools.count()
 
-        def add() -> None:
+        def add(engine: SimEngine = engine, numbers: Iterator[int] = numbers) -> None:
             i = next(numbers)
             engine.add_request(Request(f"r{i}", work.prompt(i), SamplingParams(max_tokens=work.max_tokens)))
 

@@ -220,7 +220,7 @@ def test_more_unreported_demand_never_raises_freeness(instance, extra_demand, mo
 @given(st.lists(st.tuples(st.text(max_size=3), instances()), min_size=1, max_size=8, unique_by=lambda t: t[0]))
 def test_freeness_key_is_a_strict_total_order_consistent_with_freeness(cluster):
     keyed = [(freeness_key(i, inst.freeness()), inst.freeness()) for i, inst in cluster]
-    for key, f in keyed:
+    for _key, f in keyed:
         assert not math.isnan(f)
     for (ka, fa) in keyed:
         for (kb, fb) in keyed:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from llumdask.engine.latency import load_profile
 from llumdask.request import Priority
 from llumdask.sim.paper import AUTOSCALE_MAX_INSTANCES, AUTOSCALING, BASELINES, ORACLE, PRIORITIES, SERVING, PaperResults
 from llumdask.sim.plots import write_figures
@@ -469,10 +468,10 @@ def _ratio_table(results: PaperResults) -> str:
             continue
         ll = p["llumnix"]
 
-        def over(policy: str, metric: str) -> str:
+        def over(policy: str, metric: str, p: dict[str, Any] = p, ll: dict[str, Any] = ll) -> str:
             return _x(ratio(p[policy][metric], ll[metric])) if policy in p else "-"
 
-        def change(metric: str, fmt: Callable[[Any], str]) -> str:
+        def change(metric: str, fmt: Callable[[Any], str], p: dict[str, Any] = p, ll: dict[str, Any] = ll) -> str:
             return f"{fmt(p['infaas'][metric])} -> {fmt(ll[metric])}" if "infaas" in p else "-"
 
         rows.append((trace, f"{load:g}", over("infaas", "prefill_p99"), over("infaas", "prefill_mean"),

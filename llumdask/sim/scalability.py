@@ -122,12 +122,12 @@ def measure(
         now = float(round_index)
         # Each instance acknowledges everything dispatched to it so far, as a live one would.
         for load in [_synthetic_load(rng, i, handed[i]) for i in ids]:
-            _timed(lambda load=load: scheduler.report(load, now), report_ns)
+            _timed(lambda load=load, now=now: scheduler.report(load, now), report_ns)
         prompts = rng.integers(16, 512, size=dispatches_per_round)
         for k, prompt in enumerate(prompts):
             info = DispatchInfo(f"r{round_index}-{k}", int(prompt), 256)
-            handed[_timed(lambda info=info: scheduler.dispatch(info, now), dispatch_ns)] += 1
-        pairs += len(_timed(lambda: scheduler.pair_migrations(now), pairing_ns))
+            handed[_timed(lambda info=info, now=now: scheduler.dispatch(info, now), dispatch_ns)] += 1
+        pairs += len(_timed(lambda now=now: scheduler.pair_migrations(now), pairing_ns))
     return ScalabilityResult(
         instances=instances,
         dispatches=len(dispatch_ns),

@@ -154,8 +154,9 @@ def test_forced_migrations_keep_the_tokens_of_plain_vllm(clean, reference, name,
         migration_id = clean.migrate(stream.request_id, to=destination)
         migrations.append((migration_id, source, destination))
         # The next migration starts from where this one left the request.
-        wait_until(lambda: stream.instance == destination or
-                   any(e["kind"] == "aborted" for e in migration_events(clean.dask_client, source, migration_id)),
+        wait_until(lambda destination=destination, source=source, migration_id=migration_id:
+                   stream.instance == destination
+                   or any(e["kind"] == "aborted" for e in migration_events(clean.dask_client, source, migration_id)),
                    30, f"migration {migration_id} settled")
     tokens += list(stream)
     assert tokens == reference[name]
