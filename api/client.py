@@ -31,6 +31,7 @@ from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer, model_location, stop_token_ids
 from llumdask.config import load_config
 from llumdask.engine.base import TokenLogprob
+from llumdask.plugins.control import Op, call
 from llumdask.plugins.requester import NoLlumdaskScheduler, RequestRejected, Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
@@ -480,7 +481,7 @@ class LlumdaskClient:
         return InstanceTable(tuple(dict(row) for row in reply["instances"]), dict(reply["migrations"]))
 
     async def _migrations(self, limit: int) -> MigrationTable:
-        events = await self._client.scheduler.llumnix_migrations(limit=limit)
+        events = await call(self._client.scheduler, Op.MIGRATIONS, limit=limit)
         if events is None:
             raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin")
         rows = tuple({**e, "time": time.strftime("%H:%M:%S", time.localtime(e["time"])),
@@ -489,13 +490,13 @@ class LlumdaskClient:
 
     async def _migrate(self, request_id: str, to: str, source: str | None) -> str:
         source = source or self.requester.holder(request_id)
-        reply = await self._client.scheduler.llumnix_migrate(request_id=request_id, source=source, destination=to)
+        reply = await call(self._client.scheduler, Op.MIGRATE, request_id=request_id, source=source, destination=to)
         if reply["migration_id"] is None:
             raise MigrationNotStarted(reply["reason"])
         return reply["migration_id"]
 
     async def _drain(self, instance: str) -> None:
-        reply = await self._client.scheduler.llumnix_drain(instance=instance)
+        reply = await call(self._client.scheduler, Op.DRAIN, instance=instance)
         if not reply["draining"]:
             raise KeyError(reply["reason"])
 

@@ -27,7 +27,8 @@ from distributed.core import Server
 from tornado.ioloop import IOLoop
 
 from benchmarks.common import int_list, parser, ratio, report, summarize
-from llumdask.plugins.transport import MIGRATION_OP, CommTransport
+from llumdask.plugins.control import Op
+from llumdask.plugins.transport import CommTransport
 from llumdask.protocol import Abort, MigrationMessage, PreAlloc, PreAllocReply, StageAck, StageData
 
 MIB = 1 << 20
@@ -66,7 +67,7 @@ async def _receive(conn: Connection) -> None:
             transport.end_migration(sender, message.migration_id)
 
     transport = CommTransport(IOLoop.current(), on_receive, on_peer_lost=lambda peer: None)
-    server = Server({MIGRATION_OP: transport.handle})
+    server = Server({Op.MIGRATION: transport.handle})
     await server.listen("tcp://127.0.0.1:0")
     raw = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_serve_raw, args=(raw,), daemon=True).start()
@@ -105,7 +106,7 @@ class DaskSender:
         self.peer = peer
         self._waiting: dict[str, asyncio.Future] = {}
         self.transport = CommTransport(IOLoop.current(), self._on_receive, on_peer_lost=self._lost)
-        self.server = Server({MIGRATION_OP: self.transport.handle})
+        self.server = Server({Op.MIGRATION: self.transport.handle})
         self._numbers = 0
 
     async def start(self) -> "DaskSender":

@@ -19,6 +19,7 @@ from distributed import Client, LocalCluster
 
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.plugins.adaptive import LlumnixAdaptive
+from llumdask.plugins.control import Op, call
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
 from llumdask.plugins.worker import LlumletWorkerPlugin, startup_error
 
@@ -115,7 +116,7 @@ def wait_for_instances(client: Client, n: int, timeout: float = 60.0,
     while True:
         if check is not None:
             check()
-        rows = client.sync(client.scheduler.llumnix_status)["instances"]
+        rows = client.sync(call, client.scheduler, Op.STATUS)["instances"]
         if sum(1 for row in rows if row["ready"]) >= n:
             return
         if time.monotonic() >= next_failure_check:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from distributed.deploy.adaptive import Adaptive
 
+from llumdask.plugins.control import Op, call
+
 
 class LlumnixAdaptive(Adaptive):
     """`Adaptive` whose target and victims come from the llumdask scheduler plugin."""
 
     async def _plan(self) -> dict:
-        reply = await self.scheduler.llumnix_adaptive_target()
+        reply = await call(self.scheduler, Op.ADAPTIVE_TARGET)
         if reply is None:
             raise RuntimeError("the scheduler has no llumdask plugin: LlumnixAdaptive cannot decide")
         return reply

@@ -22,6 +22,7 @@ from bokeh.models import ColumnDataSource, DataTable, Div, Span, TableColumn
 from bokeh.plotting import figure
 
 from llumdask.load import instance_order
+from llumdask.plugins.control import InstanceState
 from llumdask.plugins.history import INTERVAL_SECONDS, SPAN_SECONDS, Sample
 
 PAGE = "/llumdask"
@@ -33,11 +34,11 @@ PALETTE = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b
 
 # Fill colour of an instance by its role (the scheduler plugin's `_state_of`).
 STATE_COLORS = {
-    "normal": "#4c78a8",
-    "source": "#e45756",
-    "destination": "#54a24b",
-    "terminating": "#9d755d",
-    "starting": "#bab0ac",
+    InstanceState.NORMAL: "#4c78a8",
+    InstanceState.SOURCE: "#e45756",
+    InstanceState.DESTINATION: "#54a24b",
+    InstanceState.TERMINATING: "#9d755d",
+    InstanceState.STARTING: "#bab0ac",
 }
 
 MIGRATION_COLUMNS = (
@@ -62,7 +63,7 @@ def instance_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
         used = total - int(r["free_blocks"])
         columns["instance"].append(r["instance"])
         columns["state"].append(r["state"])
-        columns["color"].append(STATE_COLORS.get(r["state"], STATE_COLORS["normal"]))
+        columns["color"].append(STATE_COLORS.get(r["state"], STATE_COLORS[InstanceState.NORMAL]))
         columns["used_pct"].append(100.0 * used / total)
         columns["freeness"].append(_drawable(r["freeness"]))
         columns["running"].append(int(r["num_running"]))

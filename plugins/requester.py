@@ -31,6 +31,7 @@ from distributed import Client
 from distributed.utils import get_ip
 
 from llumdask.global_scheduler import NoInstanceAvailable
+from llumdask.plugins.control import Op, call
 from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream
 from llumdask.plugins.wire import request_to_msg
 from llumdask.request import FinishReason, Request
@@ -130,13 +131,13 @@ class Requester:
         self.forget(request_id)
         if holder is not None:
             try:
-                await asyncio.wait_for(self._client.rpc(holder).llumnix_abort(request_id=request_id), self._rpc_timeout)
+                await asyncio.wait_for(call(self._client.rpc(holder), Op.ABORT, request_id=request_id), self._rpc_timeout)
             except (OSError, asyncio.TimeoutError):
                 logger.info("could not abort %s on %s", request_id, holder)
 
     async def status(self) -> dict:
         """The scheduler's `llumnix_status` (the whole instance table and the migration counts)."""
-        reply = await asyncio.wait_for(self._client.scheduler.llumnix_status(), self._rpc_timeout)
+        reply = await asyncio.wait_for(call(self._client.scheduler, Op.STATUS), self._rpc_timeout)
         if reply is None:
             raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin")
         return reply
@@ -144,7 +145,7 @@ class Requester:
     async def members(self) -> set[str]:
         """The instances the scheduler knows, asked as "anything new since the last answer?"; also
         keeps the placeable ones for bypass mode."""
-        reply = await asyncio.wait_for(self._client.scheduler.llumnix_members(epoch=self._epoch), self._rpc_timeout)
+        reply = await asyncio.wait_for(call(self._client.scheduler, Op.MEMBERS, epoch=self._epoch), self._rpc_timeout)
         if reply is None:
             raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin")
         if reply["alive"] is not None:
@@ -193,7 +194,8 @@ class Requester:
         return self._known[next(self._rotation) % len(self._known)]
 
     async def _dispatch(self, request: Request) -> str:
-        reply = await self._client.scheduler.llumnix_dispatch(
+        reply = await call(
+            self._client.scheduler, Op.DISPATCH,
             request_id=request.request_id,
             num_prompt_tokens=request.num_tokens,
             max_tokens=request.remaining_tokens,
@@ -210,7 +212,7 @@ class Requester:
     async def _hand_over(self, request: Request, instance: str) -> None:
         try:
             reply = await asyncio.wait_for(
-                self._client.rpc(instance).llumnix_add(request=request_to_msg(request), reply_to=self._listener.address),
+                call(self._client.rpc(instance), Op.ADD, request=request_to_msg(request), reply_to=self._listener.address),
                 self._rpc_timeout,
             )
         except (OSError, asyncio.TimeoutError):

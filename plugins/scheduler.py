@@ -47,6 +47,7 @@ from llumdask.global_scheduler import (
     UnknownInstance,
 )
 from llumdask.load import InstanceLoad
+from llumdask.plugins.control import InstanceState, Op, call
 from llumdask.plugins.dashboard import add_page
 from llumdask.plugins.history import ClusterHistory, Sample
 from llumdask.plugins.metrics import SchedulerMetrics
@@ -56,12 +57,12 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "llumdask"
 
 
-def instance_row(view: InstanceView, state: str) -> dict[str, Any]:
+def instance_row(view: InstanceView, state: InstanceState) -> dict[str, Any]:
     """One instance as a msgpack-native row (for the notebook table and dashboards)."""
     load = view.load
     return {
         "instance": view.instance_id,
-        "state": state,
+        "state": state.value,
         "ready": view.ready,
         "freeness": view.freeness,
         "dispatch_freeness": view.dispatch_freeness,
@@ -110,21 +111,21 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self.global_scheduler = GlobalScheduler(self.config)
         scheduler.handlers.update(
             {
-                "llumnix_register": self.register,
-                "llumnix_ready": self.ready,
-                "llumnix_unregister": self.unregister,
-                "llumnix_dispatch": self.dispatch,
-                "llumnix_status": self.status,
-                "llumnix_members": self.members,
-                "llumnix_migrations": self.migrations,
-                "llumnix_drain": self.drain,
-                "llumnix_migrate": self.migrate,
-                "llumnix_adaptive_target": self.adaptive_target,
+                Op.REGISTER: self.register,
+                Op.READY: self.ready,
+                Op.UNREGISTER: self.unregister,
+                Op.DISPATCH: self.dispatch,
+                Op.STATUS: self.status,
+                Op.MEMBERS: self.members,
+                Op.MIGRATIONS: self.migrations,
+                Op.DRAIN: self.drain,
+                Op.MIGRATE: self.migrate,
+                Op.ADAPTIVE_TARGET: self.adaptive_target,
             }
         )
         if self.config.scaling.enabled:
             scheduler.handlers["adaptive_target"] = self.dask_adaptive_target
-        scheduler.stream_handlers.update({"llumnix_load": self.on_load, "llumnix_event": self.on_event})
+        scheduler.stream_handlers.update({Op.LOAD: self.on_load, Op.EVENT: self.on_event})
         self._periodic = PeriodicCallback(self.tick, self.config.migration.interval * 1000)
         self._periodic.start()
         self.dashboard_page = add_page(scheduler, self)
@@ -151,7 +152,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self._drained.discard(worker)
         if self._forget(worker):
             for peer in self._instance_ids():
-                self._send(peer, {"op": "llumnix_peer_lost", "peer": worker})
+                self._send(peer, {"op": Op.PEER_LOST, "peer": worker})
 
     # ------------------------------------------------------------------ RPC handlers
     def register(self, instance: str, total_blocks: int, block_size: int, high_priority_headroom: int | None = None) -> dict:
@@ -219,7 +220,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             self._scheduler().set_terminating(instance, time.time())
         except UnknownInstance as exc:
             return {"draining": False, "reason": str(exc)}
-        self._send(instance, {"op": "llumnix_set_terminating", "flag": True})
+        self._send(instance, {"op": Op.SET_TERMINATING, "flag": True})
         return {"draining": True, "reason": ""}
 
     async def migrate(self, request_id: str, destination: str, source: str | None = None) -> dict:
@@ -240,7 +241,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         sources = [source] if source is not None else [i for i, v in known.items() if v.ready and i != destination]
         reply = {"migration_id": None, "reason": f"request {request_id!r} is not running on any other instance"}
         for candidate in sources:
-            reply = await self.scheduler.rpc(candidate).llumnix_migrate_out(request_id=request_id, destination=destination)
+            reply = await call(self.scheduler.rpc(candidate), Op.MIGRATE_OUT, request_id=request_id, destination=destination)
             if reply["migration_id"] is not None:
                 break
         if source is None and reply["migration_id"] is None:
@@ -301,7 +302,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         now = time.time()
         decision = self._scheduler().scale(now)
         for victim in decision.terminate:
-            self._send(victim, {"op": "llumnix_set_terminating", "flag": True})
+            self._send(victim, {"op": Op.SET_TERMINATING, "flag": True})
             self._log_scaling(now, "terminate", victim)
         if decision.add and not self._adds_wanted and not self._workers_starting():
             self._adds_wanted = min(decision.add, self.config.scaling.max_instances - len(self.scheduler.workers))
@@ -321,7 +322,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         pairs = scheduler.pair_migrations(time.time()) if self.config.migration.enabled else []
         self._last_pairs = {p.source: p.destination for p in pairs}
         for p in pairs:
-            self._send(p.source, {"op": "llumnix_migrate_to", "destination": p.destination})
+            self._send(p.source, {"op": Op.MIGRATE_TO, "destination": p.destination})
 
     # ------------------------------------------------------------------ helpers
     def _scheduler(self) -> GlobalScheduler:
@@ -349,16 +350,16 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         """A worker whose llumlet has not registered yet is capacity on its way."""
         return len(self.scheduler.workers) > len(self._scheduler().instances())
 
-    def _state_of(self, view: InstanceView) -> str:
+    def _state_of(self, view: InstanceView) -> InstanceState:
         if not view.ready:
-            return "starting"
+            return InstanceState.STARTING
         if view.terminating:
-            return "terminating"
+            return InstanceState.TERMINATING
         if view.instance_id in self._last_pairs:
-            return "source"
+            return InstanceState.SOURCE
         if view.instance_id in self._last_pairs.values():
-            return "destination"
-        return "normal"
+            return InstanceState.DESTINATION
+        return InstanceState.NORMAL
 
     def _send(self, worker: str, msg: dict) -> None:
         """Fire-and-forget to a worker's llumlet over the scheduler's batched stream."""

@@ -30,11 +30,11 @@ import msgpack
 from distributed.comm.addressing import get_address_host_port
 
 from llumdask.engine.base import TokenLogprob, TokenOutput
+from llumdask.plugins.control import Op
 from llumdask.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
-TOKENS_OP = "llumnix_tokens"
 _FRAME_HEADER = struct.Struct("!I")
 # A listener refuses bigger frames (a hand-off carries a few tokens per request).
 MAX_FRAME_BYTES = 64 << 20
@@ -60,7 +60,7 @@ class TokenBatch:
 
     def to_msg(self) -> dict:
         msg = {
-            "op": TOKENS_OP,
+            "op": Op.TOKENS,
             "request_id": self.request_id,
             "first_index": self.first_index,
             "token_ids": list(self.token_ids),
@@ -319,7 +319,7 @@ class TokenListener:
                 if size > MAX_FRAME_BYTES:
                     raise ValueError(f"a token frame of {size} bytes (limit {MAX_FRAME_BYTES})")
                 for msg in msgpack.unpackb(await reader.readexactly(size)):
-                    if not isinstance(msg, dict) or msg.get("op") != TOKENS_OP:
+                    if not isinstance(msg, dict) or msg.get("op") != Op.TOKENS:
                         logger.warning("token listener dropped an unexpected message: %r", msg)
                         continue
                     batch = TokenBatch.from_msg(msg)

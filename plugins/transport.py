@@ -36,11 +36,11 @@ from distributed.protocol import to_serialize
 from tornado.ioloop import IOLoop
 
 from llumdask.engine.base import PendingBlocks
+from llumdask.plugins.control import Op
 from llumdask.protocol import Abort, Committed, MigrationMessage, PreAllocReply, StageData
 
 logger = logging.getLogger(__name__)
 
-MIGRATION_OP = "llumnix_migration"
 
 Receive = Callable[[str, MigrationMessage, "Mapping[str, Any] | None"], None]
 
@@ -78,7 +78,7 @@ class CommTransport:
     # ------------------------------------------------------------------ sending (any thread)
     def send(self, sender: str, receiver: str, message: MigrationMessage) -> None:
         context = self._annotate(message) if self._annotate is not None else None
-        wire = {"op": MIGRATION_OP, "sender": sender, "message": message,
+        wire = {"op": Op.MIGRATION, "sender": sender, "message": message,
                 "context": dict(context) if context else None, "reply": False}
         self._loop.add_callback(self._enqueue, receiver, message, wire)
 
@@ -151,7 +151,7 @@ class CommTransport:
 
     # ------------------------------------------------------------------ receiving (event loop)
     def handle(self, sender: str, message: MigrationMessage, context: Mapping[str, Any] | None = None) -> None:
-        """Server handler for MIGRATION_OP; install it in the worker's `handlers`."""
+        """Server handler for `Op.MIGRATION`; install it in the worker's `handlers`."""
         self._on_receive(sender, message, context)
 
     # ------------------------------------------------------------------ lifecycle

@@ -15,10 +15,9 @@ thread sends the tokens itself, writes the load report itself every `report-inte
 only passes it on to the scheduler), and Dask's own timers that a llumlet worker does not need are
 slowed (`DaskTimers`).
 
-Where a request's tokens go ("route": the requester's listener address) is known to the
-instance that owns the request. It arrives with the request (`llumnix_add`), travels to a
-migration's destination in the context of each `PreAlloc`, and becomes the destination's when it
-answers `Committed`; the source forgets it at COMMIT.
+What the engine thread does between steps (stepping, the output cadence, the route table that
+says where each request's tokens go, the report cadence) is `LlumletDriver`'s, which does no
+I/O; this host wires it to the worker: thread, comms, handlers, registration.
 
 Worker RPC handlers (reply dicts):
     llumnix_add(request, reply_to)             -> {"accepted": bool, "reason": str}
@@ -44,24 +43,21 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from tornado.ioloop import IOLoop
 
 from llumdask.config import LlumdaskConfig, load_config
-from llumdask.engine.base import Engine, TokenOutput
+from llumdask.engine.base import Engine
 from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
-from llumdask.protocol import Abort, Committed, MigrationMessage, PreAlloc, PreAllocReply
+from llumdask.protocol import MigrationMessage
+from llumdask.plugins.control import SCHEDULER_TO_WORKER, Op, call
 from llumdask.plugins.dask_timers import DaskTimers
 from llumdask.plugins.engine_thread import EngineThread
-from llumdask.plugins.streams import TokenOutbox, TokenPusher
-from llumdask.plugins.transport import MIGRATION_OP, CommTransport
+from llumdask.plugins.llumlet_driver import LlumletDriver
+from llumdask.plugins.streams import TokenPusher
+from llumdask.plugins.transport import CommTransport
 from llumdask.plugins.wire import event_to_msg, request_from_msg
-from llumdask.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "llumdask"
 T = TypeVar("T")
-
-# Stream ops the scheduler plugin sends to llumlets.
-_SCHEDULER_OPS = ("llumnix_migrate_to", "llumnix_set_terminating", "llumnix_peer_lost")
-
 
 def _ignore(**_: Any) -> None:
     return None
@@ -103,89 +99,64 @@ def _close_engine(engine: Engine) -> None:
         close()
 
 
-class _Routes:
-    """Request id -> requester address, for requests this instance owns or is receiving.
-
-    Touched only on the engine thread. Incoming migrations keep their route aside until the
-    destination commits, and are swept if their migration silently expires.
-    """
-
-    def __init__(self, expiry: float) -> None:
-        self.owned: dict[str, str] = {}
-        self._incoming: dict[str, tuple[str, str, float]] = {}
-        self._expiry = expiry
-
-    def add_incoming(self, migration_id: str, request_id: str, reply_to: str, now: float) -> None:
-        self._incoming[migration_id] = (request_id, reply_to, now)
-
-    def commit_incoming(self, migration_id: str) -> None:
-        entry = self._incoming.pop(migration_id, None)
-        if entry is not None:
-            self.owned[entry[0]] = entry[1]
-
-    def drop_incoming(self, migration_id: str) -> None:
-        self._incoming.pop(migration_id, None)
-
-    def sweep(self, now: float, is_known: Callable[[str], bool]) -> None:
-        for migration_id, (_, _, since) in list(self._incoming.items()):
-            if now - since > self._expiry:
-                del self._incoming[migration_id]
-        for request_id in [r for r in self.owned if not is_known(r)]:
-            del self.owned[request_id]
-
-    def __len__(self) -> int:
-        return len(self.owned) + len(self._incoming)
-
-
 class LlumletHost:
-    """Runs one llumlet on a worker: engine thread, stepping loop, reports, comms."""
+    """Runs one llumlet on a worker: engine thread, comms, handlers, registration."""
 
     def __init__(self, worker, config: LlumdaskConfig) -> None:
         self.worker = worker
         self.config = config
         self.instance_id: str = worker.address
         self.loop: IOLoop = worker.loop
-        self._engine_thread = EngineThread(f"llumlet {self.instance_id}", self._step_once, config.report_interval)
         migration = config.migration
-        self._routes = _Routes(expiry=2 * migration.handshake_timeout * (migration.max_stages + 1))
+        self.driver = LlumletDriver(
+            stream_interval=config.stream_interval,
+            report_interval=config.report_interval,
+            route_expiry=2 * migration.handshake_timeout * (migration.max_stages + 1),
+            push_tokens=lambda due: self.pusher.push(due),
+            send_load=lambda load: self.loop.add_callback(self._send_load, load),
+            publish_event=lambda event: self.loop.add_callback(self._publish_event, event),
+            calls_waiting=lambda: self._engine_thread.calls_waiting,
+        )
+        self._engine_thread = EngineThread(f"llumlet {self.instance_id}", self.driver.step_once, config.report_interval)
         self._registrar: asyncio.Task | None = None
-        self._outbox = TokenOutbox(config.stream_interval)  # engine thread -> requesters
-        self._next_report = float("-inf")  # engine thread: when the next load report is due
         self._dask_timers = DaskTimers(worker)
         self.registered = False
         self.started_at = time.time()
         self.events: deque[dict] = deque(maxlen=256)
         # Used on the engine thread only.
-        self.pusher = TokenPusher(self.instance_id, on_unreachable=self._drop_requests_of,
+        self.pusher = TokenPusher(self.instance_id, on_unreachable=self.driver.drop_requests_of,
                                   connect_timeout=migration.handshake_timeout)
         self.transport = CommTransport(
             self.loop,
             on_receive=self._on_migration_message,
             on_peer_lost=self._peer_lost,
-            annotate=self._annotate,
+            annotate=self.driver.annotate,
             connect_timeout=migration.handshake_timeout,
         )
-        self.llumlet: Llumlet | None = None
+
+    @property
+    def llumlet(self) -> Llumlet | None:
+        return self.driver.llumlet
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._engine_thread.start()
         engine = await self._call(make_engine, self.config, self.instance_id, time.time)
-        self.llumlet = Llumlet(
+        self.driver.attach(Llumlet(
             self.instance_id, engine, self.transport, self.config, time.time,
-            on_tokens=self._on_tokens, on_event=self._on_event, deferred_copies=True,
-        )
+            on_tokens=self.driver.on_tokens, on_event=self.driver.on_event, deferred_copies=True,
+        ))
         self.worker.handlers.update(
             {
-                "llumnix_add": self.add,
-                "llumnix_abort": self.abort,
-                "llumnix_migrate_out": self.migrate_out,
-                "llumnix_worker_status": self.status,
-                MIGRATION_OP: self.transport.handle,
+                Op.ADD: self.add,
+                Op.ABORT: self.abort,
+                Op.MIGRATE_OUT: self.migrate_out,
+                Op.WORKER_STATUS: self.status,
+                Op.MIGRATION: self.transport.handle,
             }
         )
         self.worker.stream_handlers.update(
-            dict(zip(_SCHEDULER_OPS, (self.migrate_to, self.set_terminating, self.peer_lost)))
+            {Op.MIGRATE_TO: self.migrate_to, Op.SET_TERMINATING: self.set_terminating, Op.PEER_LOST: self.peer_lost}
         )
         self._engine_thread.wake()
         self._registrar = asyncio.ensure_future(self._register())
@@ -197,15 +168,15 @@ class LlumletHost:
             await asyncio.gather(self._registrar, return_exceptions=True)
         if self.registered and self.worker.status == Status.running:
             try:
-                await asyncio.wait_for(self.worker.scheduler.llumnix_unregister(instance=self.instance_id), 5)
+                await asyncio.wait_for(call(self.worker.scheduler, Op.UNREGISTER, instance=self.instance_id), 5)
             except (OSError, asyncio.TimeoutError):
                 logger.info("could not unregister %s from the scheduler", self.instance_id)
-        self.registered = False
-        for name in ("llumnix_add", "llumnix_abort", "llumnix_migrate_out", "llumnix_worker_status", MIGRATION_OP):
+        self.registered = self.driver.reporting = False
+        for name in (Op.ADD, Op.ABORT, Op.MIGRATE_OUT, Op.WORKER_STATUS, Op.MIGRATION):
             self.worker.handlers.pop(name, None)
         # Stream ops stay handled (ignored): the scheduler may still send some before it learns
         # that this llumlet is gone, and an op without a handler would disconnect the worker.
-        for name in _SCHEDULER_OPS:
+        for name in SCHEDULER_TO_WORKER:
             self.worker.stream_handlers[name] = _ignore
         await self.transport.close()
         if self.llumlet is not None:
@@ -222,7 +193,8 @@ class LlumletHost:
         self._dask_timers.slow_down()  # the worker starts its timers just before it runs
         while True:
             try:
-                reply = await self.worker.scheduler.llumnix_register(
+                reply = await call(
+                    self.worker.scheduler, Op.REGISTER,
                     instance=self.instance_id, total_blocks=engine.total_blocks, block_size=engine.block_size,
                     high_priority_headroom=engine.high_priority_headroom,
                 )
@@ -235,10 +207,11 @@ class LlumletHost:
                 break
             delay = min(delay * 2, 2.0)
             await asyncio.sleep(delay)
-        load = await self._call(self._report_once)
-        self.registered = True  # from now on the engine thread reports every report-interval
+        load = await self._call(self.driver.report_once)
+        # From now on the engine thread reports every report-interval.
+        self.registered = self.driver.reporting = True
         self._send_load(load)
-        await self.worker.scheduler.llumnix_ready(instance=self.instance_id)
+        await call(self.worker.scheduler, Op.READY, instance=self.instance_id)
 
     # ------------------------------------------------------------------ engine thread
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -259,117 +232,13 @@ class LlumletHost:
             raise RuntimeError("the llumlet host has not started")
         return self.llumlet
 
-    def _step_once(self) -> bool:
-        """One step (on the engine thread); True while stepping again at once makes progress.
-
-        A step that scheduled nothing (work waits for blocks a migration or a finishing request
-        will free) is not progress: the thread then sleeps until a call wakes it, or for at most
-        a report interval (the thread's idle wait), so that reports go on while idle.
-        """
-        llumlet = self.llumlet
-        if llumlet is None:
-            return False
-        progress = False
-        if llumlet.engine.has_work():
-            try:
-                result = llumlet.step()
-            except BaseException:
-                self._end_requests_after_a_failed_step()
-                self._hand_off(force=True)  # what the failed step produced still goes, and the ends
-                raise
-            progress = result.batch_size > 0 and llumlet.engine.has_work()
-        # Nothing is held while the thread sleeps, nor while it runs calls (a KV stage's import
-        # may take longer than the stream interval).
-        self._hand_off(force=not progress or self._engine_thread.calls_waiting)
-        return progress
-
-    def _end_requests_after_a_failed_step(self) -> None:
-        """A step that raised may have left the engine unable to go on (a vLLM engine core that
-        failed does not recover): every request someone waits on here ends now, as aborted with
-        the tokens it has, so that no client waits for tokens that will never come. Not
-        resubmitted elsewhere: the request may be what broke the engine."""
-        llumlet = self._llumlet()
-        for request_id, reply_to in list(self._routes.owned.items()):
-            request = llumlet.engine.get_request(request_id)
-            delivered = request.num_output_tokens if request is not None else 0
-            try:
-                llumlet.abort_request(request_id)
-            except Exception:
-                logger.exception("aborting %s after a failed step failed as well", request_id)
-            del self._routes.owned[request_id]
-            self._outbox.add(reply_to, TokenOutput(request_id, delivered, (), True, FinishReason.ABORT))
-
-    def _hand_off(self, force: bool) -> None:
-        """Send every request's tokens due (TokenOutbox); hand the load report, when one is due,
-        to the event loop for the scheduler."""
-        due = self._outbox.take(force)
-        if due:
-            self.pusher.push(due)
-        load = self._report_due()
-        if load is not None:
-            self.loop.add_callback(self._send_load, load)
-
-    def _report_due(self) -> dict | None:
-        """Every report interval (engine thread): expire handshakes and routes, and the load
-        report once registered."""
-        now = time.monotonic()
-        if now < self._next_report:
-            return None
-        self._next_report = now + self.config.report_interval
-        load = self._report_once()
-        return load if self.registered else None
-
-    def _report_once(self) -> dict:
-        llumlet = self._llumlet()
-        llumlet.tick()
-        self._routes.sweep(time.time(), lambda r: llumlet.engine.get_request(r) is not None)
-        return llumlet.load_report().to_dict()
-
-    # ------------------------------------------------------------------ callbacks from the llumlet (engine thread)
-    def _on_tokens(self, output: TokenOutput) -> None:
-        routes = self._routes.owned
-        reply_to = routes.pop(output.request_id, None) if output.finished else routes.get(output.request_id)
-        if reply_to is None:
-            logger.debug("tokens of %s have nowhere to go", output.request_id)
-            return
-        self._outbox.add(reply_to, output)
-
+    # ------------------------------------------------------------------ event-loop side
     def _send_load(self, load: dict) -> None:
         if self.registered:
-            self.worker.batched_send({"op": "llumnix_load", "load": load})
+            self.worker.batched_send({"op": Op.LOAD, "load": load})
 
-    def _on_event(self, event: MigrationEvent) -> None:
-        if event.kind is MigrationEventKind.COMMITTED:
-            self._routes.owned.pop(event.request_id, None)
-        self.loop.add_callback(self._publish_event, event)
-
-    def _annotate(self, message: MigrationMessage) -> dict | None:
-        """Called as the llumlet sends: attach the route to PreAlloc, track incoming routes' fate."""
-        if isinstance(message, PreAlloc):
-            reply_to = self._routes.owned.get(message.request_id)
-            return {"reply_to": reply_to} if reply_to else None
-        if isinstance(message, Committed):
-            self._routes.commit_incoming(message.migration_id)
-        elif isinstance(message, Abort) or (isinstance(message, PreAllocReply) and not message.accepted):
-            self._routes.drop_incoming(message.migration_id)
-        return None
-
-    def _deliver(self, sender: str, message: MigrationMessage, context: dict | None) -> None:
-        if isinstance(message, PreAlloc) and context and context.get("reply_to"):
-            self._routes.add_incoming(message.migration_id, message.request_id, context["reply_to"], time.time())
-        elif isinstance(message, Abort):
-            self._routes.drop_incoming(message.migration_id)
-        self._llumlet().on_message(sender, message)
-
-    def _drop_requests_of(self, reply_to: str) -> None:
-        llumlet = self._llumlet()
-        for request_id in [r for r, a in self._routes.owned.items() if a == reply_to]:
-            del self._routes.owned[request_id]
-            llumlet.abort_request(request_id)
-
-    # ------------------------------------------------------------------ event-loop side
     def _on_migration_message(self, sender: str, message: MigrationMessage, context: dict | None) -> None:
-        self._submit(self._deliver, sender, message, context)
+        self._submit(self.driver.deliver, sender, message, context)
 
     def _peer_lost(self, peer: str) -> None:
         self._submit(self._llumlet().peer_lost, peer)
@@ -380,7 +249,7 @@ class LlumletHost:
         if event.kind is not MigrationEventKind.STARTED:
             self.transport.end_migration(event.destination, event.migration_id)
         if self.registered:
-            self.worker.batched_send({"op": "llumnix_event", "event": msg})
+            self.worker.batched_send({"op": Op.EVENT, "event": msg})
 
     # ------------------------------------------------------------------ RPC handlers
     async def add(self, request: dict, reply_to: str) -> dict:
@@ -389,23 +258,13 @@ class LlumletHost:
         except (KeyError, TypeError, ValueError) as exc:
             return {"accepted": False, "reason": f"malformed request: {exc}"}
         try:
-            await self._call(self._add, parsed, reply_to)
+            await self._call(self.driver.add, parsed, reply_to)
         except ValueError as exc:
             return {"accepted": False, "reason": str(exc)}
         return {"accepted": True, "reason": ""}
 
-    def _add(self, request, reply_to: str) -> None:
-        self._llumlet().add_request(request)
-        self._routes.owned[request.request_id] = reply_to
-
     async def abort(self, request_id: str) -> dict:
-        def _abort() -> bool:
-            known = self._llumlet().engine.get_request(request_id) is not None
-            self._llumlet().abort_request(request_id)
-            self._routes.owned.pop(request_id, None)
-            return known
-
-        return {"aborted": await self._call(_abort)}
+        return {"aborted": await self._call(self.driver.abort, request_id)}
 
     async def migrate_out(self, request_id: str, destination: str) -> dict:
         migration_id = await self._call(self._llumlet().migrate_out, destination, request_id)
@@ -441,7 +300,7 @@ class LlumletHost:
             "has_work": llumlet.engine.has_work(),
             "migrations_in_flight": llumlet.migrations_in_flight(),
             "terminating": llumlet.terminating,
-            "routes": len(self._routes),
+            "routes": len(self.driver.routes),
             "open_channels": self.transport.open_channels,
             "events": list(self.events),
         }

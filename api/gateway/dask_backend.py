@@ -19,6 +19,7 @@ from llumdask.api.client import LlumdaskClient, NoLlumdaskScheduler, RequestReje
 from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable, ModelInfo
 from llumdask.engine.base import TokenLogprob
 from llumdask.global_scheduler import NoInstanceAvailable
+from llumdask.plugins.control import InstanceState
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams
@@ -91,4 +92,4 @@ class DaskBackend:
 
     async def ready_instances(self) -> int:
         reply = await self.requester.status()
-        return sum(1 for row in reply["instances"] if row["ready"] and row["state"] != "terminating")
+        return sum(1 for row in reply["instances"] if row["ready"] and row["state"] != InstanceState.TERMINATING)

@@ -17,7 +17,7 @@ from distributed.protocol import to_serialize
 from llumdask.api.client import connect
 from llumdask.clusters.local import local_cluster, wait_for_instances
 from llumdask.config import load_config
-from llumdask.plugins.transport import MIGRATION_OP
+from llumdask.plugins.control import Op
 from llumdask.protocol import PreAlloc
 from llumdask.request import FinishReason
 
@@ -69,7 +69,7 @@ def test_source_death_releases_the_destination_reservation(llum, two_instances):
     async def fake_prealloc():
         comm = await comm_connect(destination)
         message = PreAlloc("fake-migration", source, destination, "fake-request", 0, 7)
-        await comm.write({"op": MIGRATION_OP, "sender": source, "message": to_serialize(message),
+        await comm.write({"op": Op.MIGRATION, "sender": source, "message": to_serialize(message),
                           "context": None, "reply": False})
         await comm.close()
 

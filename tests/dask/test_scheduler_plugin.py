@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 from llumdask.load import InstanceLoad
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
-from llumdask.plugins.worker import _Routes
 
 
 class FakeStream:
@@ -150,18 +149,6 @@ def test_with_scaling_enabled_dask_adaptive_target_is_answered():
         assert plugin.status()["scaling"]["adds_wanted"] == 0
 
     run_plugin(check, overrides=overrides)
-
-
-def test_routes_follow_incoming_migrations_to_commit_or_expiry():
-    routes = _Routes(expiry=10.0)
-    routes.add_incoming("m1", "r1", "tcp://req:1", now=0.0)
-    routes.add_incoming("m2", "r2", "tcp://req:2", now=0.0)
-    routes.commit_incoming("m1")
-    assert routes.owned == {"r1": "tcp://req:1"} and len(routes) == 2
-    routes.sweep(now=5.0, is_known=lambda r: True)
-    assert len(routes) == 2
-    routes.sweep(now=11.0, is_known=lambda r: r != "r1")
-    assert routes.owned == {} and len(routes) == 0
 
 
 def test_members_answer_lists_only_when_membership_changed():

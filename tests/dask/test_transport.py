@@ -11,7 +11,8 @@ from distributed.protocol import serialize
 from tornado.ioloop import IOLoop
 
 from llumdask.engine.base import PendingBlocks
-from llumdask.plugins.transport import MIGRATION_OP, CommTransport
+from llumdask.plugins.control import Op
+from llumdask.plugins.transport import CommTransport
 from llumdask.protocol import Abort, Committed, PreAlloc, PreAllocReply, StageAck, StageData
 
 
@@ -27,7 +28,7 @@ class Peer:
             on_peer_lost=self.lost.append,
             **kwargs,
         )
-        self.server = Server({MIGRATION_OP: self.transport.handle})
+        self.server = Server({Op.MIGRATION: self.transport.handle})
 
     async def start(self) -> "Peer":
         await self.server.listen("tcp://127.0.0.1:0")

@@ -1,0 +1,63 @@
+"""The control plane's vocabulary: every op between requesters, the scheduler plugin and the
+llumlets, and the states an instance shows.
+
+Each name is spelled once, here; handlers are installed and called through these members, so a
+renamed or misspelled op fails where it is used instead of reaching a peer that does not know it
+(an RPC to a missing handler answers None; a stream op without one disconnects the sender).
+Every op carries the `llumnix_` prefix, which keeps them apart from Dask's own handlers.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class Op(enum.StrEnum):
+    # RPCs the scheduler plugin answers (requesters, clients, llumlets, the adaptive deployment).
+    REGISTER = "llumnix_register"
+    READY = "llumnix_ready"
+    UNREGISTER = "llumnix_unregister"
+    DISPATCH = "llumnix_dispatch"
+    STATUS = "llumnix_status"
+    MEMBERS = "llumnix_members"
+    MIGRATIONS = "llumnix_migrations"
+    DRAIN = "llumnix_drain"
+    MIGRATE = "llumnix_migrate"
+    ADAPTIVE_TARGET = "llumnix_adaptive_target"
+    # Stream ops from llumlets to the scheduler plugin.
+    LOAD = "llumnix_load"
+    EVENT = "llumnix_event"
+    # RPCs a llumlet's worker answers (requesters, the scheduler plugin).
+    ADD = "llumnix_add"
+    ABORT = "llumnix_abort"
+    MIGRATE_OUT = "llumnix_migrate_out"
+    WORKER_STATUS = "llumnix_worker_status"
+    # One-way migration messages between llumlets (plugins/transport.py).
+    MIGRATION = "llumnix_migration"
+    # Stream ops from the scheduler plugin to llumlets.
+    MIGRATE_TO = "llumnix_migrate_to"
+    SET_TERMINATING = "llumnix_set_terminating"
+    PEER_LOST = "llumnix_peer_lost"
+    # Token frames on the token channel, instance -> requester (plugins/streams.py).
+    TOKENS = "llumnix_tokens"
+
+
+# The stream ops a llumlet receives from the scheduler plugin.
+SCHEDULER_TO_WORKER = (Op.MIGRATE_TO, Op.SET_TERMINATING, Op.PEER_LOST)
+
+
+def call(target: Any, op: Op, **kwargs: Any) -> Any:
+    """`op` on a Dask rpc (`worker.scheduler`, `client.scheduler`, `rpc(address)`): the awaitable
+    of its reply."""
+    return getattr(target, op.value)(**kwargs)
+
+
+class InstanceState(enum.StrEnum):
+    """An instance's role as the scheduler plugin shows it (status rows, the dashboard)."""
+
+    STARTING = "starting"  # registered, its llumlet not ready yet: never dispatched to
+    NORMAL = "normal"
+    SOURCE = "source"  # paired as a migration source in the latest round
+    DESTINATION = "destination"  # paired as a migration destination in the latest round
+    TERMINATING = "terminating"  # draining by migration before it leaves

@@ -1,0 +1,218 @@
+"""What a worker's engine thread does for its llumlet, with no I/O of its own.
+
+The host (`plugins/worker.py`) owns the thread, the comms and the handlers; this driver owns
+what happens between engine steps: stepping, when held tokens go (the output cadence), which
+requester each request's tokens go to (the route table, handed over with a migration), and when
+a load report is due. Whatever leaves the process goes through the senders it is given, so a
+test drives it step by step with plain callables and a fake llumlet.
+
+Routes: a request's route (its requester's listener address) arrives with the request, travels
+to a migration's destination in the context of each `PreAlloc`, and becomes the destination's
+when it answers `Committed`; the source forgets it at COMMIT.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from llumdask.engine.base import TokenOutput
+from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
+from llumdask.plugins.streams import TokenOutbox
+from llumdask.protocol import Abort, Committed, MigrationMessage, PreAlloc, PreAllocReply
+from llumdask.request import FinishReason, Request
+
+logger = logging.getLogger(__name__)
+
+
+class Routes:
+    """Request id -> requester address, for requests this instance owns or is receiving.
+
+    Incoming migrations keep their route aside until the destination commits, and are swept if
+    their migration silently expires.
+    """
+
+    def __init__(self, expiry: float) -> None:
+        self.owned: dict[str, str] = {}
+        self._incoming: dict[str, tuple[str, str, float]] = {}
+        self._expiry = expiry
+
+    def add_incoming(self, migration_id: str, request_id: str, reply_to: str, now: float) -> None:
+        self._incoming[migration_id] = (request_id, reply_to, now)
+
+    def commit_incoming(self, migration_id: str) -> None:
+        entry = self._incoming.pop(migration_id, None)
+        if entry is not None:
+            self.owned[entry[0]] = entry[1]
+
+    def drop_incoming(self, migration_id: str) -> None:
+        self._incoming.pop(migration_id, None)
+
+    def sweep(self, now: float, is_known: Callable[[str], bool]) -> None:
+        for migration_id, (_, _, since) in list(self._incoming.items()):
+            if now - since > self._expiry:
+                del self._incoming[migration_id]
+        for request_id in [r for r in self.owned if not is_known(r)]:
+            del self.owned[request_id]
+
+    def __len__(self) -> int:
+        return len(self.owned) + len(self._incoming)
+
+
+class LlumletDriver:
+    """One llumlet's engine-thread work; every method runs on that one thread.
+
+    Senders: `push_tokens` takes the tokens due (requester address, output) pairs; `send_load` a
+    load report (once `reporting` is on); `publish_event` each migration event. `calls_waiting`
+    says whether calls are queued for the thread (held tokens go before they run). `clock` is the
+    wall clock of route ages, `timer` the monotonic one of the report cadence.
+    """
+
+    def __init__(
+        self,
+        *,
+        stream_interval: float,
+        report_interval: float,
+        route_expiry: float,
+        push_tokens: Callable[[list[tuple[str, TokenOutput]]], None],
+        send_load: Callable[[dict], None],
+        publish_event: Callable[[MigrationEvent], None],
+        calls_waiting: Callable[[], bool],
+        clock: Callable[[], float] = time.time,
+        timer: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.routes = Routes(route_expiry)
+        self.llumlet: Llumlet | None = None
+        # Off until the instance is registered: handshakes still expire, but no report is sent.
+        self.reporting = False
+        self._outbox = TokenOutbox(stream_interval)
+        self._report_interval = report_interval
+        self._next_report = float("-inf")
+        self._push_tokens = push_tokens
+        self._send_load = send_load
+        self._publish_event = publish_event
+        self._calls_waiting = calls_waiting
+        self._clock = clock
+        self._timer = timer
+
+    def attach(self, llumlet: Llumlet) -> None:
+        self.llumlet = llumlet
+
+    def _llumlet(self) -> Llumlet:
+        if self.llumlet is None:
+            raise RuntimeError("no llumlet is attached yet")
+        return self.llumlet
+
+    # ------------------------------------------------------------------ stepping
+    def step_once(self) -> bool:
+        """One step; True while stepping again at once makes progress.
+
+        A step that scheduled nothing (work waits for blocks a migration or a finishing request
+        will free) is not progress: the thread then sleeps until a call wakes it, or for at most
+        a report interval (the thread's idle wait), so that reports go on while idle.
+        """
+        llumlet = self.llumlet
+        if llumlet is None:
+            return False
+        progress = False
+        if llumlet.engine.has_work():
+            try:
+                result = llumlet.step()
+            except BaseException:
+                self._end_requests_after_a_failed_step()
+                self._hand_off(force=True)  # what the failed step produced still goes, and the ends
+                raise
+            progress = result.batch_size > 0 and llumlet.engine.has_work()
+        # Nothing is held while the thread sleeps, nor while it runs calls (a KV stage's import
+        # may take longer than the stream interval).
+        self._hand_off(force=not progress or self._calls_waiting())
+        return progress
+
+    def _end_requests_after_a_failed_step(self) -> None:
+        """A step that raised may have left the engine unable to go on (a vLLM engine core that
+        failed does not recover): every request someone waits on here ends now, as aborted with
+        the tokens it has, so that no client waits for tokens that will never come. Not
+        resubmitted elsewhere: the request may be what broke the engine."""
+        llumlet = self._llumlet()
+        for request_id, reply_to in list(self.routes.owned.items()):
+            request = llumlet.engine.get_request(request_id)
+            delivered = request.num_output_tokens if request is not None else 0
+            try:
+                llumlet.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting %s after a failed step failed as well", request_id)
+            del self.routes.owned[request_id]
+            self._outbox.add(reply_to, TokenOutput(request_id, delivered, (), True, FinishReason.ABORT))
+
+    def _hand_off(self, force: bool) -> None:
+        """Send every request's tokens due (TokenOutbox), and the load report when one is due."""
+        due = self._outbox.take(force)
+        if due:
+            self._push_tokens(due)
+        if self._timer() >= self._next_report:
+            self._next_report = self._timer() + self._report_interval
+            load = self.report_once()
+            if self.reporting:
+                self._send_load(load)
+
+    def report_once(self) -> dict:
+        """Expire handshakes and routes; the load report."""
+        llumlet = self._llumlet()
+        llumlet.tick()
+        self.routes.sweep(self._clock(), lambda r: llumlet.engine.get_request(r) is not None)
+        return llumlet.load_report().to_dict()
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request: Request, reply_to: str) -> None:
+        self._llumlet().add_request(request)
+        self.routes.owned[request.request_id] = reply_to
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request here; whether this instance knew it."""
+        llumlet = self._llumlet()
+        known = llumlet.engine.get_request(request_id) is not None
+        llumlet.abort_request(request_id)
+        self.routes.owned.pop(request_id, None)
+        return known
+
+    def drop_requests_of(self, reply_to: str) -> None:
+        """A requester is unreachable: nobody reads its requests' tokens, so they end."""
+        llumlet = self._llumlet()
+        for request_id in [r for r, a in self.routes.owned.items() if a == reply_to]:
+            del self.routes.owned[request_id]
+            llumlet.abort_request(request_id)
+
+    # ------------------------------------------------------------------ callbacks from the llumlet
+    def on_tokens(self, output: TokenOutput) -> None:
+        routes = self.routes.owned
+        reply_to = routes.pop(output.request_id, None) if output.finished else routes.get(output.request_id)
+        if reply_to is None:
+            logger.debug("tokens of %s have nowhere to go", output.request_id)
+            return
+        self._outbox.add(reply_to, output)
+
+    def on_event(self, event: MigrationEvent) -> None:
+        if event.kind is MigrationEventKind.COMMITTED:
+            self.routes.owned.pop(event.request_id, None)
+        self._publish_event(event)
+
+    # ------------------------------------------------------------------ migration messages
+    def annotate(self, message: MigrationMessage) -> dict | None:
+        """As the llumlet sends: attach the route to PreAlloc, track incoming routes' fate."""
+        if isinstance(message, PreAlloc):
+            reply_to = self.routes.owned.get(message.request_id)
+            return {"reply_to": reply_to} if reply_to else None
+        if isinstance(message, Committed):
+            self.routes.commit_incoming(message.migration_id)
+        elif isinstance(message, Abort) or (isinstance(message, PreAllocReply) and not message.accepted):
+            self.routes.drop_incoming(message.migration_id)
+        return None
+
+    def deliver(self, sender: str, message: MigrationMessage, context: dict | None) -> None:
+        """A message from a peer, with the route a `PreAlloc` carries."""
+        if isinstance(message, PreAlloc) and context and context.get("reply_to"):
+            self.routes.add_incoming(message.migration_id, message.request_id, context["reply_to"], self._clock())
+        elif isinstance(message, Abort):
+            self.routes.drop_incoming(message.migration_id)
+        self._llumlet().on_message(sender, message)
