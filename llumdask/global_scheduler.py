@@ -217,6 +217,8 @@ class GlobalScheduler:
         # Counts membership changes (an instance registered, ready, draining or gone), so that a
         # poller can ask "anything new since epoch n?" and get the lists only when there is.
         self.epoch = 0
+        # Instances a scale-out asked for that have not registered yet: capacity on its way.
+        self.requested = 0
 
     # ------------------------------------------------------------------ instance table
 
@@ -243,6 +245,7 @@ class GlobalScheduler:
         tokens = {p: t if t is not None else derived.get(p, 0) for p, t in self._config.headroom_tokens.items()}
         headroom = headroom_blocks(tokens, block_size)
         self._instances[instance_id] = _Instance(instance_id, total_blocks, block_size, headroom)
+        self.requested = max(self.requested - 1, 0)
         self._membership_changed()
 
     def mark_ready(self, instance_id: str, now: float) -> None:
@@ -317,10 +320,12 @@ class GlobalScheduler:
         return pair_migrations((i for i in self._instances.values() if i.ready), self._config.migration)
 
     def scale(self, now: float) -> ScaleDecision:
-        """Scaling decision at `now`; instances to terminate are marked terminating here already.
+        """Scaling decision at `now`; instances to terminate are marked terminating here already,
+        instances to add are counted as `requested` until they register.
 
-        Drained terminating instances are listed in `remove` once each; the host closes them and
-        calls `remove_instance`. With scaling disabled only `remove` is ever filled.
+        Drained terminating instances are listed in `remove` once each (and in `drained()` until
+        they are gone); the host closes them and calls `remove_instance`. With scaling disabled
+        only `remove` is ever filled. No instance is added while requested ones are on their way.
         """
         remove = []
         for instance in self._instances.values():
@@ -334,20 +339,27 @@ class GlobalScheduler:
         pool = self.pooled_load()
         # Never drain an instance that has just joined: it would be added and removed in turn.
         settled = [i for i in live if i.joined_at is not None and now - i.joined_at >= scaling.scale_in_period]
-        room = scaling.max_instances - len(self._instances)  # draining instances hold resources until removed
+        # Draining instances hold resources until removed; requested ones will.
+        room = scaling.max_instances - len(self._instances) - self.requested
         action = self._scaling_policy.observe(
             now,
             pool.freeness if live else None,
-            can_add=room > 0,
+            can_add=room > 0 and not self.requested,
             can_terminate=len(live) > scaling.min_instances and bool(settled),
         )
         if action is ScaleAction.ADD:
-            return ScaleDecision(add=min(room, max(1, pool.instances_short(scaling.band[0]))), remove=tuple(remove))
+            add = min(room, max(1, pool.instances_short(scaling.band[0])))
+            self.requested += add
+            return ScaleDecision(add=add, remove=tuple(remove))
         if action is ScaleAction.TERMINATE:
             victim = _fewest_running(settled)
             self.set_terminating(victim, now)
             return ScaleDecision(terminate=(victim,), remove=tuple(remove))
         return ScaleDecision(remove=tuple(remove))
+
+    def drained(self) -> list[str]:
+        """Terminating instances found drained (each listed once in a `remove`), not yet gone."""
+        return [i.instance_id for i in self._instances.values() if i.removal_decided]
 
     def pooled_load(self) -> PooledLoad:
         """The cluster as one instance, what scaling keeps in its band: live instances and those

@@ -93,9 +93,6 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self.scheduler = None
         self._periodic: PeriodicCallback | None = None
         self._last_pairs: dict[str, str] = {}
-        # Scaling: instances asked for and not yet arrived; drained instances, ready to close.
-        self._adds_wanted = 0
-        self._drained: set[str] = set()
         self.scaling_log: deque[dict] = deque(maxlen=100)
         self.recent_migrations: deque[dict] = deque(maxlen=200)  # outcomes, for the dashboard page
         self.dashboard_page: str | None = None
@@ -139,17 +136,13 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         if self.metrics is not None:
             self.metrics.uninstall()
 
-    def add_worker(self, scheduler, worker: str) -> None:
-        # A new worker is the instance a scale-up asked for.
-        self._adds_wanted = max(self._adds_wanted - 1, 0)
-
     def valid_workers_downscaling(self, scheduler, workers: list) -> list:
         """Only drained instances may be retired: closing any other would drop its requests."""
-        return [ws for ws in workers if ws.address in self._drained]
+        drained = set(self._scheduler().drained())
+        return [ws for ws in workers if ws.address in drained]
 
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         """A worker left: forget its instance and tell the others, whose migrations with it abort."""
-        self._drained.discard(worker)
         if self._forget(worker):
             for peer in self._instance_ids():
                 self._send(peer, {"op": Op.PEER_LOST, "peer": worker})
@@ -197,7 +190,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                            "aborted": metrics.migrations["aborted"],
                            "started": metrics.migrations["started"],
                            "downtime": metrics.downtime},
-            "scaling": {"adds_wanted": self._adds_wanted, "drained": sorted(self._drained),
+            "scaling": {"adds_wanted": self._scheduler().requested, "drained": sorted(self._scheduler().drained()),
                         "log": list(self.scaling_log)},
         }
 
@@ -249,10 +242,14 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         return {"migration_id": reply.get("migration_id"), "reason": reply["reason"]}
 
     def adaptive_target(self) -> dict:
-        """Workers to keep (all but the drained, plus instances asked for) and which may close."""
-        workers = self.scheduler.workers
-        drained = [w for w in self._drained if w in workers]
-        return {"target": len(workers) - len(drained) + self._adds_wanted,
+        """Workers to keep (all but the drained, plus the instances asked for whose worker has not
+        arrived: a requested instance counts until it registers, its worker from arrival on)
+        and which may close."""
+        scheduler, workers = self._scheduler(), self.scheduler.workers
+        registered = {view.instance_id for view in scheduler.instances()}
+        arriving = sum(1 for w in workers if w not in registered)
+        drained = [w for w in scheduler.drained() if w in workers]
+        return {"target": len(workers) - len(drained) + max(scheduler.requested - arriving, 0),
                 "drained": [workers[w].name for w in drained]}
 
     def dask_adaptive_target(self, target_duration: Any = None) -> int:
@@ -298,18 +295,16 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         )
 
     def scale(self) -> None:
-        """Act on the scaling decision: drain victims, ask for instances, offer drained ones."""
+        """Act on the scaling decision: drain victims; instances asked for and drained ones are
+        the global scheduler's to count, and Dask's adaptive deployment acts on them."""
         now = time.time()
         decision = self._scheduler().scale(now)
         for victim in decision.terminate:
             self._send(victim, {"op": Op.SET_TERMINATING, "flag": True})
             self._log_scaling(now, "terminate", victim)
-        if decision.add and not self._adds_wanted and not self._workers_starting():
-            self._adds_wanted = min(decision.add, self.config.scaling.max_instances - len(self.scheduler.workers))
-            if self._adds_wanted > 0:
-                self._log_scaling(now, "add", None)
+        if decision.add:
+            self._log_scaling(now, "add", None)
         for instance in decision.remove:
-            self._drained.add(instance)
             self._log_scaling(now, "remove", instance)
 
     def _log_scaling(self, now: float, action: str, instance: str | None) -> None:
@@ -345,10 +340,6 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             return False
         self._last_pairs.pop(instance, None)
         return True
-
-    def _workers_starting(self) -> bool:
-        """A worker whose llumlet has not registered yet is capacity on its way."""
-        return len(self.scheduler.workers) > len(self._scheduler().instances())
 
     def _state_of(self, view: InstanceView) -> InstanceState:
         if not view.ready:

@@ -342,6 +342,20 @@ def test_starting_instances_count_as_capacity_on_its_way():
     assert run_scale(full, 100.0) == []
 
 
+def test_instances_asked_for_are_counted_until_they_register():
+    gs = scheduler(2, scaling=ScalingConfig(enabled=True, band=(10.0, 60.0), max_instances=8, scale_out_period=5.0))
+    busy(gs, "i0")
+    busy(gs, "i1")
+    assert run_scale(gs, 5.0) == [(5.0, ScaleDecision(add=2))]
+    assert gs.requested == 2
+    assert run_scale(gs, 60.0, start=6.0) == []  # still short, but two are on their way
+    gs.register_instance("new0", BLOCKS, BLOCK_SIZE, 60.0)
+    assert gs.requested == 1
+    assert run_scale(gs, 120.0, start=61.0) == []
+    gs.register_instance("new1", BLOCKS, BLOCK_SIZE, 120.0)
+    assert gs.requested == 0
+
+
 def test_scale_out_is_quick_and_scale_in_slow():
     default = ScalingConfig(enabled=True, band=(10.0, 60.0), max_instances=8)
     assert (default.scale_out_period, default.scale_in_period) == (5.0, 30.0)
@@ -437,8 +451,9 @@ def test_drained_terminating_instances_are_removed_once():
     gs.report(load("i1"), 4.0)
     assert gs.scale(4.0) == ScaleDecision(remove=("i1",))
     assert gs.scale(5.0) == ScaleDecision()
+    assert gs.drained() == ["i1"]  # until its host has closed it
     gs.remove_instance("i1")
-    assert [v.instance_id for v in gs.instances()] == ["i0"]
+    assert [v.instance_id for v in gs.instances()] == ["i0"] and gs.drained() == []
 
 
 def test_a_terminating_instance_with_unreported_requests_is_not_drained():

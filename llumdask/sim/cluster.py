@@ -262,7 +262,6 @@ class SimCluster:
         for _ in range(decision.add):
             self._start_instance(ready_at=self.events.now + self.config.scaling.startup_delay)
         for instance_id in decision.terminate:
-            self.scheduler.set_terminating(instance_id, self.events.now)
             self.instances[instance_id].llumlet.set_terminating(True)
         for instance_id in decision.remove:
             self.instances[instance_id].alive = False

@@ -145,8 +145,12 @@ def test_with_scaling_enabled_dask_adaptive_target_is_answered():
         plugin.scale()
         assert scheduler.handlers["adaptive_target"](target_duration="5s") == 3
         assert [e["action"] for e in plugin.status()["scaling"]["log"]] == ["add"]
-        plugin.add_worker(scheduler, "c")
-        assert plugin.status()["scaling"]["adds_wanted"] == 0
+        # The asked-for worker arrives: counted once, as a worker, and no longer as wanted once
+        # its llumlet registers.
+        scheduler.workers["c"] = SimpleNamespace(address="c", name="name-c")
+        assert scheduler.handlers["adaptive_target"]() == 3
+        plugin.register("c", 100, 16)
+        assert plugin.status()["scaling"]["adds_wanted"] == 0 and scheduler.handlers["adaptive_target"]() == 3
 
     run_plugin(check, overrides=overrides)
 
