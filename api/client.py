@@ -295,8 +295,9 @@ class _Chat:
 class LlumdaskClient:
     """Talks to a llumdask cluster through a Dask client; see `connect`.
 
-    `requester_options` go to `Requester` (listen_host, liveness_interval, dispatch_timeout,
-    bypass_period, placement_timeout, rpc_timeout).
+    `requester_options` override the ``llumdask.requester`` settings (listen_host,
+    liveness_interval, dispatch_timeout, bypass_period, placement_timeout, rpc_timeout), each
+    checked as configuration is: an unknown or bad one is a `ConfigError` naming it.
     """
 
     def __init__(self, client: Client, *, owns_client: bool = False, model: str | None = None,
@@ -305,7 +306,7 @@ class LlumdaskClient:
         self._owns_client = owns_client
         self._model = model
         self._chat_template = chat_template
-        self.requester = Requester(client, **requester_options)
+        self.requester = Requester(client, load_config({"requester": requester_options}).requester)
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:

@@ -72,14 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", metavar="ADDRESS", default=None,
                    help="attach to the Dask scheduler at ADDRESS instead of starting a local cluster")
     p.add_argument("--config", metavar="FILE", type=Path, default=None,
-                   help="a Dask-style YAML file (llumdask:, llumdask-gateway:, ... sections)")
+                   help="a Dask-style YAML file (its llumdask: section, gateway and requester included)")
     p.add_argument("--dashboard-address", default="127.0.0.1:8787",
                    help="Dask dashboard of the local cluster (default 127.0.0.1:8787; another port if taken)")
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' (repeat for several keys)")
     p.add_argument("--max-in-flight", type=_positive_int, default=None, help="requests served at once before 429")
-    p.add_argument("--placement-timeout", type=float, default=10.0,
-                   help="seconds to find an instance for a request before answering 503 (default 10)")
+    p.add_argument("--placement-timeout", type=float, default=None,
+                   help="seconds to find an instance for a request before answering 503 "
+                        "(default: llumdask.gateway.placement-timeout, 10)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -269,7 +270,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     # Imported here so that `llumdask serve --help` answers at once.
     import uvicorn
 
-    from llumdask.api.gateway import GatewaySettings, ModelInfo, create_app
+    from llumdask.api.gateway import ModelInfo, create_app
     from llumdask.api.gateway.dask_backend import DaskBackend
     from llumdask.api.gateway.tokenizer import load_tokenizer, model_location
 
@@ -285,7 +286,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     if max_context is None:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
     model_info = ModelInfo(args.served_model_name or default_name, max_context)
-    settings = GatewaySettings.from_dask(api_keys=args.api_key, max_in_flight=args.max_in_flight)
+    given = {"api-keys": args.api_key, "max-in-flight": args.max_in_flight, "placement-timeout": args.placement_timeout}
+    settings = load_config({"gateway": {k: v for k, v in given.items() if v is not None}}).gateway
 
     with contextlib.ExitStack() as stack:
         if args.scheduler is None:
@@ -323,7 +325,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             address, dashboard, where = args.scheduler, None, f"the cluster at {args.scheduler}"
 
         app = create_app(
-            lambda: DaskBackend.connect(address, model_info, placement_timeout=args.placement_timeout),
+            lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
             tokenizer, settings)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                lifespan="on", timeout_graceful_shutdown=5))

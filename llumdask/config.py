@@ -106,6 +106,31 @@ class VllmEngineConfig:
     engine_args: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RequesterConfig:
+    listen_host: str | None = None
+    liveness_interval: float = 1.0
+    dispatch_timeout: float = 2.0
+    bypass_period: float = 5.0
+    placement_timeout: float = 60.0
+    rpc_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    api_keys: tuple[str, ...] = ()
+    max_in_flight: int = 256
+    retry_after: float = 1.0
+    max_body_bytes: int = 1 << 20
+    placement_timeout: float = 10.0
+
+    def __repr__(self) -> str:
+        # Keys stay out of every log line and traceback that shows the configuration.
+        return (f"GatewayConfig(api_keys=<{len(self.api_keys)} keys>, max_in_flight={self.max_in_flight}, "
+                f"retry_after={self.retry_after}, max_body_bytes={self.max_body_bytes}, "
+                f"placement_timeout={self.placement_timeout})")
+
+
 def _default_headroom() -> dict[Priority, int | None]:
     return {Priority.HIGH: None, Priority.NORMAL: 0}
 
@@ -124,6 +149,8 @@ class LlumdaskConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     sim_engine: SimEngineConfig = field(default_factory=SimEngineConfig)
     vllm_engine: VllmEngineConfig = field(default_factory=VllmEngineConfig)
+    requester: RequesterConfig = field(default_factory=RequesterConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def __post_init__(self) -> None:
         # Direct construction gets the same checks as YAML, and the same normal form
@@ -270,6 +297,8 @@ def _typed(hint: Any, value: Any) -> Any:
     if dataclasses.is_dataclass(hint):
         return hint(**_typed_fields(hint, value))
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple and args[-1] is Ellipsis:  # any length; one item may stand alone
+        return tuple(_typed(args[0], item) for item in ([value] if isinstance(value, str) else value))
     if origin is tuple:
         return tuple(_typed(arg, item) for arg, item in zip(args, value, strict=True))
     if origin is dict:

@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 from distributed import Client
 from distributed.utils import get_ip
 
+from llumdask.config import RequesterConfig, load_config
 from llumdask.global_scheduler import NoInstanceAvailable
 from llumdask.plugins.control import Op, call
 from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream
@@ -65,29 +66,16 @@ class _Open:
 class Requester:
     """Submits requests, receives their tokens, and resubmits those whose instance died."""
 
-    def __init__(
-        self,
-        client: Client,
-        *,
-        listen_host: str | None = None,
-        liveness_interval: float = 1.0,
-        dispatch_timeout: float = 2.0,
-        bypass_period: float = 5.0,
-        placement_timeout: float = 60.0,
-        rpc_timeout: float = 10.0,
-    ) -> None:
-        for name, value in (("liveness_interval", liveness_interval), ("dispatch_timeout", dispatch_timeout),
-                            ("bypass_period", bypass_period), ("placement_timeout", placement_timeout),
-                            ("rpc_timeout", rpc_timeout)):
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    def __init__(self, client: Client, config: RequesterConfig | None = None) -> None:
+        """`config`: the ``llumdask.requester`` settings (dask.config's when None)."""
+        config = config if config is not None else load_config().requester
         self._client = client
-        self._listen_host = listen_host
-        self._liveness_interval = liveness_interval
-        self._dispatch_timeout = dispatch_timeout
-        self._bypass_period = bypass_period
-        self._placement_timeout = placement_timeout
-        self._rpc_timeout = rpc_timeout
+        self._listen_host = config.listen_host
+        self._liveness_interval = config.liveness_interval
+        self._dispatch_timeout = config.dispatch_timeout
+        self._bypass_period = config.bypass_period
+        self._placement_timeout = config.placement_timeout
+        self._rpc_timeout = config.rpc_timeout
         self._listener: TokenListener | None = None
         self._open: dict[str, _Open] = {}
         self._watchdog: asyncio.Task | None = None

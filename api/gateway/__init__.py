@@ -2,6 +2,5 @@
 
 from llumdask.api.gateway.app import create_app
 from llumdask.api.gateway.backend import Backend, BackendRejected, BackendUnavailable, ModelInfo
-from llumdask.api.gateway.settings import GatewaySettings
 
-__all__ = ["Backend", "BackendRejected", "BackendUnavailable", "GatewaySettings", "ModelInfo", "create_app"]
+__all__ = ["Backend", "BackendRejected", "BackendUnavailable", "ModelInfo", "create_app"]

@@ -19,16 +19,17 @@ from llumdask.api.gateway.errors import EXCEPTION_HANDLERS
 from llumdask.api.gateway.generation import InFlight
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.routes import ROUTES, Gateway
-from llumdask.api.gateway.settings import GatewaySettings
 from llumdask.api.gateway.tokenizer import Tokenizer
+from llumdask.config import GatewayConfig, load_config
 
 BackendFactory = Callable[[], AbstractAsyncContextManager[Backend]]
 
 
 def create_app(open_backend: BackendFactory, tokenizer: Tokenizer,
-               settings: GatewaySettings | None = None) -> Starlette:
-    """An OpenAI-compatible app serving the model of the backend that `open_backend()` opens."""
-    settings = settings or GatewaySettings()
+               settings: GatewayConfig | None = None) -> Starlette:
+    """An OpenAI-compatible app serving the model of the backend that `open_backend()` opens;
+    `settings`: the ``llumdask.gateway`` section (dask.config's when None)."""
+    settings = settings if settings is not None else load_config().gateway
     metrics = GatewayMetrics()
 
     @asynccontextmanager

@@ -36,9 +36,9 @@ from llumdask.api.gateway.schemas import (
     parse_priority,
     parse_tokenize,
 )
-from llumdask.api.gateway.settings import GatewaySettings
 from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
 from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer, stop_token_ids
+from llumdask.config import GatewayConfig
 from llumdask.request import Priority, SamplingParams, new_request_id
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Gateway:
 
     backend: Backend
     tokenizer: Tokenizer
-    settings: GatewaySettings
+    settings: GatewayConfig
     metrics: GatewayMetrics
     in_flight: InFlight
 

@@ -9,7 +9,8 @@ import pytest
 from gatewayfakes import MAX_CONTEXT, MODEL, FakeBackend
 from starlette.testclient import TestClient
 
-from llumdask.api.gateway import GatewaySettings, ModelInfo, create_app
+from llumdask.api.gateway import ModelInfo, create_app
+from llumdask.config import GatewayConfig
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer
 from llumdask.engine.vllm.tiny_model import build_tiny_model
 
@@ -40,7 +41,7 @@ def make_client(tokenizer: Tokenizer) -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []
 
     def make(backend: FakeBackend, **settings) -> TestClient:
-        app = create_app(backend.open, tokenizer, GatewaySettings(**settings))
+        app = create_app(backend.open, tokenizer, GatewayConfig(**settings))
         client = TestClient(app, raise_server_exceptions=False)
         client.__enter__()
         clients.append(client)

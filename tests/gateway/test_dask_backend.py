@@ -8,7 +8,8 @@ import pytest
 from gatewayfakes import MODEL
 from starlette.testclient import TestClient
 
-from llumdask.api.gateway import GatewaySettings, ModelInfo, create_app
+from llumdask.api.gateway import ModelInfo, create_app
+from llumdask.config import GatewayConfig
 from llumdask.api.gateway.dask_backend import DaskBackend
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ def empty_cluster():
 def test_no_ready_instance_is_503(empty_cluster, tokenizer):
     model = ModelInfo(MODEL, 256)
     app = create_app(lambda: DaskBackend.connect(empty_cluster.scheduler_address, model, placement_timeout=0.5),
-                     tokenizer, GatewaySettings())
+                     tokenizer, GatewayConfig())
     with TestClient(app) as client:
         r = client.get("/health")
         assert r.status_code == 503 and r.json()["ready_instances"] == 0
