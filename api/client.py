@@ -530,15 +530,8 @@ class LlumdaskClient:
         ids = list(prompt)
         if not ids or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ValueError("prompt must be text or a non-empty list of token ids (integers >= 0)")
-        level = Priority.parse(priority)
-        return Request(
-            request_id=new_request_id(),
-            prompt_token_ids=[int(t) for t in ids],
-            sampling=SamplingParams(max_tokens=max_tokens, **sampling),
-            scheduling_priority=level,
-            execution_priority=level,
-            arrival_time=time.time(),
-        )
+        return Request.arriving(new_request_id(), [int(t) for t in ids], SamplingParams(max_tokens=max_tokens, **sampling),
+                                priority, time.time())
 
     def _sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T | Awaitable[T]:
         """Blocking with a synchronous Dask client, an awaitable with an asynchronous one."""

@@ -10,6 +10,7 @@ import enum
 import json
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -248,6 +249,13 @@ class Request:
         self.scheduling_priority = Priority.parse(self.scheduling_priority)
         self.execution_priority = Priority.parse(self.execution_priority)
         self.timing = RequestTiming(arrival=self.arrival_time)
+
+    @classmethod
+    def arriving(cls, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+                 priority: Priority | str | int, now: float) -> "Request":
+        """A request a client submits now: one priority for queueing and execution alike."""
+        return cls(request_id, list(prompt_token_ids), sampling, scheduling_priority=priority,
+                   execution_priority=priority, arrival_time=now)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,8 +1,8 @@
-"""The gateway's Backend over a llumdask cluster, through the notebook client.
+"""The gateway's Backend over a llumdask cluster: a requester on an asynchronous Dask client.
 
-`DaskBackend.connect` opens an asynchronous Dask client on the running loop (the server's) and
-wraps it in a `LlumdaskClient`, whose requester places requests, receives their token batches
-on its own listener and resubmits requests whose instance died. Nothing here blocks the loop.
+`DaskBackend.connect` opens an asynchronous Dask client on the running loop (the server's) and a
+`Requester` on it, which places requests, receives their token batches on its own listener and
+resubmits requests whose instance died. Nothing here blocks the loop.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 
 from distributed import Client
 
-from llumdask.api.client import LlumdaskClient, NoLlumdaskScheduler, RequestRejected
 from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable, ModelInfo
+from llumdask.config import load_config
 from llumdask.engine.base import TokenLogprob
 from llumdask.global_scheduler import NoInstanceAvailable
 from llumdask.plugins.control import InstanceState
-from llumdask.plugins.requester import Requester
+from llumdask.plugins.requester import NoLlumdaskScheduler, RequestRejected, Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams
 
@@ -53,32 +53,27 @@ class DaskTokenBatches:
 
 
 class DaskBackend:
-    def __init__(self, client: LlumdaskClient, model: ModelInfo) -> None:
-        if client.asynchronous is False:
-            raise TypeError("the gateway needs a LlumdaskClient over an asynchronous Dask client")
+    def __init__(self, requester: Requester, model: ModelInfo) -> None:
         self.model = model
-        self._client = client
+        self.requester = requester
 
     @classmethod
     @asynccontextmanager
     async def connect(cls, scheduler_address: str, model: ModelInfo, *, connect_timeout: float = 30.0,
                       **requester_options: Any) -> AsyncIterator["DaskBackend"]:
-        """Open on the running event loop; `requester_options` go to `LlumdaskClient`."""
+        """Open on the running event loop; `requester_options` override ``llumdask.requester``."""
+        config = load_config({"requester": requester_options}).requester
         dask_client = await Client(scheduler_address, asynchronous=True, timeout=connect_timeout)
-        llum = LlumdaskClient(dask_client, owns_client=True, **requester_options)
+        requester = Requester(dask_client, config)
         try:
-            yield cls(llum, model)
+            yield cls(requester, model)
         finally:
-            await llum.close()
-
-    @property
-    def requester(self) -> Requester:
-        return self._client.requester
+            await requester.close()
+            await dask_client.close()
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      priority: Priority) -> DaskTokenBatches:
-        request = Request(request_id, list(prompt_token_ids), sampling, scheduling_priority=priority,
-                          execution_priority=priority, arrival_time=time.time())
+        request = Request.arriving(request_id, prompt_token_ids, sampling, priority, time.time())
         try:
             stream = await self.requester.submit(request)
         except RequestRejected as exc:
