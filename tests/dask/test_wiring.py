@@ -1,0 +1,72 @@
+"""The plugins' handler wiring on an in-process cluster (distributed's `gen_cluster`): scheduler
+and workers share one event loop, so these run in about a second each where a process cluster
+takes several. What needs processes (kills, real concurrency) stays in the other modules."""
+
+from __future__ import annotations
+
+import asyncio
+
+from distributed.utils_test import gen_cluster
+
+from llumdask.config import load_config
+from llumdask.plugins.control import SCHEDULER_TO_WORKER, InstanceState, Op, call
+from llumdask.plugins.requester import Requester
+from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
+from llumdask.plugins.worker import LlumletWorkerPlugin
+from llumdask.request import Request, SamplingParams
+
+OVERRIDES = {"sim-engine": {"total-blocks": 128}, "migration": {"interval": 60.0}}  # no pairing of its own
+SCHEDULER_RPCS = {Op.REGISTER, Op.READY, Op.UNREGISTER, Op.DISPATCH, Op.STATUS, Op.MEMBERS, Op.MIGRATIONS, Op.DRAIN,
+                  Op.MIGRATE, Op.ADAPTIVE_TARGET}
+WORKER_RPCS = {Op.ADD, Op.ABORT, Op.MIGRATE_OUT, Op.WORKER_STATUS, Op.MIGRATION}
+
+
+async def install(client, scheduler) -> None:
+    """The plugins, and every instance ready."""
+    await client.register_plugin(LlumnixSchedulerPlugin(OVERRIDES))
+    await client.register_plugin(LlumletWorkerPlugin(OVERRIDES))
+    for _ in range(200):
+        rows = (await call(client.scheduler, Op.STATUS))["instances"]
+        if len(rows) == len(scheduler.workers) and all(row["ready"] for row in rows):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("instances not ready")
+
+
+def request(request_id: str, max_tokens: int) -> Request:
+    return Request(request_id, [11 + i for i in range(40)], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_every_op_is_handled_where_it_is_sent(c, s, a, b):
+    await install(c, s)
+    assert SCHEDULER_RPCS <= set(s.handlers) and {Op.LOAD, Op.EVENT} <= set(s.stream_handlers)
+    for worker in (a, b):
+        assert WORKER_RPCS <= set(worker.handlers) and set(SCHEDULER_TO_WORKER) <= set(worker.stream_handlers)
+    rows = (await call(c.scheduler, Op.STATUS))["instances"]
+    assert {row["instance"] for row in rows} == {a.address, b.address}
+    assert {row["state"] for row in rows} <= set(InstanceState)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_a_request_placed_moved_by_the_operator_and_drained(c, s, a, b):
+    await install(c, s)
+    requester = Requester(c, load_config().requester)
+    try:
+        stream = await requester.submit(request("r", 60))
+        first = await stream.next_tokens()
+        source = requester.holder("r")
+        destination = b.address if source == a.address else a.address
+        reply = await call(c.scheduler, Op.MIGRATE, request_id="r", destination=destination)
+        assert reply["migration_id"] is not None, reply["reason"]
+        tokens = list(first)
+        while batch := await stream.next_tokens():
+            tokens += batch
+        assert len(tokens) == 60 and stream.sequence.finish_reason is not None
+        events = await call(c.scheduler, Op.MIGRATIONS)
+        assert [(e["kind"], e["source"], e["destination"]) for e in events] == [("committed", source, destination)]
+        assert (await call(c.scheduler, Op.DRAIN, instance=source))["draining"]
+        states = {row["instance"]: row["state"] for row in (await call(c.scheduler, Op.STATUS))["instances"]}
+        assert states[source] == InstanceState.TERMINATING
+    finally:
+        await requester.close()
