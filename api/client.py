@@ -32,7 +32,8 @@ from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer, model_loca
 from llumdask.config import load_config
 from llumdask.engine.base import TokenLogprob
 from llumdask.plugins.control import Op, call
-from llumdask.plugins.requester import NoLlumdaskScheduler, RequestRejected, Requester
+from llumdask.plugins.control import MigrationNotStarted, NoLlumdaskScheduler, RequestRejected
+from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
 
@@ -44,10 +45,6 @@ __all__ = ["Generation", "InstanceTable", "LlumdaskClient", "MigrationNotStarted
            "NoLlumdaskScheduler", "RequestRejected", "TextIterator", "TokenIterator", "connect"]
 
 T = TypeVar("T")
-
-
-class MigrationNotStarted(RuntimeError):
-    """An operator migration was refused; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -483,8 +480,6 @@ class LlumdaskClient:
 
     async def _migrations(self, limit: int) -> MigrationTable:
         events = await call(self._client.scheduler, Op.MIGRATIONS, limit=limit)
-        if events is None:
-            raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin")
         rows = tuple({**e, "time": time.strftime("%H:%M:%S", time.localtime(e["time"])),
                       "downtime_ms": round(1000.0 * e.get("downtime", 0.0), 1)} for e in events)
         return MigrationTable(rows)
@@ -492,14 +487,10 @@ class LlumdaskClient:
     async def _migrate(self, request_id: str, to: str, source: str | None) -> str:
         source = source or self.requester.holder(request_id)
         reply = await call(self._client.scheduler, Op.MIGRATE, request_id=request_id, source=source, destination=to)
-        if reply["migration_id"] is None:
-            raise MigrationNotStarted(reply["reason"])
         return reply["migration_id"]
 
     async def _drain(self, instance: str) -> None:
-        reply = await call(self._client.scheduler, Op.DRAIN, instance=instance)
-        if not reply["draining"]:
-            raise KeyError(reply["reason"])
+        await call(self._client.scheduler, Op.DRAIN, instance=instance)
 
     async def _close(self) -> None:
         await self.requester.close()

@@ -1,16 +1,50 @@
 """The control plane's vocabulary: every op between requesters, the scheduler plugin and the
-llumlets, and the states an instance shows.
+llumlets, how a handler refuses, and the states an instance shows.
 
 Each name is spelled once, here; handlers are installed and called through these members, so a
 renamed or misspelled op fails where it is used instead of reaching a peer that does not know it
 (an RPC to a missing handler answers None; a stream op without one disconnects the sender).
 Every op carries the `llumnix_` prefix, which keeps them apart from Dask's own handlers.
+
+Replies are msgpack-native dicts (scheduler comms do not deserialize). A handler that refuses
+answers `refusal(exc)`, and `call` raises the same exception class again on the caller's side,
+so callers catch exceptions instead of reading reason fields; a call nothing answers raises
+`NoLlumdaskScheduler`.
 """
 
 from __future__ import annotations
 
 import enum
 from typing import Any
+
+from llumdask.global_scheduler import NoInstanceAvailable, UnknownInstance
+
+
+class NoLlumdaskScheduler(RuntimeError):
+    """Nothing answers the op there: the llumdask plugins are not installed (yet)."""
+
+
+class RequestRejected(RuntimeError):
+    """An instance refused a request (it can never fit, or it is malformed)."""
+
+
+class MigrationNotStarted(RuntimeError):
+    """An operator migration was refused; the message says why."""
+
+
+# Every refusal a handler may answer, by the name it travels under.
+REFUSALS: dict[str, type[Exception]] = {
+    "no-instance": NoInstanceAvailable,
+    "unknown-instance": UnknownInstance,
+    "rejected": RequestRejected,
+    "migration-not-started": MigrationNotStarted,
+}
+
+
+def refusal(exc: Exception) -> dict[str, str]:
+    """The reply that makes `call` raise `exc`'s class with its message on the caller's side."""
+    kind = next(name for name, cls in REFUSALS.items() if isinstance(exc, cls))
+    return {"error": kind, "message": str(exc)}
 
 
 class Op(enum.StrEnum):
@@ -47,10 +81,17 @@ class Op(enum.StrEnum):
 SCHEDULER_TO_WORKER = (Op.MIGRATE_TO, Op.SET_TERMINATING, Op.PEER_LOST)
 
 
-def call(target: Any, op: Op, **kwargs: Any) -> Any:
-    """`op` on a Dask rpc (`worker.scheduler`, `client.scheduler`, `rpc(address)`): the awaitable
-    of its reply."""
-    return getattr(target, op.value)(**kwargs)
+async def call(target: Any, op: Op, **kwargs: Any) -> Any:
+    """`op` on a Dask rpc (`worker.scheduler`, `client.scheduler`, `rpc(address)`): its reply,
+    or the handler's refusal raised again."""
+    reply = await getattr(target, op.value)(**kwargs)
+    if reply is None:
+        raise NoLlumdaskScheduler(f"nothing answers {op.value}: the llumdask plugins are not installed there "
+                                  "(start the cluster with llumdask.clusters, or register LlumnixSchedulerPlugin "
+                                  "and LlumletWorkerPlugin)")
+    if isinstance(reply, dict) and "error" in reply:
+        raise REFUSALS[reply["error"]](reply["message"])
+    return reply
 
 
 class InstanceState(enum.StrEnum):

@@ -32,20 +32,12 @@ from distributed.utils import get_ip
 
 from llumdask.config import RequesterConfig, load_config
 from llumdask.global_scheduler import NoInstanceAvailable
-from llumdask.plugins.control import Op, call
+from llumdask.plugins.control import NoLlumdaskScheduler, Op, RequestRejected, call
 from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream
 from llumdask.plugins.wire import request_to_msg
 from llumdask.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
-
-
-class RequestRejected(RuntimeError):
-    """The instance refused the request (it can never fit, or it is malformed)."""
-
-
-class NoLlumdaskScheduler(RuntimeError):
-    """The Dask scheduler answers, but runs no llumdask scheduler plugin."""
 
 
 @dataclass
@@ -125,17 +117,12 @@ class Requester:
 
     async def status(self) -> dict:
         """The scheduler's `llumnix_status` (the whole instance table and the migration counts)."""
-        reply = await asyncio.wait_for(call(self._client.scheduler, Op.STATUS), self._rpc_timeout)
-        if reply is None:
-            raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin")
-        return reply
+        return await asyncio.wait_for(call(self._client.scheduler, Op.STATUS), self._rpc_timeout)
 
     async def members(self) -> set[str]:
         """The instances the scheduler knows, asked as "anything new since the last answer?"; also
         keeps the placeable ones for bypass mode."""
         reply = await asyncio.wait_for(call(self._client.scheduler, Op.MEMBERS, epoch=self._epoch), self._rpc_timeout)
-        if reply is None:
-            raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin")
         if reply["alive"] is not None:
             self._epoch, self._alive, self._known = reply["epoch"], set(reply["alive"]), list(reply["placeable"])
         return self._alive
@@ -190,16 +177,11 @@ class Requester:
             scheduling_priority=int(request.scheduling_priority),
             execution_priority=int(request.execution_priority),
         )
-        if reply is None:
-            raise NoLlumdaskScheduler("the scheduler runs no llumdask plugin; start the cluster with "
-                                      "llumdask.clusters or register LlumnixSchedulerPlugin")
-        if reply["instance"] is None:
-            raise NoInstanceAvailable(reply["reason"])
         return reply["instance"]
 
     async def _hand_over(self, request: Request, instance: str) -> None:
         try:
-            reply = await asyncio.wait_for(
+            await asyncio.wait_for(
                 call(self._client.rpc(instance), Op.ADD, request=request_to_msg(request), reply_to=self._listener.address),
                 self._rpc_timeout,
             )
@@ -208,10 +190,8 @@ class Requester:
                 self._known.remove(instance)
                 self._epoch = None  # the next poll brings the lists again, whatever the epoch
             raise
-        if reply is None:
-            raise RequestRejected(f"{instance} runs no llumlet (its worker plugin is gone)")
-        if not reply["accepted"]:
-            raise RequestRejected(reply["reason"])
+        except NoLlumdaskScheduler:
+            raise RequestRejected(f"{instance} runs no llumlet (its worker plugin is gone)") from None
 
     # ------------------------------------------------------------------ recovery
     async def _ensure_listener(self) -> TokenListener:

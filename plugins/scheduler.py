@@ -5,18 +5,18 @@ never sees tokens or KV blocks. Instance ids are worker addresses. An instance i
 only after its llumlet said "ready" (the plugin's `add_worker` runs before a worker's plugins are
 set up). Everything it receives and sends is msgpack-native (scheduler comms do not deserialize).
 
-RPC handlers (reply dicts):
+RPC handlers (`plugins/control.py` names them; a refusal, in brackets, is raised again at the caller):
     llumnix_register(instance, total_blocks, block_size, high_priority_headroom) -> {"registered": bool}
     llumnix_ready(instance)                              -> {"ready": bool}
     llumnix_unregister(instance)                         -> {"removed": bool}
     llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, scheduling_priority,
-                     execution_priority)                 -> {"instance": str | None, "reason": str}
+                     execution_priority)                 -> {"instance": str} [NoInstanceAvailable]
     llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
     llumnix_members(epoch=None)                          -> {"epoch": str, "alive": [id, ...] | None,
                                                              "placeable": [id, ...] | None} (None: unchanged)
     llumnix_migrations(limit=50)                         -> [event, ...] (the latest outcomes, oldest first)
-    llumnix_drain(instance)                              -> {"draining": bool, "reason": str}
-    llumnix_migrate(request_id, destination, source=None) -> {"migration_id": str | None, "reason": str}
+    llumnix_drain(instance)                              -> {"draining": True} [UnknownInstance]
+    llumnix_migrate(request_id, destination, source=None) -> {"migration_id": str} [MigrationNotStarted]
     llumnix_adaptive_target()                            -> {"target": int, "drained": [worker name, ...]}
 With `scaling.enabled` the plugin also answers Dask's own `adaptive_target` (an int), for
 autoscalers that take no Adaptive class (the Kubernetes operator); `valid_workers_downscaling`
@@ -47,7 +47,7 @@ from llumdask.global_scheduler import (
     UnknownInstance,
 )
 from llumdask.load import InstanceLoad
-from llumdask.plugins.control import InstanceState, Op, call
+from llumdask.plugins.control import InstanceState, MigrationNotStarted, Op, call, refusal
 from llumdask.plugins.dashboard import add_page
 from llumdask.plugins.history import ClusterHistory, Sample
 from llumdask.plugins.metrics import SchedulerMetrics
@@ -178,9 +178,9 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             instance = self._scheduler().dispatch(info, time.time())
         except NoInstanceAvailable as exc:
             self._metrics().dispatches["refused"] += 1
-            return {"instance": None, "reason": str(exc)}
+            return refusal(exc)
         self._metrics().dispatches["placed"] += 1
-        return {"instance": instance, "reason": ""}
+        return {"instance": instance}
 
     def status(self) -> dict:
         metrics = self._metrics()
@@ -212,9 +212,9 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         try:
             self._scheduler().set_terminating(instance, time.time())
         except UnknownInstance as exc:
-            return {"draining": False, "reason": str(exc)}
+            return refusal(exc)
         self._send(instance, {"op": Op.SET_TERMINATING, "flag": True})
-        return {"draining": True, "reason": ""}
+        return {"draining": True}
 
     async def migrate(self, request_id: str, destination: str, source: str | None = None) -> dict:
         """Operator-forced migration of one request; the source llumlet runs it.
@@ -226,20 +226,21 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         roles = (("destination", destination),) if source is None else (("source", source), ("destination", destination))
         for role, instance in roles:
             if instance not in known or not known[instance].ready:
-                return {"migration_id": None, "reason": f"{role} {instance!r} is not a ready instance"}
+                return refusal(MigrationNotStarted(f"{role} {instance!r} is not a ready instance"))
         if source == destination:
-            return {"migration_id": None, "reason": "source and destination are the same instance"}
+            return refusal(MigrationNotStarted("source and destination are the same instance"))
         if known[destination].terminating:
-            return {"migration_id": None, "reason": f"destination {destination!r} is terminating"}
+            return refusal(MigrationNotStarted(f"destination {destination!r} is terminating"))
         sources = [source] if source is not None else [i for i, v in known.items() if v.ready and i != destination]
-        reply = {"migration_id": None, "reason": f"request {request_id!r} is not running on any other instance"}
+        refused = MigrationNotStarted(f"request {request_id!r} is not running (or cannot move now) on any other instance")
         for candidate in sources:
-            reply = await call(self.scheduler.rpc(candidate), Op.MIGRATE_OUT, request_id=request_id, destination=destination)
-            if reply["migration_id"] is not None:
-                break
-        if source is None and reply["migration_id"] is None:
-            reply = {"reason": f"request {request_id!r} is not running (or cannot move now) on any other instance"}
-        return {"migration_id": reply.get("migration_id"), "reason": reply["reason"]}
+            try:
+                return await call(self.scheduler.rpc(candidate), Op.MIGRATE_OUT, request_id=request_id,
+                                  destination=destination)
+            except MigrationNotStarted as exc:
+                if source is not None:
+                    refused = exc
+        return refusal(refused)
 
     def adaptive_target(self) -> dict:
         """Workers to keep (all but the drained, plus the instances asked for whose worker has not

@@ -19,10 +19,10 @@ What the engine thread does between steps (stepping, the output cadence, the rou
 says where each request's tokens go, the report cadence) is `LlumletDriver`'s, which does no
 I/O; this host wires it to the worker: thread, comms, handlers, registration.
 
-Worker RPC handlers (reply dicts):
-    llumnix_add(request, reply_to)             -> {"accepted": bool, "reason": str}
+Worker RPC handlers (a refusal, in brackets, is raised again at the caller; see plugins/control.py):
+    llumnix_add(request, reply_to)             -> {"accepted": True} [RequestRejected]
     llumnix_abort(request_id)                  -> {"aborted": bool}
-    llumnix_migrate_out(request_id, destination) -> {"migration_id": str | None, "reason": str}
+    llumnix_migrate_out(request_id, destination) -> {"migration_id": str} [MigrationNotStarted]
     llumnix_worker_status()                    -> see `LlumletHost.status`
     llumnix_migration(sender, message, context) (one-way, see plugins/transport.py)
 Stream ops from the scheduler: llumnix_migrate_to, llumnix_set_terminating, llumnix_peer_lost.
@@ -46,7 +46,15 @@ from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.base import Engine
 from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
 from llumdask.protocol import MigrationMessage
-from llumdask.plugins.control import SCHEDULER_TO_WORKER, Op, call
+from llumdask.plugins.control import (
+    SCHEDULER_TO_WORKER,
+    MigrationNotStarted,
+    NoLlumdaskScheduler,
+    Op,
+    RequestRejected,
+    call,
+    refusal,
+)
 from llumdask.plugins.dask_timers import DaskTimers
 from llumdask.plugins.engine_thread import EngineThread
 from llumdask.plugins.llumlet_driver import LlumletDriver
@@ -198,12 +206,12 @@ class LlumletHost:
                     instance=self.instance_id, total_blocks=engine.total_blocks, block_size=engine.block_size,
                     high_priority_headroom=engine.high_priority_headroom,
                 )
-            except OSError as exc:
+            except (OSError, NoLlumdaskScheduler) as exc:
+                # Without the scheduler plugin (yet), load reports would get this worker
+                # disconnected: wait for it.
                 logger.info("registering %s failed: %s", self.instance_id, exc)
                 reply = None
-            # No scheduler plugin (yet) answers None: sending load reports then would get this
-            # worker disconnected, so wait for it.
-            if isinstance(reply, dict) and reply.get("registered"):
+            if reply is not None and reply.get("registered"):
                 break
             delay = min(delay * 2, 2.0)
             await asyncio.sleep(delay)
@@ -256,12 +264,12 @@ class LlumletHost:
         try:
             parsed = request_from_msg(request)
         except (KeyError, TypeError, ValueError) as exc:
-            return {"accepted": False, "reason": f"malformed request: {exc}"}
+            return refusal(RequestRejected(f"malformed request: {exc}"))
         try:
             await self._call(self.driver.add, parsed, reply_to)
         except ValueError as exc:
-            return {"accepted": False, "reason": str(exc)}
-        return {"accepted": True, "reason": ""}
+            return refusal(RequestRejected(str(exc)))
+        return {"accepted": True}
 
     async def abort(self, request_id: str) -> dict:
         return {"aborted": await self._call(self.driver.abort, request_id)}
@@ -269,11 +277,10 @@ class LlumletHost:
     async def migrate_out(self, request_id: str, destination: str) -> dict:
         migration_id = await self._call(self._llumlet().migrate_out, destination, request_id)
         if migration_id is None:
-            return {"migration_id": None,
-                    "reason": f"{self.instance_id} did not start it: the request is not running here, "
-                              "cannot move exactly (pinned by its sampling options), is already migrating, "
-                              "or migrations are at their limit"}
-        return {"migration_id": migration_id, "reason": ""}
+            return refusal(MigrationNotStarted(
+                f"{self.instance_id} did not start it: the request is not running here, cannot move exactly "
+                "(pinned by its sampling options), is already migrating, or migrations are at their limit"))
+        return {"migration_id": migration_id}
 
     async def status(self) -> dict:
         return await self._call(self._status)

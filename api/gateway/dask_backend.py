@@ -19,8 +19,8 @@ from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable, Mo
 from llumdask.config import load_config
 from llumdask.engine.base import TokenLogprob
 from llumdask.global_scheduler import NoInstanceAvailable
-from llumdask.plugins.control import InstanceState
-from llumdask.plugins.requester import NoLlumdaskScheduler, RequestRejected, Requester
+from llumdask.plugins.control import InstanceState, NoLlumdaskScheduler, RequestRejected
+from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams
 

@@ -57,11 +57,11 @@ def test_handlers_are_installed_under_llumnix_names():
 
 def test_only_ready_instances_are_dispatched_to_and_a_burst_spreads():
     async def check(plugin, scheduler):
-        assert plugin.dispatch("r0", 10, 10)["instance"] is None
+        assert plugin.dispatch("r0", 10, 10)["error"] == "no-instance"
         plugin.register("a", 100, 16)
         plugin.register("b", 100, 16)
         refused = plugin.dispatch("r0", 10, 10)  # registered, not ready
-        assert refused["instance"] is None and "no ready" in refused["reason"]
+        assert refused["error"] == "no-instance" and "no ready" in refused["message"]
         plugin.ready("a")
         plugin.ready("b")
         chosen = [plugin.dispatch(f"r{k}", 64, 10)["instance"] for k in range(6)]
@@ -117,9 +117,9 @@ def test_drained_instances_are_the_only_ones_offered_for_downscaling():
         for w in ("a", "b"):
             plugin.register(w, 100, 16)
             plugin.ready(w)
-        assert plugin.drain("a") == {"draining": True, "reason": ""}
+        assert plugin.drain("a") == {"draining": True}
         assert scheduler.stream_comms["a"].sent == [{"op": "llumnix_set_terminating", "flag": True}]
-        assert plugin.drain("zzz")["draining"] is False
+        assert plugin.drain("zzz")["error"] == "unknown-instance"
         workers = list(scheduler.workers.values())
         plugin.scale()
         assert plugin.valid_workers_downscaling(scheduler, workers) == []  # not seen drained yet

@@ -6,12 +6,23 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from distributed.utils_test import gen_cluster
 
 from llumdask.config import load_config
-from llumdask.plugins.control import SCHEDULER_TO_WORKER, InstanceState, Op, call
+from llumdask.global_scheduler import NoInstanceAvailable, UnknownInstance
+from llumdask.plugins.control import (
+    SCHEDULER_TO_WORKER,
+    InstanceState,
+    MigrationNotStarted,
+    NoLlumdaskScheduler,
+    Op,
+    RequestRejected,
+    call,
+)
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
+from llumdask.plugins.wire import request_to_msg
 from llumdask.plugins.worker import LlumletWorkerPlugin
 from llumdask.request import Request, SamplingParams
 
@@ -70,3 +81,23 @@ async def test_a_request_placed_moved_by_the_operator_and_drained(c, s, a, b):
         assert states[source] == InstanceState.TERMINATING
     finally:
         await requester.close()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_refusals_are_raised_again_where_the_call_was_made(c, s, a, b):
+    with pytest.raises(NoLlumdaskScheduler, match="llumnix_status"):
+        await call(c.scheduler, Op.STATUS)  # no plugin yet
+    await install(c, s)
+    with pytest.raises(UnknownInstance, match="zzz"):
+        await call(c.scheduler, Op.DRAIN, instance="zzz")
+    with pytest.raises(MigrationNotStarted, match="not a ready instance"):
+        await call(c.scheduler, Op.MIGRATE, request_id="r", destination="tcp://127.0.0.1:1")
+    with pytest.raises(MigrationNotStarted, match="not running"):
+        await call(c.scheduler, Op.MIGRATE, request_id="nobody", destination=a.address)
+    with pytest.raises(RequestRejected, match="can never"):
+        huge = Request("huge", list(range(1, 3000)), SamplingParams(max_tokens=10))
+        await call(c.rpc(a.address), Op.ADD, request=request_to_msg(huge), reply_to="tcp://127.0.0.1:1")
+    for worker in (a, b):
+        await call(c.scheduler, Op.DRAIN, instance=worker.address)
+    with pytest.raises(NoInstanceAvailable):
+        await call(c.scheduler, Op.DISPATCH, request_id="r", num_prompt_tokens=4, max_tokens=4)
