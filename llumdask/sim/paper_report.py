@@ -518,7 +518,7 @@ def _goals_section(results: PaperResults) -> str:
         return f"{_x(value)} ({best}){mark}"
 
     detail = table(
-        ("trace", "load", *(f"{name}: Llumnix / best router" for _, name in GOAL_METRICS), "P99 prefill: Llumnix / oracle"),
+        ("trace", "load", *(f"{name}: Llumnix / router" for _, name in GOAL_METRICS), "P99 prefill: Llumnix / oracle"),
         ((r["trace"], f"{r['load']:g}" + (" (knee)" if knee.get(r["trace"]) == r["load"] else ""),
           *(cell(r, m) for m, _ in GOAL_METRICS), _x(r.get("oracle_prefill_p99", math.nan))) for r in rows),
     )
