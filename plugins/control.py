@@ -73,7 +73,9 @@ class Op(enum.StrEnum):
     MIGRATE_TO = "llumnix_migrate_to"
     SET_TERMINATING = "llumnix_set_terminating"
     PEER_LOST = "llumnix_peer_lost"
-    # Token frames on the token channel, instance -> requester (plugins/streams.py).
+    # The token channel, instance -> requester (plugins/streams.py): a connection's first frame
+    # proves it may write there, the others carry tokens.
+    TOKENS_HELLO = "llumnix_tokens_hello"
     TOKENS = "llumnix_tokens"
 
 

@@ -8,7 +8,15 @@ source and the first of the destination may arrive interleaved or twice: `TokenS
 them back in order by sequence number and drops duplicates. `TokenSequence` is pure (no I/O);
 `TokenStream` adds waiting on an asyncio loop.
 
-Wire format: frames, each a 4-byte big-endian length and then a msgpack list of token messages:
+Authentication: a listener has a random key, and its address (the "route" a request carries to
+its instance and on through migrations) is `tcp://host:port#key`. A connection's first frame must
+be a hello with that key, or the listener closes it before it reads anything else: whoever cannot
+see the route (it travels in Dask's comms, under the cluster's security) cannot write into a
+stream. Keys never appear in logs (`without_key`).
+
+Wire format: frames, each a 4-byte big-endian length and then a msgpack list of messages; the
+first frame of a connection is [{"op": "llumnix_tokens_hello", "key": str, "instance": str}],
+every later one a list of token messages:
     {"op": "llumnix_tokens", "request_id": str, "first_index": int, "token_ids": [int, ...],
      "finished": bool, "finish_reason": "length" | "stop" | "abort" | None, "instance": str,
      "logprobs": [[logprob, [[token id, logprob], ...]], ...] (one per token; only if asked for),
@@ -18,12 +26,15 @@ Wire format: frames, each a 4-byte big-endian length and then a msgpack list of 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import select
 import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any
 from dataclasses import dataclass
 
 import msgpack
@@ -267,22 +278,36 @@ class TokenStream:
                 yield token
 
 
+def split_route(route: str) -> tuple[str, str]:
+    """A listener's route -> (its address, its key); no key: ''."""
+    address, _, key = route.partition("#")
+    return address, key
+
+
+def without_key(route: str) -> str:
+    """A route as logs may show it."""
+    return split_route(route)[0]
+
+
 class TokenListener:
     """The requester's end: a TCP server that routes token frames to open streams.
 
     Must be started and used on one event loop. `on_sender_closed(instance)` is called when an
-    owner's connection closes, so that the requester can notice a dead instance.
+    owner's connection closes, so that the requester can notice a dead instance. Connections that
+    do not open with this listener's key are closed unread and counted in `refused`.
     """
 
     def __init__(self, address: str = "tcp://127.0.0.1:0",
                  on_sender_closed: Callable[[str], None] | None = None) -> None:
-        self._bind = address
+        self._bind = split_route(address)[0]
+        self._key = secrets.token_urlsafe(24)
         self._server: asyncio.Server | None = None
         self._address: str | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._streams: dict[str, TokenStream] = {}
         self._on_sender_closed = on_sender_closed
         self.dropped = 0
+        self.refused = 0
 
     async def start(self) -> "TokenListener":
         host, port = get_address_host_port(self._bind)
@@ -293,9 +318,10 @@ class TokenListener:
 
     @property
     def address(self) -> str:
+        """The route to this listener: where tokens go and the key that lets a sender in."""
         if self._address is None:
             raise RuntimeError("the token listener is not started")
-        return self._address
+        return f"{self._address}#{self._key}"
 
     def open(self, request_id: str, start_index: int = 0) -> TokenStream:
         if request_id in self._streams:
@@ -314,11 +340,13 @@ class TokenListener:
         self._connections.add(writer)
         sender: str | None = None
         try:
+            if not self._admits(await _read_frame(reader, limit=1024)):
+                self.refused += 1
+                logger.warning("token listener refused a connection from %s without its key",
+                               writer.get_extra_info("peername"))
+                return
             while True:
-                (size,) = _FRAME_HEADER.unpack(await reader.readexactly(_FRAME_HEADER.size))
-                if size > MAX_FRAME_BYTES:
-                    raise ValueError(f"a token frame of {size} bytes (limit {MAX_FRAME_BYTES})")
-                for msg in msgpack.unpackb(await reader.readexactly(size)):
+                for msg in await _read_frame(reader, limit=MAX_FRAME_BYTES):
                     if not isinstance(msg, dict) or msg.get("op") != Op.TOKENS:
                         logger.warning("token listener dropped an unexpected message: %r", msg)
                         continue
@@ -334,6 +362,14 @@ class TokenListener:
             writer.close()
             if sender is not None and self._on_sender_closed is not None:
                 self._on_sender_closed(sender)
+
+    def _admits(self, hello: Any) -> bool:
+        """Whether a connection's first frame is a hello with this listener's key."""
+        if not (isinstance(hello, list) and len(hello) == 1 and isinstance(hello[0], dict)):
+            return False
+        key = hello[0].get("key")
+        return hello[0].get("op") == Op.TOKENS_HELLO and isinstance(key, str) and hmac.compare_digest(
+            key.encode(), self._key.encode())
 
     def _route(self, batch: TokenBatch) -> None:
         stream = self._streams.get(batch.request_id)
@@ -352,6 +388,14 @@ class TokenListener:
                 writer.close()
             await self._server.wait_closed()
             self._server = None
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int) -> Any:
+    """One frame, unpacked; a length over `limit` is a ValueError before anything more is read."""
+    (size,) = _FRAME_HEADER.unpack(await reader.readexactly(_FRAME_HEADER.size))
+    if size > limit:
+        raise ValueError(f"a token frame of {size} bytes (limit {limit})")
+    return msgpack.unpackb(await reader.readexactly(size))
 
 
 class TokenPusher:
@@ -382,7 +426,7 @@ class TokenPusher:
         self._addresses: dict[int, str] = {}  # connection fd -> requester address
 
     def push(self, outbox: Iterable[tuple[str, TokenOutput]]) -> None:
-        """Send token outputs, each to its requester's address, one frame per requester."""
+        """Send token outputs, each to its requester's route, one frame per requester."""
         for fd, _ in self._closed.poll(0):
             self._drop(self._addresses[fd])
         by_requester: dict[str, list[dict]] = {}
@@ -392,18 +436,21 @@ class TokenPusher:
             self._send(address, encode_frame(msgs))
 
     def _send(self, address: str, frame: bytes) -> None:
+        """`address`: a listener's route (its address and key)."""
         try:
             sock = self._sockets.get(address)
             if sock is None:
-                sock = socket.create_connection(get_address_host_port(address), timeout=self._connect_timeout)
+                where, key = split_route(address)
+                sock = socket.create_connection(get_address_host_port(where), timeout=self._connect_timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame is a message
                 sock.settimeout(self._send_timeout)
                 self._sockets[address] = sock
                 self._addresses[sock.fileno()] = address
                 self._closed.register(sock, select.POLLIN)
+                sock.sendall(encode_frame([{"op": Op.TOKENS_HELLO, "key": key, "instance": self.instance}]))
             sock.sendall(frame)
         except (OSError, ValueError) as exc:  # socket.timeout is an OSError; ValueError: a bad address
-            logger.warning("requester %s is unreachable: %s", address, exc)
+            logger.warning("requester %s is unreachable: %s", without_key(address), exc)
             self._drop(address)
             if self._on_unreachable is not None:
                 self._on_unreachable(address)

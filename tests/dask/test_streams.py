@@ -11,7 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llumdask.engine.base import TokenLogprob, TokenOutput
-from llumdask.plugins.streams import TokenBatch, TokenListener, TokenOutbox, TokenPusher, TokenSequence
+from llumdask.plugins.streams import (
+    TokenBatch,
+    TokenListener,
+    TokenOutbox,
+    TokenPusher,
+    TokenSequence,
+    encode_frame,
+    split_route,
+)
 from llumdask.request import FinishReason
 
 
@@ -203,10 +211,10 @@ def test_a_new_requester_at_a_closed_ones_address_gets_every_token():
         await first.close()
         second = await TokenListener(address).start()
         try:
-            assert second.address == address
+            assert split_route(second.address)[0] == split_route(address)[0]  # the same port, a new key
             stream = second.open("r2")
             for k in range(3):
-                await _push(pusher, [(address, TokenOutput("r2", k, (10 + k,), k == 2, FinishReason.LENGTH))])
+                await _push(pusher, [(second.address, TokenOutput("r2", k, (10 + k,), k == 2, FinishReason.LENGTH))])
             assert await asyncio.wait_for(_collect(stream), 10) == [10, 11, 12]
             assert lost == []
         finally:
@@ -243,7 +251,7 @@ def test_listener_reports_a_closed_sender_and_survives_a_bad_frame():
         await _push(pusher, [(listener.address, TokenOutput("r", 0, (1,)))])
         assert await asyncio.wait_for(stream.next_tokens(), 10) == [1]
         pusher.close()
-        with socket.create_connection(get_address_host_port(listener.address)) as bad:
+        with socket.create_connection(get_address_host_port(split_route(listener.address)[0])) as bad:
             bad.sendall(b"\xff\xff\xff\xff")  # a frame over the size limit
         for _ in range(100):
             if closed:
@@ -257,6 +265,45 @@ def test_listener_reports_a_closed_sender_and_survives_a_bad_frame():
         await listener.close()
 
     asyncio.run(main())
+
+
+def test_a_connection_without_the_listeners_key_is_refused_and_changes_no_stream(caplog):
+    async def main():
+        listener = await TokenListener().start()
+        stream = listener.open("r")
+        address, key = split_route(listener.address)
+        forged = encode_frame([TokenBatch("r", 0, (666,), "intruder", True, FinishReason.STOP).to_msg()])
+        hellos = (b"", encode_frame([{"op": "llumnix_tokens_hello", "key": "guess", "instance": "intruder"}]))
+        for hello in hellos:  # no hello at all (tokens first), and a wrong key
+            reader, writer = await asyncio.open_connection(*get_address_host_port(address))
+            writer.write(hello + forged)
+            assert await asyncio.wait_for(reader.read(1), 10) == b""  # closed by the listener
+            writer.close()
+        assert listener.refused == 2 and stream.sequence.next_index == 0 and not stream.sequence.done
+        pusher = TokenPusher("owner")
+        await _push(pusher, [(listener.address, TokenOutput("r", 0, (1, 2), True, FinishReason.LENGTH))])
+        assert await asyncio.wait_for(_collect(stream), 10) == [1, 2]
+        pusher.close()
+        await listener.close()
+        return key
+
+    key = asyncio.run(main())
+    assert "refused a connection" in caplog.text and key not in caplog.text
+
+
+def test_a_listeners_key_stays_out_of_the_log(caplog):
+    async def main():
+        listener = await TokenListener().start()
+        route = listener.address
+        await listener.close()
+        pusher = TokenPusher("w", connect_timeout=1)
+        await _push(pusher, [(route, TokenOutput("r", 1, (5,)))])
+        pusher.close()
+        return route
+
+    route = asyncio.run(main())
+    assert "unreachable" in caplog.text and split_route(route)[0] in caplog.text
+    assert split_route(route)[1] not in caplog.text
 
 
 async def _push(pusher: TokenPusher, outbox) -> None:
