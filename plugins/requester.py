@@ -33,7 +33,7 @@ from distributed.utils import get_ip
 from llumdask.config import RequesterConfig, load_config
 from llumdask.global_scheduler import NoInstanceAvailable
 from llumdask.plugins.control import NoLlumdaskScheduler, Op, RequestRejected, call
-from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream
+from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream, without_key
 from llumdask.plugins.wire import request_to_msg
 from llumdask.request import FinishReason, Request
 
@@ -127,6 +127,12 @@ class Requester:
             self._epoch, self._alive, self._known = reply["epoch"], set(reply["alive"]), list(reply["placeable"])
         return self._alive
 
+    @property
+    def token_address(self) -> str | None:
+        """Where instances send this requester's tokens (tls:// under the cluster's TLS), without
+        the listener's key; None before the first request."""
+        return None if self._listener is None else without_key(self._listener.address)
+
     async def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -197,7 +203,10 @@ class Requester:
     async def _ensure_listener(self) -> TokenListener:
         if self._listener is None:
             host = self._listen_host or _host_reaching(self._client.scheduler.address)
-            self._listener = await TokenListener(f"tcp://{host}:0", on_sender_closed=self._on_sender_closed).start()
+            # Under the cluster's TLS, instances reach this listener with their worker certificates.
+            tls = self._client.security.get_listen_args("client").get("ssl_context")
+            self._listener = await TokenListener(f"tcp://{host}:0", on_sender_closed=self._on_sender_closed,
+                                                 ssl_context=tls).start()
             self._watchdog = asyncio.ensure_future(self._watch())
             try:
                 await self.members()  # know some instances in case the scheduler stops answering

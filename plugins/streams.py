@@ -12,7 +12,10 @@ Authentication: a listener has a random key, and its address (the "route" a requ
 its instance and on through migrations) is `tcp://host:port#key`. A connection's first frame must
 be a hello with that key, or the listener closes it before it reads anything else: whoever cannot
 see the route (it travels in Dask's comms, under the cluster's security) cannot write into a
-stream. Keys never appear in logs (`without_key`).
+stream. Keys never appear in logs (`without_key`). Where the cluster has Dask security (TLS), the
+channel uses the same credentials: the listener serves TLS with the client's certificate
+(`tls://` routes) and requires the pusher's worker certificate, both checked against the
+cluster's CA.
 
 Wire format: frames, each a 4-byte big-endian length and then a msgpack list of messages; the
 first frame of a connection is [{"op": "llumnix_tokens_hello", "key": str, "instance": str}],
@@ -31,6 +34,7 @@ import logging
 import secrets
 import select
 import socket
+import ssl
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -298,8 +302,11 @@ class TokenListener:
     """
 
     def __init__(self, address: str = "tcp://127.0.0.1:0",
-                 on_sender_closed: Callable[[str], None] | None = None) -> None:
+                 on_sender_closed: Callable[[str], None] | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """`ssl_context`: serve TLS with it (a Dask client's listen context); the route is then tls://."""
         self._bind = split_route(address)[0]
+        self._ssl = ssl_context
         self._key = secrets.token_urlsafe(24)
         self._server: asyncio.Server | None = None
         self._address: str | None = None
@@ -311,9 +318,10 @@ class TokenListener:
 
     async def start(self) -> "TokenListener":
         host, port = get_address_host_port(self._bind)
-        self._server = await asyncio.start_server(self._handle_connection, host, port)
+        self._server = await asyncio.start_server(self._handle_connection, host, port, ssl=self._ssl)
         bound_port = self._server.sockets[0].getsockname()[1]
-        self._address = f"tcp://[{host}]:{bound_port}" if ":" in host else f"tcp://{host}:{bound_port}"
+        scheme = "tls" if self._ssl is not None else "tcp"
+        self._address = f"{scheme}://[{host}]:{bound_port}" if ":" in host else f"{scheme}://{host}:{bound_port}"
         return self
 
     @property
@@ -416,8 +424,11 @@ class TokenPusher:
     """
 
     def __init__(self, instance: str, on_unreachable: Callable[[str], None] | None = None,
-                 connect_timeout: float = 5.0, send_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, send_timeout: float = 5.0,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """`ssl_context`: for tls:// routes (a Dask worker's connection context)."""
         self.instance = instance
+        self._ssl = ssl_context
         self._on_unreachable = on_unreachable
         self._connect_timeout = connect_timeout
         self._send_timeout = send_timeout
@@ -428,7 +439,9 @@ class TokenPusher:
     def push(self, outbox: Iterable[tuple[str, TokenOutput]]) -> None:
         """Send token outputs, each to its requester's route, one frame per requester."""
         for fd, _ in self._closed.poll(0):
-            self._drop(self._addresses[fd])
+            address = self._addresses[fd]
+            if _peer_closed(self._sockets[address], self._send_timeout):
+                self._drop(address)
         by_requester: dict[str, list[dict]] = {}
         for reply_to, output in outbox:
             by_requester.setdefault(reply_to, []).append(TokenBatch.from_output(output, self.instance).to_msg())
@@ -443,6 +456,10 @@ class TokenPusher:
                 where, key = split_route(address)
                 sock = socket.create_connection(get_address_host_port(where), timeout=self._connect_timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame is a message
+                if where.startswith("tls://"):
+                    if self._ssl is None:
+                        raise ValueError("a tls:// requester, and this instance has no TLS context")
+                    sock = self._ssl.wrap_socket(sock)
                 sock.settimeout(self._send_timeout)
                 self._sockets[address] = sock
                 self._addresses[sock.fileno()] = address
@@ -465,6 +482,22 @@ class TokenPusher:
     def close(self) -> None:
         for address in list(self._sockets):
             self._drop(address)
+
+
+def _peer_closed(sock: socket.socket, timeout: float) -> bool:
+    """A pusher's connection polled readable: requesters never write, so a plain socket is closed;
+    a TLS one may also have received a TLS record (a TLS 1.3 session ticket), which reads as nothing."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return True
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except ssl.SSLWantReadError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.settimeout(timeout)
 
 
 def encode_frame(msgs: list[dict]) -> bytes:

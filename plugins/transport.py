@@ -61,8 +61,11 @@ class CommTransport:
         annotate: Callable[[MigrationMessage], Mapping[str, Any] | None] | None = None,
         connect_timeout: float | None = None,
         idle_timeout: float = 60.0,
+        connection_args: Mapping[str, Any] | None = None,
     ) -> None:
+        """`connection_args`: the worker's (its TLS context where the cluster has Dask security)."""
         self._loop = loop
+        self._connection_args = dict(connection_args or {})
         self._on_receive = on_receive
         self._on_peer_lost = on_peer_lost
         self._annotate = annotate
@@ -116,7 +119,7 @@ class CommTransport:
         receiver = key[0]
         comm: Comm | None = None
         try:
-            comm = await connect(receiver, timeout=self._connect_timeout)
+            comm = await connect(receiver, timeout=self._connect_timeout, **self._connection_args)
             while True:
                 try:
                     wire = await asyncio.wait_for(queue.get(), self._idle_timeout)

@@ -133,13 +133,15 @@ class LlumletHost:
         self.events: deque[dict] = deque(maxlen=256)
         # Used on the engine thread only.
         self.pusher = TokenPusher(self.instance_id, on_unreachable=self.driver.drop_requests_of,
-                                  connect_timeout=migration.handshake_timeout)
+                                  connect_timeout=migration.handshake_timeout,
+                                  ssl_context=worker.connection_args.get("ssl_context"))
         self.transport = CommTransport(
             self.loop,
             on_receive=self._on_migration_message,
             on_peer_lost=self._peer_lost,
             annotate=self.driver.annotate,
             connect_timeout=migration.handshake_timeout,
+            connection_args=worker.connection_args,
         )
 
     @property

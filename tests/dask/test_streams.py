@@ -6,6 +6,7 @@ import asyncio
 import socket
 
 import pytest
+from distributed import Security
 from distributed.comm.addressing import get_address_host_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -304,6 +305,40 @@ def test_a_listeners_key_stays_out_of_the_log(caplog):
     route = asyncio.run(main())
     assert "unreachable" in caplog.text and split_route(route)[0] in caplog.text
     assert split_route(route)[1] not in caplog.text
+
+
+def test_under_dask_security_tokens_travel_over_tls_with_the_clusters_certificates():
+    security, stranger = Security.temporary(), Security.temporary()
+
+    async def main():
+        connected: list[str] = []
+        listener = await TokenListener(ssl_context=security.get_listen_args("client")["ssl_context"],
+                                       on_sender_closed=connected.append).start()
+        assert listener.address.startswith("tls://")
+        stream = listener.open("r")
+        pusher = TokenPusher("owner", ssl_context=security.get_connection_args("worker")["ssl_context"])
+        for k in range(5):  # several pushes on one connection (TLS records read as nothing, not as a close)
+            await _push(pusher, [(listener.address, TokenOutput("r", k, (k,), k == 4, FinishReason.LENGTH))])
+            await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(_collect(stream), 10) == [0, 1, 2, 3, 4]
+        assert connected == []  # the one connection is still open
+        # Plain TCP, or TLS with another CA's certificate: no stream changes.
+        other = listener.open("o")
+        lost: list[str] = []
+        outsider = TokenPusher("outsider", on_unreachable=lost.append, connect_timeout=2,
+                               ssl_context=stranger.get_connection_args("worker")["ssl_context"])
+        await _push(outsider, [(listener.address, TokenOutput("o", 0, (666,), True, FinishReason.STOP))])
+        reader, writer = await asyncio.open_connection(*get_address_host_port(split_route(listener.address)[0]))
+        writer.write(encode_frame([TokenBatch("o", 0, (666,), "plain", True, FinishReason.STOP).to_msg()]))
+        await asyncio.wait_for(reader.read(), 10)  # the listener drops what is not TLS
+        writer.close()
+        await asyncio.sleep(0.1)
+        assert other.sequence.next_index == 0 and not other.sequence.done
+        outsider.close()
+        pusher.close()
+        await listener.close()
+
+    asyncio.run(main())
 
 
 async def _push(pusher: TokenPusher, outbox) -> None:
