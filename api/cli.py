@@ -51,6 +51,10 @@ COMMANDS: Mapping[str, Command] = types.MappingProxyType(
             "llumdask.api.profile_cli:main",
             "latency profiles for the simulator: 'profile fit-vidur' fits Vidur GPU tables, 'profile measure' times a real engine",
         ),
+        "certs": Command(
+            "llumdask.clusters.certs:main",
+            "a CA and a node certificate for a test cluster under Dask's TLS (see README: security across machines)",
+        ),
         "demo": Command(
             "llumdask.demo:main",
             "a few requests over simulated instances, with one migration, printed as they happen",
