@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llumdask.global_scheduler import InstanceView
+from llumdask.llumlet import MigrationEventKind
 
 # Live migration downtime is milliseconds when all is well; the upper buckets catch stalls.
 DOWNTIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -67,11 +68,11 @@ class SchedulerMetrics:
     def on_migration_event(self, event: Mapping[str, Any]) -> None:
         kind = str(event.get("kind"))
         self.migrations[kind] += 1
-        if kind == "committed":
+        if kind == MigrationEventKind.COMMITTED.value:
             self.migration_bytes += int(event.get("bytes", 0))
             self.downtime += float(event.get("downtime", 0.0))
             self._downtime.observe(float(event.get("downtime", 0.0)))
-        elif kind == "aborted":
+        elif kind == MigrationEventKind.ABORTED.value:
             self.aborted[str(event.get("reason", ""))] += 1
 
     # ------------------------------------------------------------------ prometheus_client collector

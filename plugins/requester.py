@@ -180,7 +180,6 @@ class Requester:
             request_id=request.request_id,
             num_prompt_tokens=request.num_tokens,
             max_tokens=request.remaining_tokens,
-            scheduling_priority=int(request.scheduling_priority),
             execution_priority=int(request.execution_priority),
         )
         return reply["instance"]

@@ -9,7 +9,7 @@ RPC handlers (`plugins/control.py` names them; a refusal, in brackets, is raised
     llumnix_register(instance, total_blocks, block_size, high_priority_headroom) -> {"registered": bool}
     llumnix_ready(instance)                              -> {"ready": bool}
     llumnix_unregister(instance)                         -> {"removed": bool}
-    llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, scheduling_priority,
+    llumnix_dispatch(request_id, num_prompt_tokens, max_tokens,
                      execution_priority)                 -> {"instance": str} [NoInstanceAvailable]
     llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
     llumnix_members(epoch=None)                          -> {"epoch": str, "alive": [id, ...] | None,
@@ -46,6 +46,7 @@ from llumdask.global_scheduler import (
     NoInstanceAvailable,
     UnknownInstance,
 )
+from llumdask.llumlet import MigrationEventKind
 from llumdask.load import InstanceLoad
 from llumdask.plugins.control import InstanceState, MigrationNotStarted, Op, call, refusal
 from llumdask.plugins.dashboard import add_page
@@ -170,10 +171,9 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         request_id: str,
         num_prompt_tokens: int,
         max_tokens: int,
-        scheduling_priority: int = 0,
         execution_priority: int = 0,
     ) -> dict:
-        info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, scheduling_priority, execution_priority)
+        info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, execution_priority)
         try:
             instance = self._scheduler().dispatch(info, time.time())
         except NoInstanceAvailable as exc:
@@ -269,7 +269,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
 
     def on_event(self, event: dict, worker: str | None = None) -> None:
         self._metrics().on_migration_event(event)
-        if event.get("kind") != "started":
+        if event.get("kind") != MigrationEventKind.STARTED.value:
             self.recent_migrations.append(dict(event))
 
     # ------------------------------------------------------------------ periodic decisions

@@ -134,8 +134,8 @@ def test_dispatch_info_rejects_bad_values(kwargs):
 
 
 def test_dispatch_info_parses_priorities():
-    info = DispatchInfo("r", 10, 10, scheduling_priority="high", execution_priority=1)
-    assert info.scheduling_priority is Priority.HIGH and info.execution_priority is Priority.HIGH
+    assert DispatchInfo("r", 10, 10, execution_priority="high").execution_priority is Priority.HIGH
+    assert DispatchInfo("r", 10, 10, execution_priority=1).execution_priority is Priority.HIGH
 
 
 # ---------------------------------------------------------------- dispatch policies

@@ -30,7 +30,6 @@ class DispatchInfo:
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
-    scheduling_priority: Priority = Priority.NORMAL
     execution_priority: Priority = Priority.NORMAL
 
     def __post_init__(self) -> None:
@@ -40,7 +39,6 @@ class DispatchInfo:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"request {self.request_id}: {name} must be an integer >= 1, got {value!r}")
-        object.__setattr__(self, "scheduling_priority", Priority.parse(self.scheduling_priority))
         object.__setattr__(self, "execution_priority", Priority.parse(self.execution_priority))
 
 

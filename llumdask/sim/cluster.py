@@ -307,7 +307,7 @@ class SimCluster:
             execution_priority=trace.priority,
             arrival_time=self.events.now,
         )
-        info = DispatchInfo(request_id, trace.input_len, trace.output_len, trace.priority, trace.priority)
+        info = DispatchInfo(request_id, trace.input_len, trace.output_len, trace.priority)
         try:
             target = self.scheduler.dispatch(info, self.events.now)
         except NoInstanceAvailable:
