@@ -27,12 +27,11 @@ from distributed import Client
 from distributed.deploy.cluster import Cluster
 from tqdm.auto import tqdm
 
-from llumdask.api.gateway.detok import IncrementalText
+from llumdask.api.gateway.detok import IncrementalText, check_stop
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer, model_location, stop_token_ids
 from llumdask.config import load_config
 from llumdask.engine.base import TokenLogprob
-from llumdask.plugins.control import Op, call
-from llumdask.plugins.control import MigrationNotStarted, NoLlumdaskScheduler, RequestRejected
+from llumdask.plugins.control import MigrationNotStarted, NoLlumdaskScheduler, Op, RequestRejected, call
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
@@ -574,8 +573,8 @@ def _is_conversation_batch(messages: Any) -> bool:
 
 
 def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
-    """`stop` as OpenAI clients give it: one string or several."""
-    return (stop,) if isinstance(stop, str) else tuple(stop)
+    """`stop` as OpenAI clients give it: one string or several, within the detokenizer's bounds."""
+    return check_stop((stop,) if isinstance(stop, str) else tuple(stop))
 
 
 def _positive(name: str, value: Any) -> int:

@@ -27,6 +27,26 @@ class TextDelta:
     stopped: bool = False
 
 
+# Every stop string is searched for at every token, and the longest decides how much text is held
+# back: bounded, so that one request cannot make its stream scan megabytes per token.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1000
+
+
+def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
+    """Stop strings as a detokenizer takes them: non-empty, at most MAX_STOP_STRINGS of at most
+    MAX_STOP_CHARS characters each; a ValueError says which bound."""
+    stop = tuple(stop)
+    if any(not s for s in stop):
+        raise ValueError("stop strings must be non-empty")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stop)}")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}")
+    return stop
+
+
 class IncrementalText:
     """Feed token batches with `add`, then `finish` for the rest; `text` is what was emitted.
     `include_stop`: the text ends with the stop string found instead of just before it;
@@ -34,12 +54,10 @@ class IncrementalText:
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, include_stop: bool = False,
                  skip_special_tokens: bool = True) -> None:
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
+        self._stop = check_stop(stop)
         self._tokenizer = tokenizer
         self._include_stop = include_stop
         self._skip = skip_special_tokens
-        self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
         self._prefix = 0  # start of the context run

@@ -307,6 +307,8 @@ async def read_json(request: Request, limit: int) -> object:
         return json.loads(body, parse_constant=_reject_constant)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser recurses
+        raise InvalidRequest("The request body nests JSON arrays or objects too deeply", code="invalid_json") from None
 
 
 def _reject_constant(name: str) -> None:

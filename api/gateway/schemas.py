@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from llumdask.api.gateway.detok import check_stop
 from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.request import MAX_LOGPROBS, Priority, SamplingParams
 
@@ -266,9 +267,10 @@ def _stop(value: Any) -> tuple[str, ...]:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or any(not isinstance(s, str) for s in values):
         raise _wrong_type("stop", "a string or a list of strings", value)
-    if any(not s for s in values):
-        raise InvalidRequest("stop strings must not be empty", param="stop", code="invalid_value")
-    return tuple(values)
+    try:
+        return check_stop(values)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="stop", code="invalid_value") from None
 
 
 def _priority(value: Any) -> Priority | None:

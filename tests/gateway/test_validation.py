@@ -43,6 +43,12 @@ CASES = [
     ("seed negative", C, ok(seed=-1), 400, "invalid_value", "seed", "seed"),
     ("stop number", C, ok(stop=3), 400, "invalid_type", "stop", "string"),
     ("stop empty string", C, ok(stop=[""]), 400, "invalid_value", "stop", "empty"),
+    ("thousands of stop strings", C, ok(stop=[f"s{k}" for k in range(5000)]), 400, "invalid_value", "stop",
+     "at most 64 stop strings"),
+    ("a stop string of a megabyte's length", CHAT, chat(stop=["x" * 200_000]), 400, "invalid_value", "stop",
+     "at most 1000 characters"),
+    ("max_tokens past any context", C, ok(max_tokens=10**15), 400, "context_length_exceeded", "max_tokens",
+     "maximum context length"),
     ("include_stop_str_in_output not bool", C, ok(include_stop_str_in_output=1), 400, "invalid_type",
      "include_stop_str_in_output", "boolean"),
     ("skip_special_tokens not bool", CHAT, chat(skip_special_tokens="no"), 400, "invalid_type",
@@ -117,8 +123,10 @@ def test_bad_input(client, backend, path, body, status, code, param, words):
     assert backend.submitted == []  # refused before anything reached the cluster
 
 
-@pytest.mark.parametrize("raw", [b"{", b"{'a': 1}", b"", b"\xff\xfe", b'{"model": NaN}'],
-                         ids=["truncated", "single quotes", "empty", "not utf-8", "NaN"])
+@pytest.mark.parametrize("raw", [b"{", b"{'a': 1}", b"", b"\xff\xfe", b'{"model": NaN}', b"[" * 200_000,
+                                 b'{"model": "' + b"\xc3\x28" * 10 + b'"}'],
+                         ids=["truncated", "single quotes", "empty", "not utf-8", "NaN", "nested 200,000 deep",
+                              "invalid utf-8 in a string"])
 def test_malformed_json_is_400(client, raw):
     r = client.post(C, content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400
