@@ -53,6 +53,7 @@ class DispatchConfig:
     policy: str = "llumnix"
     seed: int = 0
     interference_freeness: float | None = 16.0
+    admission_freeness: float | None = None
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,10 @@ class NoInstanceAvailable(RuntimeError):
     """No ready, non-terminating instance to dispatch to."""
 
 
+class ClusterOverloaded(RuntimeError):
+    """Admission by load (`dispatch.admission-freeness`): every instance would queue the request."""
+
+
 class UnknownInstance(KeyError):
     """An instance id the scheduler does not know (never registered, or removed)."""
 
@@ -307,6 +311,12 @@ class GlobalScheduler:
             candidates = self._candidates = CandidateTable([i for i in self._instances.values() if i.ready and not i.terminating])
         if not candidates:
             raise NoInstanceAvailable(f"no ready, non-terminating instance among {len(self._instances)} registered")
+        limit = self._config.dispatch.admission_freeness
+        if limit is not None and not info.admitted:
+            freest = float(candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority).max())
+            if freest < limit:
+                raise ClusterOverloaded(f"every instance would queue request {info.request_id}: the freest would keep "
+                                        f"a dispatch freeness of {freest:.1f} with it, below {limit:g}")
         chosen = self._dispatch_policy.choose(candidates, info)
         instance = self._instances.get(chosen)
         if instance is None or not instance.ready or instance.terminating:

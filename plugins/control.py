@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from llumdask.global_scheduler import NoInstanceAvailable, UnknownInstance
+from llumdask.global_scheduler import ClusterOverloaded, NoInstanceAvailable, UnknownInstance
 
 
 class NoLlumdaskScheduler(RuntimeError):
@@ -35,6 +35,7 @@ class MigrationNotStarted(RuntimeError):
 # Every refusal a handler may answer, by the name it travels under.
 REFUSALS: dict[str, type[Exception]] = {
     "no-instance": NoInstanceAvailable,
+    "overloaded": ClusterOverloaded,
     "unknown-instance": UnknownInstance,
     "rejected": RequestRejected,
     "migration-not-started": MigrationNotStarted,

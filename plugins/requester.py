@@ -144,13 +144,15 @@ class Requester:
         self._open.clear()
 
     # ------------------------------------------------------------------ placement
-    async def _place(self, request: Request) -> str:
-        """Choose an instance and hand the request over, retrying transient failures."""
+    async def _place(self, request: Request, *, admitted: bool = False) -> str:
+        """Choose an instance and hand the request over, retrying transient failures. A refusal
+        for load (ClusterOverloaded) is not retried: the caller answers it; `admitted` requests
+        (resubmissions) are never refused for load."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._placement_timeout
         while True:
             try:
-                instance = await self._choose(request)
+                instance = await self._choose(request, admitted)
                 await self._hand_over(request, instance)
                 return instance
             except (OSError, asyncio.TimeoutError, NoInstanceAvailable) as exc:
@@ -161,11 +163,11 @@ class Requester:
                 logger.debug("placing %s failed (%s); retrying", request.request_id, exc)
                 await asyncio.sleep(0.2)
 
-    async def _choose(self, request: Request) -> str:
+    async def _choose(self, request: Request, admitted: bool) -> str:
         loop = asyncio.get_running_loop()
         if loop.time() >= self._bypass_until:
             try:
-                return await asyncio.wait_for(self._dispatch(request), self._dispatch_timeout)
+                return await asyncio.wait_for(self._dispatch(request, admitted), self._dispatch_timeout)
             except (OSError, asyncio.TimeoutError):
                 logger.warning("the scheduler does not answer: dispatching directly for %s s", self._bypass_period)
                 self._bypass_until = loop.time() + self._bypass_period
@@ -174,13 +176,14 @@ class Requester:
         self.bypassed += 1
         return self._known[next(self._rotation) % len(self._known)]
 
-    async def _dispatch(self, request: Request) -> str:
+    async def _dispatch(self, request: Request, admitted: bool) -> str:
         reply = await call(
             self._client.scheduler, Op.DISPATCH,
             request_id=request.request_id,
             num_prompt_tokens=request.num_tokens,
             max_tokens=request.remaining_tokens,
             execution_priority=int(request.execution_priority),
+            admitted=admitted,
         )
         return reply["instance"]
 
@@ -259,7 +262,7 @@ class Requester:
                                              entry.holder, finished=True, finish_reason=reason))
                 return
             try:
-                instance = await self._place(request)
+                instance = await self._place(request, admitted=True)
             except RuntimeError as exc:  # not placed in time, refused, no llumdask scheduler
                 entry.stream.fail(exc)
                 return

@@ -9,8 +9,9 @@ RPC handlers (`plugins/control.py` names them; a refusal, in brackets, is raised
     llumnix_register(instance, total_blocks, block_size, high_priority_headroom) -> {"registered": bool}
     llumnix_ready(instance)                              -> {"ready": bool}
     llumnix_unregister(instance)                         -> {"removed": bool}
-    llumnix_dispatch(request_id, num_prompt_tokens, max_tokens,
-                     execution_priority)                 -> {"instance": str} [NoInstanceAvailable]
+    llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, execution_priority,
+                     admitted=False)                     -> {"instance": str} [NoInstanceAvailable,
+                                                                               ClusterOverloaded]
     llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
     llumnix_members(epoch=None)                          -> {"epoch": str, "alive": [id, ...] | None,
                                                              "placeable": [id, ...] | None} (None: unchanged)
@@ -40,6 +41,7 @@ from tornado.ioloop import PeriodicCallback
 
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.global_scheduler import (
+    ClusterOverloaded,
     DispatchInfo,
     GlobalScheduler,
     InstanceView,
@@ -172,11 +174,12 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         num_prompt_tokens: int,
         max_tokens: int,
         execution_priority: int = 0,
+        admitted: bool = False,
     ) -> dict:
-        info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, execution_priority)
+        info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, execution_priority, admitted)
         try:
             instance = self._scheduler().dispatch(info, time.time())
-        except NoInstanceAvailable as exc:
+        except (NoInstanceAvailable, ClusterOverloaded) as exc:
             self._metrics().dispatches["refused"] += 1
             return refusal(exc)
         self._metrics().dispatches["placed"] += 1

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from llumdask.config import DispatchConfig, LlumdaskConfig, MigrationConfig, ScalingConfig
 from llumdask.global_scheduler import (
+    ClusterOverloaded,
     DispatchInfo,
     GlobalScheduler,
     MigrationPair,
@@ -50,6 +51,26 @@ def load(instance_id: str, *, used: int = 0, running: int | None = None, waiting
 
 def info(k: int | str = 0, tokens: int = 16 * 5) -> DispatchInfo:
     return DispatchInfo(f"r{k}", tokens, 10)
+
+
+# ---------------------------------------------------------------- admission by load
+
+
+@pytest.mark.parametrize("policy", ["llumnix", "infaas", "round_robin"])
+def test_admission_refuses_what_every_instance_would_queue_but_never_a_resubmission(policy):
+    gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(policy=policy, admission_freeness=0.0)))
+    for k in range(2):
+        gs.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
+        gs.mark_ready(f"i{k}", 0.0)
+    gs.report(load("i0", used=96, running=3), 0.0)
+    gs.report(load("i1", used=60, running=2, waiting=1, head=35, received=1), 0.0)
+    assert gs.dispatch(info(0, 16 * 5), 1.0) in ("i0", "i1")  # i1 keeps 100 - 60 - 35 - 5 = 0 blocks: admitted
+    gs.report(load("i1", used=61, running=2, waiting=1, head=35, received=1), 1.0)
+    with pytest.raises(ClusterOverloaded, match="every instance would queue request r1"):
+        gs.dispatch(info(1, 16 * 5), 2.0)  # now nowhere is there room for 5 more blocks
+    assert gs.dispatch(DispatchInfo("r2", 16 * 5, 10, admitted=True), 2.0) in ("i0", "i1")
+    # Off by default: the same cluster queues it.
+    assert scheduler(2, policy=policy).dispatch(info(3, 16 * 500), 1.0) in ("i0", "i1")
 
 
 # ---------------------------------------------------------------- instance table and input checks

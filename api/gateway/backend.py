@@ -21,6 +21,10 @@ class BackendUnavailable(Exception):
     """No instance can take the request now (none ready, or the cluster is unreachable)."""
 
 
+class BackendOverloaded(Exception):
+    """The cluster refuses new work for load now (every instance would queue it): 429, retry later."""
+
+
 class BackendRejected(Exception):
     """The instance refused the request for good (it can never fit); the message says why."""
 
@@ -70,7 +74,8 @@ class Backend(Protocol):
                      priority: Priority) -> TokenBatches:
         """Dispatch a request named `request_id` (cluster-unique); returns once an instance accepted it.
 
-        Raises BackendUnavailable (no instance now) or BackendRejected (never fits).
+        Raises BackendUnavailable (no instance now), BackendOverloaded (every instance would queue
+        it) or BackendRejected (never fits).
         """
         ...
 

@@ -15,10 +15,10 @@ from typing import Any
 
 from distributed import Client
 
-from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable, ModelInfo
+from llumdask.api.gateway.backend import BackendOverloaded, BackendRejected, BackendUnavailable, ModelInfo
 from llumdask.config import load_config
 from llumdask.engine.base import TokenLogprob
-from llumdask.global_scheduler import NoInstanceAvailable
+from llumdask.global_scheduler import ClusterOverloaded, NoInstanceAvailable
 from llumdask.plugins.control import InstanceState, NoLlumdaskScheduler, RequestRejected
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
@@ -78,6 +78,8 @@ class DaskBackend:
             stream = await self.requester.submit(request)
         except RequestRejected as exc:
             raise BackendRejected(str(exc)) from None
+        except ClusterOverloaded as exc:
+            raise BackendOverloaded(str(exc)) from None
         except (NoInstanceAvailable, NoLlumdaskScheduler, OSError, asyncio.TimeoutError) as exc:
             raise BackendUnavailable(str(exc) or type(exc).__name__) from None
         return DaskTokenBatches(self.requester, request.request_id, stream)

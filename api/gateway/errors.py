@@ -91,6 +91,20 @@ class Overloaded(APIError):
         )
 
 
+class ClusterBusy(APIError):
+    """Every instance would only queue the request (admission by load): 429 with retry-after."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "cluster_overloaded"
+
+    def __init__(self, reason: str, retry_after: float) -> None:
+        super().__init__(
+            f"The cluster is at capacity ({reason}); retry after {retry_after:g} s",
+            headers={"retry-after": str(max(1, round(retry_after)))},
+        )
+
+
 class ServerError(APIError):
     status = 500
     type = "server_error"

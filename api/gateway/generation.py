@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 from prometheus_client import Gauge
 
-from llumdask.api.gateway.backend import Backend, BackendRejected, BackendUnavailable, TokenBatches
+from llumdask.api.gateway.backend import Backend, BackendOverloaded, BackendRejected, BackendUnavailable, TokenBatches
 from llumdask.api.gateway.detok import IncrementalText
-from llumdask.api.gateway.errors import InvalidRequest, Overloaded, Unavailable
+from llumdask.api.gateway.errors import ClusterBusy, InvalidRequest, Overloaded, Unavailable
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.responses import Usage
 from llumdask.engine.base import TokenLogprob
@@ -60,8 +60,10 @@ class Generation:
 
     def __init__(self, backend: Backend, metrics: GatewayMetrics, endpoint: str,
                  request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
-                 text: IncrementalText) -> None:
+                 text: IncrementalText, retry_after: float) -> None:
+        """`retry_after`: what a 429 for load asks the client to wait."""
         self._backend = backend
+        self._retry_after = retry_after
         self._request_id = request_id
         self._metrics = metrics
         self._endpoint = endpoint
@@ -102,6 +104,8 @@ class Generation:
             self._batches = await self._backend.submit(self._request_id, self._prompt, self._sampling, self._priority)
         except BackendUnavailable as exc:
             raise Unavailable(f"No instance can take the request now: {exc}") from None
+        except BackendOverloaded as exc:
+            raise ClusterBusy(str(exc), self._retry_after) from None
         except BackendRejected as exc:
             raise InvalidRequest(f"The request was rejected: {exc}", code="request_rejected") from None
 

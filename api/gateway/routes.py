@@ -131,7 +131,8 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                               prompt_ids, choice_sampling(sampling, i), priority,
                               IncrementalText(gateway.tokenizer, options.stop,
                                               include_stop=options.include_stop_str_in_output,
-                                              skip_special_tokens=options.skip_special_tokens))
+                                              skip_special_tokens=options.skip_special_tokens),
+                              gateway.settings.retry_after)
                    for i in range(options.best_of)]
     gateway.in_flight.acquire(len(generations))
     try:

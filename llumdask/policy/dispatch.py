@@ -31,6 +31,8 @@ class DispatchInfo:
     num_prompt_tokens: int
     max_tokens: int
     execution_priority: Priority = Priority.NORMAL
+    # Admitted before (resubmitted after its instance died): never refused for load.
+    admitted: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -27,7 +27,7 @@ from llumdask.config import LlumdaskConfig
 from llumdask.engine.latency import LatencyProfile
 from llumdask.engine.base import RequestLoad
 from llumdask.engine.sim import SimEngine
-from llumdask.global_scheduler import DispatchInfo, GlobalScheduler, NoInstanceAvailable
+from llumdask.global_scheduler import ClusterOverloaded, DispatchInfo, GlobalScheduler, NoInstanceAvailable
 from llumdask.llumlet import Llumlet, MigrationEvent
 from llumdask.load import InstanceLoad
 from llumdask.protocol import MigrationMessage, StageData
@@ -310,6 +310,9 @@ class SimCluster:
         info = DispatchInfo(request_id, trace.input_len, trace.output_len, trace.priority)
         try:
             target = self.scheduler.dispatch(info, self.events.now)
+        except ClusterOverloaded:
+            self.rejected.append(request_id)  # refused for load: the client was told to come back
+            return
         except NoInstanceAvailable:
             # No ready instance (all starting or draining): retry shortly, as a frontend would.
             self._pending_arrivals += 1

@@ -19,7 +19,8 @@ def recover(sampling: SamplingParams, delivered: int) -> tuple[TokenStream, list
     async def scenario() -> TokenStream:
         requester = Requester(client=None)  # no cluster: placement is recorded, not performed
 
-        async def place(request: Request) -> str:
+        async def place(request: Request, *, admitted: bool = False) -> str:
+            assert admitted, "a resubmission was admitted once: it must never be refused for load"
             placed.append(request)
             return "alive"
 

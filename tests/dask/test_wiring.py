@@ -10,7 +10,7 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 from llumdask.config import load_config
-from llumdask.global_scheduler import NoInstanceAvailable, UnknownInstance
+from llumdask.global_scheduler import ClusterOverloaded, NoInstanceAvailable, UnknownInstance
 from llumdask.plugins.control import (
     SCHEDULER_TO_WORKER,
     InstanceState,
@@ -32,10 +32,10 @@ SCHEDULER_RPCS = {Op.REGISTER, Op.READY, Op.UNREGISTER, Op.DISPATCH, Op.STATUS, 
 WORKER_RPCS = {Op.ADD, Op.ABORT, Op.MIGRATE_OUT, Op.WORKER_STATUS, Op.MIGRATION}
 
 
-async def install(client, scheduler) -> None:
+async def install(client, scheduler, overrides: dict = OVERRIDES) -> None:
     """The plugins, and every instance ready."""
-    await client.register_plugin(LlumnixSchedulerPlugin(OVERRIDES))
-    await client.register_plugin(LlumletWorkerPlugin(OVERRIDES))
+    await client.register_plugin(LlumnixSchedulerPlugin(overrides))
+    await client.register_plugin(LlumletWorkerPlugin(overrides))
     for _ in range(200):
         rows = (await call(client.scheduler, Op.STATUS))["instances"]
         if len(rows) == len(scheduler.workers) and all(row["ready"] for row in rows):
@@ -101,3 +101,20 @@ async def test_refusals_are_raised_again_where_the_call_was_made(c, s, a, b):
         await call(c.scheduler, Op.DRAIN, instance=worker.address)
     with pytest.raises(NoInstanceAvailable):
         await call(c.scheduler, Op.DISPATCH, request_id="r", num_prompt_tokens=4, max_tokens=4)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_admission_by_load_refuses_at_once_and_never_refuses_a_resubmission(c, s, a, b):
+    # An admission freeness no instance can keep: every new request is refused for load.
+    await install(c, s, {**OVERRIDES, "dispatch": {"admission-freeness": 10_000.0}})
+    requester = Requester(c, load_config({"requester": {"placement-timeout": 30.0}}).requester)
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ClusterOverloaded, match="every instance would queue"):
+            await requester.submit(request("r", 10))
+        assert asyncio.get_running_loop().time() - started < 5  # answered, not retried until the timeout
+        reply = await call(c.scheduler, Op.DISPATCH, request_id="again", num_prompt_tokens=40, max_tokens=10,
+                           admitted=True)
+        assert reply["instance"] in (a.address, b.address)
+    finally:
+        await requester.close()

@@ -9,7 +9,7 @@ import pytest
 from gatewayfakes import MAX_CONTEXT, MODEL, fake_logprob
 
 import llumdask
-from llumdask.api.gateway.backend import BackendRejected, BackendUnavailable
+from llumdask.api.gateway.backend import BackendOverloaded, BackendRejected, BackendUnavailable
 from llumdask.request import FinishReason, Priority
 
 
@@ -183,6 +183,19 @@ def test_no_ready_instance_is_503(make_client, backend):
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True})
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_ready_instance" and "no instance is ready" in r.json()["error"]["message"]
+
+
+def test_a_cluster_refusing_for_load_is_429_with_retry_after(make_client, backend):
+    backend.submit_error = BackendOverloaded("every instance would queue request r")
+    client = make_client(backend, retry_after=3.0)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True})
+    assert r.status_code == 429 and r.headers["retry-after"] == "3"
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "cluster_overloaded")
+    assert "would queue" in error["message"]
+    # The slot it took is free again: the next request is served once the cluster takes it.
+    backend.submit_error = None
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}).status_code == 200
 
 
 def test_rejected_by_the_instance_is_400(make_client, backend):

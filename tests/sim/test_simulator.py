@@ -49,6 +49,20 @@ def test_every_request_finishes_and_no_block_leaks(preset):
         assert not engine.has_work() and engine.snapshot().free_blocks == engine.total_blocks
 
 
+def test_admission_by_load_refuses_requests_past_capacity_and_serves_the_rest():
+    base = load_config({"dispatch": {"admission-freeness": 0.0}})
+    spec = make_spec("llumnix", 2, base=base)
+    cluster = SimCluster(spec.config, spec.profile, spec.instances)
+    workload = make_workload("L-L", rate=20.0, num_requests=120, seed=2)  # several times what 2 instances serve
+    outcome = cluster.run(workload)
+    assert outcome.rejected and len(outcome.rejected) + len(outcome.requests) == len(workload)
+    assert all(r.status.is_done and r.timing.finished is not None for r in outcome.requests)
+    unrefused = SimCluster(make_spec("llumnix", 2).config, spec.profile, spec.instances).run(workload)
+    assert not unrefused.rejected
+    worst_wait = max(r.timing.first_token - r.arrival_time for r in outcome.requests)
+    assert worst_wait < max(r.timing.first_token - r.arrival_time for r in unrefused.requests)
+
+
 def test_migrated_requests_count_once_and_finish():
     summary = small_run("llumnix")
     assert summary["requests"] == 120
