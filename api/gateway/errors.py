@@ -77,32 +77,33 @@ class RequestTooLarge(APIError):
         super().__init__(f"The request body exceeds the limit of {limit} bytes")
 
 
-class Overloaded(APIError):
-    """Too many requests in flight on this gateway: 429 with retry-after."""
+class TooManyRequests(APIError):
+    """429 with retry-after: come back later."""
 
     status = 429
     type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message, headers={"retry-after": str(max(1, round(retry_after)))})
+
+
+class Overloaded(TooManyRequests):
+    """Too many requests in flight on this gateway."""
+
     code = "too_many_requests_in_flight"
 
     def __init__(self, limit: int, retry_after: float) -> None:
-        super().__init__(
-            f"The server is handling its limit of {limit} requests; retry after {retry_after:g} s",
-            headers={"retry-after": str(max(1, round(retry_after)))},
-        )
+        super().__init__(f"The server is handling its limit of {limit} requests; retry after {retry_after:g} s",
+                         retry_after)
 
 
-class ClusterBusy(APIError):
-    """Every instance would only queue the request (admission by load): 429 with retry-after."""
+class ClusterBusy(TooManyRequests):
+    """Every instance would only queue the request (admission by load)."""
 
-    status = 429
-    type = "rate_limit_error"
     code = "cluster_overloaded"
 
     def __init__(self, reason: str, retry_after: float) -> None:
-        super().__init__(
-            f"The cluster is at capacity ({reason}); retry after {retry_after:g} s",
-            headers={"retry-after": str(max(1, round(retry_after)))},
-        )
+        super().__init__(f"The cluster is at capacity ({reason}); retry after {retry_after:g} s", retry_after)
 
 
 class ServerError(APIError):
