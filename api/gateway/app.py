@@ -18,6 +18,7 @@ from llumdask.api.gateway.backend import Backend
 from llumdask.api.gateway.errors import EXCEPTION_HANDLERS
 from llumdask.api.gateway.generation import InFlight
 from llumdask.api.gateway.metrics import GatewayMetrics
+from llumdask.api.gateway.rate_limits import RateLimits
 from llumdask.api.gateway.routes import ROUTES, Gateway
 from llumdask.api.gateway.tokenizer import Tokenizer
 from llumdask.config import GatewayConfig, load_config
@@ -36,7 +37,8 @@ def create_app(open_backend: BackendFactory, tokenizer: Tokenizer,
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Gateway]]:
         async with open_backend() as backend:
             in_flight = InFlight(settings.max_in_flight, settings.retry_after, metrics.in_flight)
-            yield {"gateway": Gateway(backend, tokenizer, settings, metrics, in_flight)}
+            limits = RateLimits(settings.requests_per_minute, settings.tokens_per_minute)
+            yield {"gateway": Gateway(backend, tokenizer, settings, metrics, in_flight, limits)}
 
     return Starlette(
         routes=ROUTES,

@@ -15,6 +15,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llumdask.api.gateway.errors import Unauthorized
+from llumdask.api.gateway.rate_limits import key_id
 
 PROTECTED_PREFIX = "/v1/"
 
@@ -37,8 +38,8 @@ class APIKeys:
             matched |= hmac.compare_digest(candidate, digest)
         return matched
 
-    def check(self, authorization: str | None) -> None:
-        """Raise Unauthorized unless `authorization` is ``Bearer <a configured key>``."""
+    def check(self, authorization: str | None) -> str:
+        """The key of `authorization` (``Bearer <a configured key>``); else Unauthorized."""
         if not authorization:
             raise Unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'")
         scheme, _, key = authorization.partition(" ")
@@ -46,6 +47,7 @@ class APIKeys:
             raise Unauthorized("The Authorization header must be 'Bearer <key>'")
         if not self.accepts(key.strip()):
             raise Unauthorized("Incorrect API key provided")
+        return key.strip()
 
 
 class AuthMiddleware:
@@ -59,9 +61,11 @@ class AuthMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.keys and scope["path"].startswith(PROTECTED_PREFIX):
             try:
-                self.keys.check(Headers(scope=scope).get("authorization"))
+                key = self.keys.check(Headers(scope=scope).get("authorization"))
             except Unauthorized as exc:
                 self.on_reject(exc.code)
                 await exc.response()(scope, receive, send)
                 return
+            # Routes see which key asked (for its rate limits), as a digest only.
+            scope.setdefault("state", {})["api_key"] = key_id(key)
         await self.app(scope, receive, send)

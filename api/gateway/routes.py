@@ -26,6 +26,7 @@ from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound,
 from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.generation import Generation, InFlight, merged_deltas, start_all, total_usage
 from llumdask.api.gateway.metrics import GatewayMetrics
+from llumdask.api.gateway.rate_limits import ANONYMOUS, Charge, RateLimited, RateLimits
 from llumdask.api.gateway.responses import ChatFormat, CompletionFormat, ResponseFormat
 from llumdask.api.gateway.schemas import (
     MAX_SEED,
@@ -57,6 +58,7 @@ class Gateway:
     settings: GatewayConfig
     metrics: GatewayMetrics
     in_flight: InFlight
+    rate_limits: RateLimits
 
 
 Handler = Callable[[Request, Gateway], Awaitable[Response]]
@@ -136,6 +138,12 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                    for i in range(options.best_of)]
     gateway.in_flight.acquire(len(generations))
     try:
+        charge = gateway.rate_limits.admit(getattr(request.state, "api_key", ANONYMOUS),
+                                           len(prompt_ids) + sampling.max_tokens * len(generations))
+    except RateLimited:
+        gateway.in_flight.release(len(generations))
+        raise
+    try:
         # Not cancelled by a disconnect: until it returns there is no request id to abort with.
         # A client gone meanwhile is noticed right after, while waiting for tokens.
         await start_all(generations)
@@ -143,7 +151,7 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
             async def on_close(complete: bool) -> None:
                 if not complete:
                     gateway.metrics.error("client_disconnected")
-                await finish(gateway, generations)
+                await finish(gateway, generations, charge)
 
             events = stream_events(request, gateway, fmt, generations, prompt_ids, options, echo)
             return EventStreamResponse(events, on_close)  # owns the generations and the slots from here
@@ -153,9 +161,9 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
 
         choices = await until_disconnect(request.receive, texts())
     except BaseException:
-        await finish(gateway, generations)
+        await finish(gateway, generations, charge)
         raise
-    await finish(gateway, generations)
+    await finish(gateway, generations, charge)
     body = []
     for text, g in best(options.n, choices, generations):
         logprobs = None
@@ -189,14 +197,17 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     return replace(sampling, seed=(sampling.seed + index) % (MAX_SEED + 1))
 
 
-async def finish(gateway: Gateway, generations: Sequence[Generation]) -> None:
-    """Abort every choice's request still running somewhere, and free their admission slots. The
-    aborts are tasks of their own: a cancelled caller (a client gone) still gets them all done."""
+async def finish(gateway: Gateway, generations: Sequence[Generation], charge: Charge) -> None:
+    """Abort every choice's request still running somewhere, free their admission slots, and give
+    the key back the tokens they did not use. The aborts are tasks of their own: a cancelled
+    caller (a client gone) still gets them all done."""
     closing = [asyncio.ensure_future(g.close()) for g in generations]
     try:
         await asyncio.shield(asyncio.gather(*closing))
     finally:
         gateway.in_flight.release(len(generations))
+        used = total_usage(generations)
+        gateway.rate_limits.refund(charge, charge.tokens - used.prompt_tokens - used.completion_tokens)
 
 
 async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat, generations: Sequence[Generation],

@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from inprocess import ManualClock
 
 from llumdask.engine.base import StepResult, TokenOutput
 from llumdask.plugins.llumlet_driver import LlumletDriver, Routes
@@ -59,16 +60,6 @@ class FakeLlumlet:
         return StepResult(outputs=(), preempted=(), duration=0.001, num_prefill_tokens=0, batch_size=1)
 
 
-class Clock:
-    """The report cadence's monotonic clock, set by hand."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def senders():
     return Senders()
@@ -76,7 +67,7 @@ def senders():
 
 @pytest.fixture
 def timer():
-    return Clock()
+    return ManualClock()  # the report cadence's monotonic clock, set by hand
 
 
 @pytest.fixture
