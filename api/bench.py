@@ -148,8 +148,13 @@ def paper_main(argv: Sequence[str]) -> int:
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
     # Imported here: matplotlib and the experiment plan are only needed by this subcommand.
-    from llumdask.sim.paper import PaperPlan, PaperResults, run_paper
-    from llumdask.sim.paper_report import write_paper
+    try:
+        from llumdask.benchmarks.paper import PaperPlan, PaperResults, run_paper
+        from llumdask.benchmarks.paper_report import write_paper
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib":
+            raise
+        parser.error("the paper's figures need matplotlib: pip install 'llumdask[bench]'")
 
     if args.render_only:
         source = args.out / "results.json"

@@ -1,7 +1,7 @@
 """``llumdask bench migration``: live migration's downtime against a blocking copy and recompute.
 
 Two instances in this process, driven by llumlets over the in-process transport (see
-llumdask/migration_bench.py for what is measured and how). ``--engine vllm`` builds a random
+benchmarks/migration_engines.py for what is measured and how). ``--engine vllm`` builds a random
 Llama model larger than the test model (the default 12 layers, hidden 1024) so that recomputing
 a prompt costs what it does on a real model; ``--engine sim`` runs the sim engine in real time
 (steps sleep their modelled duration; its KV buffers are real bytes).
@@ -27,7 +27,7 @@ from typing import Any
 
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.base import Engine
-from llumdask.migration_bench import BenchSettings, LengthResult, MigrationBench, median_result, results_dict
+from llumdask.benchmarks.migration_engines import BenchSettings, LengthResult, MigrationBench, median_result, results_dict
 
 TABLE_COLUMNS = (
     ("length", "length", "{}"),

@@ -1,1 +1,1 @@
-"""Benchmarks of the llumdask serving stack; run each as ``python -m benchmarks.NAME``."""
+"""Benchmarks of the llumdask serving stack; run each as ``python -m llumdask.benchmarks.NAME``."""

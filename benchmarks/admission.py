@@ -10,7 +10,7 @@ token of the completed ones, and goodput: completed requests whose first token c
 --ttft-slo-ms, per second of offered load. The servers alternate (`--rounds`), each round offering
 both the same arrival times and prompts.
 
-    python -m benchmarks.admission [--rate 4] [--seconds 30] [--rounds 2] [--total-blocks 64]
+    python -m llumdask.benchmarks.admission [--rate 4] [--seconds 30] [--rounds 2] [--total-blocks 64]
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import openai
 
-from benchmarks.common import parser, ratio, report, summarize
-from benchmarks.openai_load import Workload
-from benchmarks.servers import llumdask_serve, serving
+from llumdask.benchmarks.common import parser, ratio, report, summarize
+from llumdask.benchmarks.openai_load import Workload
+from llumdask.benchmarks.servers import llumdask_serve, serving
 from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
 
 MODEL = "llumdask-tiny-llama"

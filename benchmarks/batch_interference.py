@@ -11,7 +11,7 @@ same with them at normal priority, as a user who sets no priority gets. The phas
 `--repeats` rounds. The ratio columns are each busy phase over "alone"; the batch job's
 throughput is beside them.
 
-    python -m benchmarks.batch_interference --out DIR [--streams 4] [--seconds 20] [--repeats 2]
+    python -m llumdask.benchmarks.batch_interference --out DIR [--streams 4] [--seconds 20] [--repeats 2]
         [--batch-prompts 64]
 """
 
@@ -27,9 +27,9 @@ from typing import Any
 
 import dask.bag as db
 
-from benchmarks.common import parser, ratio, report
-from benchmarks.openai_load import Run, Workload, concurrent_streams, row
-from benchmarks.servers import llumdask_serve, serving
+from llumdask.benchmarks.common import parser, ratio, report
+from llumdask.benchmarks.openai_load import Run, Workload, concurrent_streams, row
+from llumdask.benchmarks.servers import llumdask_serve, serving
 from llumdask.api.client import connect
 from llumdask.api.gateway.tokenizer import load_tokenizer
 from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir

@@ -1,4 +1,4 @@
-"""The README's dashboard picture: `python -m benchmarks.dashboard_screenshot [--out docs/dashboard.png]`.
+"""The README's dashboard picture: `python -m llumdask.benchmarks.dashboard_screenshot [--out docs/dashboard.png]`.
 
 Three sim instances, six long streams and one operator-forced live migration, then headless
 Chromium (the system's, as the browser test uses it) photographs the llumdask page while the
@@ -26,7 +26,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.dashboard_screenshot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m llumdask.benchmarks.dashboard_screenshot", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/dashboard.png"))
     args = parser.parse_args(argv)
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")

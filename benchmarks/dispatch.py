@@ -8,7 +8,7 @@ nothing else. Sequential calls (latency) alternate in chunks; then `--concurrenc
 once (throughput). The dispatched requests are never submitted: the scheduler counts each as
 pending demand on its instance, as it would for a burst that no load report has absorbed yet.
 
-    python -m benchmarks.dispatch --out DIR [--calls 2000] [--concurrency 32]
+    python -m llumdask.benchmarks.dispatch --out DIR [--calls 2000] [--concurrency 32]
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any, Awaitable, Callable
 
 from distributed import Client
 
-from benchmarks.common import parser, ratio, report, summarize, times
-from benchmarks.deploy import process_cluster
+from llumdask.benchmarks.common import parser, ratio, report, summarize, times
+from llumdask.benchmarks.deploy import process_cluster
 
 COLUMNS = (
     ("call", "call", "{}"),

@@ -19,7 +19,7 @@ one core) are like a 7B model's on a GPU.
 for N choices (each a request of its own in llumdask, a parent request in vLLM): what the
 gateway adds for them is measured the same way.
 
-    python -m benchmarks.gateway_overhead --out DIR [--streams 1,8,32] [--seconds 10] [--repeats 2]
+    python -m llumdask.benchmarks.gateway_overhead --out DIR [--streams 1,8,32] [--seconds 10] [--repeats 2]
         [--shape 8x768] [--logprobs K] [--n N]
 """
 
@@ -30,10 +30,10 @@ import contextlib
 import sys
 from typing import Any
 
-from benchmarks.common import bench_model, int_list, model_shape, parser, ratio, report
-from benchmarks.loadgen import add_load_options
-from benchmarks.openai_load import Run, Workload, concurrent_streams, row
-from benchmarks.servers import llumdask_serve, serving
+from llumdask.benchmarks.common import bench_model, int_list, model_shape, parser, ratio, report
+from llumdask.benchmarks.loadgen import add_load_options
+from llumdask.benchmarks.openai_load import Run, Workload, concurrent_streams, row
+from llumdask.benchmarks.servers import llumdask_serve, serving
 from llumdask.api.gateway.tokenizer import load_tokenizer
 
 MODEL = "tiny"

@@ -7,16 +7,16 @@ for a bounded time per level (streamed /v1/completions, fixed prompt and output 
 reports what completed. A rate is sustained when at least 95% of it completes per second, no
 request fails, and the P99 time to first token stays under --ttft-slo-ms.
 
-    python -m benchmarks.gateway_rate --out DIR [--rates 4,8,16,24,32] [--seconds 20] [--guidellm PATH]
+    python -m llumdask.benchmarks.gateway_rate --out DIR [--rates 4,8,16,24,32] [--seconds 20] [--guidellm PATH]
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.common import int_list, parser, report
-from benchmarks.loadgen import add_load_options, find_guidellm, load_from, run_guidellm
-from benchmarks.servers import llumdask_serve, serving
+from llumdask.benchmarks.common import int_list, parser, report
+from llumdask.benchmarks.loadgen import add_load_options, find_guidellm, load_from, run_guidellm
+from llumdask.benchmarks.servers import llumdask_serve, serving
 from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
 
 MODEL = "llumdask-tiny-llama"

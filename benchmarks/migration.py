@@ -13,7 +13,7 @@ migration event), stages, blocks and bytes sent, total migration time (started t
 the source), and the longest gap between two tokens arriving here after the migrate call (what a
 user sees: it also counts decoding stalled on the source while it copies a stage out).
 
-    python -m benchmarks.migration --out DIR [--lengths 256,...,8192] [--repeats 3]
+    python -m llumdask.benchmarks.migration --out DIR [--lengths 256,...,8192] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 from distributed import Client
 
-from benchmarks.common import int_list, parser, ratio, report, summarize, times
-from benchmarks.deploy import process_cluster
+from llumdask.benchmarks.common import int_list, parser, ratio, report, summarize, times
+from llumdask.benchmarks.deploy import process_cluster
 from llumdask.api.client import LlumdaskClient
 
 MODES = {"staged": {}, "blocking": {"max-stages": 1}}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import openai
 
-from benchmarks.common import summarize
+from llumdask.benchmarks.common import summarize
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import parser, report
+from llumdask.benchmarks.common import parser, report
 from llumdask.engine.headroom import derive_headroom
 from llumdask.engine.latency import load_profile
-from llumdask.sim.paper import PRIORITIES, Case, PaperPlan, decode_context_tokens, ideal_capacity, run_cases
+from llumdask.benchmarks.paper import PRIORITIES, Case, PaperPlan, decode_context_tokens, ideal_capacity, run_cases
 from llumdask.sim.run import make_spec
 
 # The paper's bound on what priorities may cost normal-priority requests.

@@ -36,7 +36,7 @@ mid-step) shows in the real numbers only. The model is the offline tiny Llama (s
 so the serving path weighs as much as the model) or, with --shape, a larger random Llama (8x768:
 decode steps of about 25 ms on one core, as a 7B model's on one GPU).
 
-    python -m benchmarks.sim_validation --out DIR [--quick] [--shape 8x768 --rate 1.5] [--requests 300]
+    python -m llumdask.benchmarks.sim_validation --out DIR [--quick] [--shape 8x768 --rate 1.5] [--requests 300]
         [--rate 8] [--kv-tokens 16384] [--policy llumnix] [--profile PROFILE.json]
 """
 
@@ -59,8 +59,8 @@ import dask
 import numpy as np
 from distributed import Client
 
-from benchmarks.common import bench_model, model_shape, parser, report
-from benchmarks.deploy import config_env, process_cluster
+from llumdask.benchmarks.common import bench_model, model_shape, parser, report
+from llumdask.benchmarks.deploy import config_env, process_cluster
 from llumdask.api.client import LlumdaskClient
 from llumdask.api.gateway.tokenizer import load_tokenizer
 from llumdask.config import load_config

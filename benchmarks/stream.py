@@ -10,7 +10,7 @@ The same workload is also run on 4 in-process sim engines on a virtual clock (no
 sleeping, the users split evenly over the engines): the tokens/s the engines' latency model
 allows. measured/modelled says how much of that the real processes and comms deliver.
 
-    python -m benchmarks.stream --out DIR [--concurrency 16,64,256] [--prompt 64] [--max-tokens 128]
+    python -m llumdask.benchmarks.stream --out DIR [--concurrency 16,64,256] [--prompt 64] [--max-tokens 128]
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any, Iterator
 
 from distributed import Client
 
-from benchmarks.common import int_list, parser, ratio, report, summarize
-from benchmarks.deploy import process_cluster
+from llumdask.benchmarks.common import int_list, parser, ratio, report, summarize
+from llumdask.benchmarks.deploy import process_cluster
 from llumdask.api.client import LlumdaskClient
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.sim import SimEngine

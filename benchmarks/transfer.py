@@ -8,7 +8,7 @@ The baseline is a plain blocking socket: an 8-byte length, `sendall` of the same
 `recv_into` a fresh numpy buffer of that size, a one-byte ack. Both receivers allocate a new
 buffer per message; both ends set TCP_NODELAY. The two are interleaved per repetition.
 
-    python -m benchmarks.transfer --out DIR [--sizes-mib 1,4,16,64,256] [--repeats 5]
+    python -m llumdask.benchmarks.transfer --out DIR [--sizes-mib 1,4,16,64,256] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 from distributed.core import Server
 from tornado.ioloop import IOLoop
 
-from benchmarks.common import int_list, parser, ratio, report, summarize
+from llumdask.benchmarks.common import int_list, parser, ratio, report, summarize
 from llumdask.plugins.control import Op
 from llumdask.plugins.transport import CommTransport
 from llumdask.protocol import Abort, MigrationMessage, PreAlloc, PreAllocReply, StageAck, StageData

@@ -1,8 +1,8 @@
 """The core stays pure: llumdask/ never imports the Dask, HTTP or dashboard layers, and only
 llumdask/engine/ touches torch or vllm. Lazy imports inside functions count too.
 
-plugins/, api/ and clusters/ are installed inside the package (as llumdask.plugins, .api,
-.clusters) but live outside llumdask/ on disk, so walking the folder finds exactly the core, and
+plugins/, api/, clusters/ and benchmarks/ are installed inside the package (as llumdask.plugins,
+.api, .clusters, .benchmarks) but live outside llumdask/ on disk, so walking the folder finds exactly the core, and
 every import is resolved to its full module path (relative ones too): the core importing
 ``llumdask.api.x`` is as wrong as importing starlette itself.
 """
@@ -17,8 +17,8 @@ import pytest
 CORE = Path(__file__).resolve().parents[1] / "llumdask"
 ENGINE = CORE / "engine"
 
-NEVER_IN_CORE = frozenset({"distributed", "starlette", "bokeh", "uvicorn",
-                           "llumdask.plugins", "llumdask.api", "llumdask.clusters"})
+NEVER_IN_CORE = frozenset({"distributed", "starlette", "bokeh", "uvicorn", "matplotlib",
+                           "llumdask.plugins", "llumdask.api", "llumdask.clusters", "llumdask.benchmarks"})
 ENGINE_ONLY = frozenset({"torch", "vllm"})
 # The package's front door: `llumdask.connect` names the notebook client (imported when first
 # used, so importing the core never imports Dask). Nothing else in the core may.

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.sim_validation import (
+from llumdask.benchmarks.sim_validation import (
     Latencies,
     Observed,
     ServingCosts,
@@ -16,7 +16,7 @@ from benchmarks.sim_validation import (
     mean_profile,
     serving_costs,
 )
-from benchmarks.common import model_shape
+from llumdask.benchmarks.common import model_shape
 from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost
 
 TOY = LatencyProfile("toy", 16384, 128, 1024, PrefillCost(0.002, 1e-5, 0.0), DecodeCost(0.001, 1e-4, 0.0), "made up")

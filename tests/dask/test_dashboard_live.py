@@ -13,7 +13,7 @@ from bokeh.models import ColumnDataSource
 from prometheus_client.parser import text_string_to_metric_families
 from daskhelpers import prompt_of, wait_until
 
-from benchmarks.dashboard_screenshot import CHROMIUM_ARGS
+from llumdask.benchmarks.dashboard_screenshot import CHROMIUM_ARGS
 from llumdask.api.client import connect
 from llumdask.clusters.local import local_cluster
 

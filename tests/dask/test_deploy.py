@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from benchmarks.deploy import process_cluster
+from llumdask.benchmarks.deploy import process_cluster
 from llumdask.clusters.local import InstanceStartupError
 
 pytestmark = pytest.mark.slow

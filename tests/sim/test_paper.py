@@ -10,7 +10,7 @@ import pytest
 
 from llumdask.api.bench import main as bench_main
 from llumdask.engine.latency import load_profile
-from llumdask.sim.paper import (
+from llumdask.benchmarks.paper import (
     AUTOSCALING,
     PRIORITIES,
     SERVING,
@@ -25,7 +25,7 @@ from llumdask.sim.paper import (
     run_cases,
     run_paper,
 )
-from llumdask.sim.paper_report import (
+from llumdask.benchmarks.paper_report import (
     NOT_REPRODUCED,
     REPRODUCED,
     WEAKER,
@@ -40,7 +40,7 @@ from llumdask.sim.paper_report import (
     write_paper,
 )
 from llumdask.sim.run import make_spec
-from llumdask.sim.scalability import measure
+from llumdask.benchmarks.scalability import measure
 
 # Small enough for seconds: two instances, a few dozen requests, rates past capacity so the
 # simulated span (and so the simulator's work) stays short.

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from llumdask.config import load_config
-from llumdask.migration_bench import BenchSettings, MigrationBench
+from llumdask.benchmarks.migration_engines import BenchSettings, MigrationBench
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -19,7 +19,7 @@ FACT_KEYS = {"model", "requests", "rate", "policy", "instances", "request_path_m
 
 
 def test_a_small_run_completes_every_request_and_writes_the_documented_json(vllm_ready, tmp_path, capsys):
-    from benchmarks.sim_validation import main
+    from llumdask.benchmarks.sim_validation import main
 
     code = main(["--requests", "12", "--rate", "6", "--out", str(tmp_path / "out"), "--logs", str(tmp_path / "logs")])
     assert code == 0

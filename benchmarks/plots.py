@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from matplotlib.figure import Figure
 
-from llumdask.sim.paper import AUTOSCALING, PRIORITIES, SERVING, PaperResults
+from llumdask.benchmarks.paper import AUTOSCALING, PRIORITIES, SERVING, PaperResults
 
 # One colour and marker per policy preset, the same in every figure.
 STYLE = {

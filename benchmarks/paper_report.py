@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from llumdask.request import Priority
-from llumdask.sim.paper import AUTOSCALE_MAX_INSTANCES, AUTOSCALING, BASELINES, ORACLE, PRIORITIES, SERVING, PaperResults
-from llumdask.sim.plots import write_figures
+from llumdask.benchmarks.paper import AUTOSCALE_MAX_INSTANCES, AUTOSCALING, BASELINES, ORACLE, PRIORITIES, SERVING, PaperResults
+from llumdask.benchmarks.plots import write_figures
 from llumdask.sim.run import write_json
-from llumdask.sim.scalability import DISPATCH_P99_GOAL_US, PAIRING_P99_GOAL_MS
+from llumdask.benchmarks.scalability import DISPATCH_P99_GOAL_US, PAIRING_P99_GOAL_MS
 
 REPRODUCED, WEAKER, NOT_REPRODUCED = "reproduced", "weaker", "not reproduced"
 # Ours reaches this share of the paper's improvement -> reproduced; below 1 + _NOISE -> none.
@@ -793,7 +793,7 @@ policy that finishes its last requests sooner would be charged for fewer idle-ta
 
 ## Scheduler scalability
 
-The real `GlobalScheduler` with synthetic load reports (`llumdask/sim/scalability.py`), timed per
+The real `GlobalScheduler` with synthetic load reports (`benchmarks/scalability.py`), timed per
 call on this machine: goals dispatch P99 < {DISPATCH_P99_GOAL_US:g} us, pairing round < {PAIRING_P99_GOAL_MS:g} ms.
 The paper shows a scheduler tracking every request stalling up to 40 ms per step at 64 instances,
 and Llumnix's two-level design not stalling; ours keeps per-instance state only, so each call is

@@ -48,7 +48,7 @@ from llumdask.request import Priority, Request
 from llumdask.sim.metrics import ClusterSample, mean_instances, summarize
 from llumdask.sim.presets import PRESETS
 from llumdask.sim.run import make_spec, run_cluster
-from llumdask.sim.scalability import measure
+from llumdask.benchmarks.scalability import measure
 from llumdask.sim.workload import PAIRINGS, WORKLOADS, make_workload
 
 SERVING, PRIORITIES, AUTOSCALING = "serving", "priorities", "autoscaling"
