@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _vllm_engines(args: argparse.Namespace, max_len: int) -> tuple[list[Engine], dict[str, Any]]:
     from llumdask.engine.vllm.engine import VllmEngine
-    from llumdask.engine.vllm.tiny_model import build_llama_like, llama_like_shape
+    from llumdask.tiny_model import build_llama_like, llama_like_shape
 
     facts: dict[str, Any] = {"torch_threads": _set_torch_threads(args.threads)}
     model = args.model

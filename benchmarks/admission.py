@@ -26,7 +26,7 @@ import openai
 from llumdask.benchmarks.common import parser, ratio, report, summarize
 from llumdask.benchmarks.openai_load import Workload
 from llumdask.benchmarks.servers import llumdask_serve, serving
-from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
+from llumdask.tiny_model import build_tiny_model, default_model_dir
 
 MODEL = "llumdask-tiny-llama"
 MODES = {"queueing": None, "admission": 0.0}

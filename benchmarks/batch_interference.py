@@ -32,7 +32,7 @@ from llumdask.benchmarks.openai_load import Run, Workload, concurrent_streams, r
 from llumdask.benchmarks.servers import llumdask_serve, serving
 from llumdask.api.client import connect
 from llumdask.api.gateway.tokenizer import load_tokenizer
-from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
+from llumdask.tiny_model import build_tiny_model, default_model_dir
 
 MODEL = "llumdask-tiny-llama"
 COLUMNS = (

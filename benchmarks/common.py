@@ -72,7 +72,7 @@ class BenchModel:
 def bench_model(shape: tuple[int, int] | None) -> BenchModel:
     """Build (or find) the model for `--shape` (None: the offline tiny model). Imported here:
     the benchmarks without a model need not load the tokenizer and safetensors libraries."""
-    from llumdask.engine.vllm.tiny_model import build_llama_like, build_tiny_model, default_model_dir
+    from llumdask.tiny_model import build_llama_like, build_tiny_model, default_model_dir
 
     if shape is None:
         return BenchModel(str(build_tiny_model(default_model_dir())), "offline tiny llama", "")

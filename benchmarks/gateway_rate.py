@@ -17,7 +17,7 @@ from typing import Any
 from llumdask.benchmarks.common import int_list, parser, report
 from llumdask.benchmarks.loadgen import add_load_options, find_guidellm, load_from, run_guidellm
 from llumdask.benchmarks.servers import llumdask_serve, serving
-from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
+from llumdask.tiny_model import build_tiny_model, default_model_dir
 
 MODEL = "llumdask-tiny-llama"
 SUSTAINED_SHARE = 0.95

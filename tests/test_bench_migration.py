@@ -9,7 +9,7 @@ import pytest
 from llumdask.api.bench import main as bench_main
 from llumdask.api.bench_migration import build_parser, model_vocabulary
 from llumdask.config import load_config
-from llumdask.engine.vllm.tiny_model import TinyLlamaShape, build_tiny_model
+from llumdask.tiny_model import TinyLlamaShape, build_tiny_model
 from llumdask.benchmarks.migration_engines import BenchSettings, LengthResult, Prompts, median_result
 
 ROW_KEYS = set(LengthResult.__dataclass_fields__)

@@ -163,7 +163,7 @@ def model_location(model: str | None) -> str:
     whatever its working directory), a hub name as it is, and for None (no model configured)
     the offline tiny model, built on first use."""
     if model is None:
-        from llumdask.engine.vllm.tiny_model import build_tiny_model, default_model_dir
+        from llumdask.tiny_model import build_tiny_model, default_model_dir
 
         return str(build_tiny_model(default_model_dir()))
     return str(Path(model).resolve()) if Path(model).is_dir() else model

@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 from llumdask.api.gateway import ModelInfo, create_app
 from llumdask.config import GatewayConfig
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer
-from llumdask.engine.vllm.tiny_model import build_tiny_model
+from llumdask.tiny_model import build_tiny_model
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -444,7 +444,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory):
     """`llumdask serve --model DIR`: two vLLM instances of the tiny model, given as a model directory
     as a user gives theirs (so the two divide the machine's memory between them)."""
     from llumdask.engine.vllm.internals import check_vllm_importable
-    from llumdask.engine.vllm.tiny_model import build_tiny_model
+    from llumdask.tiny_model import build_tiny_model
 
     try:
         check_vllm_importable()
@@ -465,7 +465,7 @@ def plain_vllm(model: Path, prompts: list[tuple]) -> tuple[list[list[int]], list
     """Greedy tokens (EOS ignored) from an unmodified vllm.LLM with serve's defaults for the tiny model,
     for each (prompt ids, max_tokens[, more vLLM sampling parameters]), and the log probabilities
     asked for ({"logprobs", "prompt_logprobs"}: per position [logprob, [[token, logprob], ...]])."""
-    from llumdask.engine.vllm.tiny_model import DEFAULT_KV_CACHE_BYTES
+    from llumdask.tiny_model import DEFAULT_KV_CACHE_BYTES
 
     done = subprocess.run(
         [sys.executable, str(PLAIN_VLLM), str(model), json.dumps({"kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES}),

@@ -15,7 +15,7 @@ from llumdask.api.gateway.tokenizer import (
     load_tokenizer,
     max_context_of,
 )
-from llumdask.engine.vllm.tiny_model import CHAT_TEMPLATE
+from llumdask.tiny_model import CHAT_TEMPLATE
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello world"}],

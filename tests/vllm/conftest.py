@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llumdask.engine.vllm.tiny_model import build_tiny_model
+from llumdask.tiny_model import build_tiny_model
 
 # KV cache of the shared engine: 64 MiB = 256 blocks of 128 tokens for the tiny model
 # (2 layers x K,V x 2 heads x 64 dims x 4 bytes = 2 KiB per token).

@@ -10,7 +10,7 @@ from llumdask.config import ConfigError, VllmEngineConfig
 from llumdask.engine.vllm.factory import (
     check_engine_arguments, engine_arguments, resolve_model, usable_kv_bytes, worker_processes,
 )
-from llumdask.engine.vllm.tiny_model import DEFAULT_KV_CACHE_BYTES, STAMP_FILE
+from llumdask.tiny_model import DEFAULT_KV_CACHE_BYTES, STAMP_FILE
 
 
 def test_typed_keys_and_pass_through_become_one_set_of_engine_arguments():

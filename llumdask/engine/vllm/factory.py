@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from llumdask.config import ConfigError, VllmEngineConfig
-from llumdask.engine.vllm.tiny_model import DEFAULT_KV_CACHE_BYTES, build_tiny_model, default_model_dir
+from llumdask.tiny_model import DEFAULT_KV_CACHE_BYTES, build_tiny_model, default_model_dir
 
 if TYPE_CHECKING:
     from llumdask.engine.vllm.engine import VllmEngine

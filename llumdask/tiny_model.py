@@ -6,7 +6,8 @@ code that serves it is the code that serves a real model. The weights are random
 `seed`; the tokenizer is a real byte-level BPE trained on a small built-in text, so text in and
 text out round-trip. head_dim is 64 because vLLM's CPU attention has no kernel for 16.
 
-Needs only numpy, safetensors and tokenizers (all vLLM dependencies); never imports vllm or torch.
+Needs only numpy, safetensors and tokenizers (dependencies of llumdask itself); never imports
+vllm or torch, so the gateway, the notebook client and the tests build it without an engine.
 """
 
 from __future__ import annotations

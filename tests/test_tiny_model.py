@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from llumdask.engine.vllm.tiny_model import TinyLlamaShape, build_llama_like, build_tiny_model, directory_digest  # noqa: E402
+from llumdask.tiny_model import TinyLlamaShape, build_llama_like, build_tiny_model, directory_digest  # noqa: E402
 
 
 def test_same_seed_same_model_other_seed_other_weights(tmp_path):
