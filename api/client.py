@@ -485,8 +485,8 @@ class LlumdaskClient:
 
     async def _migrate(self, request_id: str, to: str, source: str | None) -> str:
         source = source or self.requester.holder(request_id)
-        reply = await call(self._client.scheduler, Op.MIGRATE, request_id=request_id, source=source, destination=to)
-        return reply["migration_id"]
+        started = await call(self._client.scheduler, Op.MIGRATE, request_id=request_id, source=source, destination=to)
+        return started.migration_id
 
     async def _drain(self, instance: str) -> None:
         await call(self._client.scheduler, Op.DRAIN, instance=instance)

@@ -14,20 +14,20 @@ from __future__ import annotations
 
 from distributed.deploy.adaptive import Adaptive
 
-from llumdask.plugins.control import Op, call
+from llumdask.plugins.control import AdaptiveTarget, Op, call
 
 
 class LlumnixAdaptive(Adaptive):
     """`Adaptive` whose target and victims come from the llumdask scheduler plugin."""
 
-    async def _plan(self) -> dict:
+    async def _plan(self) -> AdaptiveTarget:
         return await call(self.scheduler, Op.ADAPTIVE_TARGET)
 
     async def target(self) -> int:
-        return (await self._plan())["target"]
+        return (await self._plan()).target
 
     async def workers_to_close(self, target: int) -> list:
         """Names of drained workers only (never more than it takes to reach `target`)."""
         plan = await self._plan()
         excess = max(len(self.observed) - target, 0)
-        return list(plan["drained"])[:excess]
+        return list(plan.drained)[:excess]

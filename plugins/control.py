@@ -6,15 +6,19 @@ renamed or misspelled op fails where it is used instead of reaching a peer that 
 (an RPC to a missing handler answers None; a stream op without one disconnects the sender).
 Every op carries the `llumnix_` prefix, which keeps them apart from Dask's own handlers.
 
-Replies are msgpack-native dicts (scheduler comms do not deserialize). A handler that refuses
-answers `refusal(exc)`, and `call` raises the same exception class again on the caller's side,
-so callers catch exceptions instead of reading reason fields; a call nothing answers raises
-`NoLlumdaskScheduler`.
+Replies travel as msgpack-native dicts (scheduler comms do not deserialize): a handler answers
+`reply(SomeReply(...))`, and `call` gives the caller the same dataclass back (`REPLIES` names each
+op's). The tables the notebook and dashboards show (status rows, migration events) stay dicts of
+rows. A handler that refuses answers `refusal(exc)`, and `call` raises the same exception class
+again on the caller's side, so callers catch exceptions instead of reading reason fields; a call
+nothing answers raises `NoLlumdaskScheduler`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from dataclasses import dataclass
 from typing import Any
 
 from llumdask.global_scheduler import ClusterOverloaded, NoInstanceAvailable, UnknownInstance
@@ -84,17 +88,90 @@ class Op(enum.StrEnum):
 SCHEDULER_TO_WORKER = (Op.MIGRATE_TO, Op.SET_TERMINATING, Op.PEER_LOST)
 
 
+@dataclass(frozen=True)
+class Registered:
+    registered: bool
+
+
+@dataclass(frozen=True)
+class Ready:
+    ready: bool
+
+
+@dataclass(frozen=True)
+class Removed:
+    removed: bool
+
+
+@dataclass(frozen=True)
+class Placed:
+    instance: str
+
+
+@dataclass(frozen=True)
+class Members:
+    """Every instance and the placeable ones, or None for both when the caller's epoch is current."""
+
+    epoch: str
+    alive: tuple[str, ...] | None
+    placeable: tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class Draining:
+    draining: bool
+
+
+@dataclass(frozen=True)
+class MigrationStarted:
+    migration_id: str
+
+
+@dataclass(frozen=True)
+class AdaptiveTarget:
+    """Workers to keep, and the names of those that may close (drained)."""
+
+    target: int
+    drained: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Accepted:
+    accepted: bool
+
+
+@dataclass(frozen=True)
+class Aborted:
+    aborted: bool
+
+
+# Each op's reply type; ops not named answer a table (status rows, migration events).
+REPLIES: dict[Op, type] = {
+    Op.REGISTER: Registered, Op.READY: Ready, Op.UNREGISTER: Removed, Op.DISPATCH: Placed, Op.MEMBERS: Members,
+    Op.DRAIN: Draining, Op.MIGRATE: MigrationStarted, Op.MIGRATE_OUT: MigrationStarted,
+    Op.ADAPTIVE_TARGET: AdaptiveTarget, Op.ADD: Accepted, Op.ABORT: Aborted,
+}
+
+
+def reply(value: Any) -> dict[str, Any]:
+    """A reply dataclass as it travels."""
+    return dataclasses.asdict(value)
+
+
 async def call(target: Any, op: Op, **kwargs: Any) -> Any:
-    """`op` on a Dask rpc (`worker.scheduler`, `client.scheduler`, `rpc(address)`): its reply,
-    or the handler's refusal raised again."""
-    reply = await getattr(target, op.value)(**kwargs)
-    if reply is None:
+    """`op` on a Dask rpc (`worker.scheduler`, `client.scheduler`, `rpc(address)`): its reply
+    (the op's `REPLIES` dataclass, else the table as sent), or the handler's refusal raised again."""
+    answer = await getattr(target, op.value)(**kwargs)
+    if answer is None:
         raise NoLlumdaskScheduler(f"nothing answers {op.value}: the llumdask plugins are not installed there "
                                   "(start the cluster with llumdask.clusters, or register LlumnixSchedulerPlugin "
                                   "and LlumletWorkerPlugin)")
-    if isinstance(reply, dict) and "error" in reply:
-        raise REFUSALS[reply["error"]](reply["message"])
-    return reply
+    if isinstance(answer, dict) and "error" in answer:
+        raise REFUSALS[answer["error"]](answer["message"])
+    kind = REPLIES.get(op)
+    if kind is None:
+        return answer
+    return kind(**{k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in answer.items()})
 
 
 class InstanceState(enum.StrEnum):

@@ -123,8 +123,8 @@ class Requester:
         """The instances the scheduler knows, asked as "anything new since the last answer?"; also
         keeps the placeable ones for bypass mode."""
         reply = await asyncio.wait_for(call(self._client.scheduler, Op.MEMBERS, epoch=self._epoch), self._rpc_timeout)
-        if reply["alive"] is not None:
-            self._epoch, self._alive, self._known = reply["epoch"], set(reply["alive"]), list(reply["placeable"])
+        if reply.alive is not None:
+            self._epoch, self._alive, self._known = reply.epoch, set(reply.alive), list(reply.placeable)
         return self._alive
 
     @property
@@ -185,7 +185,7 @@ class Requester:
             execution_priority=int(request.execution_priority),
             admitted=admitted,
         )
-        return reply["instance"]
+        return reply.instance
 
     async def _hand_over(self, request: Request, instance: str) -> None:
         try:

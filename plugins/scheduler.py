@@ -50,7 +50,21 @@ from llumdask.global_scheduler import (
 )
 from llumdask.llumlet import MigrationEventKind
 from llumdask.load import InstanceLoad
-from llumdask.plugins.control import InstanceState, MigrationNotStarted, Op, call, refusal
+from llumdask.plugins.control import (
+    AdaptiveTarget,
+    Draining,
+    InstanceState,
+    Members,
+    MigrationNotStarted,
+    Op,
+    Placed,
+    Ready,
+    Registered,
+    Removed,
+    call,
+    refusal,
+    reply,
+)
 from llumdask.plugins.dashboard import add_page
 from llumdask.plugins.history import ClusterHistory, Sample
 from llumdask.plugins.metrics import SchedulerMetrics
@@ -156,17 +170,17 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         its previous record."""
         self._forget(instance)
         self._scheduler().register_instance(instance, total_blocks, block_size, time.time(), high_priority_headroom)
-        return {"registered": True}
+        return reply(Registered(True))
 
     def ready(self, instance: str) -> dict:
         try:
             self._scheduler().mark_ready(instance, time.time())
         except UnknownInstance:
-            return {"ready": False}
-        return {"ready": True}
+            return reply(Ready(False))
+        return reply(Ready(True))
 
     def unregister(self, instance: str) -> dict:
-        return {"removed": self._forget(instance)}
+        return reply(Removed(self._forget(instance)))
 
     def dispatch(
         self,
@@ -183,7 +197,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             self._metrics().dispatches["refused"] += 1
             return refusal(exc)
         self._metrics().dispatches["placed"] += 1
-        return {"instance": instance}
+        return reply(Placed(instance))
 
     def status(self) -> dict:
         metrics = self._metrics()
@@ -202,9 +216,9 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         `epoch` is current: what a requester polls every second to notice a dead instance."""
         current = f"{self._incarnation}:{self._scheduler().epoch}"
         if epoch == current:
-            return {"epoch": current, "alive": None, "placeable": None}
+            return reply(Members(current, None, None))
         alive, placeable = self._scheduler().members()
-        return {"epoch": current, "alive": alive, "placeable": placeable}
+        return reply(Members(current, tuple(alive), tuple(placeable)))
 
     def migrations(self, limit: int = 50) -> list[dict]:
         """The latest `limit` migration outcomes (committed and aborted), oldest first."""
@@ -217,7 +231,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         except UnknownInstance as exc:
             return refusal(exc)
         self._send(instance, {"op": Op.SET_TERMINATING, "flag": True})
-        return {"draining": True}
+        return reply(Draining(True))
 
     async def migrate(self, request_id: str, destination: str, source: str | None = None) -> dict:
         """Operator-forced migration of one request; the source llumlet runs it.
@@ -238,14 +252,17 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         refused = MigrationNotStarted(f"request {request_id!r} is not running (or cannot move now) on any other instance")
         for candidate in sources:
             try:
-                return await call(self.scheduler.rpc(candidate), Op.MIGRATE_OUT, request_id=request_id,
-                                  destination=destination)
+                return reply(await call(self.scheduler.rpc(candidate), Op.MIGRATE_OUT, request_id=request_id,
+                                        destination=destination))
             except MigrationNotStarted as exc:
                 if source is not None:
                     refused = exc
         return refusal(refused)
 
     def adaptive_target(self) -> dict:
+        return reply(self._adaptive_target())
+
+    def _adaptive_target(self) -> AdaptiveTarget:
         """Workers to keep (all but the drained, plus the instances asked for whose worker has not
         arrived: a requested instance counts until it registers, its worker from arrival on)
         and which may close."""
@@ -253,12 +270,12 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         registered = {view.instance_id for view in scheduler.instances()}
         arriving = sum(1 for w in workers if w not in registered)
         drained = [w for w in scheduler.drained() if w in workers]
-        return {"target": len(workers) - len(drained) + max(scheduler.requested - arriving, 0),
-                "drained": [workers[w].name for w in drained]}
+        return AdaptiveTarget(len(workers) - len(drained) + max(scheduler.requested - arriving, 0),
+                              tuple(workers[w].name for w in drained))
 
     def dask_adaptive_target(self, target_duration: Any = None) -> int:
         """Dask's `adaptive_target` handler, answered from the freeness band."""
-        return self.adaptive_target()["target"]
+        return self._adaptive_target().target
 
     # ------------------------------------------------------------------ stream handlers
     # A stream handler that raises makes Dask drop the sending worker: these log and go on.

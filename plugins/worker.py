@@ -48,12 +48,16 @@ from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
 from llumdask.protocol import MigrationMessage
 from llumdask.plugins.control import (
     SCHEDULER_TO_WORKER,
+    Aborted,
+    Accepted,
     MigrationNotStarted,
+    MigrationStarted,
     NoLlumdaskScheduler,
     Op,
     RequestRejected,
     call,
     refusal,
+    reply,
 )
 from llumdask.plugins.dask_timers import DaskTimers
 from llumdask.plugins.engine_thread import EngineThread
@@ -203,7 +207,7 @@ class LlumletHost:
         self._dask_timers.slow_down()  # the worker starts its timers just before it runs
         while True:
             try:
-                reply = await call(
+                answer = await call(
                     self.worker.scheduler, Op.REGISTER,
                     instance=self.instance_id, total_blocks=engine.total_blocks, block_size=engine.block_size,
                     high_priority_headroom=engine.high_priority_headroom,
@@ -212,8 +216,8 @@ class LlumletHost:
                 # Without the scheduler plugin (yet), load reports would get this worker
                 # disconnected: wait for it.
                 logger.info("registering %s failed: %s", self.instance_id, exc)
-                reply = None
-            if reply is not None and reply.get("registered"):
+                answer = None
+            if answer is not None and answer.registered:
                 break
             delay = min(delay * 2, 2.0)
             await asyncio.sleep(delay)
@@ -271,10 +275,10 @@ class LlumletHost:
             await self._call(self.driver.add, parsed, reply_to)
         except ValueError as exc:
             return refusal(RequestRejected(str(exc)))
-        return {"accepted": True}
+        return reply(Accepted(True))
 
     async def abort(self, request_id: str) -> dict:
-        return {"aborted": await self._call(self.driver.abort, request_id)}
+        return reply(Aborted(await self._call(self.driver.abort, request_id)))
 
     async def migrate_out(self, request_id: str, destination: str) -> dict:
         migration_id = await self._call(self._llumlet().migrate_out, destination, request_id)
@@ -282,7 +286,7 @@ class LlumletHost:
             return refusal(MigrationNotStarted(
                 f"{self.instance_id} did not start it: the request is not running here, cannot move exactly "
                 "(pinned by its sampling options), is already migrating, or migrations are at their limit"))
-        return {"migration_id": migration_id}
+        return reply(MigrationStarted(migration_id))
 
     async def status(self) -> dict:
         return await self._call(self._status)

@@ -126,7 +126,7 @@ def test_drained_instances_are_the_only_ones_offered_for_downscaling():
         plugin.on_load(load("a", terminating=True))
         plugin.scale()
         assert [ws.address for ws in plugin.valid_workers_downscaling(scheduler, workers)] == ["a"]
-        assert plugin.adaptive_target() == {"target": 1, "drained": ["name-a"]}
+        assert plugin.adaptive_target() == {"target": 1, "drained": ("name-a",)}
 
     run_plugin(check)
 
@@ -159,16 +159,16 @@ def test_members_answer_lists_only_when_membership_changed():
     async def check(plugin, scheduler):
         plugin.register("a", 100, 16)
         first = plugin.members()
-        assert first["alive"] == ["a"] and first["placeable"] == []  # registered, not ready yet
+        assert first["alive"] == ("a",) and first["placeable"] == ()  # registered, not ready yet
         assert plugin.members(epoch=first["epoch"]) == {"epoch": first["epoch"], "alive": None, "placeable": None}
         plugin.on_load(load("a"))  # a load report is no membership change
         assert plugin.members(epoch=first["epoch"])["alive"] is None
         plugin.ready("a")
         ready = plugin.members(epoch=first["epoch"])
-        assert ready["epoch"] != first["epoch"] and ready["placeable"] == ["a"]
+        assert ready["epoch"] != first["epoch"] and ready["placeable"] == ("a",)
         plugin.drain("a")
-        assert plugin.members(epoch=ready["epoch"])["placeable"] == []
+        assert plugin.members(epoch=ready["epoch"])["placeable"] == ()
         plugin.unregister("a")
-        assert plugin.members(epoch=ready["epoch"])["alive"] == []
+        assert plugin.members(epoch=ready["epoch"])["alive"] == ()
 
     run_plugin(check)

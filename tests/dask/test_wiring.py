@@ -68,15 +68,15 @@ async def test_a_request_placed_moved_by_the_operator_and_drained(c, s, a, b):
         first = await stream.next_tokens()
         source = requester.holder("r")
         destination = b.address if source == a.address else a.address
-        reply = await call(c.scheduler, Op.MIGRATE, request_id="r", destination=destination)
-        assert reply["migration_id"] is not None, reply["reason"]
+        started = await call(c.scheduler, Op.MIGRATE, request_id="r", destination=destination)
+        assert started.migration_id.endswith(":r")
         tokens = list(first)
         while batch := await stream.next_tokens():
             tokens += batch
         assert len(tokens) == 60 and stream.sequence.finish_reason is not None
         events = await call(c.scheduler, Op.MIGRATIONS)
         assert [(e["kind"], e["source"], e["destination"]) for e in events] == [("committed", source, destination)]
-        assert (await call(c.scheduler, Op.DRAIN, instance=source))["draining"]
+        assert (await call(c.scheduler, Op.DRAIN, instance=source)).draining
         states = {row["instance"]: row["state"] for row in (await call(c.scheduler, Op.STATUS))["instances"]}
         assert states[source] == InstanceState.TERMINATING
     finally:
@@ -113,8 +113,8 @@ async def test_admission_by_load_refuses_at_once_and_never_refuses_a_resubmissio
         with pytest.raises(ClusterOverloaded, match="every instance would queue"):
             await requester.submit(request("r", 10))
         assert asyncio.get_running_loop().time() - started < 5  # answered, not retried until the timeout
-        reply = await call(c.scheduler, Op.DISPATCH, request_id="again", num_prompt_tokens=40, max_tokens=10,
-                           admitted=True)
-        assert reply["instance"] in (a.address, b.address)
+        placed = await call(c.scheduler, Op.DISPATCH, request_id="again", num_prompt_tokens=40, max_tokens=10,
+                            admitted=True)
+        assert placed.instance in (a.address, b.address)
     finally:
         await requester.close()
