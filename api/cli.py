@@ -56,7 +56,7 @@ COMMANDS: Mapping[str, Command] = types.MappingProxyType(
             "a CA and a node certificate for a test cluster under Dask's TLS (see README: security across machines)",
         ),
         "demo": Command(
-            "llumdask.demo:main",
+            "llumdask.api.demo:main",
             "a few requests over simulated instances, with one migration, printed as they happen",
         ),
     }

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from llumdask.engine.headroom import DEFAULT_SEQUENCE_TOKENS, DEFAULT_TOLERANCE, decode_step, derive_headroom
 from llumdask.engine.latency import LatencyProfile, load_profile
-from llumdask.engine.profile_fit import (
+from llumdask.benchmarks.profile_fit import (
     DEFAULT_CPU_OVERHEAD_S,
     DEFAULT_MEMORY_BYTES,
     FitOptions,
@@ -138,7 +138,7 @@ def _measure(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--out must name a .json file, got {str(args.out)!r}")
     from llumdask.config import load_config
     from llumdask.engine.vllm.factory import create_engine, resolve_model
-    from llumdask.engine.vllm.measure import GRIDS, fit_measured, measure
+    from llumdask.benchmarks.profile_measure import GRIDS, fit_measured, measure
 
     config = load_config().vllm_engine
     if args.model is not None:

@@ -65,7 +65,7 @@ from llumdask.api.client import LlumdaskClient
 from llumdask.api.gateway.tokenizer import load_tokenizer
 from llumdask.config import load_config
 from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost, load_profile
-from llumdask.engine.profile_fit import profile_json
+from llumdask.benchmarks.profile_fit import profile_json
 from llumdask.llumlet import MigrationEventKind
 from llumdask.request import RequestStatus
 from llumdask.sim.cluster import SimulatorSettings
@@ -87,7 +87,7 @@ TRACE_MAX_LEN = 2048
 BLOCK_SIZE = 128  # vLLM's CPU backend always uses 128-token blocks
 MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 4096
-# The profile's grid: prompts of 32-1024 tokens, decode batches of 1-8 (llumdask.engine.vllm.measure),
+# The profile's grid: prompts of 32-1024 tokens, decode batches of 1-8 (llumdask.benchmarks.profile_measure),
 # measured with a KV cache that holds the grid (the cache's size does not change a step's time).
 GRID = "quick"
 MEASURE_KV_TOKENS = 16384

@@ -73,11 +73,11 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"llumdask {llumdask.__version__}"
 
 
-@pytest.mark.parametrize("target", ["llumdask.demo", "llumdask.demo:", ":main", "llumdask.demo:main()"])
+@pytest.mark.parametrize("target", ["llumdask.api.demo", "llumdask.api.demo:", ":main", "llumdask.api.demo:main()"])
 def test_malformed_target_is_rejected(target):
     with pytest.raises(ValueError, match="command target must look like"):
         Command(target, "help")
 
 
 def test_demo_is_registered():
-    assert COMMANDS["demo"].target == "llumdask.demo:main"
+    assert COMMANDS["demo"].target == "llumdask.api.demo:main"

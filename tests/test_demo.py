@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from llumdask.demo import main
+from llumdask.api.demo import main
 
 
 def test_demo_migrates_a_request_and_saves_the_preemption(capsys):

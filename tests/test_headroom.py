@@ -10,7 +10,7 @@ from llumdask.api.profile_cli import main as profile_main
 from llumdask.config import LlumdaskConfig
 from llumdask.engine.headroom import Headroom, decode_step, derive_headroom
 from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost, available_profiles, load_profile
-from llumdask.engine.profile_fit import profile_json
+from llumdask.benchmarks.profile_fit import profile_json
 from llumdask.global_scheduler import GlobalScheduler
 from llumdask.load import InstanceLoad
 from llumdask.request import Priority

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from llumdask.api.profile_cli import main as profile_main
 from llumdask.engine.latency import PROFILE_DIR, load_profile
-from llumdask.engine.profile_fit import (
+from llumdask.benchmarks.profile_fit import (
     ATTENTION_OPS,
     LAYER_OPS,
     FitOptions,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from llumdask.engine.latency import load_profile
-from llumdask.engine.profile_fit import profile_json
-from llumdask.engine.vllm.measure import GRIDS, MeasureGrid, fit_measured, measure
+from llumdask.benchmarks.profile_fit import profile_json
+from llumdask.benchmarks.profile_measure import GRIDS, MeasureGrid, fit_measured, measure
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

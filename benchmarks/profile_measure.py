@@ -25,7 +25,7 @@ import numpy as np
 
 from llumdask.engine.headroom import with_headroom
 from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost
-from llumdask.engine.profile_fit import FitQuality, Samples, fit_coefficients, fit_quality
+from llumdask.benchmarks.profile_fit import FitQuality, Samples, fit_coefficients, fit_quality
 from llumdask.request import Request, SamplingParams
 
 if TYPE_CHECKING:
