@@ -26,6 +26,7 @@ import openai
 from llumdask.benchmarks.common import parser, ratio, report, summarize
 from llumdask.benchmarks.openai_load import Workload
 from llumdask.benchmarks.servers import llumdask_serve, serving
+from llumdask.api.gateway.tokenizer import load_tokenizer
 from llumdask.tiny_model import build_tiny_model, default_model_dir
 
 MODEL = "llumdask-tiny-llama"
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.seconds, args.rounds = 10.0, 1
     model_dir = str(build_tiny_model(default_model_dir()))
-    work = Workload(MODEL, 512, args.prompt_tokens, args.output_tokens)
+    work = Workload(MODEL, load_tokenizer(model_dir).vocab_size, args.prompt_tokens, args.output_tokens)
     command = llumdask_serve("--engine", "sim", "--instances", str(args.instances), "--model", model_dir,
                              "--served-model-name", MODEL, "--max-in-flight", "100000")
     by_mode: dict[str, list[Outcome]] = {mode: [] for mode in MODES}

@@ -335,14 +335,19 @@ def paired_ratio(runs: Sequence[dict[str, Any]], policy: str, metric: str) -> fl
     return statistics.median(finite) if finite else math.nan
 
 
+def serving_groups(results: PaperResults) -> dict[tuple[str, float], list[dict[str, Any]]]:
+    """Every serving run (all seeds, all policies) by its (trace, load), in plan order."""
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for run in results.select(SERVING):
+        groups.setdefault((run["trace"], run["load"]), []).append(run)
+    return groups
+
+
 def serving_goal_rows(results: PaperResults) -> list[dict[str, Any]]:
     """Per serving setting and metric: Llumnix over the simpler router it compares worst against,
     as the median of paired per-seed ratios (< 1 is better), and over the oracle likewise."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for run in results.select(SERVING):
-        groups.setdefault((run["trace"], run["load"]), []).append(run)
     rows = []
-    for (trace, load), runs in groups.items():
+    for (trace, load), runs in serving_groups(results).items():
         present = {r["policy"] for r in runs}
         baselines = [b for b in BASELINES if b in present]
         if "llumnix" not in present or not baselines:
@@ -588,9 +593,7 @@ def _capacity_section(results: PaperResults) -> str:
 def llumnix_worse(results: PaperResults, baseline: str = "infaas", metric: str = "prefill_p99") -> tuple[list[str], int]:
     """Serving settings where Llumnix's `metric` is more than 10% above the baseline's (the median
     of paired per-seed ratios, as the goals take it)."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for run in results.select(SERVING):
-        groups.setdefault((run["trace"], run["load"]), []).append(run)
+    groups = serving_groups(results)
     worse = []
     for (trace, load), runs in groups.items():
         if {baseline, "llumnix"} <= {r["policy"] for r in runs}:

@@ -119,20 +119,14 @@ class RequesterConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    api_keys: tuple[str, ...] = ()
+    # Out of the repr: keys stay out of every log line and traceback that shows the configuration.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_in_flight: int = 256
     retry_after: float = 1.0
     max_body_bytes: int = 1 << 20
     placement_timeout: float = 10.0
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
-
-    def __repr__(self) -> str:
-        # Keys stay out of every log line and traceback that shows the configuration.
-        return (f"GatewayConfig(api_keys=<{len(self.api_keys)} keys>, max_in_flight={self.max_in_flight}, "
-                f"retry_after={self.retry_after}, max_body_bytes={self.max_body_bytes}, "
-                f"placement_timeout={self.placement_timeout}, requests_per_minute={self.requests_per_minute}, "
-                f"tokens_per_minute={self.tokens_per_minute})")
 
 
 def _default_headroom() -> dict[Priority, int | None]:

@@ -150,8 +150,9 @@ class LlumletDriver:
         due = self._outbox.take(force)
         if due:
             self._push_tokens(due)
-        if self._timer() >= self._next_report:
-            self._next_report = self._timer() + self._report_interval
+        now = self._timer()
+        if now >= self._next_report:
+            self._next_report = now + self._report_interval
             load = self.report_once()
             if self.reporting:
                 self._send_load(load)

@@ -60,14 +60,8 @@ class Requester:
 
     def __init__(self, client: Client, config: RequesterConfig | None = None) -> None:
         """`config`: the ``llumdask.requester`` settings (dask.config's when None)."""
-        config = config if config is not None else load_config().requester
+        self._config = config if config is not None else load_config().requester
         self._client = client
-        self._listen_host = config.listen_host
-        self._liveness_interval = config.liveness_interval
-        self._dispatch_timeout = config.dispatch_timeout
-        self._bypass_period = config.bypass_period
-        self._placement_timeout = config.placement_timeout
-        self._rpc_timeout = config.rpc_timeout
         self._listener: TokenListener | None = None
         self._open: dict[str, _Open] = {}
         self._watchdog: asyncio.Task | None = None
@@ -111,18 +105,18 @@ class Requester:
         self.forget(request_id)
         if holder is not None:
             try:
-                await asyncio.wait_for(call(self._client.rpc(holder), Op.ABORT, request_id=request_id), self._rpc_timeout)
+                await asyncio.wait_for(call(self._client.rpc(holder), Op.ABORT, request_id=request_id), self._config.rpc_timeout)
             except (OSError, asyncio.TimeoutError):
                 logger.info("could not abort %s on %s", request_id, holder)
 
     async def status(self) -> dict:
         """The scheduler's `llumnix_status` (the whole instance table and the migration counts)."""
-        return await asyncio.wait_for(call(self._client.scheduler, Op.STATUS), self._rpc_timeout)
+        return await asyncio.wait_for(call(self._client.scheduler, Op.STATUS), self._config.rpc_timeout)
 
     async def members(self) -> set[str]:
         """The instances the scheduler knows, asked as "anything new since the last answer?"; also
         keeps the placeable ones for bypass mode."""
-        reply = await asyncio.wait_for(call(self._client.scheduler, Op.MEMBERS, epoch=self._epoch), self._rpc_timeout)
+        reply = await asyncio.wait_for(call(self._client.scheduler, Op.MEMBERS, epoch=self._epoch), self._config.rpc_timeout)
         if reply.alive is not None:
             self._epoch, self._alive, self._known = reply.epoch, set(reply.alive), list(reply.placeable)
         return self._alive
@@ -149,7 +143,7 @@ class Requester:
         for load (ClusterOverloaded) is not retried: the caller answers it; `admitted` requests
         (resubmissions) are never refused for load."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._placement_timeout
+        deadline = loop.time() + self._config.placement_timeout
         while True:
             try:
                 instance = await self._choose(request, admitted)
@@ -158,7 +152,7 @@ class Requester:
             except (OSError, asyncio.TimeoutError, NoInstanceAvailable) as exc:
                 if loop.time() > deadline:
                     raise NoInstanceAvailable(
-                        f"request {request.request_id} not placed within {self._placement_timeout} s: {exc}"
+                        f"request {request.request_id} not placed within {self._config.placement_timeout} s: {exc}"
                     ) from exc
                 logger.debug("placing %s failed (%s); retrying", request.request_id, exc)
                 await asyncio.sleep(0.2)
@@ -167,10 +161,10 @@ class Requester:
         loop = asyncio.get_running_loop()
         if loop.time() >= self._bypass_until:
             try:
-                return await asyncio.wait_for(self._dispatch(request, admitted), self._dispatch_timeout)
+                return await asyncio.wait_for(self._dispatch(request, admitted), self._config.dispatch_timeout)
             except (OSError, asyncio.TimeoutError):
-                logger.warning("the scheduler does not answer: dispatching directly for %s s", self._bypass_period)
-                self._bypass_until = loop.time() + self._bypass_period
+                logger.warning("the scheduler does not answer: dispatching directly for %s s", self._config.bypass_period)
+                self._bypass_until = loop.time() + self._config.bypass_period
         if not self._known:
             raise NoInstanceAvailable("the scheduler does not answer and no instance is known")
         self.bypassed += 1
@@ -191,7 +185,7 @@ class Requester:
         try:
             await asyncio.wait_for(
                 call(self._client.rpc(instance), Op.ADD, request=request_to_msg(request), reply_to=self._listener.address),
-                self._rpc_timeout,
+                self._config.rpc_timeout,
             )
         except (OSError, asyncio.TimeoutError):
             if instance in self._known:
@@ -204,7 +198,7 @@ class Requester:
     # ------------------------------------------------------------------ recovery
     async def _ensure_listener(self) -> TokenListener:
         if self._listener is None:
-            host = self._listen_host or _host_reaching(self._client.scheduler.address)
+            host = self._config.listen_host or _host_reaching(self._client.scheduler.address)
             # Under the cluster's TLS, instances reach this listener with their worker certificates.
             tls = self._client.security.get_listen_args("client").get("ssl_context")
             self._listener = await TokenListener(f"tcp://{host}:0", on_sender_closed=self._on_sender_closed,
@@ -225,7 +219,7 @@ class Requester:
         """While requests are open, check every `liveness_interval` that their instances live."""
         while True:
             try:
-                await asyncio.wait_for(self._check_now.wait(), self._liveness_interval)
+                await asyncio.wait_for(self._check_now.wait(), self._config.liveness_interval)
             except asyncio.TimeoutError:
                 pass
             self._check_now.clear()
