@@ -61,12 +61,17 @@ class Generation:
     # One per token (sampling logprobs=k), and per prompt token (prompt_logprobs=k; the first None).
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Prompt tokens the engine found in its prefix cache (None: the engine does not say).
+    cached_tokens: int | None = None
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         """Tokens in the prompt and received, as the gateway reports them."""
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": len(self.token_ids),
-                "total_tokens": self.num_prompt_tokens + len(self.token_ids)}
+        usage: dict[str, Any] = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": len(self.token_ids),
+                                 "total_tokens": self.num_prompt_tokens + len(self.token_ids)}
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 class _Table:
@@ -162,6 +167,11 @@ class TokenIterator:
         if self._stream is None or self._stream.sequence.prompt_logprobs is None:
             return None
         return list(self._stream.sequence.prompt_logprobs)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens found in the prefix cache, once the first token came (None: the engine does not say)."""
+        return None if self._stream is None else self._stream.sequence.cached_tokens
 
     async def _next_tokens(self) -> list[int]:
         """On the client's loop."""
@@ -448,13 +458,14 @@ class LlumdaskClient:
                 ids += chunk
             return Generation(request.request_id, ids, tokens.finish_reason, tokens.instance,
                               num_prompt_tokens=prompt_tokens, logprobs=tokens.logprobs,
-                              prompt_logprobs=tokens.prompt_logprobs)
+                              prompt_logprobs=tokens.prompt_logprobs, cached_tokens=tokens.cached_tokens)
         deltas = TextIterator(tokens, text, self.tokenizer.vocab_size)
         parts = []
         while (delta := await deltas._next_delta()) is not None:
             parts.append(delta)
         return Generation(request.request_id, deltas.token_ids, deltas.finish_reason, deltas.instance,
-                          "".join(parts), prompt_tokens, deltas.logprobs, deltas.prompt_logprobs)
+                          "".join(parts), prompt_tokens, deltas.logprobs, deltas.prompt_logprobs,
+                          tokens.cached_tokens)
 
     async def _generate_many(self, jobs: list[tuple[Request, IncrementalText | None]], timeout: float | None,
                              concurrency: int, progress: bool) -> list[Generation | BaseException]:

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement-timeout", type=float, default=None,
                    help="seconds to find an instance for a request before answering 503 "
                         "(default: llumdask.gateway.placement-timeout, 10)")
+    p.add_argument("--tool-call-parser", metavar="NAME", default=None,
+                   help="vLLM's tool-call parser for the model (e.g. hermes): chat requests with tool_choice "
+                        "\"auto\" get their tool calls read with it (default: llumdask.gateway.tool-call-parser)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -273,6 +276,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from llumdask.api.gateway import ModelInfo, create_app
     from llumdask.api.gateway.dask_backend import DaskBackend
     from llumdask.api.gateway.tokenizer import load_tokenizer, model_location
+    from llumdask.api.gateway.tools import ToolCalling, tool_parser_class
 
     if args.config is not None:
         dask.config.update(dask.config.config, yaml.safe_load(args.config.read_text()) or {}, priority="new")
@@ -286,8 +290,14 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     if max_context is None:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
     model_info = ModelInfo(args.served_model_name or default_name, max_context)
-    given = {"api-keys": args.api_key, "max-in-flight": args.max_in_flight, "placement-timeout": args.placement_timeout}
+    given = {"api-keys": args.api_key, "max-in-flight": args.max_in_flight, "placement-timeout": args.placement_timeout,
+             "tool-call-parser": args.tool_call_parser}
     settings = load_config({"gateway": {k: v for k, v in given.items() if v is not None}}).gateway
+    if settings.tool_call_parser is not None:
+        try:
+            tool_parser_class(settings.tool_call_parser)  # a wrong name fails now, not at the first request
+        except ImportError as exc:
+            raise ValueError(f"--tool-call-parser needs vLLM where the gateway runs: {exc}") from None
 
     with contextlib.ExitStack() as stack:
         if args.scheduler is None:
@@ -296,6 +306,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             vllm_config = load_config(cluster_overrides("vllm", configured_model, tokenizer.vocab_size, engine_args,
                                                         args.max_model_len)).vllm_engine
             engine, check = ("sim", None) if args.engine == "sim" else pick_engine(args.engine, vllm_config)
+            if engine == "sim" and settings.tool_call_parser is not None:
+                raise ValueError("--tool-call-parser needs the vllm engine: the sim engine's tokens are random draws")
             share = memory_share(vllm_config, args.instances, check) if engine == "vllm" and check else {}
             if share:
                 chosen = " ".join(f"--{k} {v}" + (f" ({v / 2**30:.1f} GiB)" if k.endswith("bytes") else "")
@@ -322,11 +334,12 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         else:
             if engine_args:
                 raise ValueError("engine options apply to a local cluster; the cluster at --scheduler has its own")
+            engine = None
             address, dashboard, where = args.scheduler, None, f"the cluster at {args.scheduler}"
 
         app = create_app(
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
-            tokenizer, settings)
+            tokenizer, settings, ToolCalling(model, settings.tool_call_parser, engine))
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                lifespan="on", timeout_graceful_shutdown=5))
 

@@ -127,6 +127,7 @@ class GatewayConfig:
     placement_timeout: float = 10.0
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    tool_call_parser: str | None = None
 
 
 def _default_headroom() -> dict[Priority, int | None]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 # Bump when the files written change, so that an old directory is rebuilt instead of reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 STAMP_FILE = "llumdask-tiny-model.json"
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -33,10 +33,21 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 # vLLM's own default would take most of the machine's (or GPU's) memory for every instance.
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 
+# Tools render as Hermes-style models (Qwen, Hermes) render them: the functions' JSON in a system
+# turn, calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, results in "tool" turns;
+# vLLM's "hermes" parser reads such calls back. Without tools a conversation renders as before.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>\nYou may call these functions:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    'To call one, answer <tool_call>{"name": NAME, "arguments": ARGUMENTS}</tool_call>{{ eos_token }}\n'
+    "{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "</tool_call>{% endfor %}"
+    "{% else %}{{ message['content'] }}{% endif %}{{ eos_token }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -115,17 +126,18 @@ def build_tiny_model(path: str | os.PathLike[str], seed: int = 0, shape: TinyLla
     target = Path(path)
     shape = shape or TinyLlamaShape()
     stamp = {"format": FORMAT_VERSION, "seed": seed, "shape": asdict(shape)}
-    if _read_stamp(target) == stamp:
+    found = _read_stamp(target)
+    if found == stamp:
         return target
-    if target.exists() and any(target.iterdir()):
+    if target.exists() and any(target.iterdir()) and (found is None or found.get("format") == FORMAT_VERSION):
         raise FileExistsError(f"{target} exists and is not a tiny model built with seed={seed} and this shape")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         _write_model(staging, seed, shape)
         (staging / STAMP_FILE).write_text(json.dumps(stamp, sort_keys=True))
-        if target.exists():
-            target.rmdir()  # empty (checked above): rename cannot replace it
+        if target.exists():  # empty, or an older format of this model (checked above): rename cannot replace it
+            _remove_old(target)
         os.rename(staging, target)
     except OSError:
         if _read_stamp(target) != stamp:  # not a concurrent builder that won the race
@@ -133,6 +145,13 @@ def build_tiny_model(path: str | os.PathLike[str], seed: int = 0, shape: TinyLla
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _remove_old(target: Path) -> None:
+    """Move `target` aside, then delete it: a reader never sees half a directory."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    os.rename(target, aside / target.name)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _read_stamp(target: Path) -> dict | None:

@@ -23,7 +23,8 @@ every later one a list of token messages:
     {"op": "llumnix_tokens", "request_id": str, "first_index": int, "token_ids": [int, ...],
      "finished": bool, "finish_reason": "length" | "stop" | "abort" | None, "instance": str,
      "logprobs": [[logprob, [[token id, logprob], ...]], ...] (one per token; only if asked for),
-     "prompt_logprobs": [null | [logprob, [[token id, logprob], ...]], ...] (first batch only)}
+     "prompt_logprobs": [null | [logprob, [[token id, logprob], ...]], ...] (first batch only),
+     "cached_tokens": int (first batch only, where the engine reports its prefix cache hits)}
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ class TokenBatch:
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    cached_tokens: int | None = None
 
     @classmethod
     def from_output(cls, output: TokenOutput, instance: str) -> "TokenBatch":
         return cls(output.request_id, output.first_index, tuple(output.token_ids), instance,
-                   output.finished, output.finish_reason, output.logprobs, output.prompt_logprobs)
+                   output.finished, output.finish_reason, output.logprobs, output.prompt_logprobs,
+                   output.cached_tokens)
 
     def to_msg(self) -> dict:
         msg = {
@@ -87,6 +90,8 @@ class TokenBatch:
             msg["logprobs"] = list(self.logprobs)
         if self.prompt_logprobs is not None:
             msg["prompt_logprobs"] = list(self.prompt_logprobs)
+        if self.cached_tokens is not None:
+            msg["cached_tokens"] = self.cached_tokens
         return msg
 
     @classmethod
@@ -99,6 +104,7 @@ class TokenBatch:
             if len(logprobs) != len(token_ids):
                 raise ValueError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
         prompt = msg.get("prompt_logprobs")
+        cached = msg.get("cached_tokens")
         return cls(
             request_id=msg["request_id"],
             first_index=int(msg["first_index"]),
@@ -108,6 +114,7 @@ class TokenBatch:
             finish_reason=None if reason is None else FinishReason(reason),
             logprobs=logprobs,
             prompt_logprobs=None if prompt is None else tuple(None if e is None else _token_logprob(e) for e in prompt),
+            cached_tokens=None if cached is None else int(cached),
         )
 
 
@@ -161,7 +168,8 @@ class TokenSequence:
     (greedy and seeded sampling make both owners agree, so a conflict is a bug worth seeing).
     The sequence is done once a finished batch fixed the length and every token up to it arrived.
     Log probabilities, when the request asked for them, travel and are kept beside their tokens
-    (`logprobs`), the prompt's with the first batch (`prompt_logprobs`).
+    (`logprobs`), the prompt's with the first batch (`prompt_logprobs`), and so do the prompt's
+    tokens found in the first instance's prefix cache (`cached_tokens`).
     """
 
     def __init__(self, start_index: int = 0) -> None:
@@ -174,6 +182,7 @@ class TokenSequence:
         self._pending_logprobs: dict[int, TokenLogprob] = {}
         self._delivered_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        self.cached_tokens: int | None = None
         self._length: int | None = None
         self.finish_reason: FinishReason | None = None
         self.conflicts = 0
@@ -214,6 +223,8 @@ class TokenSequence:
                     self._pending_logprobs.setdefault(batch.first_index + offset, logprob)
         if batch.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = batch.prompt_logprobs
+        if batch.cached_tokens is not None and self.cached_tokens is None:
+            self.cached_tokens = batch.cached_tokens
         if batch.finished and self._length is None:
             self._length = end
             self.finish_reason = batch.finish_reason

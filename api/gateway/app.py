@@ -21,16 +21,19 @@ from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.rate_limits import RateLimits
 from llumdask.api.gateway.routes import ROUTES, Gateway
 from llumdask.api.gateway.tokenizer import Tokenizer
+from llumdask.api.gateway.tools import ToolCalling
 from llumdask.config import GatewayConfig, load_config
 
 BackendFactory = Callable[[], AbstractAsyncContextManager[Backend]]
 
 
 def create_app(open_backend: BackendFactory, tokenizer: Tokenizer,
-               settings: GatewayConfig | None = None) -> Starlette:
+               settings: GatewayConfig | None = None, tools: ToolCalling | None = None) -> Starlette:
     """An OpenAI-compatible app serving the model of the backend that `open_backend()` opens;
-    `settings`: the ``llumdask.gateway`` section (dask.config's when None)."""
+    `settings`: the ``llumdask.gateway`` section (dask.config's when None); `tools`: how chat
+    requests with tools are read (without a tool-call parser when None: tool_choice "auto" is a 400)."""
     settings = settings if settings is not None else load_config().gateway
+    tools = tools if tools is not None else ToolCalling()
     metrics = GatewayMetrics()
 
     @asynccontextmanager
@@ -38,7 +41,7 @@ def create_app(open_backend: BackendFactory, tokenizer: Tokenizer,
         async with open_backend() as backend:
             in_flight = InFlight(settings.max_in_flight, settings.retry_after, metrics.in_flight)
             limits = RateLimits(settings.requests_per_minute, settings.tokens_per_minute)
-            yield {"gateway": Gateway(backend, tokenizer, settings, metrics, in_flight, limits)}
+            yield {"gateway": Gateway(backend, tokenizer, settings, metrics, in_flight, limits, tools)}
 
     return Starlette(
         routes=ROUTES,

@@ -66,6 +66,12 @@ class TokenBatches(Protocol):
         """The prompt's, once the first batch came (the request asked for them), else None."""
         ...
 
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the engine found in its prefix cache, once the first batch came (None:
+        not yet, or the engine does not say)."""
+        ...
+
 
 class Backend(Protocol):
     model: ModelInfo

@@ -51,6 +51,10 @@ class DaskTokenBatches:
     def prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
         return self._stream.sequence.prompt_logprobs
 
+    @property
+    def cached_tokens(self) -> int | None:
+        return self._stream.sequence.cached_tokens
+
 
 class DaskBackend:
     def __init__(self, requester: Requester, model: ModelInfo) -> None:

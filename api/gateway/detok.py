@@ -49,12 +49,15 @@ def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
 
 class IncrementalText:
     """Feed token batches with `add`, then `finish` for the rest; `text` is what was emitted.
-    `include_stop`: the text ends with the stop string found instead of just before it;
-    `skip_special_tokens`: special tokens have no text (vLLM's default)."""
+    `include_stop`: the text ends with the stop string (or stop token) found instead of just before
+    it; `skip_special_tokens`: special tokens have no text (vLLM's default); `stop_token_ids`: the
+    tokens that end the request, whose text is left out as vLLM leaves it out (the end-of-sequence
+    token shows otherwise once special tokens are kept)."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, include_stop: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, stop_token_ids: Sequence[int] = ()) -> None:
         self._stop = check_stop(stop)
+        self._stop_ids = frozenset(stop_token_ids)
         self._tokenizer = tokenizer
         self._include_stop = include_stop
         self._skip = skip_special_tokens
@@ -73,6 +76,8 @@ class IncrementalText:
     def add(self, token_ids: Sequence[int]) -> TextDelta:
         if self.stopped:
             return TextDelta("", stopped=True)
+        if token_ids and token_ids[-1] in self._stop_ids and not self._include_stop:
+            token_ids = token_ids[:-1]  # the engine ends the request at a stop token: it comes last
         self._ids.extend(token_ids)
         context = self._decode(self._ids[self._prefix : self._read])
         full = self._decode(self._ids[self._prefix :])

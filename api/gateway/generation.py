@@ -86,7 +86,8 @@ class Generation:
 
     @property
     def usage(self) -> Usage:
-        return Usage(len(self._prompt), self.num_output_tokens)
+        cached = None if self._batches is None else self._batches.cached_tokens
+        return Usage(len(self._prompt), self.num_output_tokens, cached)
 
     def logprobs(self, start: int, end: int) -> Sequence[TokenLogprob]:
         """Log probabilities of output tokens [start, end) (the request asked for them)."""
@@ -171,8 +172,9 @@ async def start_all(generations: Sequence[Generation]) -> None:
 
 
 def total_usage(generations: Sequence[Generation]) -> Usage:
-    """The prompt once, the completions of every choice."""
-    return Usage(generations[0].usage.prompt_tokens, sum(g.num_output_tokens for g in generations))
+    """The prompt once (and its cached part as the first choice found it), the completions of every choice."""
+    first = generations[0].usage
+    return Usage(first.prompt_tokens, sum(g.num_output_tokens for g in generations), first.cached_tokens)
 
 
 async def merged_deltas(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Delta | None]]:

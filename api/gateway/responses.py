@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from llumdask.api.gateway.logprobs import chat_logprobs, completion_logprobs
 from llumdask.api.gateway.tokenizer import Tokenizer
@@ -20,10 +20,26 @@ from llumdask.engine.base import TokenLogprob
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # Of the prompt tokens, those found in the engine's prefix cache (None: the engine does not say).
+    cached_tokens: int | None = None
 
-    def to_dict(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+    def to_dict(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
+
+
+class Choice(NamedTuple):
+    """One choice of a whole response."""
+
+    # None: a chat answer that is only tool calls.
+    text: str | None
+    finish_reason: str | None
+    logprobs: dict | None = None
+    # OpenAI's message.tool_calls (chat only).
+    tool_calls: Sequence[dict[str, Any]] = ()
 
 
 @dataclass(frozen=True)
@@ -41,9 +57,9 @@ class ResponseFormat(ABC):
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def body(self, choices: list[tuple[str, str | None, dict | None]], usage: Usage) -> dict[str, Any]:
-        """The whole response: one (text, finish reason, logprobs) per choice, in index order."""
-        body = self._envelope(self.object, [self._choice(i, *choice) for i, choice in enumerate(choices)])
+    def body(self, choices: Sequence[Choice], usage: Usage) -> dict[str, Any]:
+        """The whole response, its choices in index order."""
+        body = self._envelope(self.object, [self._choice(i, choice) for i, choice in enumerate(choices)])
         body["usage"] = usage.to_dict()
         return body
 
@@ -69,7 +85,7 @@ class ResponseFormat(ABC):
         return chunk
 
     @abstractmethod
-    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]: ...
+    def _choice(self, index: int, choice: Choice) -> dict[str, Any]: ...
 
     @abstractmethod
     def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]: ...
@@ -83,11 +99,12 @@ class CompletionFormat(ResponseFormat):
                  text_offset: int) -> dict[str, Any]:
         return completion_logprobs(tokenizer, token_ids, entries, text_offset)
 
-    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    def _choice(self, index: int, choice: Choice) -> dict[str, Any]:
+        return {"index": index, "text": choice.text or "", "logprobs": choice.logprobs,
+                "finish_reason": choice.finish_reason}
 
     def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
-        return self._choice(index, text or "", finish_reason, logprobs)
+        return self._choice(index, Choice(text, finish_reason, logprobs))
 
 
 class ChatFormat(ResponseFormat):
@@ -98,9 +115,18 @@ class ChatFormat(ResponseFormat):
                  text_offset: int) -> dict[str, Any]:
         return chat_logprobs(tokenizer, token_ids, entries)
 
-    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+    def _choice(self, index: int, choice: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if choice.tool_calls:
+            message["tool_calls"] = list(choice.tool_calls)
+        return {"index": index, "message": message, "logprobs": choice.logprobs, "finish_reason": choice.finish_reason}
+
+    def tool_chunk(self, index: int, text: str | None, calls: Sequence[dict[str, Any]],
+                   logprobs: dict | None = None) -> dict[str, Any]:
+        """A chunk with tool call deltas (OpenAI's delta.tool_calls), and text where the model wrote some."""
+        chunk = self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs)])
+        chunk["choices"][0]["delta"]["tool_calls"] = list(calls)
+        return chunk
 
     def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
         delta = {} if text is None else {"content": text}

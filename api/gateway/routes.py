@@ -23,11 +23,12 @@ import llumdask
 from llumdask.api.gateway.backend import Backend
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
 from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
+from llumdask.api.gateway.fim import fim_prompt
 from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.generation import Generation, InFlight, merged_deltas, start_all, total_usage
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.rate_limits import ANONYMOUS, Charge, RateLimited, RateLimits
-from llumdask.api.gateway.responses import ChatFormat, CompletionFormat, ResponseFormat
+from llumdask.api.gateway.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
 from llumdask.api.gateway.schemas import (
     MAX_SEED,
     GenerationOptions,
@@ -39,6 +40,7 @@ from llumdask.api.gateway.schemas import (
 )
 from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
 from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer, stop_token_ids
+from llumdask.api.gateway.tools import ToolCalling, ToolReader
 from llumdask.config import GatewayConfig
 from llumdask.request import Priority, SamplingParams, new_request_id
 
@@ -59,6 +61,7 @@ class Gateway:
     metrics: GatewayMetrics
     in_flight: InFlight
     rate_limits: RateLimits
+    tools: ToolCalling
 
 
 Handler = Callable[[Request, Gateway], Awaitable[Response]]
@@ -91,7 +94,9 @@ def endpoint(name: str, handler: Handler) -> Callable[[Request], Awaitable[Respo
 async def completions(request: Request, gateway: Gateway) -> Response:
     parsed = parse_completion(await read_json(request, gateway.settings.max_body_bytes))
     check_model(gateway.backend, parsed.options.model)
-    if isinstance(parsed.prompt, str):
+    if parsed.suffix is not None:
+        prompt_ids = gateway.tokenizer.encode(fill_in_the_middle(gateway.tokenizer, parsed.prompt, parsed.suffix))
+    elif isinstance(parsed.prompt, str):
         prompt_ids = gateway.tokenizer.encode(parsed.prompt)
     else:
         prompt_ids = list(parsed.prompt)
@@ -104,25 +109,47 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     return await generate(request, gateway, "completions", fmt, request_id, prompt_ids, parsed.options, echo)
 
 
+def fill_in_the_middle(tokenizer: Tokenizer, prompt: str | Sequence[int], suffix: str) -> str:
+    """The FIM prompt for a completion between `prompt` and `suffix`; 400 where there is none."""
+    if not isinstance(prompt, str):
+        raise InvalidRequest("suffix needs a text prompt", param="suffix", code="invalid_value")
+    text = fim_prompt(tokenizer, prompt, suffix)
+    if text is None:
+        raise InvalidRequest("suffix needs a model trained to fill in the middle (FIM tokens such as "
+                             "<fim_prefix>); this model has none", param="suffix", code="unsupported_parameter")
+    return text
+
+
 async def chat_completions(request: Request, gateway: Gateway) -> Response:
     parsed = parse_chat(await read_json(request, gateway.settings.max_body_bytes))
     check_model(gateway.backend, parsed.options.model)
+    options, use, readers = parsed.options, parsed.tools, None
+    if use is not None and use.reads_calls:
+        schema, keep_special, readers = await gateway.tools.readers(use, options.best_of)
+        if schema is not None:  # tool_choice overrides response_format, as in vLLM
+            sampling = {k: v for k, v in options.sampling.items() if k not in ("json_schema", "json_object")}
+            options = replace(options, sampling={**sampling, "json_schema": schema})
+        if keep_special:
+            options = replace(options, skip_special_tokens=False)
     try:
-        text = gateway.tokenizer.render_chat(parsed.messages)
+        text = gateway.tokenizer.render_chat(parsed.messages, tools=use.tools if use is not None else None)
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), param="messages", code="invalid_value") from None
     prompt_ids = gateway.tokenizer.encode(text, add_special_tokens=False)
     request_id = new_request_id()
     fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), gateway.backend.model.name)
-    return await generate(request, gateway, "chat_completions", fmt, request_id, prompt_ids, parsed.options)
+    return await generate(request, gateway, "chat_completions", fmt, request_id, prompt_ids, options,
+                          readers=readers)
 
 
 async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseFormat, request_id: str,
-                   prompt_ids: list[int], options: GenerationOptions, echo: str | None = None) -> Response:
+                   prompt_ids: list[int], options: GenerationOptions, echo: str | None = None,
+                   readers: Sequence[ToolReader] | None = None) -> Response:
     """The response's id carries `request_id`, the cluster's name for the request (an operator
     migrates or inspects it by that name); with several choices, choice i > 0 is `request_id-i`.
     best_of > n generates best_of and returns the n with the highest log probability per token.
-    `echo`: the prompt's text, to come first in every choice (and its tokens in the logprobs)."""
+    `echo`: the prompt's text, to come first in every choice (and its tokens in the logprobs).
+    `readers`: one per generation, reading its answer as tool calls (chat with tools)."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
     sampling = sampling_params(gateway, options, len(prompt_ids))
@@ -133,7 +160,8 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                               prompt_ids, choice_sampling(sampling, i), priority,
                               IncrementalText(gateway.tokenizer, options.stop,
                                               include_stop=options.include_stop_str_in_output,
-                                              skip_special_tokens=options.skip_special_tokens),
+                                              skip_special_tokens=options.skip_special_tokens,
+                                              stop_token_ids=sampling.stop_token_ids),
                               gateway.settings.retry_after)
                    for i in range(options.best_of)]
     gateway.in_flight.acquire(len(generations))
@@ -153,7 +181,7 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                     gateway.metrics.error("client_disconnected")
                 await finish(gateway, generations, charge)
 
-            events = stream_events(request, gateway, fmt, generations, prompt_ids, options, echo)
+            events = stream_events(request, gateway, fmt, generations, prompt_ids, options, echo, readers)
             return EventStreamResponse(events, on_close)  # owns the generations and the slots from here
 
         async def texts() -> list[str]:
@@ -165,29 +193,33 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
         raise
     await finish(gateway, generations, charge)
     body = []
-    for text, g in best(options.n, choices, generations):
+    for i in best(options.n, generations):
+        g, text = generations[i], choices[i]
         logprobs = None
         if options.logprobs is not None:
             ids, entries = g.token_ids, g.logprobs(0, g.num_output_tokens)
             if echo is not None:
                 ids, entries = [*prompt_ids, *ids], [*g.prompt_logprobs, *entries]
             logprobs = fmt.logprobs(gateway.tokenizer, ids, entries, 0)
-        body.append((text if echo is None else echo + text, g.finish_reason, logprobs))
+        if readers is not None:
+            answer = readers[i].whole(text)
+            body.append(Choice(answer.content, readers[i].finish_reason(g.finish_reason), logprobs, answer.calls))
+        else:
+            body.append(Choice(text if echo is None else echo + text, g.finish_reason, logprobs))
     return JSONResponse(fmt.body(body, total_usage(generations)))
 
 
-def best(n: int, texts: Sequence[str], generations: Sequence[Generation]) -> list[tuple[str, Generation]]:
-    """The n of (text, generation) with the highest mean log probability per token, best first
-    (all of them, in order, when there are only n)."""
-    pairs = list(zip(texts, generations))
-    if len(pairs) == n:
-        return pairs
+def best(n: int, generations: Sequence[Generation]) -> list[int]:
+    """The indices of the n generations with the highest mean log probability per token, best
+    first (all of them, in order, when there are only n)."""
+    if len(generations) == n:
+        return list(range(n))
 
-    def per_token(pair: tuple[str, Generation]) -> float:
-        g = pair[1]
+    def per_token(i: int) -> float:
+        g = generations[i]
         return sum(e.logprob for e in g.logprobs(0, g.num_output_tokens)) / max(1, g.num_output_tokens)
 
-    return sorted(pairs, key=per_token, reverse=True)[:n]
+    return sorted(range(len(generations)), key=per_token, reverse=True)[:n]
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -211,11 +243,12 @@ async def finish(gateway: Gateway, generations: Sequence[Generation], charge: Ch
 
 
 async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat, generations: Sequence[Generation],
-                        prompt_ids: Sequence[int], options: GenerationOptions,
-                        echo: str | None) -> AsyncGenerator[bytes, None]:
+                        prompt_ids: Sequence[int], options: GenerationOptions, echo: str | None,
+                        readers: Sequence[ToolReader] | None) -> AsyncGenerator[bytes, None]:
     """Each choice's chunks: its opening, its echoed prompt (with the first tokens: the prompt's
     log probabilities come with them), a chunk per token batch with those tokens' log
-    probabilities, its finish; then the usage if asked for."""
+    probabilities, its finish; then the usage if asked for. Read as tool calls (`readers`), a
+    batch's chunk carries what the reader made of it: text, call deltas, or nothing yet."""
     wanted = options.logprobs is not None
     sent = [0] * len(generations)  # characters each choice has shown: its next text offset
     for index in range(len(generations)):
@@ -235,10 +268,25 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
                 echoed.add(index)
                 yield chunk(index, echo, prompt_ids, g.prompt_logprobs if wanted else ())
             if delta is None:
-                yield event(fmt.final_chunk(index, g.finish_reason))
-            else:
-                entries = g.logprobs(delta.start, delta.end) if wanted else ()
-                yield chunk(index, delta.text, g.token_ids[delta.start:delta.end], entries)
+                finish_reason = g.finish_reason
+                if readers is not None:
+                    last = readers[index].last()
+                    if last:
+                        yield event(fmt.tool_chunk(index, None, [c.to_dict() for c in last]))  # type: ignore[attr-defined]
+                    finish_reason = readers[index].finish_reason(finish_reason)
+                yield event(fmt.final_chunk(index, finish_reason))
+                continue
+            entries = g.logprobs(delta.start, delta.end) if wanted else ()
+            token_ids = g.token_ids[delta.start:delta.end]
+            if readers is None:
+                yield chunk(index, delta.text, token_ids, entries)
+                continue
+            content, calls = readers[index].delta(delta.text, token_ids)
+            if calls:
+                logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, 0) if wanted else None
+                yield event(fmt.tool_chunk(index, content, [c.to_dict() for c in calls], logprobs))  # type: ignore[attr-defined]
+            elif content is not None:
+                yield chunk(index, content, token_ids, entries)
         if options.include_usage:
             yield event(fmt.usage_chunk(total_usage(generations)))
     except APIError as exc:

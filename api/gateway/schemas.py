@@ -1,8 +1,8 @@
 """OpenAI request bodies -> validated, typed requests; every problem is a 400 naming the field.
 
-Fields OpenAI defines that this server cannot honour (tools, suffix) are refused
-with a 400 rather than silently ignored: a client relying on them would otherwise get a different
-answer than it asked for. Fields not listed anywhere (``user``, ``metadata``) are ignored, as
+What a request asks for and the model cannot do (a suffix without fill-in-the-middle tokens, tools
+on the sim engine) is refused with a 400 rather than silently ignored: a client relying on it would
+otherwise get a different answer than it asked for. Fields not listed anywhere (``user``, ``metadata``) are ignored, as
 OpenAI-compatible servers commonly do. Extensions also accepted by vLLM's server (clients send
 them through ``extra_body``): ``stop_token_ids``, ``ignore_eos``, ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``;
@@ -14,25 +14,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from llumdask.api.gateway.detok import check_stop
 from llumdask.api.gateway.errors import InvalidRequest
+from llumdask.api.gateway.json_schema import check_schema
+from llumdask.api.gateway.tools import ToolUse, assistant_calls, parse_tool_use
 from llumdask.request import MAX_LOGPROBS, Priority, SamplingParams
 
 MAX_SEED = (1 << 63) - 1
 # OpenAI's bound on choices per request.
 MAX_CHOICES = 128
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-
-# field -> (is the value the harmless default?, what to say when it is not)
-_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "suffix": (lambda v: v in (None, ""), "suffix is not supported"),
-    "tools": (lambda v: not v, "tools are not supported"),
-    "functions": (lambda v: not v, "functions are not supported"),
-}
 
 # Sampling options passed to the engine as given: name -> the JSON type it must have.
 SAMPLING_OPTIONS: dict[str, str] = {
@@ -81,13 +76,18 @@ class CompletionRequest:
     options: GenerationOptions
     # Text, or token ids given directly.
     prompt: str | tuple[int, ...]
+    # The text that comes after the completion (fill in the middle); None for none.
+    suffix: str | None = None
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     options: GenerationOptions
-    # {"role": str, "content": str} (content parts joined), plus "name" where given.
-    messages: tuple[dict[str, str], ...]
+    # {"role": str, "content": str} (content parts joined), plus "name", an assistant's
+    # "tool_calls" (arguments as objects) and a tool's "tool_call_id" where given.
+    messages: tuple[dict[str, Any], ...]
+    # The tools offered, None for none.
+    tools: ToolUse | None = None
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -95,20 +95,20 @@ def parse_completion(body: Any) -> CompletionRequest:
     logprobs = _int(body, "logprobs", minimum=0, maximum=MAX_LOGPROBS) if body.get("logprobs") is not None else None
     options = _options(body, max_tokens_default=16, max_tokens_fields=("max_tokens",), logprobs=logprobs,
                        echo=_bool(body, "echo", False))
-    return CompletionRequest(options, _prompt(body))
+    suffix = _str(body, "suffix") if body.get("suffix") is not None else None
+    return CompletionRequest(options, _prompt(body), suffix or None)
 
 
 def parse_chat(body: Any) -> ChatRequest:
     body = _object(body)
-    if body.get("tool_choice") not in (None, "none"):
-        raise InvalidRequest("tool_choice is not supported", param="tool_choice", code="unsupported_parameter")
+    tools = parse_tool_use(body)
     top = _int(body, "top_logprobs", minimum=0, maximum=MAX_LOGPROBS) if body.get("top_logprobs") is not None else None
     wanted = _bool(body, "logprobs", False)
     if top is not None and not wanted:
         raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
     options = _options(body, max_tokens_default=None, max_tokens_fields=("max_completion_tokens", "max_tokens"),
                        logprobs=(top or 0) if wanted else None, echo=False)
-    return ChatRequest(options, _messages(body))
+    return ChatRequest(options, _messages(body), tools)
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class TokenizeRequest:
 
     model: str | None
     prompt: str | None
-    messages: tuple[dict[str, str], ...] | None
+    messages: tuple[dict[str, Any], ...] | None
     add_special_tokens: bool
     add_generation_prompt: bool
     return_token_strs: bool
@@ -160,9 +160,6 @@ def _object(body: Any) -> Mapping[str, Any]:
 
 def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tokens_fields: tuple[str, ...],
              logprobs: int | None, echo: bool) -> GenerationOptions:
-    for name, (is_default, message) in _UNSUPPORTED.items():
-        if not is_default(body.get(name)):
-            raise InvalidRequest(message, param=name, code="unsupported_parameter")
     model = body.get("model")
     if model is None:
         raise InvalidRequest("you must provide a model parameter", param="model", code="missing_required_parameter")
@@ -222,13 +219,7 @@ def _response_format(value: Any) -> dict[str, Any]:
     schema = spec.get("schema")
     if not isinstance(schema, Mapping):
         raise _wrong_type("response_format.json_schema.schema", "an object", schema)
-    from jsonschema import SchemaError, validators
-
-    try:
-        validators.validator_for(schema).check_schema(schema)
-    except SchemaError as exc:
-        raise InvalidRequest(f"response_format.json_schema.schema is not a valid JSON schema: {exc.message}",
-                             param="response_format.json_schema.schema", code="invalid_value") from None
+    check_schema(schema, "response_format.json_schema.schema")
     return {"json_schema": json.dumps(schema)}
 
 
@@ -309,7 +300,7 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     raise _wrong_type("prompt", "a string or a list of token ids", prompt)
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
+def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages")
     if messages is None:
         raise InvalidRequest("you must provide messages", param="messages", code="missing_required_parameter")
@@ -320,18 +311,26 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
     return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
 
 
-def _message(message: Any, param: str) -> dict[str, str]:
+def _message(message: Any, param: str) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise _wrong_type(param, "an object", message)
     role = message.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise InvalidRequest(f"{param}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}",
                              param=f"{param}.role", code="invalid_value")
-    if message.get("tool_calls") or message.get("function_call"):
-        raise InvalidRequest("tool calls are not supported", param=f"{param}.tool_calls", code="unsupported_parameter")
-    out = {"role": role, "content": _content(message.get("content"), role, f"{param}.content")}
+    if message.get("function_call"):
+        raise InvalidRequest("function_call is deprecated by OpenAI; send tool_calls", param=f"{param}.function_call",
+                             code="unsupported_parameter")
+    out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), role, f"{param}.content")}
     if message.get("name") is not None:
         out["name"] = _str(message, "name", param=f"{param}.name")
+    if message.get("tool_calls"):
+        if role != "assistant":
+            raise InvalidRequest("only assistant messages carry tool_calls", param=f"{param}.tool_calls",
+                                 code="invalid_value")
+        out["tool_calls"] = assistant_calls(message["tool_calls"], f"{param}.tool_calls")
+    if role == "tool":
+        out["tool_call_id"] = _str(message, "tool_call_id", param=f"{param}.tool_call_id")
     return out
 
 

@@ -41,13 +41,18 @@ class Tokenizer(Protocol):
         """Text of `token_ids`, special tokens left out unless asked for."""
         ...
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`, ending where the assistant's reply starts (or, without
-        the generation prompt, where the last message ends)."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The prompt text for `messages` (and the `tools` offered, OpenAI's shape), ending where
+        the assistant's reply starts (or, without the generation prompt, where the last message ends)."""
         ...
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Each token id's own vocabulary entry (byte-level pieces as the tokenizer spells them)."""
+        ...
+
+    def has_token(self, text: str) -> bool:
+        """`text` is one entry of the vocabulary (added tokens included)."""
         ...
 
 
@@ -93,13 +98,18 @@ class FastTokenizer:
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [self._tokenizer.id_to_token(t) or "" for t in token_ids]
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def has_token(self, text: str) -> bool:
+        return self._tokenizer.token_to_id(text) is not None
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         from jinja2 import TemplateError
 
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         tools=list(tools) if tools else None,
                                          **{k: v or "" for k, v in self._special.items()})
         except TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
@@ -136,11 +146,15 @@ class TransformersTokenizer:
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [t or "" for t in self._tokenizer.convert_ids_to_tokens(list(token_ids))]
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def has_token(self, text: str) -> bool:
+        return text in self._tokenizer.get_vocab()
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
         if not self._tokenizer.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
-            return self._tokenizer.apply_chat_template(list(messages), tokenize=False,
+            return self._tokenizer.apply_chat_template(list(messages), tokenize=False, tools=list(tools) if tools else None,
                                                        add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja2 and transformers raise several kinds for a bad conversation
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
@@ -218,7 +232,8 @@ def _token_text(value: Any) -> str | None:
 
 
 def _compile_template(source: Any):
-    """Compile a chat template as transformers does: sandboxed, trim/lstrip blocks, raise_exception."""
+    """Compile a chat template as transformers does: sandboxed, trim/lstrip blocks, raise_exception,
+    and its `tojson` (plain JSON, not jinja's HTML-escaped one: templates render tools with it)."""
     if isinstance(source, list):  # several named templates: use "default"
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
     if not isinstance(source, str):
@@ -230,5 +245,10 @@ def _compile_template(source: Any):
         raise TemplateError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     return env.from_string(source)

@@ -31,7 +31,9 @@ class TokenOutput(NamedTuple):
     """New tokens of one request from one step. `first_index` is the position of
     `token_ids[0]` in the request's output: the sequence number the frontend orders by.
     `logprobs` is one entry per token when the request asked for them; `prompt_logprobs` one
-    per prompt token (None for the first, which nothing predicts), on the request's first output.
+    per prompt token (None for the first, which nothing predicts), on the request's first output;
+    `cached_tokens`, on the first output too, the prompt tokens the engine found in its prefix
+    cache (None: the engine does not say).
 
     A named tuple rather than a frozen dataclass: one is made per request per step, the most
     made object of a simulation, and a tuple is built several times faster."""
@@ -43,6 +45,7 @@ class TokenOutput(NamedTuple):
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,20 @@ def test_logprobs_cross_the_wire_beside_their_tokens():
     assert seq.prompt_logprobs == prompt and seq.logprobs(1, 2) == [logprob_at(1)]
 
 
+def test_the_prompts_cached_tokens_cross_the_wire_with_the_first_batch():
+    import msgpack
+
+    first = TokenBatch("r", 0, (4,), "a", cached_tokens=32)
+    assert TokenBatch.from_msg(msgpack.unpackb(msgpack.packb(first.to_msg()))) == first
+    assert "cached_tokens" not in TokenBatch("r", 1, (5,), "a").to_msg()
+    seq = TokenSequence()
+    seq.add(TokenBatch("r", 1, (5,), "b"))
+    assert seq.cached_tokens is None
+    seq.add(first)
+    seq.add(TokenBatch("r", 0, (4,), "c", cached_tokens=0))  # a duplicate from elsewhere changes nothing
+    assert seq.cached_tokens == 32
+
+
 def test_listener_receives_pushed_tokens_in_order_over_a_real_connection():
     async def main():
         listener = await TokenListener().start()

@@ -59,6 +59,10 @@ class ScriptedBatches:
             return None
         return [None] + [fake_logprob(t, 100 + i, top) for i, t in enumerate(self._prompt[1:])]
 
+    @property
+    def cached_tokens(self) -> int | None:
+        return self._backend.cached_tokens if self._tokens else None
+
     async def __aiter__(self) -> AsyncIterator[list[int]]:
         b = self._backend
         emitted = 0
@@ -95,6 +99,8 @@ class FakeBackend:
     # Wait forever after this many tokens (a long request), or fail mid-stream.
     stall_after: int | None = None
     fail_after: int | None = None
+    # What the engine reports of its prefix cache (None: nothing, as the sim engine).
+    cached_tokens: int | None = None
     submitted: list[Submitted] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     # Set (from the server's loop) when a request reached stall_after; tests wait on it from theirs.

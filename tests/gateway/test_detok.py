@@ -72,3 +72,15 @@ def test_special_tokens_show_when_asked(tokenizer):
     shown = IncrementalText(tokenizer, skip_special_tokens=False)
     text = shown.add(tokens).text + shown.finish().text
     assert text == tokenizer.decode(tokens, skip_special_tokens=False) != tokenizer.decode(tokens)
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_the_stop_token_has_no_text_unless_asked_as_in_vllm(tokenizer, include_stop):
+    """vLLM leaves the token that ended the request out of the text (special tokens kept or not)."""
+    words = tokenizer.encode("Hi there", add_special_tokens=False)
+    ender = tokenizer.encode(" world", add_special_tokens=False)[-1]
+    for stop_id, skip in ((tokenizer.eos_token_id, False), (ender, True)):
+        text = IncrementalText(tokenizer, skip_special_tokens=skip, stop_token_ids=[stop_id], include_stop=include_stop)
+        shown = text.add(words[:1]).text + text.add([*words[1:], stop_id]).text + text.finish().text
+        expected = words + [stop_id] if include_stop else words
+        assert shown == tokenizer.decode(expected, skip_special_tokens=skip)

@@ -118,7 +118,7 @@ def test_stop_token_finishes_with_stop(client, backend, script, tokenizer):
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert r.json()["usage"]["completion_tokens"] == 4  # the stop token counts, as in vLLM
-    assert choice["text"] == tokenizer.decode(script[:4])
+    assert choice["text"] == tokenizer.decode(script[:3])  # and has no text, as in vLLM
 
 
 def test_stop_string_cuts_the_text_and_aborts_the_rest(client, backend):
@@ -445,3 +445,19 @@ def test_stop_strings_can_stay_in_the_text(client):
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 30, "stop": ["fox"],
                                              "include_stop_str_in_output": True})
     assert r.json()["choices"][0]["text"] == "The quick brown fox"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_reports_the_prompts_cached_tokens_where_the_engine_says(client, backend, stream):
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 3, "n": 2, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+
+    def usage() -> dict:
+        r = client.post("/v1/completions", json=body)
+        return sse_payloads(r)[-1]["usage"] if stream else r.json()["usage"]
+
+    assert "prompt_tokens_details" not in usage()  # the engine says nothing (the sim engine does not)
+    backend.cached_tokens = 16
+    assert usage() == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
+                       "prompt_tokens_details": {"cached_tokens": 16}}

@@ -292,21 +292,22 @@ LONG_STREAM = 300  # tokens: several seconds on the real-time sim engine, time t
 
 
 class LiveStream:
-    """A long greedy SSE completion stream, read a chunk at a time."""
+    """A long greedy SSE completion stream (or the stream of another body), read a chunk at a time."""
 
-    def __init__(self, server: Server, prompt: str) -> None:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": LONG_STREAM, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+    def __init__(self, server: Server, prompt: str, body: dict | None = None, path: str = "/v1/completions") -> None:
+        body = body or {"model": MODEL, "prompt": prompt, "max_tokens": LONG_STREAM, "temperature": 0, "stream": True,
+                        "ignore_eos": True}
         self._http = httpx.Client(timeout=60)
         self._response = self._http.send(
-            self._http.build_request("POST", f"{server.url}/v1/completions", json=body, headers=server.auth),
+            self._http.build_request("POST", f"{server.url}{path}", json=body, headers=server.auth),
             stream=True)
         assert self._response.status_code == 200
         self._lines = self._response.iter_lines()
         self.texts: list[str] = []
+        self.usage: dict | None = None  # the usage chunk's, when the body asks for it
         first = self._next_chunk()
         assert first is not None
-        self.request_id = first["id"].removeprefix("cmpl-")  # the cluster's name for the request
+        self.request_id = first["id"].split("-", 1)[1]  # the cluster's name for the request
 
     def _next_chunk(self) -> dict | None:
         """The next data chunk (its text kept), or None at [DONE]; a broken stream fails the test."""
@@ -315,7 +316,9 @@ class LiveStream:
                 return None
             if line.startswith("data: "):
                 chunk = json.loads(line[6:])
-                self.texts.extend(c["text"] for c in chunk["choices"])
+                self.usage = chunk.get("usage") or self.usage
+                self.texts.extend(c["text"] if "text" in c else c["delta"].get("content") or ""
+                                  for c in chunk["choices"])
                 return chunk
         raise AssertionError("the stream ended without [DONE]")
 
@@ -453,7 +456,8 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory):
     cache = tmp_path_factory.mktemp("vllm-cache")
     model = build_tiny_model(cache / "llumdask" / "tiny-llama")
     with (tmp_path_factory.mktemp("log") / "serve-vllm.log").open("w+") as log:
-        options = ["--dashboard-address", "127.0.0.1:0", "--model", str(model), "--served-model-name", MODEL]
+        options = ["--dashboard-address", "127.0.0.1:0", "--model", str(model), "--served-model-name", MODEL,
+                   "--tool-call-parser", "hermes"]
         server = start_serve(options, cache, log, budget=VLLM_STARTUP_BUDGET)
         log.seek(0)
         server = replace(server, log=log.read())
@@ -552,3 +556,87 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
     assert "".join(c.choices[0].text for c in chunks if c.choices) == server.tokenizer.decode(expected[1])
     assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == server.tokenizer.decode(expected[2])
     assert expected[2] != expected[3]  # the options changed what greedy decoding picks
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.vllm
+def test_a_tool_call_round_trip_through_the_openai_client_on_vllm(vllm_server):
+    """required and a named function constrain the tiny model's answer into calls (whole and
+    streamed); the call and its result go back as messages, and "auto" (vLLM's hermes parser)
+    returns the model's free answer as text: the same tokens as with the tools not read."""
+    client = vllm_server.openai()
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    parameters = WEATHER["function"]["parameters"]
+    # (A random model may write whitespace within a grammar for a long while: this prompt closes in ~150 tokens.)
+    required = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
+                                              max_tokens=300, temperature=0).choices[0]
+    assert required.finish_reason == "tool_calls" and not required.message.content
+    [call] = required.message.tool_calls
+    assert call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
+                                                max_tokens=300, temperature=0, stream=True):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed.setdefault(delta.index, []).append((delta.function.name or "") + "|" + (delta.function.arguments or ""))
+    assert streamed == {0: [f"get_weather|{call.function.arguments}"]}
+    named = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], max_tokens=300, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(named.choices[0].message.tool_calls[0].function.arguments), parameters)
+    conversation = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                         "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees"}]
+    answers = [client.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER], tool_choice=choice,
+                                              max_tokens=12, temperature=0)
+               for choice in ("auto", "none")]
+    auto, plain = (a.choices[0] for a in answers)
+    assert auto.message.tool_calls is None and auto.finish_reason == plain.finish_reason
+    assert auto.message.content == plain.message.content
+    usage = [(a.usage.prompt_tokens, a.usage.completion_tokens) for a in answers]
+    assert usage[0] == usage[1] and usage[0][0] > 128  # the tools and the call were rendered
+    # vLLM's prefix cache: reported for every request, block-aligned (128 tokens on CPU).
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
+    assert all(c % 128 == 0 and 0 <= c < usage[0][0] for c in cached)
+
+
+@pytest.mark.vllm
+def test_on_vllm_tools_auto_migrates_exactly_and_a_pinned_request_outlives_its_instance(vllm_server):
+    """Last in the module: it kills an instance. A chat stream with tools read by the hermes parser
+    moves mid-stream and its text equals an unmigrated run's; a pinned request (presence penalty:
+    vLLM counts it where the request runs) whose instance is killed is resubmitted with its tokens
+    and finishes, its text up to the kill unchanged (its continuation restarts the counts: documented)."""
+    from distributed import Client
+
+    from llumdask.api.client import connect
+
+    server = vllm_server
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about Paris"}], "tools": [WEATHER],
+            "max_tokens": LONG_STREAM, "temperature": 0, "ignore_eos": True}
+    unmigrated = httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers=server.auth, timeout=120).json()
+    pinned = {"model": MODEL, "prompt": "A pinned stream", "max_tokens": LONG_STREAM, "temperature": 0,
+              "presence_penalty": 0.5, "ignore_eos": True}
+    unkilled = httpx.post(f"{server.url}/v1/completions", json=pinned, headers=server.auth, timeout=120).json()
+    with Client(server.scheduler, timeout=30) as client, connect(client) as llum:
+        before = llum.instances().migrations["committed"]
+        stream = LiveStream(server, "", {**chat, "stream": True}, "/v1/chat/completions")
+        _, destination = owner_of_the_only_request(client)
+        llum.migrate(stream.request_id, destination)
+        assert stream.read_to_end() == unmigrated["choices"][0]["message"]["content"]
+        assert llum.instances().migrations["committed"] == before + 1
+        wait_until_clean(client)
+        stream = LiveStream(server, "", {**pinned, "stream": True, "stream_options": {"include_usage": True}})
+        victim, _ = owner_of_the_only_request(client)
+        stream.read(5)
+        seen = "".join(stream.texts)
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        text = stream.read_to_end()
+    expected = unkilled["choices"][0]["text"]
+    assert text.startswith(seen) and expected.startswith(seen) and len(text) > len(seen)
+    assert stream.usage["completion_tokens"] == LONG_STREAM  # finished elsewhere, nothing lost

@@ -135,3 +135,22 @@ def test_fast_path_matches_transformers(tiny_model, tokenizer):
     assert tokenizer.encode(text) == reference.encode(text)
     assert tokenizer.decode(tokenizer.encode(text)) == reference.decode(reference.encode(text))
     assert tokenizer.eos_token_id == reference.eos_token_id and tokenizer.vocab_size == reference.vocab_size
+
+
+@pytest.mark.slow
+def test_tools_and_tool_calls_render_as_transformers_renders_them(tiny_model, tokenizer):
+    """The tiny model's template with tools, an earlier call and its result; `tojson` as
+    transformers defines it (jinja's own would HTML-escape the JSON)."""
+    PreTrainedTokenizerFast = pytest.importorskip("transformers").PreTrainedTokenizerFast
+
+    reference = TransformersTokenizer(PreTrainedTokenizerFast.from_pretrained(str(tiny_model)))
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Find <things> & 'stuff' \u00e9",
+                                               "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    conversation = [{"role": "user", "content": "Find cats"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": {"q": "cats"}}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "3 cats"}]
+    rendered = tokenizer.render_chat(conversation, tools=tools)
+    assert rendered == reference.render_chat(conversation, tools=tools)
+    assert "<things> & 'stuff' \u00e9" in rendered and '<tool_call>{"name": "lookup", "arguments": {"q": "cats"}}' in rendered
+    assert tokenizer.render_chat(conversation[:1], tools=None) == reference.render_chat(conversation[:1])

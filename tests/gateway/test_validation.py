@@ -97,7 +97,7 @@ CASES = [
      "messages[0].content", "string"),
     ("image part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      400, "unsupported_parameter", "messages[0].content[0]", "only text"),
-    ("tools", CHAT, chat(tools=[{"type": "function"}]), 400, "unsupported_parameter", "tools", "tools"),
+    ("tool without a function", CHAT, chat(tools=[{"type": "function"}]), 400, "invalid_value", "tools[0]", "must be"),
     ("response_format unknown", CHAT, chat(response_format={"type": "xml"}), 400, "invalid_value",
      "response_format.type", "'xml'"),
     ("response_format not an object", C, ok(response_format="json"), 400, "invalid_type", "response_format", "object"),

@@ -208,3 +208,15 @@ def test_tokens_match_plain_vllm(vllm_engine, tiny_model, engine_args) -> None:
         vllm_engine.add_request(r)
     run_to_completion(vllm_engine)
     assert [r.output_token_ids for r in requests] == plain
+
+
+def test_the_first_output_reports_the_prompt_tokens_found_in_the_prefix_cache(vllm_engine) -> None:
+    """vLLM's num_cached_tokens, on the first output only: none the first time, the full blocks
+    of the prompt (never its last token) the second time."""
+    firsts = []
+    for name in ("cold", "warm"):
+        vllm_engine.add_request(make_request(name, prompt_len=300, max_tokens=3, offset=11))
+        stream = run_to_completion(vllm_engine)[name]
+        firsts.append(stream[0].cached_tokens)
+        assert all(o.cached_tokens is None for o in stream[1:])
+    assert firsts == [0, 256]  # two blocks of 128

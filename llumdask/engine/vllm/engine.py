@@ -590,7 +590,9 @@ class VllmEngine:
             del self._internal_ids[request.request_id]
         if not new_tokens and not output.finished:
             return None
-        logprobs = prompt_logprobs = None
+        logprobs = prompt_logprobs = cached = None
+        if first_index == 0:
+            cached = output.num_cached_tokens or 0
         if request.sampling.logprobs is not None:
             logprobs = tuple(_logprob(position, token, request.sampling.logprobs)
                              for position, token in zip(completion.logprobs, new_tokens))
@@ -599,7 +601,7 @@ class VllmEngine:
             prompt_logprobs = tuple(None if position is None else _logprob(position, token, request.sampling.prompt_logprobs)
                                     for position, token in zip(output.prompt_logprobs, prompt))
         return TokenOutput(request.request_id, first_index, new_tokens, output.finished, finish_reason,
-                           logprobs, prompt_logprobs)
+                           logprobs, prompt_logprobs, cached)
 
     # ------------------------------------------------------------------ load
     def _holders(self) -> Iterator[tuple[Request, int, bool]]:

@@ -1,0 +1,197 @@
+"""Tool calling through the gateway over a scripted backend: what reaches the engine (the prompt
+with the tools rendered, the constraining schema), and the scripted answer read back as calls by
+vLLM's own parser and schema, whole and streamed. The real engine's round trip is in test_serve.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gatewayfakes import MODEL, FakeBackend
+from test_routes import sse_payloads
+
+from llumdask.api.gateway import ModelInfo
+from llumdask.api.gateway.tools import ToolCalling
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture
+def backend(script: list[int]) -> FakeBackend:
+    """Room for the tools in the prompt."""
+    return FakeBackend(ModelInfo(MODEL, 4096), script)
+
+
+def chat(client, **body):
+    return client.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 200, **body})
+
+
+def tool_deltas(chunks: list[dict]) -> dict[int, dict]:
+    """The streamed tool calls assembled by index, as OpenAI's clients assemble them."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in (chunk["choices"][0]["delta"].get("tool_calls") or []) if chunk["choices"] else []:
+            call = calls.setdefault(delta["index"], {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.get("id") or call["id"]
+            call["name"] += delta.get("function", {}).get("name") or ""
+            call["arguments"] += delta.get("function", {}).get("arguments") or ""
+    return calls
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "must be 'none'"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]", "must be"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name", "letters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     "tools[0].function.parameters", "not a valid JSON schema"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+    ({"functions": [WEATHER["function"]]}, "functions", "deprecated"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                              "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments", "not JSON"),
+    ({"messages": [*ASK, {"role": "tool", "content": "sunny"}]}, "messages[1].tool_call_id", "must be a string"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}, {"role": "user", "content": "y",
+                                                                        "tool_calls": [{}]}]},
+     "messages[1].tool_calls", "only assistant"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(client, backend, body, param, words):
+    r = chat(client, **body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert backend.submitted == []
+
+
+def test_auto_without_a_parser_is_400_and_says_which_option(client, backend):
+    error = chat(client, tools=[WEATHER]).json()["error"]
+    assert error["param"] == "tool_choice" and "--tool-call-parser" in error["message"]
+    assert backend.submitted == []
+
+
+def test_tools_on_the_sim_engine_are_400(make_client, backend):
+    client = make_client(backend, tools=ToolCalling(engine="sim"))
+    error = chat(client, tools=[WEATHER], tool_choice="required").json()["error"]
+    assert error["param"] == "tools" and "sim engine" in error["message"]
+
+
+def test_tool_choice_none_renders_the_tools_and_reads_nothing(client, backend, tokenizer, script):
+    earlier = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 21 C"}]
+    r = chat(client, messages=earlier, tools=[WEATHER], tool_choice="none", max_tokens=6)
+    assert r.status_code == 200, r.text
+    rendered = tokenizer.render_chat(
+        [ASK[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call-1"}], tools=[WEATHER])
+    assert '"name": "get_weather", "arguments": {"city": "Paris"}' in rendered and "sunny, 21 C" in rendered
+    assert backend.submitted[0].prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert backend.submitted[0].sampling.json_schema is None
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": tokenizer.decode(script[:6])}
+
+
+# ------------------------------------------------------------------ with vLLM's schema and parsers
+def scripted(backend, tokenizer, text: str) -> None:
+    backend.script = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_constrains_to_vllms_schema_and_reads_the_json_calls(client, backend, tokenizer, parallel):
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    scripted(backend, tokenizer, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                                 '{"name": "get_time", "parameters": {}}]')
+    r = chat(client, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=parallel,
+             response_format={"type": "json_object"})
+    assert r.status_code == 200, r.text
+    sampling = backend.submitted[0].sampling
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(messages=[], tools=[WEATHER, TIME], tool_choice="required",
+                                    parallel_tool_calls=parallel)
+    assert json.loads(sampling.json_schema) == get_json_schema_from_tools("required", request.tools, parallel)
+    assert not sampling.json_object  # the tools' schema replaces the response format
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris"}), ("function", "get_time", {})]
+    assert len({c["id"] for c in calls}) == 2
+
+
+@pytest.mark.vllm
+def test_a_named_function_gets_its_arguments_streamed(make_client, backend, tokenizer):
+    backend.batch_size = 3
+    client = make_client(backend)
+    scripted(backend, tokenizer, '{"city": "Paris"}')
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = chat(client, tools=[WEATHER, TIME], tool_choice=choice).json()["choices"][0]
+    assert json.loads(backend.submitted[0].sampling.json_schema) == WEATHER["function"]["parameters"]
+    assert whole["finish_reason"] == "stop"  # OpenAI's for a named function
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris"}')]
+    chunks = sse_payloads(chat(client, tools=[WEATHER, TIME], tool_choice=choice, stream=True))
+    calls = tool_deltas(chunks)
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city": "Paris"}')]
+    assert calls[0]["id"] and sum(1 for c in chunks if c["choices"] and "tool_calls" in c["choices"][0]["delta"]) > 2
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.vllm
+def test_required_streams_its_calls_once_the_list_is_complete(client, backend, tokenizer):
+    scripted(backend, tokenizer, '[{"name": "get_time", "parameters": {}}]')
+    chunks = sse_payloads(chat(client, tools=[WEATHER, TIME], tool_choice="required", stream=True))
+    calls = tool_deltas(chunks)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_time", {})]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.fixture
+def hermes(make_client, backend, tiny_model):
+    """A gateway reading "auto" answers with vLLM's hermes parser (the tiny model's template speaks it)."""
+    def make(batch_size: int = 1):
+        backend.batch_size = batch_size
+        return make_client(backend, tools=ToolCalling(str(tiny_model), "hermes"))
+    return make
+
+
+CALL = 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.mark.vllm
+def test_auto_reads_the_models_call_with_vllms_parser(hermes, backend, tokenizer):
+    client = hermes()
+    scripted(backend, tokenizer, CALL)
+    choice = chat(client, tools=[WEATHER]).json()["choices"][0]
+    assert backend.submitted[0].sampling.json_schema is None  # free text: the parser finds the calls
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look. "
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    scripted(backend, tokenizer, "It is sunny in Paris.")
+    plain = chat(client, tools=[WEATHER]).json()["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant",
+                                                                     "content": "It is sunny in Paris."}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_auto_streams_the_call_as_deltas(hermes, backend, tokenizer, batch_size):
+    client = hermes(batch_size)
+    scripted(backend, tokenizer, CALL)
+    chunks = sse_payloads(chat(client, tools=[WEATHER], stream=True, n=2))
+    for index in (0, 1):
+        mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in mine)
+        calls = tool_deltas(mine)
+        assert text == "Let me look. "
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Paris"})]
+        assert calls[0]["id"] and mine[-1]["choices"][0]["finish_reason"] == "tool_calls"
