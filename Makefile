@@ -11,7 +11,7 @@ EXTRAS := test,cpu
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: venv browser test test-fast serve clean
+.PHONY: venv browser daemons test test-fast serve clean
 
 venv: $(STAMP)
 
@@ -34,7 +34,16 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	  echo "no Chromium here (install Debian's chromium): the dashboard's browser test will be skipped"
 
-test: $(STAMP) browser
+# The deployment tests start Debian's sshd and a one-node SLURM (slurmctld, slurmd, munge) on this
+# machine; install them where apt-get runs as root (the tests skip, saying why, where they are absent).
+daemons:
+	@{ command -v sshd >/dev/null || [ -x /usr/sbin/sshd ]; } && { command -v slurmd >/dev/null || [ -x /usr/sbin/slurmd ]; } || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      openssh-server openssh-client slurmctld slurmd slurm-client munge >/dev/null; } || \
+	  echo "no sshd or SLURM here (Debian's openssh-server, slurmctld, slurmd, munge): the SSH and SLURM tests will be skipped"
+
+test: $(STAMP) browser daemons
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)

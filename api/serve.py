@@ -301,7 +301,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
     with contextlib.ExitStack() as stack:
         if args.scheduler is None:
-            from llumdask.clusters.local import InstanceStartupError, local_cluster
+            from llumdask.clusters.instances import InstanceStartupError
+            from llumdask.clusters.local import local_cluster
 
             vllm_config = load_config(cluster_overrides("vllm", configured_model, tokenizer.vocab_size, engine_args,
                                                         args.max_model_len)).vllm_engine

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import yaml
 from distributed import Client
 
-from llumdask.clusters.local import wait_for_instances
+from llumdask.clusters.instances import wait_for_instances
 from llumdask.config import load_config
 
 

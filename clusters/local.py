@@ -10,24 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from typing import Any, Callable
+from typing import Any
 
 import dask
 from dask.system import CPU_COUNT
 from distributed import Client, LocalCluster
 
+from llumdask.clusters.instances import wait_for_instances
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.plugins.adaptive import LlumnixAdaptive
-from llumdask.plugins.control import Op, call
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
-from llumdask.plugins.worker import LlumletWorkerPlugin, startup_error
+from llumdask.plugins.worker import LlumletWorkerPlugin
 
 logger = logging.getLogger(__name__)
-
-
-class InstanceStartupError(RuntimeError):
-    """An instance could not start (its engine raised); the message carries the engine's error."""
 
 
 def local_cluster(
@@ -101,30 +96,3 @@ def _prepare_vllm_workers(config: LlumdaskConfig, n_instances: int, cluster_kwar
     cluster_kwargs.setdefault("memory_limit", 0)
     if worker_processes(config.vllm_engine):
         dask.config.set({"distributed.worker.daemon": False})
-
-
-def wait_for_instances(client: Client, n: int, timeout: float = 60.0,
-                       check: Callable[[], None] | None = None) -> None:
-    """Block until at least `n` instances are ready (registered with the scheduler plugin).
-
-    An instance whose setup failed (a bad engine option, a model that does not load) raises
-    `InstanceStartupError` with its error as soon as it is seen, instead of waiting out `timeout`.
-    `check`, called while waiting, may raise to stop early (e.g. when a worker process exited).
-    """
-    deadline = time.monotonic() + timeout
-    next_failure_check = time.monotonic()
-    while True:
-        if check is not None:
-            check()
-        rows = client.sync(call, client.scheduler, Op.STATUS)["instances"]
-        if sum(1 for row in rows if row["ready"]) >= n:
-            return
-        if time.monotonic() >= next_failure_check:
-            failures = {w: e for w, e in client.run(startup_error, on_error="ignore").items() if e}
-            if failures:
-                worker, error = sorted(failures.items())[0]
-                raise InstanceStartupError(f"the llumdask instance on {worker} failed to start: {error}")
-            next_failure_check = time.monotonic() + 1.0
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{sum(1 for r in rows if r['ready'])} of {n} llumdask instances ready after {timeout} s")
-        time.sleep(0.1)

@@ -180,7 +180,9 @@ class _Instance:
         self.load = load
         if load.terminating and not self.terminating:
             self.terminating = True
-        if self.terminating:
+        # Only a report the instance made knowing it drains: one sent before the flag reached it
+        # (in flight, or made just before) may show it empty while a migration comes in.
+        if self.terminating and load.terminating:
             self.reported_since_terminating = True
         self.refresh()
 

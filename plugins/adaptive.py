@@ -12,6 +12,8 @@ Use with any `SpecCluster` (LocalCluster, SLURM, ...):
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from distributed.deploy.adaptive import Adaptive
 
 from llumdask.plugins.control import AdaptiveTarget, Op, call
@@ -27,7 +29,23 @@ class LlumnixAdaptive(Adaptive):
         return (await self._plan()).target
 
     async def workers_to_close(self, target: int) -> list:
-        """Names of drained workers only (never more than it takes to reach `target`)."""
+        """Names of drained workers only (never more than it takes to reach `target`), whole jobs
+        at a time where a job holds several workers (a batch job of SLURM, say): a SpecCluster
+        closes a job, all its workers, for any one of their names."""
         plan = await self._plan()
-        excess = max(len(self.observed) - target, 0)
-        return list(plan.drained)[:excess]
+        return whole_jobs(plan.drained, getattr(self.cluster, "worker_spec", {}),
+                          max(len(self.observed) - target, 0))
+
+
+def whole_jobs(drained: Sequence[str], worker_spec: Mapping[str, Mapping], excess: int) -> list[str]:
+    """Of the `drained` worker names, those whose whole job is drained (a SpecCluster spec with a
+    "group" is a job of several workers, named spec name + suffix), at most `excess` workers."""
+    jobs = {f"{name}{suffix}": [f"{name}{s}" for s in spec["group"]]
+            for name, spec in worker_spec.items() if "group" in spec for suffix in spec["group"]}
+    done = set(drained)
+    chosen: list[str] = []
+    for name in drained:
+        job = jobs.get(name, [name])
+        if name not in chosen and done.issuperset(job) and len(chosen) + len(job) <= excess:
+            chosen += job
+    return chosen

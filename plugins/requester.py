@@ -63,6 +63,9 @@ class Requester:
         self._config = config if config is not None else load_config().requester
         self._client = client
         self._listener: TokenListener | None = None
+        # Concurrent first submissions would each start a listener, open their streams on their
+        # own and name the last one as the route: the tokens of the others would go nowhere.
+        self._listener_lock = asyncio.Lock()
         self._open: dict[str, _Open] = {}
         self._watchdog: asyncio.Task | None = None
         self._check_now = asyncio.Event()
@@ -197,6 +200,10 @@ class Requester:
 
     # ------------------------------------------------------------------ recovery
     async def _ensure_listener(self) -> TokenListener:
+        async with self._listener_lock:
+            return await self._start_listener()
+
+    async def _start_listener(self) -> TokenListener:
         if self._listener is None:
             host = self._config.listen_host or _host_reaching(self._client.scheduler.address)
             # Under the cluster's TLS, instances reach this listener with their worker certificates.

@@ -138,7 +138,9 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             }
         )
         if self.config.scaling.enabled:
+            # The RPC and the HTTP API (/api/v1/adaptive_target, which calls the method) alike.
             scheduler.handlers["adaptive_target"] = self.dask_adaptive_target
+            scheduler.adaptive_target = self.dask_adaptive_target
         scheduler.stream_handlers.update({Op.LOAD: self.on_load, Op.EVENT: self.on_event})
         self._periodic = PeriodicCallback(self.tick, self.config.migration.interval * 1000)
         self._periodic.start()

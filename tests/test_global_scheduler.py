@@ -465,11 +465,11 @@ def test_drained_terminating_instances_are_removed_once():
     gs.report(load("i1", used=10, running=1), 0.0)
     gs.set_terminating("i1", 1.0)
     assert gs.scale(1.0) == ScaleDecision()  # no report since it was marked
-    gs.report(load("i1", used=10, running=1, out=1), 2.0)
+    gs.report(load("i1", used=10, running=1, out=1, terminating=True), 2.0)
     assert gs.scale(2.0) == ScaleDecision()  # still migrating its request out
-    gs.report(load("i1", into=1), 3.0)
+    gs.report(load("i1", into=1, terminating=True), 3.0)
     assert gs.scale(3.0) == ScaleDecision()  # something still on its way in
-    gs.report(load("i1"), 4.0)
+    gs.report(load("i1", terminating=True), 4.0)
     assert gs.scale(4.0) == ScaleDecision(remove=("i1",))
     assert gs.scale(5.0) == ScaleDecision()
     assert gs.drained() == ["i1"]  # until its host has closed it
@@ -481,10 +481,23 @@ def test_a_terminating_instance_with_unreported_requests_is_not_drained():
     gs = scheduler(1)
     gs.dispatch(info(), 0.0)
     gs.set_terminating("i0", 0.0)
-    gs.report(load("i0"), 1.0)  # the request has not arrived yet
+    gs.report(load("i0", terminating=True), 1.0)  # the request has not arrived yet
     assert gs.scale(1.0) == ScaleDecision()
-    gs.report(load("i0", received=1), 2.0)
+    gs.report(load("i0", received=1, terminating=True), 2.0)
     assert gs.scale(2.0) == ScaleDecision(remove=("i0",))
+
+
+def test_only_a_report_made_knowing_it_drains_can_show_an_instance_drained():
+    """A report on its way when the instance was marked (or made before the mark reached it) may
+    show it empty while a migration into it is starting: closing it then would lose that request."""
+    gs = scheduler(2)
+    gs.set_terminating("i1", 1.0)
+    gs.report(load("i1"), 1.1)  # empty, but made before it knew
+    assert gs.scale(1.1) == ScaleDecision() and gs.drained() == []
+    gs.report(load("i1", into=1, terminating=True), 1.2)  # the migration had started meanwhile
+    assert gs.scale(1.2) == ScaleDecision()
+    gs.report(load("i1", terminating=True), 1.3)
+    assert gs.scale(1.3) == ScaleDecision(remove=("i1",))
 
 
 def test_scaling_disabled_never_adds_or_terminates():

@@ -67,3 +67,16 @@ def test_a_drained_instance_closes_only_after_its_requests_migrated():
         wait_until(lambda: n_workers(llum) == 1, 30, what="the drained worker closed")
         assert victim not in llum.dask_client.scheduler_info()["workers"]
         assert_workers_clean(llum.dask_client)
+
+
+def test_only_whole_drained_jobs_close():
+    """A job of several workers (SLURM's, say) closes only once all of them are drained; plain
+    workers close one by one; never more than the excess."""
+    from llumdask.plugins.adaptive import whole_jobs
+
+    spec = {"job-a": {"group": ["-0", "-1"]}, "job-b": {"group": ["-0", "-1"]}, "plain": {}}
+    assert whole_jobs(["job-a-0"], spec, 4) == []
+    assert whole_jobs(["job-a-0", "job-b-1", "job-a-1"], spec, 4) == ["job-a-0", "job-a-1"]
+    assert whole_jobs(["plain", "job-a-1", "job-a-0"], spec, 2) == ["plain"]
+    assert whole_jobs(["job-a-1", "job-a-0", "plain"], spec, 3) == ["job-a-0", "job-a-1", "plain"]
+    assert whole_jobs(["w1", "w2"], {}, 1) == ["w1"]

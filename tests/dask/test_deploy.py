@@ -7,7 +7,7 @@ import time
 import pytest
 
 from llumdask.benchmarks.deploy import process_cluster
-from llumdask.clusters.local import InstanceStartupError
+from llumdask.clusters.instances import InstanceStartupError
 
 pytestmark = pytest.mark.slow
 

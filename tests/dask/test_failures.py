@@ -15,7 +15,8 @@ from distributed.comm import connect as comm_connect
 from distributed.protocol import to_serialize
 
 from llumdask.api.client import connect
-from llumdask.clusters.local import local_cluster, wait_for_instances
+from llumdask.clusters.instances import wait_for_instances
+from llumdask.clusters.local import local_cluster
 from llumdask.config import load_config
 from llumdask.plugins.control import Op
 from llumdask.protocol import PreAlloc

@@ -21,7 +21,7 @@ from daskhelpers import (
 from distributed import Client, LocalCluster
 
 from llumdask.api.client import connect
-from llumdask.clusters.local import wait_for_instances
+from llumdask.clusters.instances import wait_for_instances
 from llumdask.config import load_config
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
 from llumdask.plugins.worker import LlumletWorkerPlugin

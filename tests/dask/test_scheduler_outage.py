@@ -14,7 +14,7 @@ from daskhelpers import ProcessCluster, prompt_of, reference_tokens
 from distributed import Client
 
 from llumdask.api.client import connect
-from llumdask.clusters.local import wait_for_instances
+from llumdask.clusters.instances import wait_for_instances
 from llumdask.config import load_config
 
 pytestmark = pytest.mark.slow

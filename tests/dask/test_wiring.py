@@ -118,3 +118,39 @@ async def test_admission_by_load_refuses_at_once_and_never_refuses_a_resubmissio
         assert placed.instance in (a.address, b.address)
     finally:
         await requester.close()
+
+
+def test_concurrent_first_submissions_share_one_token_listener(monkeypatch):
+    """A fresh requester's first requests, submitted at once, start one token listener and each
+    get every token (each once started a listener of its own, and a stream opened on one of them
+    got no tokens: every request was routed to whichever started last)."""
+    from llumdask.plugins.streams import TokenListener
+
+    started = []
+    start = TokenListener.start
+
+    async def counted(self):
+        started.append(self)
+        return await start(self)
+
+    monkeypatch.setattr(TokenListener, "start", counted)
+    first_submissions(started)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def first_submissions(c, s, a, b, started):
+    await install(c, s)
+    requester = Requester(c, load_config().requester)
+    try:
+        streams = await asyncio.gather(*(requester.submit(request(f"r{i}", 20)) for i in range(6)))
+
+        async def drain(stream) -> list[int]:
+            tokens: list[int] = []
+            while batch := await stream.next_tokens():
+                tokens += batch
+            return tokens
+
+        received = await asyncio.wait_for(asyncio.gather(*(drain(stream) for stream in streams)), 30)
+        assert [len(tokens) for tokens in received] == [20] * 6 and len(started) == 1
+    finally:
+        await requester.close()

@@ -1,0 +1,56 @@
+"""What every llumdask deployment does once its Dask cluster is up: install the two plugins, wait
+for the instances.
+
+The plugins are registered from the client, so their configuration (a partial ``llumdask``
+section) travels with them, pickled, to machines whose shells set no environment: the
+scheduler plugin first (it must answer before any llumlet registers), then the worker plugin,
+which Dask runs on every worker present and to come, each setting up one engine instance.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from distributed import Client
+
+from llumdask.plugins.control import Op, call
+from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
+from llumdask.plugins.worker import LlumletWorkerPlugin, startup_error
+
+
+class InstanceStartupError(RuntimeError):
+    """An instance could not start (its engine raised); the message carries the engine's error."""
+
+
+def install_plugins(client: Client, config_overrides: dict[str, Any] | None = None) -> None:
+    """The scheduler plugin, then the worker plugin, both with `config_overrides`; idempotent."""
+    client.register_plugin(LlumnixSchedulerPlugin(config_overrides))
+    client.register_plugin(LlumletWorkerPlugin(config_overrides))
+
+
+def wait_for_instances(client: Client, n: int, timeout: float = 60.0,
+                       check: Callable[[], None] | None = None) -> None:
+    """Block until at least `n` instances are ready (registered with the scheduler plugin).
+
+    An instance whose setup failed (a bad engine option, a model that does not load) raises
+    `InstanceStartupError` with its error as soon as it is seen, instead of waiting out `timeout`.
+    `check`, called while waiting, may raise to stop early (e.g. when a worker process exited).
+    """
+    deadline = time.monotonic() + timeout
+    next_failure_check = time.monotonic()
+    while True:
+        if check is not None:
+            check()
+        rows = client.sync(call, client.scheduler, Op.STATUS)["instances"]
+        if sum(1 for row in rows if row["ready"]) >= n:
+            return
+        if time.monotonic() >= next_failure_check:
+            failures = {w: e for w, e in client.run(startup_error, on_error="ignore").items() if e}
+            if failures:
+                worker, error = sorted(failures.items())[0]
+                raise InstanceStartupError(f"the llumdask instance on {worker} failed to start: {error}")
+            next_failure_check = time.monotonic() + 1.0
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{sum(1 for r in rows if r['ready'])} of {n} llumdask instances ready after {timeout} s")
+        time.sleep(0.1)

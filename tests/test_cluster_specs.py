@@ -1,0 +1,40 @@
+"""The arguments the GPU and SLURM factories hand to dask-cuda and dask-jobqueue (running them
+needs GPUs, or a SLURM cluster: tests/dask/test_slurm.py starts one)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from llumdask.clusters.cuda import cuda_cluster_options
+from llumdask.clusters.slurm import slurm_job_options
+
+
+def test_one_instance_per_gpu_each_pinned_to_its_device():
+    options = cuda_cluster_options([0, 2, 3])
+    assert options["CUDA_VISIBLE_DEVICES"] == "0,2,3" and options["n_workers"] == 3
+    assert options["threads_per_worker"] == 1 and options["resources"] == {"GPU": 1}
+    assert options["memory_limit"] == 0  # vLLM sizes an instance's memory, not Dask
+
+
+@pytest.mark.parametrize("gpus", [[], [0, 0], [-1], ["0"]])
+def test_gpus_must_be_distinct_ordinals(gpus):
+    with pytest.raises(ValueError, match="gpus"):
+        cuda_cluster_options(gpus)
+
+
+def test_a_slurm_job_asks_per_instance_for_cpus_gpus_and_memory():
+    options = slurm_job_options(4, cpus_per_instance=8, gpus_per_instance=1, memory_per_instance="32GB",
+                                queue="gpu", account="lab")
+    assert (options["processes"], options["cores"]) == (4, 4)  # a worker per instance, one task thread each
+    assert options["job_cpu"] == 32 and options["memory"] == "119.21GiB"
+    assert options["job_extra_directives"] == ["--gres=gpu:4"]
+    assert (options["queue"], options["account"], options["python"]) == ("gpu", "lab", sys.executable)
+    assert slurm_job_options()["job_extra_directives"] == []  # CPU instances ask no GPU
+
+
+@pytest.mark.parametrize("field", ["instances_per_job", "cpus_per_instance"])
+def test_slurm_counts_must_be_positive(field):
+    with pytest.raises(ValueError, match=field):
+        slurm_job_options(**{field: 0})
