@@ -1,9 +1,11 @@
 """llumdask on fixed machines over SSH (`distributed.SSHCluster`), one engine instance per worker.
 
 `hosts[0]` runs the scheduler; every further entry runs one worker, so one instance (list a
-machine once per instance it should hold: per GPU, with `CUDA_VISIBLE_DEVICES` set there by
-`worker_env`). The plugins are installed from this process once the cluster is up, so the
-remote shells need no llumdask environment, only the same Python environment (`remote_python`).
+machine once per instance it should hold). On GPU machines pass
+``worker_class="dask_cuda.CUDAWorker"`` and list each machine once: dask-cuda starts a worker per
+GPU there, each pinned to its device (say how many instances to wait for with `instances`).
+The plugins are installed from this process once the cluster is up, so the remote shells need no
+llumdask environment, only the same Python environment (`remote_python`).
 Hosts are fixed: scaling can drain an instance by migration and close its worker
 (`LlumnixAdaptive`), never add a machine; `cluster.scale(n)` only restarts workers on listed hosts.
 """
@@ -27,12 +29,15 @@ def ssh_cluster(
     connect_options: dict[str, Any] | list[dict[str, Any]] | None = None,
     remote_python: str | list[str] | None = None,
     worker_options: dict[str, Any] | None = None,
+    worker_class: str = "distributed.Nanny",
+    instances: int | None = None,
     dashboard_address: str = ":8787",
     timeout: float = 120.0,
 ) -> SpecCluster:
     """Start the scheduler on `hosts[0]` and an instance per further entry; return once every one
-    is ready. `connect_options` are asyncssh's (port, username, client_keys, known_hosts), one
-    dict for all hosts or one per host; `config_overrides` a partial ``llumdask`` section."""
+    is ready (or `instances` of them, where a worker class starts several per host). `connect_options`
+    are asyncssh's (port, username, client_keys, known_hosts), one dict for all hosts or one per
+    host; `config_overrides` a partial ``llumdask`` section."""
     hosts = list(hosts)
     if len(hosts) < 2 or not all(isinstance(h, str) and h for h in hosts):
         raise ValueError(f"hosts: the scheduler's host, then one entry per instance; got {hosts!r}")
@@ -43,11 +48,11 @@ def ssh_cluster(
         raise ValueError("an instance's worker runs one task thread (nthreads=1): its engine has its own")
     cluster = SSHCluster(hosts, connect_options=connect_options or {}, worker_options=options,
                          scheduler_options={"port": 0, "dashboard_address": dashboard_address},
-                         remote_python=remote_python)
+                         worker_class=worker_class, remote_python=remote_python)
     try:
         with Client(cluster) as client:
             install_plugins(client, overrides)
-            wait_for_instances(client, len(hosts) - 1, timeout)
+            wait_for_instances(client, instances or len(hosts) - 1, timeout)
     except BaseException:
         cluster.close()
         raise

@@ -111,6 +111,7 @@ class VllmEngineConfig:
 class RequesterConfig:
     listen_host: str | None = None
     liveness_interval: float = 1.0
+    stall_timeout: float = 5.0
     dispatch_timeout: float = 2.0
     bypass_period: float = 5.0
     placement_timeout: float = 60.0

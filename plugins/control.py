@@ -72,6 +72,7 @@ class Op(enum.StrEnum):
     ABORT = "llumnix_abort"
     MIGRATE_OUT = "llumnix_migrate_out"
     WORKER_STATUS = "llumnix_worker_status"
+    WHERE = "llumnix_where"
     # One-way migration messages between llumlets (plugins/transport.py).
     MIGRATION = "llumnix_migration"
     # Stream ops from the scheduler plugin to llumlets.
@@ -145,11 +146,22 @@ class Aborted:
     aborted: bool
 
 
+@dataclass(frozen=True)
+class Whereabouts:
+    """Of the requests asked about: those here (queued, running, or arriving by migration), those
+    that moved on by migration (request id -> destination), and those this instance does not have
+    (finished, or ended here unseen: dropped when their requester was unreachable)."""
+
+    here: tuple[str, ...]
+    moved: dict[str, str]
+    gone: tuple[str, ...]
+
+
 # Each op's reply type; ops not named answer a table (status rows, migration events).
 REPLIES: dict[Op, type] = {
     Op.REGISTER: Registered, Op.READY: Ready, Op.UNREGISTER: Removed, Op.DISPATCH: Placed, Op.MEMBERS: Members,
     Op.DRAIN: Draining, Op.MIGRATE: MigrationStarted, Op.MIGRATE_OUT: MigrationStarted,
-    Op.ADAPTIVE_TARGET: AdaptiveTarget, Op.ADD: Accepted, Op.ABORT: Aborted,
+    Op.ADAPTIVE_TARGET: AdaptiveTarget, Op.ADD: Accepted, Op.ABORT: Aborted, Op.WHERE: Whereabouts,
 }
 
 

@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Callable
 
 from llumdask.engine.base import TokenOutput
 from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
+from llumdask.plugins.control import Whereabouts
 from llumdask.plugins.streams import TokenOutbox
 from llumdask.protocol import Abort, Committed, MigrationMessage, PreAlloc, PreAllocReply
 from llumdask.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
+
+# Requests that left by migration whose destination an instance remembers: a requester asks about
+# a stalled stream within seconds, and an instance sends hundreds of requests away in that time.
+MOVED_MEMORY = 4096
 
 
 class Routes:
@@ -40,6 +46,9 @@ class Routes:
 
     def add_incoming(self, migration_id: str, request_id: str, reply_to: str, now: float) -> None:
         self._incoming[migration_id] = (request_id, reply_to, now)
+
+    def receiving(self, request_id: str) -> bool:
+        return any(entry[0] == request_id for entry in self._incoming.values())
 
     def commit_incoming(self, migration_id: str) -> None:
         entry = self._incoming.pop(migration_id, None)
@@ -83,6 +92,8 @@ class LlumletDriver:
         timer: Callable[[], float] = time.monotonic,
     ) -> None:
         self.routes = Routes(route_expiry)
+        # Where requests that left by migration went (the latest MOVED_MEMORY), for `whereabouts`.
+        self._moved: OrderedDict[str, str] = OrderedDict()
         self.llumlet: Llumlet | None = None
         # Off until the instance is registered: handshakes still expire, but no report is sent.
         self.reporting = False
@@ -196,7 +207,24 @@ class LlumletDriver:
     def on_event(self, event: MigrationEvent) -> None:
         if event.kind is MigrationEventKind.COMMITTED:
             self.routes.owned.pop(event.request_id, None)
+            self._moved[event.request_id] = event.destination
+            self._moved.move_to_end(event.request_id)
+            if len(self._moved) > MOVED_MEMORY:
+                self._moved.popitem(last=False)
         self._publish_event(event)
+
+    def whereabouts(self, request_ids: list[str]) -> Whereabouts:
+        """Which of `request_ids` are here, moved on (and where), or gone (see `Whereabouts`)."""
+        llumlet = self._llumlet()
+        here, moved, gone = [], {}, []
+        for request_id in request_ids:
+            if llumlet.engine.get_request(request_id) is not None or self.routes.receiving(request_id):
+                here.append(request_id)
+            elif request_id in self._moved:
+                moved[request_id] = self._moved[request_id]
+            else:
+                gone.append(request_id)
+        return Whereabouts(tuple(here), moved, tuple(gone))
 
     # ------------------------------------------------------------------ migration messages
     def annotate(self, message: MigrationMessage) -> dict | None:

@@ -14,7 +14,10 @@ tokens so far elsewhere; the new instance recomputes them and continues, and the
 with the next sequence number. A request that cannot go on from its tokens (a structured output,
 whose grammar would start over) fails with that reason instead of going on wrong. A scheduler
 restart looks the same: the old instances are not in the new scheduler's table, so their
-requests are resubmitted to the new ones.
+requests are resubmitted to the new ones. A live instance may also end a request without a word
+reaching here (it drops the requests of a requester it could not reach for a while); a stream
+with no new token for `stall_timeout` is therefore asked after at its instance (`llumnix_where`),
+followed where it moved, and resubmitted the same way where it is gone.
 
 Everything here runs on the Dask client's event loop.
 """
@@ -24,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from distributed import Client
@@ -49,6 +53,9 @@ class _Open:
     # The instance the request was last handed to; the stream's owner once tokens come from elsewhere.
     instance: str
     recovering: bool = False
+    # The stream's length when it last grew (or its instance was last asked about it), and when.
+    seen_index: int = 0
+    seen_at: float = field(default_factory=time.monotonic)
 
     @property
     def holder(self) -> str:
@@ -232,6 +239,7 @@ class Requester:
             self._check_now.clear()
             if self._open:
                 await self._recover_lost()
+                await self._ask_about_stalled()
 
     async def _recover_lost(self) -> None:
         try:
@@ -242,6 +250,40 @@ class Requester:
             if not entry.recovering and not entry.stream.sequence.done and entry.holder not in alive:
                 entry.recovering = True
                 asyncio.ensure_future(self._resubmit(entry))
+
+    async def _ask_about_stalled(self) -> None:
+        """Open requests without a new token for `stall_timeout`: ask their instance whether it
+        still has them. One it moved is followed there; one it does not have (it ended the request
+        without a word reaching here: dropped as its requester seemed unreachable, or the last
+        tokens were lost) is resubmitted with the tokens received, as after an instance death."""
+        now = time.monotonic()
+        stalled: dict[str, list[_Open]] = {}
+        for entry in self._open.values():
+            index = entry.stream.sequence.next_index
+            if index != entry.seen_index:
+                entry.seen_index, entry.seen_at = index, now
+            elif not entry.recovering and not entry.stream.sequence.done \
+                    and now - entry.seen_at >= self._config.stall_timeout:
+                stalled.setdefault(entry.holder, []).append(entry)
+        for holder, entries in stalled.items():
+            try:
+                found = await asyncio.wait_for(
+                    call(self._client.rpc(holder), Op.WHERE, request_ids=[e.request.request_id for e in entries]),
+                    self._config.rpc_timeout)
+            except (OSError, asyncio.TimeoutError, NoLlumdaskScheduler):
+                continue  # whether it died is the liveness check's to say
+            for entry in entries:
+                request_id = entry.request.request_id
+                entry.seen_at = now  # ask again after another stall_timeout
+                if entry.recovering or entry.stream.sequence.next_index != entry.seen_index:
+                    continue  # tokens came meanwhile
+                if request_id in found.moved:
+                    entry.instance = entry.stream.sequence.owner = found.moved[request_id]
+                elif request_id in found.gone:
+                    logger.info("request %s is no longer on %s, which ended it unseen: resubmitting", request_id,
+                                holder)
+                    entry.recovering = True
+                    asyncio.ensure_future(self._resubmit(entry))
 
     async def _resubmit(self, entry: _Open) -> None:
         """Hand prompt + tokens so far to another instance; it recomputes them and goes on."""

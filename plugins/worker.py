@@ -22,6 +22,7 @@ I/O; this host wires it to the worker: thread, comms, handlers, registration.
 Worker RPC handlers (a refusal, in brackets, is raised again at the caller; see plugins/control.py):
     llumnix_add(request, reply_to)             -> {"accepted": True} [RequestRejected]
     llumnix_abort(request_id)                  -> {"aborted": bool}
+    llumnix_where(request_ids)                 -> {"here": [id, ...], "moved": {id: destination}, "gone": [id, ...]}
     llumnix_migrate_out(request_id, destination) -> {"migration_id": str} [MigrationNotStarted]
     llumnix_worker_status()                    -> see `LlumletHost.status`
     llumnix_migration(sender, message, context) (one-way, see plugins/transport.py)
@@ -163,6 +164,7 @@ class LlumletHost:
         self.worker.handlers.update(
             {
                 Op.ADD: self.add,
+                Op.WHERE: self.where,
                 Op.ABORT: self.abort,
                 Op.MIGRATE_OUT: self.migrate_out,
                 Op.WORKER_STATUS: self.status,
@@ -279,6 +281,9 @@ class LlumletHost:
 
     async def abort(self, request_id: str) -> dict:
         return reply(Aborted(await self._call(self.driver.abort, request_id)))
+
+    async def where(self, request_ids: list[str]) -> dict:
+        return reply(await self._call(self.driver.whereabouts, list(request_ids)))
 
     async def migrate_out(self, request_id: str, destination: str) -> dict:
         migration_id = await self._call(self._llumlet().migrate_out, destination, request_id)

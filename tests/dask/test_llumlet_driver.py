@@ -156,3 +156,17 @@ def test_routes_follow_incoming_migrations_to_commit_or_expiry():
     assert len(routes) == 2
     routes.sweep(now=11.0, is_known=lambda r: r != "r1")
     assert routes.owned == {} and len(routes) == 0
+
+
+def test_whereabouts_say_which_requests_are_here_moved_on_or_gone(driver):
+    from llumdask.llumlet import MigrationEvent, MigrationEventKind
+
+    llumlet = start(driver, steps=0)
+    running = {"here"}
+    llumlet.engine.get_request = lambda request_id: object() if request_id in running else None
+    driver.routes.add_incoming("m-in", "arriving", "tcp://gateway:1", now=0.0)
+    driver.on_event(MigrationEvent(MigrationEventKind.COMMITTED, "m-out", "left", "me", "tcp://other:1", 0.0))
+    driver.on_event(MigrationEvent(MigrationEventKind.ABORTED, "m-x", "stayed", "me", "tcp://other:1", 0.0))
+    found = driver.whereabouts(["here", "arriving", "left", "stayed", "never"])
+    assert found.here == ("here", "arriving") and found.moved == {"left": "tcp://other:1"}
+    assert found.gone == ("stayed", "never")  # an aborted migration moved nothing: gone unless running

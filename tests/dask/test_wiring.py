@@ -154,3 +154,28 @@ async def first_submissions(c, s, a, b, started):
         assert [len(tokens) for tokens in received] == [20] * 6 and len(started) == 1
     finally:
         await requester.close()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_a_request_its_instance_ended_unseen_is_found_stalled_and_resubmitted(c, s, a, b):
+    """An instance that judged the requester unreachable ends its requests there (no token can
+    say so); the requester, finding the stream stalled, asks the instance, learns it is gone and
+    resubmits it with the tokens received: the stream completes, tokens as an undisturbed run's."""
+    from daskhelpers import reference_tokens
+
+    await install(c, s)
+    config = load_config({"requester": {"stall-timeout": 0.5, "liveness-interval": 0.1}})
+    requester = Requester(c, config.requester)
+    try:
+        stream = await requester.submit(request("r", 80))
+        tokens = list(await stream.next_tokens())
+        holder = next(w for w in (a, b) if w.address == requester.holder("r"))
+        host = holder.plugins["llumdask"].host
+        await host._call(host.driver.drop_requests_of, requester._listener.address)
+        while batch := await asyncio.wait_for(stream.next_tokens(), 20):
+            tokens += batch
+        assert tokens == reference_tokens(load_config(OVERRIDES), request("r", 80).prompt_token_ids, 80,
+                                          ignore_eos=True)
+        assert requester.resubmissions == 1
+    finally:
+        await requester.close()
