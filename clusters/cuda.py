@@ -12,11 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import dask
-from distributed import Client, LocalCluster
+from distributed import LocalCluster
 
-from llumdask.clusters.instances import install_plugins, wait_for_instances
+from llumdask.clusters.instances import start_instances
 from llumdask.config import load_config
-from llumdask.plugins.adaptive import LlumnixAdaptive
 
 
 def cuda_cluster_options(gpus: Sequence[int], dashboard_address: str = "127.0.0.1:8787") -> dict[str, Any]:
@@ -50,16 +49,6 @@ def cuda_cluster(
     except ImportError as exc:
         raise ImportError(f"cuda_cluster needs dask-cuda (pip install 'llumdask[cuda]'): {exc}") from None
     overrides = dask.config.merge(dict(config_overrides or {}), {"engine": "vllm"})
-    config = load_config(overrides)
+    load_config(overrides)  # a bad override fails here, not in every worker
     cluster = LocalCUDACluster(**cuda_cluster_options(gpus, dashboard_address))
-    try:
-        with Client(cluster) as client:
-            install_plugins(client, overrides)
-            wait_for_instances(client, len(gpus), timeout)
-        if config.scaling.enabled if adaptive is None else adaptive:
-            cluster.adapt(Adaptive=LlumnixAdaptive, minimum=min(config.scaling.min_instances, len(gpus)),
-                          maximum=len(gpus))
-    except BaseException:
-        cluster.close()
-        raise
-    return cluster
+    return start_instances(cluster, overrides, len(gpus), timeout, adaptive=adaptive, maximum=len(gpus))

@@ -1,5 +1,5 @@
 """What every llumdask deployment does once its Dask cluster is up: install the two plugins, wait
-for the instances.
+for the instances, and let the freeness band size the cluster where it may (`start_instances`).
 
 The plugins are registered from the client, so their configuration (a partial ``llumdask``
 section) travels with them, pickled, to machines whose shells set no environment: the
@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from distributed import Client
+from distributed import Client, SpecCluster
 
+from llumdask.config import load_config
+from llumdask.plugins.adaptive import LlumnixAdaptive
 from llumdask.plugins.control import Op, call
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
 from llumdask.plugins.worker import LlumletWorkerPlugin, startup_error
@@ -27,6 +29,31 @@ def install_plugins(client: Client, config_overrides: dict[str, Any] | None = No
     """The scheduler plugin, then the worker plugin, both with `config_overrides`; idempotent."""
     client.register_plugin(LlumnixSchedulerPlugin(config_overrides))
     client.register_plugin(LlumletWorkerPlugin(config_overrides))
+
+
+def start_instances(cluster: SpecCluster, config_overrides: dict[str, Any], instances: int, timeout: float, *,
+                    scale: Callable[[], None] | None = None, adaptive: bool | None = None,
+                    maximum: int | None = None, interval: str = "1s") -> SpecCluster:
+    """What every factory does once its cluster object exists: install the plugins, ask for the
+    workers (`scale`, where the cluster does not start them itself), wait until `instances` are
+    ready, then, with `adaptive` (default ``scaling.enabled``), let `LlumnixAdaptive` size it
+    between ``scaling.min-instances`` and ``scaling.max-instances`` (or `maximum`). The cluster
+    is closed if any of it fails."""
+    scaling = load_config(config_overrides).scaling
+    try:
+        with Client(cluster) as client:
+            install_plugins(client, config_overrides)
+            if scale is not None:
+                scale()
+            wait_for_instances(client, instances, timeout)
+        if scaling.enabled if adaptive is None else adaptive:
+            top = scaling.max_instances if maximum is None else maximum
+            cluster.adapt(Adaptive=LlumnixAdaptive, minimum=min(scaling.min_instances, top), maximum=top,
+                          interval=interval)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
 
 
 def wait_for_instances(client: Client, n: int, timeout: float = 60.0,

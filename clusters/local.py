@@ -14,13 +14,11 @@ from typing import Any
 
 import dask
 from dask.system import CPU_COUNT
-from distributed import Client, LocalCluster
+from distributed import LocalCluster
 
-from llumdask.clusters.instances import wait_for_instances
+from llumdask.clusters.instances import start_instances
 from llumdask.config import LlumdaskConfig, load_config
-from llumdask.plugins.adaptive import LlumnixAdaptive
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
-from llumdask.plugins.worker import LlumletWorkerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +57,8 @@ def local_cluster(
         scheduler_kwargs={"plugins": [LlumnixSchedulerPlugin(overrides)]},
         **cluster_kwargs,
     )
-    try:
-        with Client(cluster) as client:
-            client.register_plugin(LlumletWorkerPlugin(overrides))
-            cluster.scale(n_instances)
-            wait_for_instances(client, n_instances, timeout)
-        if config.scaling.enabled if adaptive is None else adaptive:
-            cluster.adapt(Adaptive=LlumnixAdaptive, minimum=config.scaling.min_instances,
-                          maximum=config.scaling.max_instances, interval=adapt_interval)
-    except BaseException:
-        cluster.close()
-        raise
-    return cluster
+    return start_instances(cluster, overrides, n_instances, timeout, scale=lambda: cluster.scale(n_instances),
+                           adaptive=adaptive, interval=adapt_interval)
 
 
 def _prepare_vllm_workers(config: LlumdaskConfig, n_instances: int, cluster_kwargs: dict[str, Any]) -> None:

@@ -14,11 +14,10 @@ import sys
 from typing import Any
 
 import dask
-from distributed import Client, SpecCluster
+from distributed import SpecCluster
 
-from llumdask.clusters.instances import install_plugins, wait_for_instances
+from llumdask.clusters.instances import start_instances
 from llumdask.config import load_config
-from llumdask.plugins.adaptive import LlumnixAdaptive
 
 
 def slurm_job_options(
@@ -76,18 +75,8 @@ def slurm_cluster(
     except ImportError as exc:
         raise ImportError(f"slurm_cluster needs dask-jobqueue (pip install 'llumdask[slurm]'): {exc}") from None
     overrides = dict(config_overrides or {})
-    config = load_config(overrides)
+    load_config(overrides)  # a bad override fails here, not in every job
     options = slurm_job_options(**job_options)
     cluster = SLURMCluster(**options, scheduler_options={"dashboard_address": ":0"})
-    try:
-        with Client(cluster) as client:
-            install_plugins(client, overrides)
-            cluster.scale(jobs=jobs)
-            wait_for_instances(client, jobs * options["processes"], timeout)
-        if config.scaling.enabled if adaptive is None else adaptive:
-            cluster.adapt(Adaptive=LlumnixAdaptive, minimum=config.scaling.min_instances,
-                          maximum=config.scaling.max_instances, interval=adapt_interval)
-    except BaseException:
-        cluster.close()
-        raise
-    return cluster
+    return start_instances(cluster, overrides, jobs * options["processes"], timeout,
+                           scale=lambda: cluster.scale(jobs=jobs), adaptive=adaptive, interval=adapt_interval)

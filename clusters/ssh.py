@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from distributed import Client, SpecCluster
+from distributed import SpecCluster
 from distributed.deploy.ssh import SSHCluster
 
-from llumdask.clusters.instances import install_plugins, wait_for_instances
+from llumdask.clusters.instances import start_instances
 from llumdask.config import load_config
 
 
@@ -49,11 +49,4 @@ def ssh_cluster(
     cluster = SSHCluster(hosts, connect_options=connect_options or {}, worker_options=options,
                          scheduler_options={"port": 0, "dashboard_address": dashboard_address},
                          worker_class=worker_class, remote_python=remote_python)
-    try:
-        with Client(cluster) as client:
-            install_plugins(client, overrides)
-            wait_for_instances(client, instances or len(hosts) - 1, timeout)
-    except BaseException:
-        cluster.close()
-        raise
-    return cluster
+    return start_instances(cluster, overrides, instances or len(hosts) - 1, timeout, adaptive=False)

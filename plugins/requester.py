@@ -208,20 +208,17 @@ class Requester:
     # ------------------------------------------------------------------ recovery
     async def _ensure_listener(self) -> TokenListener:
         async with self._listener_lock:
-            return await self._start_listener()
-
-    async def _start_listener(self) -> TokenListener:
-        if self._listener is None:
-            host = self._config.listen_host or _host_reaching(self._client.scheduler.address)
-            # Under the cluster's TLS, instances reach this listener with their worker certificates.
-            tls = self._client.security.get_listen_args("client").get("ssl_context")
-            self._listener = await TokenListener(f"tcp://{host}:0", on_sender_closed=self._on_sender_closed,
-                                                 ssl_context=tls).start()
-            self._watchdog = asyncio.ensure_future(self._watch())
-            try:
-                await self.members()  # know some instances in case the scheduler stops answering
-            except (OSError, asyncio.TimeoutError, NoLlumdaskScheduler):
-                pass
+            if self._listener is None:
+                host = self._config.listen_host or _host_reaching(self._client.scheduler.address)
+                # Under the cluster's TLS, instances reach this listener with their worker certificates.
+                tls = self._client.security.get_listen_args("client").get("ssl_context")
+                self._listener = await TokenListener(f"tcp://{host}:0", on_sender_closed=self._on_sender_closed,
+                                                     ssl_context=tls).start()
+                self._watchdog = asyncio.ensure_future(self._watch())
+                try:
+                    await self.members()  # know some instances in case the scheduler stops answering
+                except (OSError, asyncio.TimeoutError, NoLlumdaskScheduler):
+                    pass
         return self._listener
 
     def _on_sender_closed(self, instance: str) -> None:

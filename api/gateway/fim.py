@@ -9,6 +9,9 @@ up in the model's vocabulary, family by family.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.api.gateway.tokenizer import Tokenizer
 
 # (before the prefix, before the suffix, before the middle), as each family spells them.
@@ -19,10 +22,13 @@ FIM_FAMILIES = (
 )
 
 
-def fim_prompt(tokenizer: Tokenizer, prefix: str, suffix: str) -> str | None:
-    """The prompt asking the model for the text between `prefix` and `suffix`; None when the
-    model has none of the known FIM token families."""
+def fill_in_the_middle(tokenizer: Tokenizer, prefix: str | Sequence[int], suffix: str) -> str:
+    """The prompt asking the model for the text between `prefix` and `suffix`; a 400 for a
+    token-id prompt or a model with none of the known FIM token families."""
+    if not isinstance(prefix, str):
+        raise InvalidRequest("suffix needs a text prompt", param="suffix", code="invalid_value")
     for before_prefix, before_suffix, before_middle in FIM_FAMILIES:
         if all(tokenizer.has_token(t) for t in (before_prefix, before_suffix, before_middle)):
             return f"{before_prefix}{prefix}{before_suffix}{suffix}{before_middle}"
-    return None
+    raise InvalidRequest("suffix needs a model trained to fill in the middle (FIM tokens such as "
+                         "<fim_prefix>); this model has none", param="suffix", code="unsupported_parameter")

@@ -23,7 +23,7 @@ import llumdask
 from llumdask.api.gateway.backend import Backend
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
 from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
-from llumdask.api.gateway.fim import fim_prompt
+from llumdask.api.gateway.fim import fill_in_the_middle
 from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.generation import Generation, InFlight, merged_deltas, start_all, total_usage
 from llumdask.api.gateway.metrics import GatewayMetrics
@@ -107,17 +107,6 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     if parsed.options.echo:
         echo = parsed.prompt if isinstance(parsed.prompt, str) else gateway.tokenizer.decode(prompt_ids)
     return await generate(request, gateway, "completions", fmt, request_id, prompt_ids, parsed.options, echo)
-
-
-def fill_in_the_middle(tokenizer: Tokenizer, prompt: str | Sequence[int], suffix: str) -> str:
-    """The FIM prompt for a completion between `prompt` and `suffix`; 400 where there is none."""
-    if not isinstance(prompt, str):
-        raise InvalidRequest("suffix needs a text prompt", param="suffix", code="invalid_value")
-    text = fim_prompt(tokenizer, prompt, suffix)
-    if text is None:
-        raise InvalidRequest("suffix needs a model trained to fill in the middle (FIM tokens such as "
-                             "<fim_prefix>); this model has none", param="suffix", code="unsupported_parameter")
-    return text
 
 
 async def chat_completions(request: Request, gateway: Gateway) -> Response:

@@ -283,7 +283,7 @@ class ToolCalling:
         keep_special = False
         parsers: list[Any] = [None] * count
         if use.choice == "auto":
-            parsers = [vllm.parser(use, request) for _ in range(count)]
+            parsers = [vllm.parser(request) for _ in range(count)]
             keep_special = not parsers[0].adjust_request(request).skip_special_tokens
         return schema, keep_special, [ToolReader(use, p, request, vllm.new_id) for p in parsers]
 
@@ -327,7 +327,7 @@ class _Vllm:
     def schema(self, request: Any) -> str:
         return json.dumps(self._derive(request.tool_choice, request.tools, request.parallel_tool_calls))
 
-    def parser(self, use: ToolUse, request: Any) -> Any:
+    def parser(self, request: Any) -> Any:
         assert self._parser_type is not None
         return self._parser_type(self._tokenizer, request.tools)
 

@@ -55,6 +55,9 @@ class CandidateTable(Sequence[Candidate]):
         self._block_size = np.fromiter((c.block_size for c in self._candidates), dtype=np.int64, count=n)
         self._charge = {p: np.zeros(n) for p in Priority}
         self._slots = {c.instance_id: k for k, c in enumerate(self._candidates)}
+        # The last `dispatch_freeness` asked, until a candidate changes: admission and the policy
+        # of one dispatch ask the same.
+        self._last_freeness: tuple[int, Priority, np.ndarray] | None = None
         for candidate in self._candidates:
             self.update(candidate)
 
@@ -62,6 +65,7 @@ class CandidateTable(Sequence[Candidate]):
         """Take a candidate's current terms (no-op for an instance not in the table)."""
         slot = self._slots.get(candidate.instance_id)
         if slot is not None:
+            self._last_freeness = None
             self._surplus[slot] = candidate.dispatch_surplus
             self._requests[slot] = candidate.dispatch_requests
             self._prefill_tokens[slot] = candidate.load.pending_prefill_tokens + candidate.pending_prompt_tokens
@@ -71,10 +75,16 @@ class CandidateTable(Sequence[Candidate]):
 
     def dispatch_freeness(self, prompt_tokens: int, priority: Priority) -> np.ndarray:
         """Each candidate's dispatch freeness with this request added (its prompt blocks as demand,
-        one more request, its class's headroom where absent), aligned with the table's order."""
+        one more request, its class's headroom where absent), aligned with the table's order.
+        Callers must not change the array (the next identical question gets it again)."""
+        last = self._last_freeness
+        if last is not None and last[0] == prompt_tokens and last[1] is priority:
+            return last[2]
         surplus = self._surplus - (-(-prompt_tokens // self._block_size)) - self._charge[priority]
         requests = self._requests + 1
-        return np.where(surplus >= 0, surplus / requests, surplus * requests)
+        freeness = np.where(surplus >= 0, surplus / requests, surplus * requests)
+        self._last_freeness = (prompt_tokens, priority, freeness)
+        return freeness
 
     def interference(self, prompt_tokens: int) -> np.ndarray:
         """How much this request would interfere with each candidate's work, LMetric's measure:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from daskhelpers import prompt_of, reference_tokens
+from daskhelpers import free_port, prompt_of, reference_tokens
 
 from llumdask.config import load_config
 
@@ -28,11 +28,6 @@ JOB_SCRIPT = Path(__file__).parents[2] / "examples" / "slurm" / "llumdask-instan
 def _program(name: str) -> str | None:
     return shutil.which(name) or next((p for p in (f"/usr/sbin/{name}",) if os.path.exists(p)), None)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +48,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory):
     node = socket.gethostname().split(".")[0]
     config = home / "slurm.conf"
     config.write_text("\n".join([
-        "ClusterName=llumdask-test", f"SlurmctldHost={node}(127.0.0.1)", f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}", "AuthType=auth/munge", f"AuthInfo=socket={home / 'munge.socket'}",
+        "ClusterName=llumdask-test", f"SlurmctldHost={node}(127.0.0.1)", f"SlurmctldPort={free_port()}",
+        f"SlurmdPort={free_port()}", "AuthType=auth/munge", f"AuthInfo=socket={home / 'munge.socket'}",
         "CredType=cred/munge", "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={home / 'state'}",
         f"SlurmdSpoolDir={home / 'spool'}", f"SlurmctldPidFile={home / 'slurmctld.pid'}",
         f"SlurmdPidFile={home / 'slurmd.pid'}", f"SlurmctldLogFile={home / 'slurmctld.log'}",

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daskhelpers import CLUSTER_OVERRIDES, assert_workers_clean, prompt_of, reference_tokens
+from daskhelpers import CLUSTER_OVERRIDES, assert_workers_clean, free_port, prompt_of, reference_tokens
 
 from llumdask.config import load_config
 
@@ -23,11 +23,6 @@ pytestmark = pytest.mark.slow
 
 HOSTS = ("127.0.0.1", "127.0.0.2")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listening(host: str, port: int) -> bool:
@@ -52,7 +47,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(home / name)], check=True)
     (home / "authorized_keys").write_text((home / "client_key.pub").read_text())
     Path("/run/sshd").mkdir(exist_ok=True)  # its privilege separation directory
-    port = _free_port()
+    port = free_port()
     daemons = []
     for host in HOSTS:
         config = home / f"sshd-{host}.conf"
