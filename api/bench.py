@@ -33,6 +33,7 @@ TABLE_COLUMNS = (
     ("e2e_p99", "e2e p99 s", "{:.2f}"),
     ("preemption_loss_mean", "preempt loss s", "{:.3f}"),
     ("fragmentation_mean", "frag", "{:.3f}"),
+    ("prefix_hit_rate", "prefix hits", "{:.3f}"),
     ("instances_mean", "instances", "{:.2f}"),
     ("migrations", "migrations", "{}"),
     ("wall_seconds", "wall s", "{:.1f}"),
@@ -85,7 +86,8 @@ def _positive(kind):
 
 
 def add_simulation_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", default="M-M", help="S-S, M-M, L-L, S-L, L-S, sharegpt, burstgpt, or a CSV/JSONL trace file")
+    parser.add_argument("--trace", default="M-M", help="S-S, M-M, L-L, S-L, L-S, sharegpt, burstgpt, system-prompt, "
+                        "or a CSV/JSONL trace file")
     parser.add_argument("--rate", type=_positive(float), default=None,
                         help=f"mean arrival rate, requests/s (generated traces: default {GENERATED_RATE}; "
                         "a trace file is replayed at its own times unless given)")

@@ -88,6 +88,7 @@ class SimEngineConfig:
     vocab_size: int = 32000
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    prefix_caching: bool = True
     real_time: bool = False
 
 

@@ -201,6 +201,8 @@ class RequestTiming:
     preempted_at: float | None = None
     migrations: int = 0
     migration_downtime: float = 0.0
+    # Prompt tokens found in the engine's prefix cache when first scheduled (None: not reported).
+    cached_tokens: int | None = None
 
     @property
     def prefill_latency(self) -> float | None:

@@ -58,11 +58,69 @@ def test_adopt_turns_a_reservation_into_a_table_and_frees_the_spare():
 def test_integrity_check_catches_a_double_owned_block():
     bm = BlockManager(4, 4)
     bm.allocate("a", 1)
-    bm._tables["b"] = list(bm._tables["a"])  # corrupt on purpose
-    bm._used += 1
-    bm._free.pop()
+    bm._tables["b"] = list(bm._tables["a"])  # corrupt on purpose: a second holder nobody counted
+    with pytest.raises(AssertionError, match="holder count"):
+        bm.check_integrity()
+    bm._refs[bm._tables["a"][0]] = 2
+    bm.check_integrity()
+    bm._free[-1] = bm._tables["a"][0]  # and now also free, in place of a free block lost
     with pytest.raises(AssertionError, match="owned twice"):
         bm.check_integrity()
+
+
+def test_a_freed_cached_block_keeps_its_prefix_until_evicted_least_recently_freed_first():
+    bm = BlockManager(6, 4)
+    a = list(bm.allocate("a", 3))
+    for block, h in zip(a, (11, 12, 13)):
+        bm.register(block, h)
+    b = list(bm.allocate("b", 2))
+    bm.register(b[0], 21)
+    bm.free("a")  # tail first: 13, 12, 11 in that order
+    bm.free("b")
+    assert bm.free_blocks == 6 and bm.cached_free_blocks == 4 and bm.cached_blocks == 4
+    assert bm.cached_prefix([11, 12, 13, 14], 4) == a
+    # The two plain free blocks go first (one never used, b's tail held no hash); then a's tail,
+    # then a's middle.
+    bm.allocate("c", 4)
+    assert bm.cached_prefix([11, 12, 13], 3) == [a[0]] and bm.evictions == 2
+    assert bm.cached_prefix([21], 1) == [b[0]]
+    bm.check_integrity()
+
+
+def test_sharing_counts_holders_and_a_shared_block_is_freed_with_its_last_holder():
+    bm = BlockManager(6, 4)
+    a = list(bm.allocate("a", 2))
+    bm.register(a[0], 1)
+    bm.register(a[1], 2)
+    hit = bm.cached_prefix([1, 2], 2)
+    assert bm.blocks_to_take(1, hit) == 1  # held blocks cost nothing more
+    bm.share("b", hit)
+    bm.allocate("b", 1)
+    assert bm.used_blocks == 3 and bm.free_blocks == 3
+    bm.free("a")
+    assert bm.used_blocks == 3 and bm.cached_free_blocks == 0  # b still holds the prefix
+    bm.free("b")
+    assert bm.used_blocks == 0 and bm.cached_free_blocks == 2 and bm.free_blocks == 6
+    hit = bm.cached_prefix([1, 2], 2)
+    assert bm.blocks_to_take(1, hit) == 3  # free cached blocks leave the free pool when shared
+    bm.share("c", hit)
+    assert bm.free_blocks == 4 and bm.cached_free_blocks == 0
+    bm.check_integrity()
+
+
+def test_register_and_share_refuse_what_is_not_theirs():
+    bm = BlockManager(4, 4)
+    with pytest.raises(ValueError, match="not held"):
+        bm.register(0, 7)
+    a = bm.allocate("a", 2)
+    bm.register(a[0], 7)
+    bm.register(a[1], 7)  # the hash is cached already: the first block keeps it
+    assert bm.cached_prefix([7], 1) == [a[0]] and bm.cached_blocks == 1
+    with pytest.raises(ValueError, match="no cached prefix"):
+        bm.share("b", [a[1]])
+    with pytest.raises(ValueError, match="already holds"):
+        bm.share("a", [a[0]])
+    bm.check_integrity()
 
 
 @pytest.mark.parametrize("total, size", [(0, 4), (4, 0), (2.5, 4)])
@@ -99,6 +157,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.free(owner)
         self.tables.pop(owner, None)
 
+    @precondition(lambda self: any(self.tables.values()))
+    @rule(data=st.data(), h=st.integers(0, 5))
+    def register(self, data, h):
+        owner = data.draw(st.sampled_from(sorted(o for o, n in self.tables.items() if n)))
+        block = data.draw(st.sampled_from(self.bm.table(owner)))
+        self.bm.register(block, h)
+
+    @rule(owner=owners, hashes=st.lists(st.integers(0, 5), max_size=4))
+    def share(self, owner, hashes):
+        if owner in self.tables:
+            return
+        hit = self.bm.cached_prefix(hashes, len(hashes))
+        if len(set(hit)) < len(hit):
+            return
+        taken = self.bm.blocks_to_take(0, hit)
+        free_before = self.bm.free_blocks
+        self.bm.share(owner, hit)
+        assert self.bm.free_blocks == free_before - taken
+        if hit:
+            self.tables[owner] = len(hit)
+
     @rule(mid=migrations, n=st.integers(0, 6))
     def reserve(self, mid, n):
         fits = n <= self.free_in_model()
@@ -126,13 +205,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.tables[owner] = kept
 
     def free_in_model(self):
-        return self.TOTAL - sum(self.tables.values()) - sum(self.reservations.values())
+        return self.TOTAL - self.bm.used_blocks - sum(self.reservations.values())
 
     @invariant()
     def never_leaks_or_double_owns(self):
         self.bm.check_integrity()
         assert self.bm.free_blocks == self.free_in_model()
-        assert self.bm.used_blocks == sum(self.tables.values())
+        held = {b for owner in self.tables for b in self.bm.table(owner)}
+        assert self.bm.used_blocks == len(held) <= sum(self.tables.values())
         assert self.bm.reserved_blocks == sum(self.reservations.values())
         for owner, n in self.tables.items():
             assert len(self.bm.table(owner)) == n

@@ -727,3 +727,100 @@ def test_destination_refuses_bad_buffers_and_short_reservations(make_engine):
     destination.release_reservation("m")
     source.unpause("r")
     run(source)
+
+
+# ------------------------------------------------------------------ prefix caching
+def with_prefix(rid, prefix, own_len, max_tokens=6, arrival=0.0):
+    """A request whose prompt is `prefix` followed by `own_len` tokens of its own."""
+    own = request(rid, prompt_len=own_len).prompt_token_ids
+    return Request(rid, list(prefix) + own, SamplingParams(max_tokens=max_tokens), arrival_time=arrival)
+
+
+def test_a_cached_prefix_is_shared_not_prefilled_again_and_tokens_stay_exact(make_engine):
+    engine = make_engine(total_blocks=32, block_size=4)
+    prefix = request("system", prompt_len=32).prompt_token_ids  # 8 full blocks
+    first = with_prefix("first", prefix, 8, max_tokens=20)
+    engine.add_request(first)
+    results = [engine.step()]
+    assert results[0].outputs[0].cached_tokens == 0 and results[0].num_prefill_tokens == 40
+    free_before = engine.snapshot().free_blocks
+    second = with_prefix("second", prefix, 6)  # 38 tokens: 8 cached blocks, 6 tokens to compute
+    engine.add_request(second)
+    joined = engine.step()
+    assert joined.num_prefill_tokens == 6
+    assert next(o for o in joined.outputs if o.request_id == "second").cached_tokens == 32
+    # While "first" holds the prefix, "second" takes blocks only for its own tokens.
+    assert free_before - engine.snapshot().free_blocks == 2 + 1  # second's own 2 blocks, first's 11th for its decode
+    results += [joined] + run(engine)
+    tokens = tokens_by_request(results)
+    assert tokens["second"] == reference(make_engine, second) and tokens["first"] == reference(make_engine, first)
+    assert second.timing.cached_tokens == 32 and engine.prefix_hit_blocks == 8
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token(make_engine):
+    engine = make_engine(block_size=4)
+    prompt = request("p", prompt_len=41).prompt_token_ids
+    engine.add_request(Request("a", list(prompt), SamplingParams(max_tokens=3)))
+    results = run(engine)
+    again = Request("b", list(prompt), SamplingParams(max_tokens=3))
+    engine.add_request(again)
+    step = engine.step()
+    assert step.outputs[0].cached_tokens == 40 and step.num_prefill_tokens == 0  # one token: priced as a decode
+    assert tokens_by_request(results + [step] + run(engine))["b"] == tokens_by_request(results)["a"]
+
+
+def test_a_preempted_request_recomputes_only_what_was_evicted(make_engine):
+    clock = Clock()
+    engine = make_engine(total_blocks=12, block_size=4, clock=clock)
+    early = request("early", prompt_len=20, max_tokens=12)  # 5 blocks, grows to 8
+    late = request("late", prompt_len=22, max_tokens=12, arrival=1.0)  # 6 blocks
+    engine.add_request(early)
+    engine.add_request(late)
+    results = []
+    while not late.timing.preemptions:
+        results.append(engine.step())
+        clock.now += results[-1].duration
+    # Its 5 full blocks (20 of its prompt's tokens) stay cached while free: the recompute hits them.
+    recompute = None
+    while late.status is not RequestStatus.FINISHED:
+        results.append(engine.step())
+        clock.now += results[-1].duration
+        if recompute is None and late.status is RequestStatus.RUNNING:
+            recompute = results[-1]
+    assert 0 < recompute.num_prefill_tokens < late.num_prompt_tokens
+    results += run(engine, clock)
+    tokens = tokens_by_request(results)
+    assert tokens["late"] == reference(make_engine, late) and tokens["early"] == reference(make_engine, early)
+
+
+def test_without_prefix_caching_nothing_is_shared_or_reported(make_engine):
+    engine = make_engine(prefix_caching=False)
+    prompt = request("p", prompt_len=20).prompt_token_ids
+    for rid in ("a", "b"):
+        engine.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=3)))
+        step = engine.step()
+        assert step.num_prefill_tokens == 20 and step.outputs[0].cached_tokens is None
+    run(engine)
+    assert engine.prefix_hit_blocks == 0
+
+
+@pytest.mark.parametrize("kv_bytes", [16, 0])
+def test_a_request_sharing_its_prefix_migrates_exactly_and_its_blocks_are_cached_at_the_destination(make_engine, kv_bytes):
+    prefix = request("system", prompt_len=24).prompt_token_ids
+    mover = with_prefix("mover", prefix, 10, max_tokens=30)
+    expected = reference(make_engine, mover, kv_bytes=kv_bytes)
+    source, destination = make_engine(kv_bytes=kv_bytes), make_engine(kv_bytes=kv_bytes)
+    source.add_request(with_prefix("stayer", prefix, 3, max_tokens=30))
+    source.step()
+    source.add_request(mover)
+    before = [source.step() for _ in range(3)]
+    assert before[0].outputs[-1].cached_tokens == 24
+    state = migrate(source, destination, "mover")
+    produced = tokens_by_request(run(destination), {"mover": state.output_token_ids})["mover"]
+    assert produced == expected
+    # The migrated blocks are the destination's cache now: a newcomer with the prefix hits them.
+    newcomer = with_prefix("newcomer", prefix, 5)
+    destination.add_request(newcomer)
+    run(destination)
+    assert newcomer.timing.cached_tokens == 24
+    run(source)

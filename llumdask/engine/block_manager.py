@@ -4,9 +4,19 @@ Mirrors vLLM's block manager at the level the scheduler and the migration protoc
 pool of blocks, a free list, one block table per sequence (logical index -> physical block) and,
 for migrations coming in, reservations that hold blocks before any request owns them. Block ids
 are plain ints indexing the engine's KV buffer. Every operation is O(blocks it moves).
+
+Prefix caching, as vLLM v1 does it: a full block can be registered under its prefix hash
+(`llumdask.prefix`); a sequence whose prompt starts with cached blocks shares them (`share`), each
+block counting its holders. A freed block keeps its hash and content while it waits in the free
+pool, so a later request can still hit it; blocks are handed out least recently freed first, and
+handing out a cached one evicts its hash. Free blocks that hold no hash go out first: they hold
+nothing worth keeping. A sequence's blocks are freed tail first, so its prefix outlives its tail.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Sequence
 
 
 class OutOfBlocks(RuntimeError):
@@ -21,22 +31,40 @@ class BlockManager:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.total_blocks = total_blocks
         self.block_size = block_size
-        # Popped from the end: recently freed blocks are reused first, as in vLLM.
+        # Free blocks holding no hash, popped from the end.
         self._free: list[int] = list(range(total_blocks - 1, -1, -1))
+        # Free blocks holding a hash, least recently freed first (evicted in that order).
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         self._tables: dict[str, list[int]] = {}
         self._reservations: dict[str, list[int]] = {}
-        self._used = 0
+        # Holders of every block in some table (a shared prefix block has several).
+        self._refs: dict[int, int] = {}
         self._reserved = 0
+        # The prefix cache: hash -> block and back, for full blocks whose content is final.
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
+        self._evictions = 0
 
     # ------------------------------------------------------------------ counts
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a new allocation may take, cached-but-free ones included (as vLLM counts them)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def cached_free_blocks(self) -> int:
+        """Free blocks that still hold a prefix a request could hit."""
+        return len(self._evictable)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, held or free."""
+        return len(self._by_hash)
 
     @property
     def used_blocks(self) -> int:
-        """Blocks in some sequence's block table."""
-        return self._used
+        """Blocks in some sequence's block table (a shared block once)."""
+        return len(self._refs)
 
     @property
     def reserved_blocks(self) -> int:
@@ -44,7 +72,7 @@ class BlockManager:
         return self._reserved
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.free_blocks
 
     # ------------------------------------------------------------------ sequences
     def table(self, owner: str) -> list[int]:
@@ -59,15 +87,64 @@ class BlockManager:
         taken = self._take(num_blocks, f"sequence {owner!r}")
         table = self._tables.setdefault(owner, [])
         table.extend(taken)
-        self._used += num_blocks
+        self._refs.update(dict.fromkeys(taken, 1))
         return table
 
     def free(self, owner: str) -> None:
-        """Return every block of the owner to the free list; an owner without blocks is a no-op."""
+        """Drop the owner's hold on each of its blocks, tail first; a block nobody holds returns to
+        the free pool (keeping its hash). An owner without blocks is a no-op."""
         table = self._tables.pop(owner, None)
         if table:
-            self._used -= len(table)
-            self._free.extend(reversed(table))
+            self._release_blocks(reversed(table))
+
+    # ------------------------------------------------------------------ prefix cache
+    def cached_prefix(self, hashes: Sequence[int], limit: int, known: list[int] | None = None) -> list[int]:
+        """The blocks caching the longest prefix of `hashes[:limit]` (each a block's chained hash).
+        `known` is an earlier answer for the same hashes with no eviction since: it still holds
+        (registering only adds), so the walk resumes after it, extending it in place."""
+        blocks = [] if known is None else known
+        by_hash = self._by_hash
+        for index in range(len(blocks), limit):
+            block = by_hash.get(hashes[index])
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    @property
+    def evictions(self) -> int:
+        """Cached blocks handed out so far: an earlier `cached_prefix` answer holds while this stays."""
+        return self._evictions
+
+    def blocks_to_take(self, num_new: int, shared: Iterable[int]) -> int:
+        """Free blocks an admission of `num_new` new blocks plus the cached `shared` ones uses up:
+        a shared block nobody holds leaves the free pool too."""
+        return num_new + sum(1 for block in shared if block not in self._refs)
+
+    def share(self, owner: str, blocks: Sequence[int]) -> None:
+        """Start an empty table with cached blocks (a prefix hit): each gains a holder."""
+        if self._tables.get(owner):
+            raise ValueError(f"sequence {owner!r} already holds blocks; a prefix is shared into an empty table")
+        for block in blocks:
+            if block not in self._hash_of:
+                raise ValueError(f"block {block} holds no cached prefix")
+            if block in self._refs:
+                self._refs[block] += 1
+            else:
+                del self._evictable[block]
+                self._refs[block] = 1
+        if blocks:
+            self._tables[owner] = list(blocks)
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Record a held block, now full, under its prefix hash. A hash already cached keeps its
+        first block (the copy stays private to its sequence, as in vLLM)."""
+        if block not in self._refs:
+            raise ValueError(f"block {block} is not held; only a sequence's full block is cached")
+        if block_hash in self._by_hash or block in self._hash_of:
+            return
+        self._by_hash[block_hash] = block
+        self._hash_of[block] = block_hash
 
     # ------------------------------------------------------------------ reservations
     def reservation(self, migration_id: str) -> list[int]:
@@ -95,6 +172,17 @@ class BlockManager:
             self._reserved -= len(blocks)
             self._free.extend(reversed(blocks))
 
+    def _release_blocks(self, blocks: Iterable[int]) -> None:
+        refs, cached, evictable, free = self._refs, self._hash_of, self._evictable, self._free
+        for block in blocks:
+            holders = refs.pop(block) - 1
+            if holders:
+                refs[block] = holders
+            elif block in cached:
+                evictable[block] = None
+            else:
+                free.append(block)
+
     def adopt(self, migration_id: str, owner: str, keep: int) -> list[int]:
         """Turn a reservation into the owner's block table: its first `keep` blocks, the rest freed."""
         if owner in self._tables:
@@ -105,26 +193,48 @@ class BlockManager:
         self._free.extend(reversed(spare))
         if table:
             self._tables[owner] = table
-            self._used += len(table)
+            self._refs.update(dict.fromkeys(table, 1))
         return table
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
-        """free + used + reserved == total, and every block has exactly one place."""
-        held = [b for t in self._tables.values() for b in t]
+        """free + used + reserved == total, every block in exactly one place, every held block's
+        holder count equal to the tables naming it, and the cache's two maps mirror each other."""
+        counts: dict[int, int] = {}
+        for table in self._tables.values():
+            assert len(set(table)) == len(table), "a table names a block twice"
+            for block in table:
+                counts[block] = counts.get(block, 0) + 1
+        assert counts == self._refs, "a block's holder count differs from the tables naming it"
         reserved = [b for r in self._reservations.values() for b in r]
-        assert len(held) == self._used, f"used count {self._used} != {len(held)} blocks in tables"
         assert len(reserved) == self._reserved, f"reserved count {self._reserved} != {len(reserved)} reserved"
-        everything = self._free + held + reserved
+        everything = self._free + list(self._evictable) + list(counts) + reserved
         assert len(everything) == self.total_blocks, (
-            f"free {len(self._free)} + used {len(held)} + reserved {len(reserved)} != total {self.total_blocks}"
+            f"free {self.free_blocks} + used {len(counts)} + reserved {len(reserved)} != total {self.total_blocks}"
         )
         assert sorted(everything) == list(range(self.total_blocks)), "a block is owned twice or lost"
+        assert {b: h for h, b in self._by_hash.items()} == self._hash_of, "prefix cache maps disagree"
+        assert all(b in self._hash_of for b in self._evictable), "an evictable block holds no hash"
+        assert not any(b in self._hash_of for b in self._free) and not any(b in self._hash_of for b in reserved), (
+            "a block outside the tables and the evictable pool kept its hash"
+        )
 
     def _take(self, num_blocks: int, what: str) -> list[int]:
-        if num_blocks > len(self._free):
-            raise OutOfBlocks(f"{what}: {num_blocks} blocks requested, {len(self._free)} free")
-        taken = self._free[len(self._free) - num_blocks :]
-        del self._free[len(self._free) - num_blocks :]
+        free = self._free
+        if num_blocks <= len(free):
+            taken = free[len(free) - num_blocks :]
+            del free[len(free) - num_blocks :]
+            taken.reverse()
+            return taken
+        if num_blocks > self.free_blocks:
+            raise OutOfBlocks(f"{what}: {num_blocks} blocks requested, {self.free_blocks} free")
+        plain = len(free)
+        taken = self._free[len(self._free) - plain :]
+        del self._free[len(self._free) - plain :]
         taken.reverse()
+        self._evictions += num_blocks - plain
+        for _ in range(num_blocks - plain):
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+            taken.append(block)
         return taken

@@ -11,8 +11,18 @@ chunk. A running request that needs a block when none is free preempts (by recom
 lowest-priority, latest-arrived running request, possibly itself; a step that preempted admits
 nobody. What is modelled: each step's duration (`LatencyProfile`).
 
+Prefix caching (`sim_engine.prefix_caching`, on by default as in vLLM v1): full blocks are cached
+under their chained prefix hash (`llumdask.prefix`), prompt blocks as their prefill fills them,
+blocks that decoding fills when the request lets go of them (finished, preempted, migrated away,
+aborted). An admitted request starts from the longest cached run of its full blocks short of its
+last token: it shares those blocks, computes only the rest (the step is priced from the first
+uncached token), and its first output reports the cached prompt tokens. Its admission needs free
+blocks for the uncached rest plus any cached block nobody holds (it leaves the free pool). A
+request recomputed after a preemption finds its own blocks until they are evicted.
+
 KV content is real too, so that migration correctness is observable. Every token slot holds
-`kv_bytes_per_token` bytes derived from (token id, position, prompt hash), and the next token is
+`kv_bytes_per_token` bytes derived from (token id, position, hash of every token before its
+block), so requests sharing a prefix write the same bytes into it, and the next token is
 a function of the bytes of the last slot and of three earlier slots picked pseudo-randomly per
 position, read through the block table. A migration that loses, misplaces or corrupts a block
 therefore changes later tokens, while a faithful one (or a recompute) reproduces them exactly.
@@ -55,6 +65,7 @@ from llumdask.engine.base import (
 )
 from llumdask.engine.block_manager import BlockManager
 from llumdask.engine.latency import LatencyProfile, load_profile
+from llumdask.prefix import ROOT_HASH, block_hashes, mix, mix_int
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
 
 if TYPE_CHECKING:
@@ -62,8 +73,7 @@ if TYPE_CHECKING:
 
 _U64 = np.uint64
 _MASK64 = (1 << 64) - 1
-# Odd multipliers of splitmix64 and of the hash inputs (any fixed odd constants would do).
-_MIX1, _MIX2 = _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
+# Odd multipliers of the hash inputs (any fixed odd constants would do).
 _K_TOKEN, _K_POS, _K_PICK = _U64(0x9E3779B97F4A7C15), _U64(0xC2B2AE3D27D4EB4F), _U64(0x165667B19E3779F9)
 _SEED_SALT = 0xD6E8FEB86659FD93
 # Earlier slots each generated token reads besides the last one.
@@ -71,33 +81,15 @@ _NUM_LOOKBACK = 3
 _CONSTANTS_SEED = 20240710
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on a uint64 array: a bijection that spreads every input bit."""
-    x = x ^ (x >> _U64(30))
-    x = x * _MIX1
-    x = x ^ (x >> _U64(27))
-    x = x * _MIX2
-    return x ^ (x >> _U64(31))
-
-
-_MIX1_INT, _MIX2_INT, _K_POS_INT = int(_MIX1), int(_MIX2), int(_K_POS)
+_K_POS_INT = int(_K_POS)
 # Content-free batches up to this size sample in Python integers (`_tokens_without_content`).
 _SMALL_BATCH = 24
-
-
-def _mix_int(x: int) -> int:
-    """`_mix` of one value in Python integers (uint64 wrap-around by masking)."""
-    x ^= x >> 30
-    x = (x * _MIX1_INT) & _MASK64
-    x ^= x >> 27
-    x = (x * _MIX2_INT) & _MASK64
-    return x ^ (x >> 31)
 
 
 def _prompt_hash(prompt: list[int]) -> int:
     tokens = np.asarray(prompt, dtype=_U64)
     positions = np.arange(len(prompt), dtype=_U64)
-    return int(_mix(_mix(tokens * _K_TOKEN + positions).sum(keepdims=True))[0])
+    return int(mix(mix(tokens * _K_TOKEN + positions).sum(keepdims=True))[0])
 
 
 @dataclass(eq=False, slots=True)
@@ -116,6 +108,13 @@ class _Seq:
     priority: Priority
     # Length of its block table, read by every decode step (0 while waiting).
     num_blocks: int
+    # Chained hashes of its full blocks of tokens so far (`llumdask.prefix`), extended as needed.
+    block_hashes: list[int]
+    # Blocks of its table known to be in the prefix cache (registered or shared from it).
+    registered: int
+    # Its last prefix-cache answer while waiting, and the cache's eviction count then.
+    hit: list[int]
+    hit_evictions: int
     greedy: bool
     # Temperature > 0: a key derived from the seed, or a per-request sampler when there is none.
     seed_key: int
@@ -151,6 +150,10 @@ def _new_seq(request: Request, rng_state: dict[str, Any] | None = None) -> _Seq:
         num_computed=0,
         priority=request.execution_priority,
         num_blocks=0,
+        block_hashes=[],
+        registered=0,
+        hit=[],
+        hit_evictions=-1,
         greedy=sampling.greedy,
         seed_key=((sampling.seed or 0) * _SEED_SALT) & _MASK64,
         rng=rng,
@@ -181,6 +184,17 @@ def _unstopped(token: int, stop_token_ids: tuple[int, ...], vocab: int) -> int:
         if candidate not in stop_token_ids:
             return candidate
     raise ValueError(f"every token id is a stop token ({vocab} of them)")
+
+
+def _token_range(request: Request, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output, without concatenating the two lists."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return output[start - n : end - n]
+    return prompt[start:] + output[: end - n]
 
 
 def _u64(values: list[int]) -> np.ndarray:
@@ -223,6 +237,10 @@ class SimEngine:
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{self._name}: sim_engine.{field_name} must be an integer >= {low}, got {value!r}")
         self._blocks = BlockManager(total, block_size)
+        self._prefix_caching = config.prefix_caching
+        # Prefix-cache lookups at admission, in blocks: looked for, and found.
+        self.prefix_queried_blocks = 0
+        self.prefix_hit_blocks = 0
         self._clock = clock
         self._real_time = config.real_time
         self._vocab = _U64(config.vocab_size)
@@ -323,6 +341,10 @@ class SimEngine:
         end = now + duration
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + chunk.count
+            # Prompt blocks are cached as soon as their prefill fills them (a request arriving
+            # meanwhile shares them); blocks that decoding fills, when the request lets go of them.
+            if self._prefix_caching and not chunk.is_decode:
+                self._register_full_blocks(chunk.seq)
         outputs = [self._append_token(chunk.seq, token, end) for chunk, token in zip(sampling, tokens)]
         for chunk in sampling:
             timing = chunk.seq.request.timing
@@ -511,6 +533,8 @@ class SimEngine:
         self._seqs[rid] = seq
         self._running.append(seq)
         self._snapshot = None
+        if self._prefix_caching:
+            self._register_full_blocks(seq)
 
     # ------------------------------------------------------------------ scheduling
     def _schedule_running(self, now: float) -> tuple[list[_Chunk], list[str]]:
@@ -558,17 +582,62 @@ class SimEngine:
         running, waiting, size = self._running, self._waiting, self.block_size
         while waiting and budget > 0 and len(running) < self._max_num_seqs:
             seq = waiting[0]
-            if not self._blocks.can_allocate(blocks_for(seq.num_tokens, size)):
+            hit = self._cached_prefix(seq)
+            new = blocks_for(seq.num_tokens, size) - len(hit)
+            # Cached blocks nobody holds leave the free pool too (counted only when the rest fits).
+            if not self._blocks.can_allocate(new) or (hit and not self._blocks.can_allocate(self._blocks.blocks_to_take(new, hit))):
                 break
-            count = min(seq.num_tokens, budget)
+            computed = len(hit) * size
+            count = min(seq.num_tokens - computed, budget)
             self._dequeue(0)
-            self._allocate(seq, blocks_for(count, size))
+            self._share(seq, hit)
+            self._allocate(seq, blocks_for(computed + count, size) - len(hit))
             seq.request.status = RequestStatus.RUNNING
-            if seq.request.timing.first_scheduled is None:
-                seq.request.timing.first_scheduled = now
+            if self._prefix_caching:
+                self.prefix_queried_blocks += (seq.num_tokens - 1) // size
+                self.prefix_hit_blocks += len(hit)
+            timing = seq.request.timing
+            if timing.first_scheduled is None:
+                timing.first_scheduled = now
+                if self._prefix_caching:
+                    timing.cached_tokens = computed
             running.append(seq)
-            chunks.append(_Chunk(seq, 0, count))
+            chunks.append(_Chunk(seq, computed, count))
             budget -= count
+
+    def _cached_prefix(self, seq: _Seq) -> list[int]:
+        """Blocks of the prefix cache this waiting request can start from: the longest cached run
+        of its full blocks, short of its last token (which is computed to sample the next one)."""
+        if not self._prefix_caching:
+            return []
+        limit = (seq.num_tokens - 1) // self.block_size
+        blocks = self._blocks
+        # A request blocked at the head of the queue asks every step: resume its last answer.
+        known = seq.hit if seq.hit_evictions == blocks.evictions and len(seq.hit) <= limit else None
+        seq.hit = blocks.cached_prefix(self._hashes(seq, limit), limit, known)
+        seq.hit_evictions = blocks.evictions
+        return seq.hit
+
+    def _hashes(self, seq: _Seq, num_blocks: int) -> list[int]:
+        """The request's first `num_blocks` block hashes (its tokens cover them), computed once."""
+        known = seq.block_hashes
+        if len(known) < num_blocks:
+            size = self.block_size
+            request = seq.request
+            tokens = _token_range(request, len(known) * size, num_blocks * size)
+            known += block_hashes(tokens, size, parent=known[-1] if known else ROOT_HASH)
+        return known
+
+    def _register_full_blocks(self, seq: _Seq) -> None:
+        """Cache the request's blocks not cached yet, up to the last one its computed KV fills."""
+        full = seq.num_computed // self.block_size
+        if full <= seq.registered:
+            return
+        hashes = self._hashes(seq, full)
+        table = self._blocks.table(seq.request_id)
+        for index in range(seq.registered, full):
+            self._blocks.register(table[index], hashes[index])
+        seq.registered = full
 
     def _step_time(self, chunks: list[_Chunk]) -> float:
         prefills = [(c.start, c.count) for c in chunks if not c.is_decode]
@@ -605,10 +674,10 @@ class SimEngine:
             self._write_kv(chunks)
             logits = self._read_kv(sampling, n, hashes)
         else:
-            logits = _mix(hashes ^ (n * _K_POS))
+            logits = mix(hashes ^ (n * _K_POS))
         if not all(c.seq.greedy for c in sampling):
             logits ^= _u64([0 if c.seq.greedy else self._salt(c.seq, c.seq.num_tokens) for c in sampling])
-        return (_mix(logits) % self._vocab).tolist()
+        return (mix(logits) % self._vocab).tolist()
 
     def _tokens_without_content(self, sampling: list[_Chunk]) -> list[int]:
         """The content-free tokens of `_forward` for a small batch, in Python integers: the same
@@ -618,10 +687,10 @@ class SimEngine:
         for chunk in sampling:
             seq = chunk.seq
             n = seq.num_tokens
-            logit = _mix_int(seq.prompt_hash ^ ((n * _K_POS_INT) & _MASK64))
+            logit = mix_int(seq.prompt_hash ^ ((n * _K_POS_INT) & _MASK64))
             if not seq.greedy:
                 logit ^= self._salt(seq, n)
-            tokens.append(_mix_int(logit) % vocab)
+            tokens.append(mix_int(logit) % vocab)
         return tokens
 
     @staticmethod
@@ -645,7 +714,10 @@ class SimEngine:
             tokens.append(values)
             position = np.arange(start, start + count, dtype=np.int64)
             positions.append(position)
-            hashes.append(np.full(count, seq.prompt_hash, dtype=_U64))
+            # A slot's content depends on its token, its position and every token before its
+            # block (the parent block's hash): requests sharing a prefix write the same bytes.
+            parents = np.array([ROOT_HASH, *self._hashes(seq, (start + count - 1) // size)], dtype=_U64)
+            hashes.append(parents[position // size])
             blocks.append(np.asarray(self._blocks.table(seq.request_id), dtype=np.int64)[position // size])
         position = np.concatenate(positions)
         self._kv[np.concatenate(blocks), position % size] = self._slot_bytes(
@@ -657,15 +729,15 @@ class SimEngine:
         picks = np.empty((len(sampling), _NUM_LOOKBACK + 1), dtype=_U64)
         picks[:, 0] = n - _U64(1)
         for k in range(1, _NUM_LOOKBACK + 1):
-            picks[:, k] = _mix(hashes ^ (n * _K_PICK + _U64(k))) % n
+            picks[:, k] = mix(hashes ^ (n * _K_PICK + _U64(k))) % n
         slots = picks.astype(np.int64)
         tables = [self._blocks.table(c.seq.request_id) for c in sampling]
         read_blocks = [[table[p // size] for p in row] for table, row in zip(tables, slots.tolist())]
         digests = self._kv[np.array(read_blocks, dtype=np.int64), slots % size].astype(_U64) @ self._weights
-        return _mix((digests * self._combine).sum(axis=1) ^ n)
+        return mix((digests * self._combine).sum(axis=1) ^ n)
 
     def _slot_bytes(self, tokens: np.ndarray, positions: np.ndarray, hashes: np.ndarray) -> np.ndarray:
-        h = _mix(tokens * _K_TOKEN ^ positions * _K_POS ^ hashes)
+        h = mix(tokens * _K_TOKEN ^ positions * _K_POS ^ hashes)
         return ((h[:, None] * self._spread[None, :]) >> _U64(56)).astype(np.uint8)
 
     # ------------------------------------------------------------------ helpers
@@ -690,6 +762,8 @@ class SimEngine:
             del self._seqs[seq.request_id]
             self._free(seq)
             self._finish(seq, RequestStatus.FINISHED, reason, now)
+        if len(output) == 1 and timing.cached_tokens is not None:
+            return TokenOutput(seq.request_id, 0, (token,), reason is not None, reason, cached_tokens=timing.cached_tokens)
         return TokenOutput(seq.request_id, len(output) - 1, (token,), reason is not None, reason)
 
     def _finish(self, seq: _Seq, status: RequestStatus, reason: FinishReason, now: float) -> None:
@@ -708,7 +782,20 @@ class SimEngine:
         seq.num_blocks += num_blocks
         self._held_blocks[seq.priority] += num_blocks
 
+    def _share(self, seq: _Seq, blocks: list[int]) -> None:
+        """A prefix hit: the request starts with cached blocks (each holder counts them, as every
+        engine's per-request block tables do)."""
+        seq.registered = len(blocks)
+        if blocks:
+            self._blocks.share(seq.request_id, blocks)
+            self._held_count[seq.priority] += 1
+            seq.num_blocks = len(blocks)
+            self._held_blocks[seq.priority] += len(blocks)
+
     def _free(self, seq: _Seq) -> None:
+        if self._prefix_caching and seq.num_blocks:
+            self._register_full_blocks(seq)
+        seq.registered = 0
         if seq.num_blocks:
             self._held_blocks[seq.priority] -= seq.num_blocks
             self._held_count[seq.priority] -= 1

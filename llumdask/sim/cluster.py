@@ -34,7 +34,7 @@ from llumdask.protocol import MigrationMessage, StageData
 from llumdask.request import Request, SamplingParams
 from llumdask.sim.metrics import ClusterSample
 from llumdask.sim.oracle import ClairvoyantDispatch, Holdings
-from llumdask.sim.workload import TraceRequest
+from llumdask.sim.workload import TraceRequest, prompt_tokens
 
 # An idle engine that still holds work it cannot schedule (waiting behind a reservation) polls.
 _IDLE_POLL = 0.005
@@ -297,11 +297,12 @@ class SimCluster:
         return any(view.ready for view in self.scheduler.instances())
 
     # ------------------------------------------------------------------ workload
-    def _arrive(self, trace: TraceRequest, request_id: str) -> None:
+    def _arrive(self, trace: TraceRequest, index: int) -> None:
+        request_id = f"req-{index}"
         self._pending_arrivals -= 1
         request = Request(
             request_id,
-            [1 + (i % 1000) for i in range(trace.input_len)],
+            prompt_tokens(trace, index),
             SamplingParams(max_tokens=trace.output_len, ignore_eos=True),
             scheduling_priority=trace.priority,
             execution_priority=trace.priority,
@@ -316,7 +317,7 @@ class SimCluster:
         except NoInstanceAvailable:
             # No ready instance (all starting or draining): retry shortly, as a frontend would.
             self._pending_arrivals += 1
-            self.events.at(self.events.now + _IDLE_POLL * 10, lambda: self._arrive(trace, request_id))
+            self.events.at(self.events.now + _IDLE_POLL * 10, lambda: self._arrive(trace, index))
             return
         request.timing.dispatched = self.events.now
         self.requests[request_id] = request
@@ -339,8 +340,7 @@ class SimCluster:
         """Replay the workload to completion; the global scheduler sees reports at the configured interval."""
         self._pending_arrivals = len(workload)
         for index, trace in enumerate(workload):
-            request_id = f"req-{index}"
-            self.events.at(trace.arrival, lambda t=trace, r=request_id: self._arrive(t, r))
+            self.events.at(trace.arrival, lambda t=trace, i=index: self._arrive(t, i))
         self.events.at(0.0, self._report_loop)
         self.events.at(0.0, self._sample_loop)
         if self.config.migration.enabled:

@@ -203,6 +203,13 @@ def _migration_stats(events: Iterable[MigrationEvent]) -> dict[str, float]:
     }
 
 
+def prefix_hit_rate(requests: Iterable[Request]) -> float:
+    """Share of prompt tokens found in a prefix cache when first scheduled (NaN where no engine said)."""
+    reported = [(r.timing.cached_tokens, r.num_prompt_tokens) for r in requests if r.timing.cached_tokens is not None]
+    prompts = sum(n for _, n in reported)
+    return sum(c for c, _ in reported) / prompts if prompts else _NAN
+
+
 def summarize(
     requests: Iterable[Request],
     samples: Sequence[ClusterSample],
@@ -220,6 +227,7 @@ def summarize(
     result["makespan"] = max((r.timing.finished for r in finished), default=math.nan)
     result["preemption_count"] = sum(r.timing.preemptions for r in finished)
     result["preemption_loss_mean"] = _mean(r.timing.preemption_loss for r in finished)
+    result["prefix_hit_rate"] = prefix_hit_rate(finished)
     result.update(_sample_stats(samples, duration))
     result.update(_migration_stats(migrations))
     by_priority = {p: [r for r in finished if r.scheduling_priority is p] for p in Priority}

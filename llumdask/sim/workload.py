@@ -42,8 +42,15 @@ conditioned on fitting. A replayed trace is never altered: a row over the cap is
 
 High priority: exactly round(share x n) requests, chosen uniformly, are high priority.
 
+system-prompt: a few long shared prompts (`system_prompts`: 8 of 512-2048 tokens, Zipf
+popularity) each followed by a short question of the request's own and a short answer (S-S
+lengths): the traffic of applications that prepend one fixed instruction block, where a prefix
+cache saves most of the prefill. Every other workload's prompts share nothing.
+
 Trace files (.csv with a header, or .jsonl with one object per line) have columns arrival_time
-(seconds), input_len, output_len, and optionally priority ("high"/"normal"). Rows are replayed in
+(seconds), input_len, output_len, and optionally priority ("high"/"normal") and a shared prefix
+(prefix_id, prefix_len: rows with the same id start with the same prefix_len tokens, which
+input_len includes; prefix_len must not exceed input_len). Rows are replayed in
 arrival order with the first arrival moved to time 0; `rate` rescales time so the mean arrival
 rate, (n - 1) / span, becomes `rate`. Extra columns are ignored. `write_trace` writes a
 workload as such a CSV file, so that a generated workload can be replayed elsewhere (on a real
@@ -53,6 +60,7 @@ cluster, say) exactly.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -62,6 +70,7 @@ from typing import Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from llumdask.prefix import mix, mix_int
 from llumdask.request import Priority
 
 PAIRINGS: dict[str, tuple[str, str]] = {
@@ -72,22 +81,64 @@ PAIRINGS: dict[str, tuple[str, str]] = {
     "L-S": ("L", "S"),
 }
 REAL_TRACE_LIKE = ("sharegpt", "burstgpt")
-WORKLOADS = (*PAIRINGS, *REAL_TRACE_LIKE)
+SYSTEM_PROMPT = "system-prompt"
+# Prefix-sharing workloads (their prompts share segments; the others share nothing).
+SHARING = (SYSTEM_PROMPT,)
+WORKLOADS = (*PAIRINGS, *REAL_TRACE_LIKE, *SHARING)
 TRACE_SUFFIXES = (".csv", ".jsonl", ".ndjson")
 # Below this CV, Gamma gaps are even spacing for any practical purpose (and 1/cv^2 may overflow).
 _EVEN_CV = 1e-6
 # Redraw rounds allowed for pairs over max_seq_len before the cap is declared too small.
 _MAX_REDRAW_ROUNDS = 200
+# system-prompt: how many shared prompts, their length range (tokens), their popularity's skew.
+_SYSTEM_PROMPTS = 8
+_SYSTEM_PROMPT_LENGTHS = (512, 2048)
+_SYSTEM_PROMPT_ZIPF = 1.0
 
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """One request of a workload: when it arrives and how many tokens it reads and writes."""
+    """One request of a workload: when it arrives and how many tokens it reads and writes.
+
+    `prefix` names the shared segments its prompt starts with, as (segment id, tokens): requests
+    naming the same segments in the same order share that prefix token for token (a system
+    prompt, say). The rest of the prompt, input_len minus the segments, is the request's own."""
 
     arrival: float
     input_len: int
     output_len: int
     priority: Priority = Priority.NORMAL
+    prefix: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def shared_len(self) -> int:
+        return sum(length for _, length in self.prefix)
+
+
+# Prompt token ids lie in [1, _PROMPT_VOCAB]: within any model's vocabulary the simulator serves.
+_PROMPT_VOCAB = 30_000
+_K_SEGMENT, _K_OWN = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_tokens(segment: int, length: int) -> tuple[int, ...]:
+    return tuple(_token_ids(mix_int(segment ^ _K_SEGMENT), length))
+
+
+def _token_ids(key: int, length: int) -> list[int]:
+    with np.errstate(over="ignore"):
+        mixed = mix(np.uint64(key) + np.arange(length, dtype=np.uint64) * np.uint64(_K_OWN))
+    return (mixed % np.uint64(_PROMPT_VOCAB) + np.uint64(1)).tolist()
+
+
+def prompt_tokens(trace: TraceRequest, index: int) -> list[int]:
+    """The prompt of the workload's `index`-th request: its shared segments, then tokens of its
+    own (a function of the index, so no two requests share them by chance)."""
+    tokens: list[int] = []
+    for segment, length in trace.prefix:
+        tokens += _segment_tokens(segment, length)
+    own = trace.input_len - len(tokens)
+    return tokens + _token_ids(mix_int(index ^ _K_OWN), own) if own > 0 else tokens
 
 
 class TraceFormatError(ValueError):
@@ -270,13 +321,19 @@ def _parse_row(row: Mapping[str, object], where: str) -> tuple[TraceRequest, boo
         raise TraceFormatError(f"{where}: arrival_time must be a finite number >= 0, got {raw_arrival!r}")
     input_len = _int_field(row, "input_len", where)
     output_len = _int_field(row, "output_len", where)
+    prefix: tuple[tuple[int, int], ...] = ()
+    if row.get("prefix_id") not in (None, ""):
+        prefix_id, prefix_len = _int_field(row, "prefix_id", where), _int_field(row, "prefix_len", where)
+        if prefix_len > input_len:
+            raise TraceFormatError(f"{where}: prefix_len {prefix_len} exceeds input_len {input_len}")
+        prefix = ((prefix_id, prefix_len),)
     raw_priority = row.get("priority")
     stated = raw_priority not in (None, "")
     try:
         priority = Priority.parse(raw_priority) if stated else Priority.NORMAL  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         raise TraceFormatError(f"{where}: {exc}") from None
-    return TraceRequest(arrival, input_len, output_len, priority), stated
+    return TraceRequest(arrival, input_len, output_len, priority, prefix), stated
 
 
 def _csv_rows(path: Path) -> Iterator[tuple[Mapping[str, object], str]]:
@@ -335,8 +392,12 @@ def write_trace(path: str | Path, requests: Sequence[TraceRequest]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(("arrival_time", "input_len", "output_len", "priority"))
-        writer.writerows((repr(r.arrival), r.input_len, r.output_len, r.priority.name.lower()) for r in requests)
+        writer.writerow(("arrival_time", "input_len", "output_len", "priority", "prefix_id", "prefix_len"))
+        for r in requests:
+            if len(r.prefix) > 1:
+                raise ValueError("a trace file carries one shared prefix per request; this one has several segments")
+            shared = r.prefix[0] if r.prefix else ("", "")
+            writer.writerow((repr(r.arrival), r.input_len, r.output_len, r.priority.name.lower(), *shared))
     return path
 
 
@@ -364,6 +425,7 @@ def _replay(
             r.input_len,
             r.output_len,
             Priority.HIGH if h else r.priority,
+            r.prefix,
         )
         for r, h in zip(rows, high)
     ]
@@ -404,7 +466,7 @@ def make_workload(
     high_priority_share: float = 0.0,
     max_seq_len: int | None = None,
 ) -> list[TraceRequest]:
-    """A named workload (S-S, M-M, L-L, S-L, L-S, sharegpt, burstgpt) or a replayed trace file.
+    """A named workload (S-S, M-M, L-L, S-L, L-S, sharegpt, burstgpt, system-prompt) or a replayed trace file.
 
     Generated workloads need `rate` (requests/s) and `num_requests`. For a trace file, `rate` is
     optional (rescales time), `num_requests` takes the first that many, and `cv` does not apply.
@@ -425,9 +487,32 @@ def make_workload(
     if rate is None or num_requests is None:
         raise ValueError(f"the generated workload {key} needs rate and num_requests")
     arrivals = arrival_times(np.random.default_rng(arrival_seed), num_requests, rate, cv)
-    inputs, outputs = _draw_pairs(key, np.random.default_rng(length_seed), num_requests, max_seq_len)
+    length_rng = np.random.default_rng(length_seed)
     high = _high_priority_mask(priority_rng, num_requests, high_priority_share)
+    if key == SYSTEM_PROMPT:
+        prefixes = system_prompts(length_rng, num_requests)
+        longest = _SYSTEM_PROMPT_LENGTHS[1]
+        if max_seq_len is not None and max_seq_len < longest + 2:
+            raise ValueError(f"max_seq_len {max_seq_len} is too small for {key}: its shared prompts reach {longest} tokens")
+        suffixes, outputs = _draw_pairs("S-S", length_rng, num_requests, None if max_seq_len is None else max_seq_len - longest)
+        return [
+            TraceRequest(float(a), prefix[1] + int(i), int(o), Priority.HIGH if h else Priority.NORMAL, (prefix,))
+            for a, prefix, i, o, h in zip(arrivals, prefixes, suffixes, outputs, high)
+        ]
+    inputs, outputs = _draw_pairs(key, length_rng, num_requests, max_seq_len)
     return [
         TraceRequest(float(a), int(i), int(o), Priority.HIGH if h else Priority.NORMAL)
         for a, i, o, h in zip(arrivals, inputs, outputs, high)
     ]
+
+
+def system_prompts(rng: np.random.Generator, n: int) -> list[tuple[int, int]]:
+    """Each request's shared system prompt as (segment id, tokens): `_SYSTEM_PROMPTS` prompts of
+    lengths drawn uniformly from `_SYSTEM_PROMPT_LENGTHS`, chosen by Zipf popularity (the k-th
+    most popular with weight 1/k^_SYSTEM_PROMPT_ZIPF), as a few applications' prompts dominate
+    a shared deployment."""
+    low, high = _SYSTEM_PROMPT_LENGTHS
+    lengths = rng.integers(low, high + 1, _SYSTEM_PROMPTS)
+    weights = 1.0 / np.arange(1, _SYSTEM_PROMPTS + 1) ** _SYSTEM_PROMPT_ZIPF
+    chosen = rng.choice(_SYSTEM_PROMPTS, size=n, p=weights / weights.sum())
+    return [(int(k) + 1, int(lengths[k])) for k in chosen]

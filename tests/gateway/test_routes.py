@@ -457,7 +457,7 @@ def test_usage_reports_the_prompts_cached_tokens_where_the_engine_says(client, b
         r = client.post("/v1/completions", json=body)
         return sse_payloads(r)[-1]["usage"] if stream else r.json()["usage"]
 
-    assert "prompt_tokens_details" not in usage()  # the engine says nothing (the sim engine does not)
+    assert "prompt_tokens_details" not in usage()  # the engine says nothing
     backend.cached_tokens = 16
     assert usage() == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
                        "prompt_tokens_details": {"cached_tokens": 16}}

@@ -183,6 +183,18 @@ def test_chat(server):
     assert result.usage.prompt_tokens == len(chat_prompt(server, MESSAGES))
 
 
+def test_usage_counts_the_prompt_tokens_an_instance_found_cached(server):
+    prompt = "a cached prefix " * 40
+    length = len(server.tokenizer.encode(prompt))
+    client = server.openai()
+    # Three requests, two instances: one instance serves the prompt twice and the second time
+    # finds it cached (every full block of 16 tokens but the one holding the last token).
+    cached = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+              .usage.prompt_tokens_details.cached_tokens for _ in range(3)]
+    assert cached[0] == 0 and all(c % 16 == 0 and c < length for c in cached)
+    assert max(cached) == (length - 1) // 16 * 16
+
+
 def test_chat_stream(server):
     stream = server.openai().chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=16,
                                                      temperature=0, stream=True,

@@ -123,7 +123,8 @@ def hand_profile(directory, capacity_tokens: int, kv_bytes_per_token: int):
 
 
 def test_tiny_trace_worked_out_by_hand(tmp_path):
-    """One instance of 4 blocks x 4 tokens; prefill 1 ms per token, decode 10 ms per step.
+    """One instance of 4 blocks x 4 tokens; prefill 1 ms per token, decode 10 ms per step; no
+    prefix cache (a recompute starts from nothing).
 
     t=0      A and B (6-token prompts, 4 output tokens) are admitted: 2 blocks each, pool full.
     t=0.012  both prefilled (12 tokens): first tokens. C (arrived at 0.001) waits for a block.
@@ -135,7 +136,8 @@ def test_tiny_trace_worked_out_by_hand(tmp_path):
     """
     profile = hand_profile(tmp_path, capacity_tokens=16, kv_bytes_per_token=1)
     config = load_config({"block-size": 4, "migration": {"enabled": False}})
-    config = replace(config, sim_engine=replace(config.sim_engine, profile=str(profile), total_blocks=4, kv_bytes_per_token=0))
+    config = replace(config, sim_engine=replace(config.sim_engine, profile=str(profile), total_blocks=4, kv_bytes_per_token=0,
+                                                prefix_caching=False))
     cluster = SimCluster(config, load_profile(str(profile)), 1)
     outcome = cluster.run([
         TraceRequest(0.0, 6, 4, Priority.NORMAL), TraceRequest(0.0, 6, 4, Priority.NORMAL), TraceRequest(0.001, 4, 1, Priority.NORMAL),
@@ -203,3 +205,13 @@ def test_requests_in_transit_are_not_a_stall():
     spec = make_spec("llumnix", 2, settings=SimulatorSettings(dispatch_delay=0.3, sample_interval=0.1))
     summary = simulate(spec, [TraceRequest(0.0, 100, 5, Priority.NORMAL)])
     assert summary["requests"] == 1 and summary["prefill_mean"] >= 0.3
+
+
+def test_shared_system_prompts_hit_the_prefix_cache_and_unshared_prompts_never_do():
+    shared = simulate(make_spec("round_robin", 3), make_workload("system-prompt", rate=4.0, num_requests=90, seed=1))
+    unshared = simulate(make_spec("round_robin", 3), make_workload("S-S", rate=4.0, num_requests=90, seed=1))
+    assert shared["prefix_hit_rate"] > 0.5 and unshared["prefix_hit_rate"] == 0.0
+    off = replace(load_config().sim_engine, prefix_caching=False)
+    spec = make_spec("round_robin", 3, base=replace(load_config(), sim_engine=off))
+    no_cache = simulate(spec, make_workload("system-prompt", rate=4.0, num_requests=90, seed=1))
+    assert math.isnan(no_cache["prefix_hit_rate"]) and no_cache["prefill_mean"] > shared["prefill_mean"]

@@ -17,6 +17,7 @@ from llumdask.sim.workload import (
     length_distribution,
     length_targets,
     make_workload,
+    prompt_tokens,
     write_trace,
 )
 
@@ -329,6 +330,10 @@ def test_missing_trace_file_and_unknown_suffix(tmp_path):
     share=st.floats(0, 1),
 )
 def test_every_generated_workload_is_well_formed(name, seed, n, cap, cv, share):
+    if name == "system-prompt" and cap is not None and cap < 2050:
+        with pytest.raises(ValueError, match="too small for system-prompt"):
+            make_workload(name, rate=2.5, num_requests=n, seed=seed, max_seq_len=cap)
+        return
     requests = make_workload(name, rate=2.5, num_requests=n, seed=seed, cv=cv, high_priority_share=share, max_seq_len=cap)
     assert len(requests) == n
     arrivals = [r.arrival for r in requests]
@@ -345,3 +350,35 @@ def test_write_trace_replays_exactly(tmp_path):
     assert make_workload(str(path)) == workload
     with pytest.raises(ValueError, match=r"\.csv"):
         write_trace(tmp_path / "trace.jsonl", workload)
+
+
+# ------------------------------------------------------------------ shared prefixes
+def test_system_prompt_requests_share_a_few_long_prompts_by_skewed_popularity():
+    requests = make_workload("system-prompt", rate=10.0, num_requests=4000, seed=2)
+    assert requests == make_workload("system-prompt", rate=10.0, num_requests=4000, seed=2)
+    segments = {}
+    for r in requests:
+        ((segment, length),) = r.prefix
+        assert segments.setdefault(segment, length) == length  # one length per prompt
+        assert 512 <= length <= 2048 and r.input_len > length and r.output_len >= 1
+    counts = sorted((sum(r.prefix[0][0] == s for r in requests) for s in segments), reverse=True)
+    assert len(segments) == 8 and counts[0] > 3 * counts[-1]  # Zipf: the first about 8x the last
+    (i, first), (j, second) = [(i, r) for i, r in enumerate(requests) if r.prefix == requests[0].prefix][:2]
+    a, b = prompt_tokens(first, i), prompt_tokens(second, j)
+    shared = first.shared_len
+    assert len(a) == first.input_len and a[:shared] == b[:shared] and a[shared] != b[shared]
+
+
+def test_prompts_without_a_prefix_share_nothing():
+    requests = make_workload("S-S", rate=10.0, num_requests=50, seed=0)
+    firsts = {tuple(prompt_tokens(r, i)[:2]) for i, r in enumerate(requests)}
+    assert len(firsts) == 50
+
+
+def test_a_trace_carries_its_prefixes_through_a_file(tmp_path):
+    requests = make_workload("system-prompt", rate=5.0, num_requests=30, seed=1)
+    path = write_trace(tmp_path / "t.csv", requests)
+    assert make_workload(str(path)) == requests
+    bad = write(tmp_path, "bad.csv", "arrival_time,input_len,output_len,prefix_id,prefix_len\n0,10,5,3,11\n")
+    with pytest.raises(TraceFormatError, match="prefix_len 11 exceeds input_len 10"):
+        make_workload(bad)
