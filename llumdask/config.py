@@ -54,6 +54,7 @@ class DispatchConfig:
     seed: int = 0
     interference_freeness: float | None = 16.0
     admission_freeness: float | None = None
+    prefix_aware: bool = True
 
 
 @dataclass(frozen=True)

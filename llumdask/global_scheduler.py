@@ -37,6 +37,7 @@ from llumdask.load import (
     virtual_usage,
 )
 from llumdask.policy.candidates import CandidateTable
+from llumdask.prefix import PrefixEvents, PrefixIndex
 from llumdask.policy.dispatch import DispatchInfo, DispatchPolicy, make_dispatch_policy
 from llumdask.policy.migration import MigrationPair, pair_migrations
 from llumdask.policy.scaling import ScaleAction, ScaleDecision, ScalingPolicy
@@ -84,6 +85,8 @@ class InstanceView:
     last_report_at: float | None
     # Virtual usage in blocks (Algorithm 1, pending demand included; inf while terminating).
     virtual_blocks: float
+    # Blocks its prefix cache holds, as its reports tell the scheduler's index.
+    cached_blocks: int = 0
 
 
 class _Instance:
@@ -200,11 +203,12 @@ class _Instance:
             and load.num_migrating_in == 0
         )
 
-    def view(self) -> InstanceView:
+    def view(self, cached_blocks: int) -> InstanceView:
         return InstanceView(
             self.instance_id, self.ready, self.terminating, self.freeness, self.dispatch_freeness, self.load,
             self.num_pending, self.pending_blocks, self.last_report_at,
             math.inf if self.terminating else virtual_usage(self.load, self.headroom, extra_demand=self.pending_blocks),
+            cached_blocks,
         )
 
 
@@ -225,6 +229,8 @@ class GlobalScheduler:
         self.epoch = 0
         # Instances a scale-out asked for that have not registered yet: capacity on its way.
         self.requested = 0
+        # Every instance's prefix cache as its reports tell (empty where engines report none).
+        self.prefix = PrefixIndex()
 
     # ------------------------------------------------------------------ instance table
 
@@ -264,6 +270,7 @@ class GlobalScheduler:
         """Forget an instance (closed, or lost), with its pending-dispatch accounting."""
         self._get(instance_id)
         del self._instances[instance_id]
+        self.prefix.drop(instance_id)
         self._membership_changed()
 
     def set_terminating(self, instance_id: str, now: float) -> None:
@@ -275,8 +282,8 @@ class GlobalScheduler:
             instance.refresh()
             self._membership_changed()
 
-    def report(self, load: InstanceLoad, now: float) -> None:
-        """Replace an instance's last load report."""
+    def report(self, load: InstanceLoad, now: float, prefix: PrefixEvents | None = None) -> None:
+        """Replace an instance's last load report; `prefix`: its prefix-cache changes since the last."""
         instance = self._get(load.instance_id)
         if load.total_blocks != instance.total_blocks or load.block_size != instance.block_size:
             raise ValueError(
@@ -285,6 +292,8 @@ class GlobalScheduler:
             )
         was_terminating = instance.terminating
         instance.absorb(load)
+        if prefix:
+            self.prefix.apply(load.instance_id, prefix)
         instance.last_report_at = now
         if instance.terminating and not was_terminating:
             self._membership_changed()
@@ -297,7 +306,7 @@ class GlobalScheduler:
 
     def instances(self) -> list[InstanceView]:
         """The whole table, in registration order."""
-        return [instance.view() for instance in self._instances.values()]
+        return [instance.view(self.prefix.cached_blocks(instance.instance_id)) for instance in self._instances.values()]
 
     def members(self) -> tuple[list[str], list[str]]:
         """Every known instance, and those a request may be placed on (ready, not draining)."""
@@ -310,12 +319,14 @@ class GlobalScheduler:
         """Choose the instance for a new request and count it as pending demand there."""
         candidates = self._candidates
         if candidates is None:
-            candidates = self._candidates = CandidateTable([i for i in self._instances.values() if i.ready and not i.terminating])
+            candidates = self._candidates = CandidateTable(
+                [i for i in self._instances.values() if i.ready and not i.terminating], self.prefix)
         if not candidates:
             raise NoInstanceAvailable(f"no ready, non-terminating instance among {len(self._instances)} registered")
         limit = self._config.dispatch.admission_freeness
         if limit is not None and not info.admitted:
-            freest = float(candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority).max())
+            cached = candidates.cached_blocks(info.block_hashes) if self._config.dispatch.prefix_aware else None
+            freest = float(candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, cached).max())
             if freest < limit:
                 raise ClusterOverloaded(f"every instance would queue request {info.request_id}: the freest would keep "
                                         f"a dispatch freeness of {freest:.1f} with it, below {limit:g}")

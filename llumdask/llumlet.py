@@ -34,6 +34,7 @@ from typing import Any, Callable
 from llumdask.config import LlumdaskConfig
 from llumdask.engine.base import Engine, MigrationRefused, MigrationState, StepResult, TokenOutput
 from llumdask.load import InstanceLoad
+from llumdask.prefix import PrefixEvents
 from llumdask.protocol import Abort, Committed, MigrationMessage, PreAlloc, PreAllocReply, StageAck, StageData
 from llumdask.request import Request, RequestStatus, blocks_for
 from llumdask.transport import Transport
@@ -182,6 +183,10 @@ class Llumlet:
             timestamp=self._clock(),
             **vars(totals),
         )
+
+    def prefix_events(self) -> PrefixEvents | None:
+        """The engine's prefix-cache changes since the last call (sent beside each load report)."""
+        return self.engine.prefix_events()
 
     def migrations_in_flight(self) -> int:
         return len(self._outgoing) + len(self._incoming)

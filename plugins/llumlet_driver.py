@@ -169,11 +169,16 @@ class LlumletDriver:
                 self._send_load(load)
 
     def report_once(self) -> dict:
-        """Expire handshakes and routes; the load report."""
+        """Expire handshakes and routes; the load report, with the prefix-cache changes since the
+        last one under "prefix" where the engine reports them."""
         llumlet = self._llumlet()
         llumlet.tick()
         self.routes.sweep(self._clock(), lambda r: llumlet.engine.get_request(r) is not None)
-        return llumlet.load_report().to_dict()
+        report = llumlet.load_report().to_dict()
+        prefix = llumlet.prefix_events()
+        if prefix:
+            report["prefix"] = prefix.to_dict()
+        return report
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request, reply_to: str) -> None:

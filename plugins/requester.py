@@ -39,6 +39,7 @@ from llumdask.global_scheduler import NoInstanceAvailable
 from llumdask.plugins.control import NoLlumdaskScheduler, Op, RequestRejected, call
 from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream, without_key
 from llumdask.plugins.wire import request_to_msg
+from llumdask.prefix import block_hashes
 from llumdask.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
@@ -65,9 +66,11 @@ class _Open:
 class Requester:
     """Submits requests, receives their tokens, and resubmits those whose instance died."""
 
-    def __init__(self, client: Client, config: RequesterConfig | None = None) -> None:
-        """`config`: the ``llumdask.requester`` settings (dask.config's when None)."""
+    def __init__(self, client: Client, config: RequesterConfig | None = None, block_size: int | None = None) -> None:
+        """`config`: the ``llumdask.requester`` settings; `block_size`: the instances' KV block size,
+        which a prompt's block hashes are cut by (both dask.config's when None)."""
         self._config = config if config is not None else load_config().requester
+        self._block_size = block_size if block_size is not None else load_config().block_size
         self._client = client
         self._listener: TokenListener | None = None
         # Concurrent first submissions would each start a listener, open their streams on their
@@ -188,6 +191,8 @@ class Requester:
             max_tokens=request.remaining_tokens,
             execution_priority=int(request.execution_priority),
             admitted=admitted,
+            # The scheduler sees block hashes, never tokens: enough to find a cached prefix.
+            block_hashes=block_hashes(request.prompt_token_ids + request.output_token_ids, self._block_size),
         )
         return reply.instance
 

@@ -33,7 +33,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from typing import Any
+from typing import Any, Sequence
 
 from distributed.core import CommClosedError
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -50,6 +50,7 @@ from llumdask.global_scheduler import (
 )
 from llumdask.llumlet import MigrationEventKind
 from llumdask.load import InstanceLoad
+from llumdask.prefix import PrefixEvents
 from llumdask.plugins.control import (
     AdaptiveTarget,
     Draining,
@@ -92,6 +93,7 @@ def instance_row(view: InstanceView, state: InstanceState) -> dict[str, Any]:
         "num_migrating_in": load.num_migrating_in,
         "num_preemptions": load.num_preemptions,
         "num_received": load.num_received,
+        "cached_blocks": view.cached_blocks,
         "last_report_at": view.last_report_at,
     }
 
@@ -191,8 +193,10 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         max_tokens: int,
         execution_priority: int = 0,
         admitted: bool = False,
+        block_hashes: Sequence[int] = (),
     ) -> dict:
-        info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, execution_priority, admitted)
+        info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, execution_priority, admitted,
+                            tuple(block_hashes))
         try:
             instance = self._scheduler().dispatch(info, time.time())
         except (NoInstanceAvailable, ClusterOverloaded) as exc:
@@ -283,7 +287,9 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
     # A stream handler that raises makes Dask drop the sending worker: these log and go on.
     def on_load(self, load: dict, worker: str | None = None) -> None:
         try:
-            self._scheduler().report(InstanceLoad.from_dict(load), time.time())
+            prefix = load.pop("prefix", None)
+            self._scheduler().report(InstanceLoad.from_dict(load), time.time(),
+                                     None if prefix is None else PrefixEvents.from_dict(prefix))
         except UnknownInstance:
             logger.debug("load report from unregistered instance %s ignored", load.get("instance_id"))
         except (KeyError, TypeError, ValueError):

@@ -20,6 +20,7 @@ from llumdask.global_scheduler import (
     UnknownInstance,
 )
 from llumdask.load import InstanceLoad, dispatch_freeness, headroom_blocks
+from llumdask.prefix import PrefixEvents
 from llumdask.load import migration_freeness as freeness
 from llumdask.request import Priority
 
@@ -505,3 +506,27 @@ def test_scaling_disabled_never_adds_or_terminates():
     busy(gs, "i0")
     busy(gs, "i1")
     assert run_scale(gs, 200.0) == []
+
+
+# ---------------------------------------------------------------- prefix-aware dispatch
+
+
+def test_reports_feed_the_prefix_index_and_dispatch_follows_it_until_the_instance_leaves():
+    gs = scheduler(2, interference_freeness=16.0)
+    hashes = tuple(range(1, 6))  # a 5-block prompt
+    prefixed = DispatchInfo("p", 16 * 5, 10, block_hashes=hashes)
+    gs.report(load("i0", used=10, running=2), 1.0, PrefixEvents(stored=hashes))
+    gs.report(load("i1"), 1.0)
+    assert [v.cached_blocks for v in gs.instances()] == [5, 0]
+    assert gs.dispatch(prefixed, 1.0) == "i0"  # no prefill left there, though i1 is idle
+    assert gs.dispatch(info("plain"), 1.0) == "i1"
+    off = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(interference_freeness=16.0, prefix_aware=False)))
+    for k in range(2):
+        off.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
+        off.mark_ready(f"i{k}", 0.0)
+    off.report(load("i0", used=10, running=2), 1.0, PrefixEvents(stored=hashes))
+    assert off.dispatch(prefixed, 1.0) == "i1"
+    gs.report(load("i0", used=10, running=2, received=1), 2.0, PrefixEvents(removed=hashes[2:]))
+    assert [v.cached_blocks for v in gs.instances()] == [2, 0]
+    gs.remove_instance("i0")
+    assert gs.prefix.matches(hashes) == {}

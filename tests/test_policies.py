@@ -18,13 +18,17 @@ from llumdask.policy.candidates import CandidateTable
 from llumdask.policy.dispatch import (
     DISPATCH_POLICIES,
     DispatchInfo,
+    DynamoKvDispatch,
     InfaasDispatch,
     LlumnixDispatch,
     LMetricDispatch,
     PowerOfTwoDispatch,
+    PrefixAffinityDispatch,
     RoundRobinDispatch,
+    SglangCacheAwareDispatch,
     make_dispatch_policy,
 )
+from llumdask.prefix import PrefixEvents, PrefixIndex
 from llumdask.policy.migration import MigrationPair, pair_migrations
 from llumdask.policy.scaling import ScaleAction, ScaleDecision, ScalingPolicy
 from llumdask.request import Priority
@@ -112,7 +116,8 @@ def test_registry_names_match_the_config_schema():
 @pytest.mark.parametrize(
     ("name", "cls"),
     [("llumnix", LlumnixDispatch), ("round_robin", RoundRobinDispatch), ("infaas", InfaasDispatch),
-     ("lmetric", LMetricDispatch), ("power_of_two", PowerOfTwoDispatch)],
+     ("lmetric", LMetricDispatch), ("power_of_two", PowerOfTwoDispatch), ("prefix_affinity", PrefixAffinityDispatch),
+     ("dynamo_kv", DynamoKvDispatch), ("sglang_cache_aware", SglangCacheAwareDispatch)],
 )
 def test_registry_builds_each_policy(name, cls):
     assert name in DISPATCH_POLICIES
@@ -120,7 +125,7 @@ def test_registry_builds_each_policy(name, cls):
 
 
 def test_unknown_policy_lists_the_registered_names():
-    with pytest.raises(ValueError, match="unknown dispatch policy 'fastest'; registered: infaas, llumnix, lmetric"):
+    with pytest.raises(ValueError, match="unknown dispatch policy 'fastest'; registered: dynamo_kv, infaas, llumnix, lmetric"):
         DISPATCH_POLICIES["fastest"]
 
 
@@ -242,6 +247,76 @@ def test_power_of_two_is_seeded_from_the_config():
 
     assert picks(1) == picks(1)
     assert picks(1) != picks(2)
+
+
+# ---------------------------------------------------------------- prefix-aware dispatch
+# A 160-token prompt: 10 blocks of 16, hashes 1..10.
+PREFIXED = DispatchInfo("p", num_prompt_tokens=160, max_tokens=10, block_hashes=tuple(range(1, 11)))
+
+
+def cached_on(holdings: dict[str, int]) -> PrefixIndex:
+    """An index where each instance holds the first n blocks of PREFIXED's prompt."""
+    index = PrefixIndex()
+    for instance, n in holdings.items():
+        index.apply(instance, PrefixEvents(stored=tuple(range(1, n + 1))))
+    return index
+
+
+def choose_with(policy, views, index, info=PREFIXED) -> str:
+    return policy.choose(CandidateTable(views, index), info)
+
+
+def test_llumnix_charges_only_the_blocks_an_instance_lacks_but_load_still_wins():
+    index = cached_on({"a": 10})
+    # Memory is tight on both (no interference branch): "a" lacks none of the 10 prompt blocks,
+    # so it is freer for this request (45 blocks left against 40) despite holding 5 more.
+    tight = [view("a", total=1000, used=955, running=10), view("b", total=1000, used=950, running=10)]
+    assert choose_with(LlumnixDispatch(prefix_aware=True), tight, index) == "a"
+    assert choose_with(LlumnixDispatch(prefix_aware=False), tight, index) == "b"
+    # Crowded beyond what the cache saves: the free instance wins.
+    crowded = [view("a", total=1000, used=990, running=10), view("b", total=1000, used=900, running=10)]
+    assert choose_with(LlumnixDispatch(prefix_aware=True), crowded, index) == "b"
+
+
+def test_llumnix_with_room_everywhere_goes_where_the_least_prefill_remains():
+    index = cached_on({"b": 10})
+    roomy = [view("a", total=1000), view("b", total=1000, used=100, running=2)]
+    assert choose_with(LlumnixDispatch(16.0, prefix_aware=True), roomy, index) == "b"
+    assert choose_with(LlumnixDispatch(16.0, prefix_aware=False), roomy, index) == "a"
+
+
+def test_prefix_affinity_takes_the_longest_match_and_breaks_ties_by_load():
+    views = [view("a", used=10), view("b", used=90), view("c", used=50)]
+    assert choose_with(PrefixAffinityDispatch(), views, cached_on({"b": 6, "c": 3})) == "b"
+    assert choose_with(PrefixAffinityDispatch(), views, cached_on({"b": 4, "c": 4})) == "c"
+    assert choose_with(PrefixAffinityDispatch(), views, PrefixIndex()) == "a"
+
+
+def test_dynamo_kv_weighs_uncached_prefill_blocks_against_active_blocks():
+    # cost = (10 - cached) + active + 10: a: 10 + 30 + 10; b: 2 + 35 + 10; c: 10 + 0 + 10 wins.
+    views = [view("a", used=30), view("b", used=35), view("c")]
+    assert choose_with(DynamoKvDispatch(), views, cached_on({"b": 8})) == "c"
+    # With c busier (active 45: cost 65), b's cache decides: 47 against a's 50.
+    views[2] = view("c", used=45)
+    assert choose_with(DynamoKvDispatch(), views, cached_on({"b": 8})) == "b"
+
+
+def test_sglang_cache_aware_follows_the_cache_unless_load_is_imbalanced():
+    index = cached_on({"b": 4, "c": 2})  # 64 and 32 of 160 tokens: shares 0.4 and 0.2
+    views = [view("a", running=1, used=1), view("b", running=20, used=20), view("c", running=1, used=1)]
+    assert choose_with(SglangCacheAwareDispatch(), views, index) == "b"
+    # Below the 0.3 threshold: the instance caching least ("a", nothing) takes it.
+    assert choose_with(SglangCacheAwareDispatch(), views, cached_on({"b": 2})) == "a"
+    # Imbalanced (80 - 1 > 64 and 80 > 1.5 x 1): the least loaded, whatever it caches.
+    views[1] = view("b", total=1000, running=80, used=80)
+    assert choose_with(SglangCacheAwareDispatch(), views, index) == "a"
+
+
+def test_dispatch_info_checks_block_hashes():
+    with pytest.raises(ValueError, match="block_hashes"):
+        DispatchInfo("r", 10, 10, block_hashes=[1, 2])
+    with pytest.raises(ValueError, match="block_hashes"):
+        DispatchInfo("r", 10, 10, block_hashes=(-1,))
 
 
 # ---------------------------------------------------------------- migration pairing

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
 
+from llumdask.prefix import PrefixEvents
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, RequestTiming, SamplingParams, blocks_for
 
 
@@ -109,6 +110,7 @@ class LoadTotals:
     free_blocks: int
     reserved_blocks: int
     # Physical blocks held by running requests, and how many there are, per execution priority.
+    # A block shared through the prefix cache counts once (`physical_split`).
     running_blocks: dict[Priority, int]
     running_count: dict[Priority, int]
     num_waiting: int
@@ -151,7 +153,7 @@ class LoadTotals:
             block_size=block_size,
             free_blocks=free_blocks,
             reserved_blocks=reserved_blocks,
-            running_blocks=running_blocks,
+            running_blocks=physical_split(running_blocks, total_blocks - free_blocks - reserved_blocks),
             running_count=running_count,
             num_waiting=len(demand),
             head_of_line_demand=demand[0] if demand else 0,
@@ -174,6 +176,20 @@ class LoadTotals:
             num_preemptions=snapshot.num_preemptions,
             num_pinned=sum(r.pinned for r in snapshot.running),
         )
+
+
+def physical_split(held: dict[Priority, int], physical: int) -> dict[Priority, int]:
+    """Blocks held per priority as block tables count them (a block shared by k requests k
+    times), brought down to the `physical` blocks they occupy: each priority keeps its share,
+    rounded down, and the rounding's remainder goes to the priority holding most (then the
+    higher). Unchanged when nothing is shared."""
+    logical = sum(held.values())
+    if logical <= physical:
+        return held
+    split = {p: n * physical // logical for p, n in held.items()}
+    largest = max(held, key=lambda p: (held[p], int(p)))
+    split[largest] += physical - sum(split.values())
+    return split
 
 
 @dataclass
@@ -281,6 +297,10 @@ class Engine(Protocol):
     def load_totals(self) -> LoadTotals:
         """The snapshot's sums (`LoadTotals.from_snapshot`) without building it: cheap enough for
         a load report after every step."""
+
+    def prefix_events(self) -> PrefixEvents | None:
+        """Prefix-cache changes since the last call, for the global scheduler's index (the
+        hashes of `llumdask.prefix`); None where the engine reports none."""
 
     def get_request(self, request_id: str) -> Request | None: ...
 

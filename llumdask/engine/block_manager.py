@@ -18,6 +18,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
+from llumdask.prefix import PrefixEvents
+
+
+# A change log longer than this many times the pool is longer than the cache it describes.
+_CHANGE_LOG_LIMIT = 2
+
 
 class OutOfBlocks(RuntimeError):
     """An allocation asked for more blocks than are free (callers check `can_allocate` first)."""
@@ -44,6 +50,10 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
         self._evictions = 0
+        # Hashes cached (True) or evicted (False) since the last `drain_changes`, the last state
+        # of each; past `_CHANGE_LOG_LIMIT` x the pool, the next drain sends the whole cache.
+        self._changes: dict[int, bool] = {}
+        self._changes_overflowed = False
 
     # ------------------------------------------------------------------ counts
     @property
@@ -145,6 +155,27 @@ class BlockManager:
             return
         self._by_hash[block_hash] = block
         self._hash_of[block] = block_hash
+        self._log(block_hash, True)
+
+    def drain_changes(self) -> PrefixEvents:
+        """What the cache gained and lost since the last call (the scheduler's index follows it)."""
+        if self._changes_overflowed:
+            events = PrefixEvents(stored=tuple(self._by_hash), reset=True)
+        else:
+            changes = self._changes
+            events = PrefixEvents(tuple(h for h, cached in changes.items() if cached),
+                                  tuple(h for h, cached in changes.items() if not cached))
+        self._changes = {}
+        self._changes_overflowed = False
+        return events
+
+    def _log(self, block_hash: int, cached: bool) -> None:
+        if self._changes_overflowed:
+            return
+        self._changes[block_hash] = cached
+        if len(self._changes) > _CHANGE_LOG_LIMIT * self.total_blocks:
+            self._changes.clear()
+            self._changes_overflowed = True
 
     # ------------------------------------------------------------------ reservations
     def reservation(self, migration_id: str) -> list[int]:
@@ -235,6 +266,8 @@ class BlockManager:
         self._evictions += num_blocks - plain
         for _ in range(num_blocks - plain):
             block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
+            evicted = self._hash_of.pop(block)
+            del self._by_hash[evicted]
+            self._log(evicted, False)
             taken.append(block)
         return taken

@@ -62,10 +62,11 @@ from llumdask.engine.base import (
     RequestLoad,
     StepResult,
     TokenOutput,
+    physical_split,
 )
 from llumdask.engine.block_manager import BlockManager
 from llumdask.engine.latency import LatencyProfile, load_profile
-from llumdask.prefix import ROOT_HASH, block_hashes, mix, mix_int
+from llumdask.prefix import ROOT_HASH, PrefixEvents, block_hashes, mix, mix_int
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
 
 if TYPE_CHECKING:
@@ -365,6 +366,10 @@ class SimEngine:
             finished=tuple(chunk.seq.request for chunk, output in zip(sampling, outputs) if output.finished),
         )
 
+    def prefix_events(self) -> PrefixEvents | None:
+        """Blocks cached and evicted since the last call; None without prefix caching."""
+        return self._blocks.drain_changes() if self._prefix_caching else None
+
     def snapshot(self) -> EngineSnapshot:
         """Cached until the next change; O(requests) to rebuild."""
         if self._snapshot is None:
@@ -379,7 +384,7 @@ class SimEngine:
             block_size=self._blocks.block_size,
             free_blocks=self._blocks.free_blocks,
             reserved_blocks=self._blocks.reserved_blocks,
-            running_blocks={p: blocks[p] for p, n in counts.items() if n},
+            running_blocks=physical_split({p: blocks[p] for p, n in counts.items() if n}, self._blocks.used_blocks),
             running_count={p: n for p, n in counts.items() if n},
             num_waiting=len(waiting),
             head_of_line_demand=blocks_for(waiting[0].num_tokens, self._blocks.block_size) if waiting else 0,

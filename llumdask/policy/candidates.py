@@ -15,6 +15,7 @@ from typing import Iterator, Protocol, Sequence, overload
 import numpy as np
 
 from llumdask.load import InstanceLoad
+from llumdask.prefix import PrefixIndex
 from llumdask.request import Priority
 
 
@@ -44,8 +45,10 @@ class Candidate(Protocol):
 class CandidateTable(Sequence[Candidate]):
     """Candidates in natural id order, and their dispatch-load columns."""
 
-    def __init__(self, candidates: Sequence[Candidate]) -> None:
+    def __init__(self, candidates: Sequence[Candidate], prefix: PrefixIndex | None = None) -> None:
         self._candidates = sorted(candidates, key=lambda c: c.order)
+        self._prefix = prefix
+        self._last_hits: tuple[tuple[int, ...], np.ndarray] | None = None
         n = len(self._candidates)
         self._surplus = np.empty(n)
         self._requests = np.empty(n)
@@ -57,7 +60,7 @@ class CandidateTable(Sequence[Candidate]):
         self._slots = {c.instance_id: k for k, c in enumerate(self._candidates)}
         # The last `dispatch_freeness` asked, until a candidate changes: admission and the policy
         # of one dispatch ask the same.
-        self._last_freeness: tuple[int, Priority, np.ndarray] | None = None
+        self._last_freeness: tuple[int, Priority, np.ndarray | None, np.ndarray] | None = None
         for candidate in self._candidates:
             self.update(candidate)
 
@@ -65,7 +68,7 @@ class CandidateTable(Sequence[Candidate]):
         """Take a candidate's current terms (no-op for an instance not in the table)."""
         slot = self._slots.get(candidate.instance_id)
         if slot is not None:
-            self._last_freeness = None
+            self._last_freeness = self._last_hits = None
             self._surplus[slot] = candidate.dispatch_surplus
             self._requests[slot] = candidate.dispatch_requests
             self._prefill_tokens[slot] = candidate.load.pending_prefill_tokens + candidate.pending_prompt_tokens
@@ -73,23 +76,52 @@ class CandidateTable(Sequence[Candidate]):
             for priority, column in self._charge.items():
                 column[slot] = candidate.absent_charge(priority)
 
-    def dispatch_freeness(self, prompt_tokens: int, priority: Priority) -> np.ndarray:
+    def dispatch_freeness(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None = None) -> np.ndarray:
         """Each candidate's dispatch freeness with this request added (its prompt blocks as demand,
-        one more request, its class's headroom where absent), aligned with the table's order.
-        Callers must not change the array (the next identical question gets it again)."""
+        less the `cached` blocks each holds already; one more request; its class's headroom where
+        absent), aligned with the table's order. Callers must not change the array (the next
+        identical question gets it again)."""
         last = self._last_freeness
-        if last is not None and last[0] == prompt_tokens and last[1] is priority:
-            return last[2]
+        if last is not None and last[0] == prompt_tokens and last[1] is priority and last[2] is cached:
+            return last[3]
         surplus = self._surplus - (-(-prompt_tokens // self._block_size)) - self._charge[priority]
+        if cached is not None:
+            surplus = surplus + cached
         requests = self._requests + 1
         freeness = np.where(surplus >= 0, surplus / requests, surplus * requests)
-        self._last_freeness = (prompt_tokens, priority, freeness)
+        self._last_freeness = (prompt_tokens, priority, cached, freeness)
         return freeness
 
-    def interference(self, prompt_tokens: int) -> np.ndarray:
+    def interference(self, prompt_tokens: int, cached: np.ndarray | None = None) -> np.ndarray:
         """How much this request would interfere with each candidate's work, LMetric's measure:
-        (prefill tokens it waits behind + its own) x (the decodes its prefill stalls + itself)."""
-        return (self._prefill_tokens + prompt_tokens) * (self._batch + 1)
+        (prefill tokens it waits behind + its own not `cached` there) x (the decodes its prefill
+        stalls + itself)."""
+        own = prompt_tokens if cached is None else np.maximum(prompt_tokens - cached * self._block_size, 1)
+        return (self._prefill_tokens + own) * (self._batch + 1)
+
+    def cached_blocks(self, hashes: tuple[int, ...]) -> np.ndarray | None:
+        """Blocks of the longest prefix of `hashes` each candidate holds in its prefix cache, as
+        its reports tell; None when no candidate holds the first (nothing to tell them apart)."""
+        if not hashes or self._prefix is None:
+            return None
+        last = self._last_hits
+        if last is not None and last[0] is hashes:
+            return last[1]
+        matches = self._prefix.matches(hashes)
+        hits = None
+        if matches:
+            hits = np.zeros(len(self._candidates))
+            for instance_id, blocks in matches.items():
+                slot = self._slots.get(instance_id)
+                if slot is not None:
+                    hits[slot] = blocks
+        self._last_hits = (hashes, hits)
+        return hits
+
+    def held_blocks(self) -> np.ndarray:
+        """Block hashes each candidate caches, as far as the index knows (its cache's size)."""
+        prefix = self._prefix
+        return np.array([prefix.cached_blocks(c.instance_id) if prefix else 0 for c in self._candidates], dtype=float)
 
     def __len__(self) -> int:
         return len(self._candidates)

@@ -20,7 +20,7 @@ import numpy as np
 from llumdask.config import DispatchConfig
 from llumdask.policy.candidates import Candidate, CandidateTable
 from llumdask.policy.registry import Registry
-from llumdask.request import Priority
+from llumdask.request import Priority, blocks_for
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class DispatchInfo:
     execution_priority: Priority = Priority.NORMAL
     # Admitted before (resubmitted after its instance died): never refused for load.
     admitted: bool = False
+    # The prompt's full-block hashes (`llumdask.prefix`), for prefix-aware placement; () if unknown.
+    block_hashes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -42,6 +44,9 @@ class DispatchInfo:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"request {self.request_id}: {name} must be an integer >= 1, got {value!r}")
         object.__setattr__(self, "execution_priority", Priority.parse(self.execution_priority))
+        hashes = self.block_hashes
+        if not isinstance(hashes, tuple) or not all(type(h) is int and 0 <= h < 2**64 for h in hashes):
+            raise ValueError(f"request {self.request_id}: block_hashes must be a tuple of unsigned 64-bit integers")
 
 
 class DispatchPolicy:
@@ -73,18 +78,22 @@ class LlumnixDispatch(DispatchPolicy):
     long prefills, which is what a decode's P99 is made of when memory is plentiful.
     """
 
-    def __init__(self, interference_freeness: float | None = None) -> None:
+    def __init__(self, interference_freeness: float | None = None, prefix_aware: bool = False) -> None:
         self._roomy = math.inf if interference_freeness is None else interference_freeness
+        self._prefix_aware = prefix_aware
 
     @classmethod
     def from_config(cls, config: DispatchConfig) -> DispatchPolicy:
-        return cls(config.interference_freeness)
+        return cls(config.interference_freeness, config.prefix_aware)
 
     def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
-        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority)
+        # Prefix-aware: a block an instance caches already is demand it need not pay, and prefill
+        # it need not do; load still decides, so a crowded instance loses to a free one.
+        cached = candidates.cached_blocks(info.block_hashes) if self._prefix_aware else None
+        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, cached)
         roomy = freeness >= self._roomy
         if np.count_nonzero(roomy) > 1:
-            interference = np.where(roomy, candidates.interference(info.num_prompt_tokens), np.inf)
+            interference = np.where(roomy, candidates.interference(info.num_prompt_tokens, cached), np.inf)
             return candidates[int(np.argmin(interference))].instance_id
         return candidates[_last_max(freeness)].instance_id
 
@@ -161,6 +170,67 @@ class PowerOfTwoDispatch(DispatchPolicy):
         return candidates[pair[_last_max(freeness)]].instance_id
 
 
+class PrefixAffinityDispatch(DispatchPolicy):
+    """Prefix affinity: the longest cached prefix of the prompt wins; ties (no match anywhere
+    included) go to the highest dispatch freeness, then the larger id."""
+
+    def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
+        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority)
+        cached = candidates.cached_blocks(info.block_hashes)
+        if cached is None:
+            return candidates[_last_max(freeness)].instance_id
+        longest = cached == cached.max()
+        return candidates[_last_max(np.where(longest, freeness, -np.inf))].instance_id
+
+
+class DynamoKvDispatch(DispatchPolicy):
+    """NVIDIA Dynamo's KV router at its defaults (overlap weight 1, temperature 0): the least
+    cost = weight x prefill blocks it would compute there (prompt blocks not cached) + active
+    blocks there with its own (used, queued and pending blocks, plus its prompt's). Ties: the
+    smaller id."""
+
+    OVERLAP_WEIGHT = 1.0
+
+    def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
+        prompt = blocks_for(info.num_prompt_tokens, candidates[0].block_size)
+        cached = candidates.cached_blocks(info.block_hashes)
+        prefill = prompt - (cached if cached is not None else 0)
+        active = np.fromiter((_active_blocks(c) for c in candidates), dtype=float, count=len(candidates)) + prompt
+        return candidates[int(np.argmin(self.OVERLAP_WEIGHT * prefill + active))].instance_id
+
+
+class SglangCacheAwareDispatch(DispatchPolicy):
+    """SGLang's cache-aware router (sgl-model-gateway) at its documented defaults. Load is the
+    requests an instance has (running, waiting, on their way). When load is imbalanced (the
+    busiest has more than BALANCE_ABS more than the idlest and more than BALANCE_REL times as
+    many) the least loaded takes it. Otherwise the instance caching the largest share of the
+    prompt takes it if that share exceeds CACHE_THRESHOLD, else the one caching least (the most
+    room to cache a new prefix). Its radix tree is read from the engines' reports here (the
+    router approximates it from what it routed): the rule at its best. Ties: the smaller id."""
+
+    CACHE_THRESHOLD = 0.3
+    BALANCE_ABS = 64
+    BALANCE_REL = 1.5
+
+    def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
+        load = np.fromiter((c.dispatch_requests for c in candidates), dtype=float, count=len(candidates))
+        busiest, idlest = load.max(), load.min()
+        if busiest - idlest > self.BALANCE_ABS and busiest > idlest * self.BALANCE_REL:
+            return candidates[int(np.argmin(load))].instance_id
+        cached = candidates.cached_blocks(info.block_hashes)
+        if cached is not None:
+            share = cached * candidates[0].block_size / info.num_prompt_tokens
+            best = int(np.argmax(share))
+            if share[best] > self.CACHE_THRESHOLD:
+                return candidates[best].instance_id
+        return candidates[int(np.argmin(candidates.held_blocks()))].instance_id
+
+
+def _active_blocks(candidate: Candidate) -> int:
+    load = candidate.load
+    return load.total_blocks - load.free_blocks + load.waiting_demand + candidate.pending_blocks
+
+
 def _last_max(values: np.ndarray) -> int:
     """Index of the largest value, the last of equal ones (candidates are in id order: the larger id wins)."""
     return len(values) - 1 - int(np.argmax(values[::-1]))
@@ -174,6 +244,9 @@ DISPATCH_POLICIES: Registry[type[DispatchPolicy]] = Registry(
         "infaas": InfaasDispatch,
         "lmetric": LMetricDispatch,
         "power_of_two": PowerOfTwoDispatch,
+        "prefix_affinity": PrefixAffinityDispatch,
+        "dynamo_kv": DynamoKvDispatch,
+        "sglang_cache_aware": SglangCacheAwareDispatch,
     },
 )
 

@@ -30,6 +30,7 @@ from llumdask.engine.sim import SimEngine
 from llumdask.global_scheduler import ClusterOverloaded, DispatchInfo, GlobalScheduler, NoInstanceAvailable
 from llumdask.llumlet import Llumlet, MigrationEvent
 from llumdask.load import InstanceLoad
+from llumdask.prefix import PrefixEvents, block_hashes
 from llumdask.protocol import MigrationMessage, StageData
 from llumdask.request import Request, SamplingParams
 from llumdask.sim.metrics import ClusterSample
@@ -157,6 +158,8 @@ class SimCluster:
         self._in_transit: dict[str, list[Request]] = {}  # dispatched, not yet handed over (dispatch_delay)
         self._names = itertools.count()
         self._on_finish = on_finish
+        # Prompts are hashed for dispatch only where the instances cache prefixes.
+        self._hash_prompts = config.sim_engine.prefix_caching
         for _ in range(num_instances):
             self._start_instance(ready_at=0.0)
 
@@ -227,16 +230,17 @@ class SimCluster:
     def _report(self, inst: SimInstance) -> None:
         inst.reported_at = self.events.now
         load = inst.llumlet.load_report()
+        prefix = inst.llumlet.prefix_events()
         self._loads[inst.instance_id] = load
         if self.settings.report_delay:
-            self.events.at(self.events.now + self.settings.report_delay, lambda: self._receive_report(load))
+            self.events.at(self.events.now + self.settings.report_delay, lambda: self._receive_report(load, prefix))
         else:  # fresh reports: no event needed (hundreds of thousands in a long run)
-            self._receive_report(load)
+            self._receive_report(load, prefix)
 
-    def _receive_report(self, load: InstanceLoad) -> None:
+    def _receive_report(self, load: InstanceLoad, prefix: PrefixEvents | None) -> None:
         inst = self.instances.get(load.instance_id)
         if inst is not None and inst.alive:
-            self.scheduler.report(load, self.events.now)
+            self.scheduler.report(load, self.events.now, prefix)
 
     def _report_loop(self) -> None:
         """Instances between steps (idle ones, or waiting on a reservation) report on the interval;
@@ -300,15 +304,18 @@ class SimCluster:
     def _arrive(self, trace: TraceRequest, index: int) -> None:
         request_id = f"req-{index}"
         self._pending_arrivals -= 1
+        prompt = prompt_tokens(trace, index)
         request = Request(
             request_id,
-            prompt_tokens(trace, index),
+            prompt,
             SamplingParams(max_tokens=trace.output_len, ignore_eos=True),
             scheduling_priority=trace.priority,
             execution_priority=trace.priority,
             arrival_time=self.events.now,
         )
-        info = DispatchInfo(request_id, trace.input_len, trace.output_len, trace.priority)
+        # As the requester does: the prompt's block hashes travel with the dispatch, not its tokens.
+        hashes = tuple(block_hashes(prompt, self.config.block_size)) if self._hash_prompts else ()
+        info = DispatchInfo(request_id, trace.input_len, trace.output_len, trace.priority, block_hashes=hashes)
         try:
             target = self.scheduler.dispatch(info, self.events.now)
         except ClusterOverloaded:

@@ -20,6 +20,7 @@ class Preset:
     migration: bool
     priorities: bool
     description: str
+    prefix_aware: bool = True
 
     @property
     def clairvoyant(self) -> bool:
@@ -31,7 +32,7 @@ class Preset:
         return replace(
             config,
             headroom_tokens=headroom,
-            dispatch=dispatch,
+            dispatch=replace(dispatch, prefix_aware=self.prefix_aware),
             migration=replace(config.migration, enabled=self.migration),
         )
 
@@ -43,6 +44,12 @@ PRESETS: dict[str, Preset] = {
         Preset("infaas", "infaas", False, False, "INFaaS++: least memory load counting queued demand, no migration"),
         Preset("lmetric", "lmetric", False, False, "LMetric: pending prefill tokens x batch size, no migration"),
         Preset("power_of_two", "power_of_two", False, False, "two random choices, freer wins, no migration"),
+        Preset("prefix_affinity", "prefix_affinity", False, False, "longest cached prefix, ties by load, no migration"),
+        Preset("dynamo_kv", "dynamo_kv", False, False,
+               "NVIDIA Dynamo's KV router: least uncached prefill blocks + active blocks, no migration"),
+        Preset("sglang_cache_aware", "sglang_cache_aware", False, False,
+               "SGLang's cache-aware router: best prefix match over 30% unless load is imbalanced, no migration"),
+        Preset("llumnix_no_prefix", "llumnix", True, True, "Llumnix with prefix-aware dispatch off", prefix_aware=False),
         Preset("llumnix_base", "llumnix", True, False, "Llumnix without priorities (no headroom)"),
         Preset("llumnix", "llumnix", True, True, "Llumnix: freeness dispatch, live migration, priority headroom"),
         Preset("oracle", None, False, False,

@@ -11,6 +11,7 @@ import pytest
 from inprocess import ManualClock
 
 from llumdask.engine.base import StepResult, TokenOutput
+from llumdask.prefix import PrefixEvents
 from llumdask.plugins.llumlet_driver import LlumletDriver, Routes
 from llumdask.request import FinishReason
 
@@ -27,6 +28,11 @@ class Senders:
     def push(self, due) -> None:
         self.hand_offs.append([output.first_index for _, output in due])
         self.outputs += [output for _, output in due]
+
+
+def report(left: int) -> dict:
+    """A load report as the fake sends it: its load, and its prefix-cache changes beside."""
+    return {"steps_left": left, "prefix": {"stored": [left], "removed": [], "reset": False}}
 
 
 class FakeLlumlet:
@@ -50,6 +56,9 @@ class FakeLlumlet:
 
     def load_report(self):
         return SimpleNamespace(to_dict=lambda: {"steps_left": self.left})
+
+    def prefix_events(self):
+        return PrefixEvents(stored=(self.left,))
 
     def step(self) -> StepResult:
         self._driver.on_tokens(TokenOutput("r", self.index, (7,)))
@@ -129,14 +138,14 @@ def test_a_load_report_goes_out_every_report_interval_also_while_idle(driver, se
     llumlet = start(driver, steps=3)
     driver.reporting = True
     driver.step_once()
-    assert senders.hand_offs == [[1]] and senders.loads == [{"steps_left": 2}]
+    assert senders.hand_offs == [[1]] and senders.loads == [report(2)]
     timer.now = 5.0
     driver.step_once()  # tokens held, no report due: nothing sent
-    assert senders.hand_offs == [[1]] and senders.loads == [{"steps_left": 2}]
+    assert senders.hand_offs == [[1]] and senders.loads == [report(2)]
     llumlet.left = 0  # idle from here on: the thread wakes every report interval
     timer.now = 10.0
     assert driver.step_once() is False
-    assert senders.hand_offs == [[1], [2]] and senders.loads[-1] == {"steps_left": 0}
+    assert senders.hand_offs == [[1], [2]] and senders.loads[-1] == report(0)
     assert llumlet.ticks == 2
 
 

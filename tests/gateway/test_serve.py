@@ -183,16 +183,32 @@ def test_chat(server):
     assert result.usage.prompt_tokens == len(chat_prompt(server, MESSAGES))
 
 
-def test_usage_counts_the_prompt_tokens_an_instance_found_cached(server):
+def cached_blocks(server: Server) -> dict[str, int]:
+    """What the scheduler's prefix index holds for each instance."""
+    from distributed import Client
+
+    with Client(server.scheduler, timeout=30) as client:
+        rows = client.sync(client.scheduler.llumnix_status)["instances"]
+    return {row["instance"]: row["cached_blocks"] for row in rows}
+
+
+def test_a_repeated_prompt_goes_where_it_is_cached_and_usage_says_so(server):
     prompt = "a cached prefix " * 40
     length = len(server.tokenizer.encode(prompt))
     client = server.openai()
-    # Three requests, two instances: one instance serves the prompt twice and the second time
-    # finds it cached (every full block of 16 tokens but the one holding the last token).
-    cached = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-              .usage.prompt_tokens_details.cached_tokens for _ in range(3)]
-    assert cached[0] == 0 and all(c % 16 == 0 and c < length for c in cached)
-    assert max(cached) == (length - 1) // 16 * 16
+    cached = []
+    before = cached_blocks(server)
+    for _ in range(3):
+        answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        time.sleep(0.5)  # a load report (every 50 ms) tells the scheduler what the instance cached
+    # The instance that served it reported its blocks; prefix-aware dispatch sends the repeats
+    # there (of two idle instances), and each finds every full block of 16 tokens cached but the
+    # one holding the prompt's last token.
+    assert cached == [0, (length - 1) // 16 * 16, (length - 1) // 16 * 16]
+    # The scheduler's index learnt the prompt's blocks from the serving instance's reports.
+    after = cached_blocks(server)
+    assert max(after[i] - before[i] for i in after) >= length // 16
 
 
 def test_chat_stream(server):

@@ -311,6 +311,11 @@ class VllmEngine:
             num_pinned=sum(1 for request, _, _ in holders if migration_refusal(request)),
         )
 
+    def prefix_events(self) -> None:
+        """None: vLLM's block hashes are not the scheduler's (`llumdask.prefix`) and its KV-cache
+        events are not read yet, so dispatch sees no prefix here."""
+        return None
+
     def get_request(self, request_id: str) -> Request | None:
         """A request this engine is serving (finished and aborted ones are forgotten)."""
         return self._requests.get(request_id)

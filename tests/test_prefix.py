@@ -1,0 +1,79 @@
+"""Prefix identity (chained block hashes), the engines' change log and the scheduler's index."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llumdask.engine.block_manager import BlockManager
+from llumdask.prefix import ROOT_HASH, PrefixEvents, PrefixIndex, block_hashes
+
+
+def test_block_hashes_chain_so_equal_hashes_mean_equal_prefixes():
+    a = block_hashes(list(range(40)), 16)
+    assert len(a) == 2  # the partial third block has none
+    assert block_hashes(list(range(33)) + [7] * 7, 16) == a  # differs only past the full blocks
+    assert block_hashes([99] + list(range(1, 40)), 16)[1] != a[1]  # block 1 differs through its parent
+    assert block_hashes(list(range(16, 40)), 16, parent=a[0]) == a[1:]  # resumable from a parent
+    assert block_hashes(list(range(16)), 16, parent=ROOT_HASH) == a[:1]
+    with pytest.raises(ValueError):
+        block_hashes([1, 2], 0)
+
+
+def test_the_change_log_reports_the_last_state_of_each_hash_and_resets_past_its_bound():
+    bm = BlockManager(4, 4)
+    a = bm.allocate("a", 2)
+    bm.register(a[0], 10)
+    bm.register(a[1], 11)
+    assert bm.drain_changes() == PrefixEvents(stored=(10, 11))
+    assert not bm.drain_changes()
+    bm.free("a")
+    bm.allocate("b", 4)  # evicts both
+    assert bm.drain_changes() == PrefixEvents(removed=(11, 10))
+    bm.free("b")
+    for round_ in range(5):  # 2 x 4 blocks of changes overflow the log: the next drain resends the cache
+        table = bm.allocate(f"c{round_}", 2)
+        bm.register(table[0], 100 + 2 * round_)
+        bm.register(table[1], 101 + 2 * round_)
+        bm.free(f"c{round_}")
+    events = bm.drain_changes()
+    assert events.reset and set(events.stored) == {h for h in range(100, 110) if bm.cached_prefix([h], 1)}
+
+
+def test_the_index_finds_each_instances_longest_prefix_and_forgets_what_is_evicted():
+    index = PrefixIndex()
+    index.apply("a", PrefixEvents(stored=(1, 2, 3)))
+    index.apply("b", PrefixEvents(stored=(1, 2)))
+    index.apply("c", PrefixEvents(stored=(2, 3)))  # no first block: matches nothing
+    assert index.matches((1, 2, 3, 4)) == {"a": 3, "b": 2}
+    assert index.matches((5, 1)) == {} and index.matches(()) == {}
+    index.apply("a", PrefixEvents(removed=(2, 9)))
+    assert index.matches((1, 2, 3)) == {"a": 1, "b": 2}
+    index.apply("b", PrefixEvents(stored=(7,), reset=True))
+    assert index.matches((1, 2)) == {"a": 1} and index.cached_blocks("b") == 1
+    index.drop("a")
+    assert index.matches((1,)) == {} and index.cached_blocks("a") == 0 and len(index) == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    events=st.lists(st.tuples(st.sampled_from("abc"), st.lists(st.integers(0, 5), max_size=4),
+                              st.lists(st.integers(0, 5), max_size=4), st.booleans()), max_size=12),
+    query=st.lists(st.integers(0, 5), max_size=5),
+)
+def test_the_index_agrees_with_a_set_per_instance(events, query):
+    index, model = PrefixIndex(), {}
+    for instance, stored, removed, reset in events:
+        index.apply(instance, PrefixEvents(tuple(stored), tuple(removed), reset))
+        held = set() if reset else model.get(instance, set())
+        model[instance] = (held | set(stored)) - set(removed)
+    expected = {}
+    for instance, held in model.items():
+        length = 0
+        while length < len(query) and query[length] in held:
+            length += 1
+        if length:
+            expected[instance] = length
+    assert index.matches(tuple(query)) == expected
+    assert len(index) == sum(len(h) for h in model.values())
