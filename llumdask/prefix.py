@@ -57,6 +57,22 @@ def block_hashes(tokens: Sequence[int], block_size: int, *, parent: int = ROOT_H
     return hashes
 
 
+# The scheduler indexes one block in ANCHOR_STRIDE (the last of each run of that many): a
+# block's hash names its whole prefix, so an anchor stands for the blocks before it, and a
+# dispatch walks a prompt in strides (prefix matches are found to within that many blocks).
+ANCHOR_STRIDE = 8
+
+
+def is_anchor(block_index: int) -> bool:
+    """Whether the block at this position of a sequence is one the scheduler indexes."""
+    return block_index % ANCHOR_STRIDE == ANCHOR_STRIDE - 1
+
+
+def anchors(hashes: Sequence[int]) -> tuple[int, ...]:
+    """The anchor blocks' hashes of a sequence's block hashes (what a dispatch carries)."""
+    return tuple(hashes[ANCHOR_STRIDE - 1 :: ANCHOR_STRIDE])
+
+
 @dataclass(frozen=True)
 class PrefixEvents:
     """What changed in an instance's prefix cache since its last report: block hashes cached
@@ -82,72 +98,109 @@ class PrefixEvents:
 class PrefixIndex:
     """The global scheduler's view of every instance's prefix cache, fed by their `PrefixEvents`.
 
+    Each instance gets a bit (`add`); each cached block hash maps to the bitset of the instances
+    holding it. A prompt's match is then a running AND down its hashes, kept only where it
+    changes, so a dispatch costs one big-integer AND per prompt block plus one small numpy pass,
+    not a set operation per (block, instance).
+
     Bounded by what the instances cache (each evicts to fit its blocks). Tolerant of staleness: an
     entry the instance has evicted since makes dispatch expect a hit it will not get, a missed
     event one it does; neither breaks anything, the request is just placed less well. An instance
-    registered late starts empty here and fills as it caches.
+    starts empty here and fills as it reports what it caches.
     """
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[str]] = {}
+        self._masks: dict[int, int] = {}
         self._held: dict[str, set[int]] = {}
+        self._slots: dict[str, int] = {}
+        self._free_slots: list[int] = []
 
     def __len__(self) -> int:
         """Entries (hash, instance) held."""
         return sum(len(h) for h in self._held.values())
 
+    @property
+    def width(self) -> int:
+        """Slots handed out so far (every slot is below it)."""
+        return len(self._slots) + len(self._free_slots)
+
+    def add(self, instance_id: str) -> int:
+        """The instance's slot (its bit), given on first use."""
+        slot = self._slots.get(instance_id)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else self.width
+            self._slots[instance_id] = slot
+            self._held[instance_id] = set()
+        return slot
+
+    def slot(self, instance_id: str) -> int | None:
+        return self._slots.get(instance_id)
+
     def apply(self, instance_id: str, events: PrefixEvents) -> None:
-        held = self._held.setdefault(instance_id, set())
+        bit = 1 << self.add(instance_id)
+        held, masks = self._held[instance_id], self._masks
         if events.reset:
-            self._forget(instance_id, held)
-            held.clear()
-        holders = self._holders
+            self._clear(held, bit)
         for h in events.stored:
             if h not in held:
                 held.add(h)
-                holders.setdefault(h, set()).add(instance_id)
+                masks[h] = masks.get(h, 0) | bit
         for h in events.removed:
             if h in held:
                 held.discard(h)
-                owners = holders[h]
-                owners.discard(instance_id)
-                if not owners:
-                    del holders[h]
+                left = masks[h] & ~bit
+                if left:
+                    masks[h] = left
+                else:
+                    del masks[h]
 
     def drop(self, instance_id: str) -> None:
-        """Forget an instance (removed from the cluster)."""
-        held = self._held.pop(instance_id, None)
-        if held:
-            self._forget(instance_id, held)
+        """Forget an instance (removed from the cluster); its slot is given again later."""
+        slot = self._slots.pop(instance_id, None)
+        if slot is not None:
+            self._clear(self._held.pop(instance_id), 1 << slot)
+            self._free_slots.append(slot)
 
     def cached_blocks(self, instance_id: str) -> int:
-        """How many block hashes the instance holds, as far as the index knows."""
-        return len(self._held.get(instance_id, ()))
+        """About how many blocks the instance caches, as far as the index knows (its anchors)."""
+        return len(self._held.get(instance_id, ())) * ANCHOR_STRIDE
 
-    def matches(self, hashes: Sequence[int]) -> dict[str, int]:
-        """For each instance holding the first block, the length (in blocks) of the longest
-        prefix of `hashes` it holds. O(instances holding each block walked)."""
-        if not hashes:
-            return {}
-        alive = set(self._holders.get(hashes[0], ()))
-        lengths: dict[str, int] = {}
-        for index, h in enumerate(hashes[1:], start=1):
+    def lengths(self, hashes: Sequence[int]) -> np.ndarray | None:
+        """Per slot, the length (in anchors) of the longest prefix of anchor `hashes` the instance
+        holds; None when nobody holds the first."""
+        masks = self._masks
+        alive = masks.get(hashes[0], 0) if hashes else 0
+        if not alive:
+            return None
+        # Runs of equal running ANDs: (bitset, how many blocks it held for).
+        runs: list[list[int]] = [[alive, 1]]
+        for h in hashes[1:]:
+            alive &= masks.get(h, 0)
             if not alive:
                 break
-            holders = self._holders.get(h)
-            ended = alive - holders if holders else alive
-            for instance_id in ended:
-                lengths[instance_id] = index
-            alive = alive - ended if holders else set()
-        for instance_id in alive:
-            lengths[instance_id] = len(hashes)
-        return lengths
+            if alive == runs[-1][0]:
+                runs[-1][1] += 1
+            else:
+                runs.append([alive, 1])
+        width = self.width
+        nbytes = (width + 7) // 8
+        rows = np.frombuffer(b"".join(bits.to_bytes(nbytes, "little") for bits, _ in runs), dtype=np.uint8)
+        held = np.unpackbits(rows.reshape(len(runs), nbytes), axis=1, count=width, bitorder="little")
+        return np.array([n for _, n in runs], dtype=np.int64) @ held
 
-    def _forget(self, instance_id: str, held: set[int]) -> None:
-        holders = self._holders
+    def matches(self, hashes: Sequence[int]) -> dict[str, int]:
+        """`lengths` by instance id, for the instances that hold a prefix (in anchors)."""
+        lengths = self.lengths(hashes)
+        if lengths is None:
+            return {}
+        return {i: int(lengths[s]) for i, s in self._slots.items() if lengths[s]}
+
+    def _clear(self, held: set[int], bit: int) -> None:
+        masks = self._masks
         for h in held:
-            owners = holders.get(h)
-            if owners is not None:
-                owners.discard(instance_id)
-                if not owners:
-                    del holders[h]
+            left = masks.get(h, 0) & ~bit
+            if left:
+                masks[h] = left
+            else:
+                masks.pop(h, None)
+        held.clear()

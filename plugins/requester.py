@@ -39,7 +39,7 @@ from llumdask.global_scheduler import NoInstanceAvailable
 from llumdask.plugins.control import NoLlumdaskScheduler, Op, RequestRejected, call
 from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream, without_key
 from llumdask.plugins.wire import request_to_msg
-from llumdask.prefix import block_hashes
+from llumdask.prefix import anchors, block_hashes
 from llumdask.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class Requester:
             execution_priority=int(request.execution_priority),
             admitted=admitted,
             # The scheduler sees block hashes, never tokens: enough to find a cached prefix.
-            block_hashes=block_hashes(request.prompt_token_ids + request.output_token_ids, self._block_size),
+            block_hashes=anchors(block_hashes(request.prompt_token_ids + request.output_token_ids, self._block_size)),
         )
         return reply.instance
 

@@ -513,11 +513,11 @@ def test_scaling_disabled_never_adds_or_terminates():
 
 def test_reports_feed_the_prefix_index_and_dispatch_follows_it_until_the_instance_leaves():
     gs = scheduler(2, interference_freeness=16.0)
-    hashes = tuple(range(1, 6))  # a 5-block prompt
-    prefixed = DispatchInfo("p", 16 * 5, 10, block_hashes=hashes)
+    hashes = tuple(range(1, 6))  # a 40-block prompt, told by its 5 anchors (one block in 8)
+    prefixed = DispatchInfo("p", 16 * 40, 10, block_hashes=hashes)
     gs.report(load("i0", used=10, running=2), 1.0, PrefixEvents(stored=hashes))
     gs.report(load("i1"), 1.0)
-    assert [v.cached_blocks for v in gs.instances()] == [5, 0]
+    assert [v.cached_blocks for v in gs.instances()] == [40, 0]
     assert gs.dispatch(prefixed, 1.0) == "i0"  # no prefill left there, though i1 is idle
     assert gs.dispatch(info("plain"), 1.0) == "i1"
     off = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(interference_freeness=16.0, prefix_aware=False)))
@@ -527,6 +527,6 @@ def test_reports_feed_the_prefix_index_and_dispatch_follows_it_until_the_instanc
     off.report(load("i0", used=10, running=2), 1.0, PrefixEvents(stored=hashes))
     assert off.dispatch(prefixed, 1.0) == "i1"
     gs.report(load("i0", used=10, running=2, received=1), 2.0, PrefixEvents(removed=hashes[2:]))
-    assert [v.cached_blocks for v in gs.instances()] == [2, 0]
+    assert [v.cached_blocks for v in gs.instances()] == [16, 0]
     gs.remove_instance("i0")
     assert gs.prefix.matches(hashes) == {}

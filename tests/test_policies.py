@@ -250,12 +250,12 @@ def test_power_of_two_is_seeded_from_the_config():
 
 
 # ---------------------------------------------------------------- prefix-aware dispatch
-# A 160-token prompt: 10 blocks of 16, hashes 1..10.
-PREFIXED = DispatchInfo("p", num_prompt_tokens=160, max_tokens=10, block_hashes=tuple(range(1, 11)))
+# A 1,280-token prompt: 80 blocks of 16, told by its 10 anchor blocks (one in 8), hashes 1..10.
+PREFIXED = DispatchInfo("p", num_prompt_tokens=1280, max_tokens=10, block_hashes=tuple(range(1, 11)))
 
 
 def cached_on(holdings: dict[str, int]) -> PrefixIndex:
-    """An index where each instance holds the first n blocks of PREFIXED's prompt."""
+    """An index where each instance holds the first n anchors (8 n blocks) of PREFIXED's prompt."""
     index = PrefixIndex()
     for instance, n in holdings.items():
         index.apply(instance, PrefixEvents(stored=tuple(range(1, n + 1))))
@@ -268,13 +268,13 @@ def choose_with(policy, views, index, info=PREFIXED) -> str:
 
 def test_llumnix_charges_only_the_blocks_an_instance_lacks_but_load_still_wins():
     index = cached_on({"a": 10})
-    # Memory is tight on both (no interference branch): "a" lacks none of the 10 prompt blocks,
-    # so it is freer for this request (45 blocks left against 40) despite holding 5 more.
-    tight = [view("a", total=1000, used=955, running=10), view("b", total=1000, used=950, running=10)]
+    # Memory decides (no interference branch): "a" lacks none of the 80 prompt blocks, so it is
+    # freer for this request (100 blocks left against 60) despite holding 40 more.
+    tight = [view("a", total=1000, used=900, running=10), view("b", total=1000, used=860, running=10)]
     assert choose_with(LlumnixDispatch(prefix_aware=True), tight, index) == "a"
     assert choose_with(LlumnixDispatch(prefix_aware=False), tight, index) == "b"
     # Crowded beyond what the cache saves: the free instance wins.
-    crowded = [view("a", total=1000, used=990, running=10), view("b", total=1000, used=900, running=10)]
+    crowded = [view("a", total=1000, used=990, running=10), view("b", total=1000, used=850, running=10)]
     assert choose_with(LlumnixDispatch(prefix_aware=True), crowded, index) == "b"
 
 
@@ -293,16 +293,16 @@ def test_prefix_affinity_takes_the_longest_match_and_breaks_ties_by_load():
 
 
 def test_dynamo_kv_weighs_uncached_prefill_blocks_against_active_blocks():
-    # cost = (10 - cached) + active + 10: a: 10 + 30 + 10; b: 2 + 35 + 10; c: 10 + 0 + 10 wins.
+    # cost = (80 - cached) + active + 80: a: 80 + 30 + 80; b: 64 + 35 + 80; c: 80 + 0 + 80 wins.
     views = [view("a", used=30), view("b", used=35), view("c")]
-    assert choose_with(DynamoKvDispatch(), views, cached_on({"b": 8})) == "c"
-    # With c busier (active 45: cost 65), b's cache decides: 47 against a's 50.
+    assert choose_with(DynamoKvDispatch(), views, cached_on({"b": 2})) == "c"
+    # With c busier (active 45: cost 205), b's cache decides: 179 against a's 190.
     views[2] = view("c", used=45)
-    assert choose_with(DynamoKvDispatch(), views, cached_on({"b": 8})) == "b"
+    assert choose_with(DynamoKvDispatch(), views, cached_on({"b": 2})) == "b"
 
 
 def test_sglang_cache_aware_follows_the_cache_unless_load_is_imbalanced():
-    index = cached_on({"b": 4, "c": 2})  # 64 and 32 of 160 tokens: shares 0.4 and 0.2
+    index = cached_on({"b": 4, "c": 2})  # 512 and 256 of 1,280 tokens: shares 0.4 and 0.2
     views = [view("a", running=1, used=1), view("b", running=20, used=20), view("c", running=1, used=1)]
     assert choose_with(SglangCacheAwareDispatch(), views, index) == "b"
     # Below the 0.3 threshold: the instance caching least ("a", nothing) takes it.

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llumdask.engine.block_manager import BlockManager
-from llumdask.prefix import ROOT_HASH, PrefixEvents, PrefixIndex, block_hashes
+from llumdask.prefix import ANCHOR_STRIDE, ROOT_HASH, PrefixEvents, PrefixIndex, anchors, block_hashes, is_anchor
 
 
 def test_block_hashes_chain_so_equal_hashes_mean_equal_prefixes():
@@ -19,6 +19,23 @@ def test_block_hashes_chain_so_equal_hashes_mean_equal_prefixes():
     assert block_hashes(list(range(16)), 16, parent=ROOT_HASH) == a[:1]
     with pytest.raises(ValueError):
         block_hashes([1, 2], 0)
+
+
+def test_anchors_are_one_block_in_a_stride_the_last_of_each():
+    hashes = list(range(100, 100 + 2 * ANCHOR_STRIDE + 3))
+    assert anchors(hashes) == (hashes[ANCHOR_STRIDE - 1], hashes[2 * ANCHOR_STRIDE - 1])
+    assert [i for i in range(len(hashes)) if is_anchor(i)] == [ANCHOR_STRIDE - 1, 2 * ANCHOR_STRIDE - 1]
+
+
+def test_only_reported_blocks_enter_the_change_log():
+    bm = BlockManager(4, 4)
+    a = bm.allocate("a", 2)
+    bm.register(a[0], 10, reported=False)
+    bm.register(a[1], 11)
+    assert bm.drain_changes() == PrefixEvents(stored=(11,)) and bm.cached_prefix([10, 11], 2) == list(a)
+    bm.free("a")
+    bm.allocate("b", 4)
+    assert bm.drain_changes() == PrefixEvents(removed=(11,))
 
 
 def test_the_change_log_reports_the_last_state_of_each_hash_and_resets_past_its_bound():
@@ -51,7 +68,7 @@ def test_the_index_finds_each_instances_longest_prefix_and_forgets_what_is_evict
     index.apply("a", PrefixEvents(removed=(2, 9)))
     assert index.matches((1, 2, 3)) == {"a": 1, "b": 2}
     index.apply("b", PrefixEvents(stored=(7,), reset=True))
-    assert index.matches((1, 2)) == {"a": 1} and index.cached_blocks("b") == 1
+    assert index.matches((1, 2)) == {"a": 1} and index.cached_blocks("b") == ANCHOR_STRIDE
     index.drop("a")
     assert index.matches((1,)) == {} and index.cached_blocks("a") == 0 and len(index) == 3
 

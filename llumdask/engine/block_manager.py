@@ -54,6 +54,8 @@ class BlockManager:
         # of each; past `_CHANGE_LOG_LIMIT` x the pool, the next drain sends the whole cache.
         self._changes: dict[int, bool] = {}
         self._changes_overflowed = False
+        # Cached blocks whose hash the change log reports.
+        self._reported: set[int] = set()
 
     # ------------------------------------------------------------------ counts
     @property
@@ -146,21 +148,25 @@ class BlockManager:
         if blocks:
             self._tables[owner] = list(blocks)
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: int, *, reported: bool = True) -> None:
         """Record a held block, now full, under its prefix hash. A hash already cached keeps its
-        first block (the copy stays private to its sequence, as in vLLM)."""
+        first block (the copy stays private to its sequence, as in vLLM). `reported`: its caching
+        and eviction go into the change log (the scheduler indexes anchor blocks only)."""
         if block not in self._refs:
             raise ValueError(f"block {block} is not held; only a sequence's full block is cached")
         if block_hash in self._by_hash or block in self._hash_of:
             return
         self._by_hash[block_hash] = block
         self._hash_of[block] = block_hash
-        self._log(block_hash, True)
+        if reported:
+            self._reported.add(block)
+            self._log(block_hash, True)
 
     def drain_changes(self) -> PrefixEvents:
-        """What the cache gained and lost since the last call (the scheduler's index follows it)."""
+        """What the reported part of the cache gained and lost since the last call (the
+        scheduler's index follows it)."""
         if self._changes_overflowed:
-            events = PrefixEvents(stored=tuple(self._by_hash), reset=True)
+            events = PrefixEvents(stored=tuple(self._hash_of[b] for b in self._reported), reset=True)
         else:
             changes = self._changes
             events = PrefixEvents(tuple(h for h, cached in changes.items() if cached),
@@ -268,6 +274,8 @@ class BlockManager:
             block, _ = self._evictable.popitem(last=False)
             evicted = self._hash_of.pop(block)
             del self._by_hash[evicted]
-            self._log(evicted, False)
+            if block in self._reported:
+                self._reported.discard(block)
+                self._log(evicted, False)
             taken.append(block)
         return taken

@@ -66,7 +66,7 @@ from llumdask.engine.base import (
 )
 from llumdask.engine.block_manager import BlockManager
 from llumdask.engine.latency import LatencyProfile, load_profile
-from llumdask.prefix import ROOT_HASH, PrefixEvents, block_hashes, mix, mix_int
+from llumdask.prefix import ROOT_HASH, PrefixEvents, block_hashes, is_anchor, mix, mix_int
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
 
 if TYPE_CHECKING:
@@ -641,7 +641,7 @@ class SimEngine:
         hashes = self._hashes(seq, full)
         table = self._blocks.table(seq.request_id)
         for index in range(seq.registered, full):
-            self._blocks.register(table[index], hashes[index])
+            self._blocks.register(table[index], hashes[index], reported=is_anchor(index))
         seq.registered = full
 
     def _step_time(self, chunks: list[_Chunk]) -> float:

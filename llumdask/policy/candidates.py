@@ -15,7 +15,7 @@ from typing import Iterator, Protocol, Sequence, overload
 import numpy as np
 
 from llumdask.load import InstanceLoad
-from llumdask.prefix import PrefixIndex
+from llumdask.prefix import ANCHOR_STRIDE, PrefixIndex
 from llumdask.request import Priority
 
 
@@ -48,7 +48,10 @@ class CandidateTable(Sequence[Candidate]):
     def __init__(self, candidates: Sequence[Candidate], prefix: PrefixIndex | None = None) -> None:
         self._candidates = sorted(candidates, key=lambda c: c.order)
         self._prefix = prefix
-        self._last_hits: tuple[tuple[int, ...], np.ndarray] | None = None
+        self._last_hits: tuple[tuple[int, ...], np.ndarray | None] | None = None
+        # Each candidate's bit in the index (its slot), or -1.
+        self._prefix_slots = np.array([-1 if prefix is None else prefix.add(c.instance_id) for c in self._candidates],
+                                      dtype=np.int64)
         n = len(self._candidates)
         self._surplus = np.empty(n)
         self._requests = np.empty(n)
@@ -100,21 +103,22 @@ class CandidateTable(Sequence[Candidate]):
         return (self._prefill_tokens + own) * (self._batch + 1)
 
     def cached_blocks(self, hashes: tuple[int, ...]) -> np.ndarray | None:
-        """Blocks of the longest prefix of `hashes` each candidate holds in its prefix cache, as
-        its reports tell; None when no candidate holds the first (nothing to tell them apart)."""
+        """Blocks of the longest prefix each candidate holds in its prefix cache, as its reports
+        tell, from the prompt's anchor `hashes` (to within an anchor stride); None when no
+        candidate holds the first (nothing to tell them apart)."""
         if not hashes or self._prefix is None:
             return None
         last = self._last_hits
         if last is not None and last[0] is hashes:
             return last[1]
-        matches = self._prefix.matches(hashes)
+        lengths = self._prefix.lengths(hashes)
         hits = None
-        if matches:
-            hits = np.zeros(len(self._candidates))
-            for instance_id, blocks in matches.items():
-                slot = self._slots.get(instance_id)
-                if slot is not None:
-                    hits[slot] = blocks
+        if lengths is not None:
+            slots = self._prefix_slots
+            known = (slots >= 0) & (slots < len(lengths))
+            hits = np.where(known, lengths[np.where(known, slots, 0)], 0).astype(float) * ANCHOR_STRIDE
+            if not hits.any():
+                hits = None
         self._last_hits = (hashes, hits)
         return hits
 

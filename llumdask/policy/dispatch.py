@@ -33,7 +33,8 @@ class DispatchInfo:
     execution_priority: Priority = Priority.NORMAL
     # Admitted before (resubmitted after its instance died): never refused for load.
     admitted: bool = False
-    # The prompt's full-block hashes (`llumdask.prefix`), for prefix-aware placement; () if unknown.
+    # The prompt's anchor-block hashes (`llumdask.prefix.anchors`), for prefix-aware placement;
+    # () if unknown.
     block_hashes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from llumdask.engine.sim import SimEngine
 from llumdask.global_scheduler import ClusterOverloaded, DispatchInfo, GlobalScheduler, NoInstanceAvailable
 from llumdask.llumlet import Llumlet, MigrationEvent
 from llumdask.load import InstanceLoad
-from llumdask.prefix import PrefixEvents, block_hashes
+from llumdask.prefix import PrefixEvents, anchors, block_hashes
 from llumdask.protocol import MigrationMessage, StageData
 from llumdask.request import Request, SamplingParams
 from llumdask.sim.metrics import ClusterSample
@@ -158,6 +158,10 @@ class SimCluster:
         self._in_transit: dict[str, list[Request]] = {}  # dispatched, not yet handed over (dispatch_delay)
         self._names = itertools.count()
         self._on_finish = on_finish
+        # The workload being run, each conversation turn's follower, each request's index in it.
+        self._workload: list[TraceRequest] = []
+        self._followers: dict[int, int] = {}
+        self._index: dict[str, int] = {}
         # Prompts are hashed for dispatch only where the instances cache prefixes.
         self._hash_prompts = config.sim_engine.prefix_caching
         for _ in range(num_instances):
@@ -223,6 +227,7 @@ class SimCluster:
             return  # a second copy: its migration was rolled back after the destination had resumed it
         self.requests[request.request_id] = request
         self._unfinished -= 1
+        self._next_turn(request)
         if self._on_finish is not None:
             self._on_finish(request)
 
@@ -301,10 +306,10 @@ class SimCluster:
         return any(view.ready for view in self.scheduler.instances())
 
     # ------------------------------------------------------------------ workload
-    def _arrive(self, trace: TraceRequest, index: int) -> None:
+    def _arrive(self, trace: TraceRequest, index: int, history: Sequence[int] = ()) -> None:
         request_id = f"req-{index}"
         self._pending_arrivals -= 1
-        prompt = prompt_tokens(trace, index)
+        prompt = prompt_tokens(trace, index, history)
         request = Request(
             request_id,
             prompt,
@@ -314,20 +319,22 @@ class SimCluster:
             arrival_time=self.events.now,
         )
         # As the requester does: the prompt's block hashes travel with the dispatch, not its tokens.
-        hashes = tuple(block_hashes(prompt, self.config.block_size)) if self._hash_prompts else ()
+        hashes = anchors(block_hashes(prompt, self.config.block_size)) if self._hash_prompts else ()
         info = DispatchInfo(request_id, trace.input_len, trace.output_len, trace.priority, block_hashes=hashes)
         try:
             target = self.scheduler.dispatch(info, self.events.now)
         except ClusterOverloaded:
             self.rejected.append(request_id)  # refused for load: the client was told to come back
+            self._end_conversation(index)
             return
         except NoInstanceAvailable:
             # No ready instance (all starting or draining): retry shortly, as a frontend would.
             self._pending_arrivals += 1
-            self.events.at(self.events.now + _IDLE_POLL * 10, lambda: self._arrive(trace, index))
+            self.events.at(self.events.now + _IDLE_POLL * 10, lambda: self._arrive(trace, index, history))
             return
         request.timing.dispatched = self.events.now
         self.requests[request_id] = request
+        self._index[request_id] = index
         self._unfinished += 1
         self._in_transit.setdefault(target, []).append(request)
         self.events.at(self.events.now + self.settings.dispatch_delay, lambda: self._admit(target, request))
@@ -340,14 +347,32 @@ class SimCluster:
         except ValueError:
             self.rejected.append(request.request_id)
             self._unfinished -= 1
+            self._end_conversation(self._index[request.request_id])
             return
         self._wake(inst)
+
+    def _next_turn(self, request: Request) -> None:
+        """A conversation goes on: its next turn resends this one's prompt and answer after a think time."""
+        follower = self._followers.get(self._index[request.request_id])
+        if follower is not None:
+            trace = self._workload[follower]
+            history = request.prompt_token_ids + request.output_token_ids
+            ended = request.timing.finished if request.timing.finished is not None else self.events.now
+            self.events.at(ended + trace.think, lambda: self._arrive(trace, follower, history))
+
+    def _end_conversation(self, index: int) -> None:
+        """A turn that never ran: the turns after it are never sent."""
+        while (index := self._followers.get(index)) is not None:
+            self._pending_arrivals -= 1
 
     def run(self, workload: list[TraceRequest]) -> SimOutcome:
         """Replay the workload to completion; the global scheduler sees reports at the configured interval."""
         self._pending_arrivals = len(workload)
+        self._workload = workload
+        self._followers = {trace.after: index for index, trace in enumerate(workload) if trace.after is not None}
         for index, trace in enumerate(workload):
-            self.events.at(trace.arrival, lambda t=trace, i=index: self._arrive(t, i))
+            if trace.after is None:
+                self.events.at(trace.arrival, lambda t=trace, i=index: self._arrive(t, i))
         self.events.at(0.0, self._report_loop)
         self.events.at(0.0, self._sample_loop)
         if self.config.migration.enabled:

@@ -150,7 +150,7 @@ def mean_instances(samples: Sequence[ClusterSample], until: float) -> float:
 
 def _sample_stats(samples: Sequence[ClusterSample], duration: float) -> dict[str, float]:
     if not samples:
-        return {"fragmentation_mean": _NAN, "instances_mean": _NAN, "migrating_time_share": _NAN}
+        return {"fragmentation_mean": _NAN, "instances_mean": _NAN, "migrating_time_share": _NAN, "imbalance": _NAN}
     weights = _time_weights(samples, duration)
     counts = np.array([len(s.instances) for s in samples], dtype=np.float64)
     migrating = np.array([sum(i.migrating for i in s.instances) for s in samples], dtype=np.float64)
@@ -160,7 +160,20 @@ def _sample_stats(samples: Sequence[ClusterSample], duration: float) -> dict[str
         "instances_mean": float(np.average(counts, weights=weights)),
         # Instance-time spent migrating (as source or destination) over all instance-time.
         "migrating_time_share": float(weights @ migrating) / instance_time if instance_time else _NAN,
+        "imbalance": imbalance(samples, weights),
     }
+
+
+def imbalance(samples: Sequence[ClusterSample], weights: np.ndarray) -> float:
+    """Load imbalance: the busiest instance's running requests over the mean's, averaged over the
+    samples where anything runs (1: even; what prefix-only routing drives up)."""
+    ratios, kept = [], []
+    for sample, weight in zip(samples, weights):
+        running = [i.num_running for i in sample.instances]
+        if running and sum(running):
+            ratios.append(max(running) * len(running) / sum(running))
+            kept.append(weight)
+    return float(np.average(ratios, weights=kept)) if ratios and sum(kept) else _NAN
 
 
 def migration_outcomes(events: Iterable[MigrationEvent]) -> dict[str, MigrationEvent]:

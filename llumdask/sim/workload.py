@@ -42,6 +42,10 @@ conditioned on fitting. A replayed trace is never altered: a row over the cap is
 
 High priority: exactly round(share x n) requests, chosen uniformly, are high priority.
 
+multi-turn: chat conversations (`conversations`) whose every turn resends the conversation so
+far, its earlier answers included, so a turn's prompt is its predecessor's prompt and output
+plus a new message; the simulator sends a turn only after the previous answer and a think time.
+
 system-prompt: a few long shared prompts (`system_prompts`: 8 of 512-2048 tokens, Zipf
 popularity) each followed by a short question of the request's own and a short answer (S-S
 lengths): the traffic of applications that prepend one fixed instruction block, where a prefix
@@ -82,8 +86,9 @@ PAIRINGS: dict[str, tuple[str, str]] = {
 }
 REAL_TRACE_LIKE = ("sharegpt", "burstgpt")
 SYSTEM_PROMPT = "system-prompt"
+MULTI_TURN = "multi-turn"
 # Prefix-sharing workloads (their prompts share segments; the others share nothing).
-SHARING = (SYSTEM_PROMPT,)
+SHARING = (SYSTEM_PROMPT, MULTI_TURN)
 WORKLOADS = (*PAIRINGS, *REAL_TRACE_LIKE, *SHARING)
 TRACE_SUFFIXES = (".csv", ".jsonl", ".ndjson")
 # Below this CV, Gamma gaps are even spacing for any practical purpose (and 1/cv^2 may overflow).
@@ -94,6 +99,12 @@ _MAX_REDRAW_ROUNDS = 200
 _SYSTEM_PROMPTS = 8
 _SYSTEM_PROMPT_LENGTHS = (512, 2048)
 _SYSTEM_PROMPT_ZIPF = 1.0
+# multi-turn: the chance a conversation goes on after each turn, its most turns, the mean think
+# time between an answer and the next question, and the context a conversation stays within.
+_NEXT_TURN = 1 / 3
+_MAX_TURNS = 12
+_THINK_SECONDS = 10.0
+_CONVERSATION_CONTEXT = 8192
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,11 @@ class TraceRequest:
     output_len: int
     priority: Priority = Priority.NORMAL
     prefix: tuple[tuple[int, int], ...] = ()
+    # A conversation's next turn: the index of the request whose answer it follows (its prompt
+    # is that request's prompt and output, then its own tokens), sent `think` seconds after that
+    # answer ends; its `arrival` is only nominal. None: it arrives at `arrival`.
+    after: int | None = None
+    think: float = 0.0
 
     @property
     def shared_len(self) -> int:
@@ -131,11 +147,12 @@ def _token_ids(key: int, length: int) -> list[int]:
     return (mixed % np.uint64(_PROMPT_VOCAB) + np.uint64(1)).tolist()
 
 
-def prompt_tokens(trace: TraceRequest, index: int) -> list[int]:
-    """The prompt of the workload's `index`-th request: its shared segments, then tokens of its
-    own (a function of the index, so no two requests share them by chance)."""
-    tokens: list[int] = []
-    for segment, length in trace.prefix:
+def prompt_tokens(trace: TraceRequest, index: int, history: Sequence[int] = ()) -> list[int]:
+    """The prompt of the workload's `index`-th request: the conversation so far (`history`, for a
+    turn that follows another) or its shared segments, then tokens of its own (a function of the
+    index, so no two requests share them by chance)."""
+    tokens: list[int] = list(history)
+    for segment, length in () if history else trace.prefix:
         tokens += _segment_tokens(segment, length)
     own = trace.input_len - len(tokens)
     return tokens + _token_ids(mix_int(index ^ _K_OWN), own) if own > 0 else tokens
@@ -489,6 +506,9 @@ def make_workload(
     arrivals = arrival_times(np.random.default_rng(arrival_seed), num_requests, rate, cv)
     length_rng = np.random.default_rng(length_seed)
     high = _high_priority_mask(priority_rng, num_requests, high_priority_share)
+    if key == MULTI_TURN:
+        return conversations(np.random.default_rng(arrival_seed), length_rng, num_requests, rate, high,
+                             max_seq_len or _CONVERSATION_CONTEXT)
     if key == SYSTEM_PROMPT:
         prefixes = system_prompts(length_rng, num_requests)
         longest = _SYSTEM_PROMPT_LENGTHS[1]
@@ -503,6 +523,41 @@ def make_workload(
     return [
         TraceRequest(float(a), int(i), int(o), Priority.HIGH if h else Priority.NORMAL)
         for a, i, o, h in zip(arrivals, inputs, outputs, high)
+    ]
+
+
+def conversations(arrival_rng: np.random.Generator, length_rng: np.random.Generator, n: int, rate: float,
+                  high: np.ndarray, context: int) -> list[TraceRequest]:
+    """`n` requests as the turns of chat conversations (multi-turn). Conversations start as a
+    Poisson process at rate / (mean turns), so that requests arrive at `rate` on average; each has
+    min(Geometric(1/3), 12) turns (mean 2.98) and ends early where a turn would pass `context`
+    tokens. A turn resends the whole conversation (earlier prompts and answers) plus a new user
+    message, ShareGPT-like input and output lengths per turn, after a think time (exponential,
+    mean `_THINK_SECONDS`) from the previous answer's end. Listed by nominal arrival (each turn
+    `think` after its predecessor's arrival); the simulator sends a turn when its predecessor ends."""
+    inputs, outputs = _lengths_for("sharegpt")
+    mean_turns = sum((1 - _NEXT_TURN) ** k for k in range(_MAX_TURNS))
+    turns: list[tuple[float, int, int, int, int, float]] = []  # (nominal arrival, conversation, turn, input, output, think)
+    start, conversation = 0.0, 0
+    while len(turns) < n:
+        count = min(int(length_rng.geometric(_NEXT_TURN)), _MAX_TURNS)
+        users, answers = inputs.sample(length_rng, count), outputs.sample(length_rng, count)
+        thinks = arrival_rng.exponential(_THINK_SECONDS, count)
+        history, nominal = 0, start
+        for turn in range(count):
+            prompt = history + int(users[turn])
+            if prompt + int(answers[turn]) > context or len(turns) == n:
+                break
+            nominal += float(thinks[turn]) if turn else 0.0
+            turns.append((nominal, conversation, turn, prompt, int(answers[turn]), float(thinks[turn]) if turn else 0.0))
+            history = prompt + int(answers[turn])
+        start += float(arrival_rng.exponential(mean_turns / rate))
+        conversation += 1
+    turns.sort()
+    index = {(c, t): i for i, (_, c, t, *_rest) in enumerate(turns)}
+    return [
+        TraceRequest(a, i, o, Priority.HIGH if h else Priority.NORMAL, after=index[(c, t - 1)] if t else None, think=w)
+        for (a, c, t, i, o, w), h in zip(turns, high)
     ]
 
 

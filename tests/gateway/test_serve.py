@@ -208,7 +208,7 @@ def test_a_repeated_prompt_goes_where_it_is_cached_and_usage_says_so(server):
     assert cached == [0, (length - 1) // 16 * 16, (length - 1) // 16 * 16]
     # The scheduler's index learnt the prompt's blocks from the serving instance's reports.
     after = cached_blocks(server)
-    assert max(after[i] - before[i] for i in after) >= length // 16
+    assert max(after[i] - before[i] for i in after) >= (length // 16) // 8 * 8  # its anchors, one block in 8
 
 
 def test_chat_stream(server):

@@ -215,3 +215,21 @@ def test_shared_system_prompts_hit_the_prefix_cache_and_unshared_prompts_never_d
     spec = make_spec("round_robin", 3, base=replace(load_config(), sim_engine=off))
     no_cache = simulate(spec, make_workload("system-prompt", rate=4.0, num_requests=90, seed=1))
     assert math.isnan(no_cache["prefix_hit_rate"]) and no_cache["prefill_mean"] > shared["prefill_mean"]
+
+
+def test_conversation_turns_follow_their_answers_and_find_their_history_cached():
+    workload = make_workload("multi-turn", rate=1.0, num_requests=60, seed=2)
+    spec = make_spec("llumnix", 3)
+    cluster = SimCluster(spec.config, spec.profile, spec.instances)
+    outcome = cluster.run(workload)
+    by_id = {r.request_id: r for r in outcome.requests}
+    assert len(by_id) == 60 and all(r.status.is_done for r in by_id.values())
+    hits = 0
+    for index, trace in enumerate(workload):
+        if trace.after is None:
+            continue
+        turn, previous = by_id[f"req-{index}"], by_id[f"req-{trace.after}"]
+        assert turn.arrival_time == pytest.approx(previous.timing.finished + trace.think)
+        assert turn.prompt_token_ids[: previous.num_tokens] == previous.prompt_token_ids + previous.output_token_ids
+        hits += (turn.timing.cached_tokens or 0) > previous.num_prompt_tokens // 2
+    assert hits >= sum(t.after is not None for t in workload) // 2

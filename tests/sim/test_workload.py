@@ -382,3 +382,23 @@ def test_a_trace_carries_its_prefixes_through_a_file(tmp_path):
     bad = write(tmp_path, "bad.csv", "arrival_time,input_len,output_len,prefix_id,prefix_len\n0,10,5,3,11\n")
     with pytest.raises(TraceFormatError, match="prefix_len 11 exceeds input_len 10"):
         make_workload(bad)
+
+
+def test_multi_turn_conversations_resend_their_history_and_arrive_at_the_rate():
+    requests = make_workload("multi-turn", rate=4.0, num_requests=3000, seed=3)
+    assert len(requests) == 3000 and requests == make_workload("multi-turn", rate=4.0, num_requests=3000, seed=3)
+    firsts = [r for r in requests if r.after is None]
+    assert 2.5 < len(requests) / len(firsts) < 3.2  # mean turns about 3
+    for index, r in enumerate(requests):
+        assert r.input_len + r.output_len <= 8192
+        if r.after is not None:
+            previous = requests[r.after]
+            assert r.after < index and r.think > 0 and r.arrival == pytest.approx(previous.arrival + r.think)
+            assert r.input_len > previous.input_len + previous.output_len  # history plus a new message
+    span = max(r.arrival for r in firsts)
+    assert len(requests) / span == pytest.approx(4.0, rel=0.25)
+    # A turn's prompt starts with the conversation so far.
+    follower = next(i for i, r in enumerate(requests) if r.after is not None)
+    history = prompt_tokens(requests[requests[follower].after], requests[follower].after) + [1] * 5
+    prompt = prompt_tokens(requests[follower], follower, history)
+    assert prompt[: len(history)] == history and len(prompt) == requests[follower].input_len

@@ -1,0 +1,136 @@
+"""Prefix-aware routing on shared-prefix traffic, against the routers built for it, over seeds.
+
+Two simulated workloads where prompts share prefixes (`llumdask.sim.workload`): system-prompt (a
+few long shared prompts, Zipf popularity, short questions and answers) and multi-turn (chat
+conversations that resend their history, sent an exponential think time after each answer).
+On 16 simulated instances, each at three request rates from comfortable to past what the
+prefix-blind routers sustain, every policy serves the same requests per seed: round-robin and
+INFaaS++ (no prefix awareness), Llumnix with prefix-aware dispatch off and on, and the prefix
+routers by their published rules at their defaults (prefix_affinity, dynamo_kv,
+sglang_cache_aware). Reported per setting: the median over seeds of P99 and mean TTFT, the
+prefix-cache hit rate (prompt tokens found cached) and throughput (requests over the span from
+first arrival to last completion), and the load imbalance (the mean over samples of the busiest
+instance's running requests over the mean's), each with Llumnix / the best prefix router.
+
+A second part checks that prefix awareness costs nothing where nothing is shared: Llumnix with
+and without it on two paper traces at 0.8 of their ideal capacity, paired seed by seed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from llumdask.benchmarks.common import parser, report
+from llumdask.benchmarks.paper import Case, capacities, PaperPlan, run_cases
+from llumdask.sim.workload import MULTI_TURN, SYSTEM_PROMPT
+
+PREFIX_ROUTERS = ("prefix_affinity", "dynamo_kv", "sglang_cache_aware")
+POLICIES = ("round_robin", "infaas", "llumnix_no_prefix", "llumnix", *PREFIX_ROUTERS)
+# Requests per second: comfortable, busy, past the prefix-blind routers' limit (found by hand).
+RATES = {SYSTEM_PROMPT: (40.0, 55.0, 70.0), MULTI_TURN: (3.0, 4.0, 5.0)}
+REQUESTS = {SYSTEM_PROMPT: 3000, MULTI_TURN: 2000}
+# Paper traces (nothing shared) for the no-cost check, at this fraction of their ideal capacity.
+UNSHARED = ("sharegpt", "M-M")
+UNSHARED_LOAD = 0.8
+EXPERIMENT = "prefix"
+METRICS = ("prefill_p99", "prefill_mean", "prefix_hit_rate", "throughput", "imbalance")
+
+
+def shared_cases(seeds: tuple[int, ...], instances: int, scale: float) -> list[Case]:
+    """Every policy at every rate and seed; rates scale with the instances (RATES are for 16)."""
+    return [
+        Case(EXPERIMENT, trace, rate, rate * instances / 16, policy, max(50, round(REQUESTS[trace] * scale)), instances,
+             "llama-7b-a10", seed)
+        for trace, rates in RATES.items() for rate in rates for seed in seeds for policy in POLICIES
+    ]
+
+
+def unshared_cases(seeds: tuple[int, ...], instances: int, scale: float) -> list[Case]:
+    plan = replace(PaperPlan(), traces=UNSHARED, seeds=seeds, instances=instances)
+    capacity = capacities(plan)
+    return [
+        Case(EXPERIMENT, trace, UNSHARED_LOAD, UNSHARED_LOAD * capacity[trace], policy,
+             max(50, round(5000 * scale)), instances, plan.profile, seed)
+        for trace in UNSHARED for seed in seeds for policy in ("llumnix_no_prefix", "llumnix")
+    ]
+
+
+def with_derived(run: dict[str, Any]) -> dict[str, Any]:
+    """Throughput: requests finished over the span from the first arrival to the last completion."""
+    return run | {"throughput": run["finished"] / run["makespan"]}
+
+
+def setting_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (trace, rate, policy): medians over seeds, and Llumnix's ratios to the best
+    prefix router of the same seed (lower TTFT, higher throughput is better)."""
+    rows = []
+    keys = sorted({(r["trace"], r["load"]) for r in runs})
+    for trace, rate in keys:
+        group = [r for r in runs if r["trace"] == trace and r["load"] == rate]
+        seeds = sorted({r["seed"] for r in group})
+        by = {(r["policy"], r["seed"]): r for r in group}
+        for policy in POLICIES:
+            mine = [by[(policy, s)] for s in seeds if (policy, s) in by]
+            if not mine:
+                continue
+            row: dict[str, Any] = {"trace": trace, "rate": rate, "policy": policy, "seeds": len(mine)}
+            for metric in METRICS:
+                row[metric] = float(np.median([r[metric] for r in mine]))
+            if policy == "llumnix":
+                for metric, better in (("prefill_p99", min), ("throughput", max)):
+                    ratios = [by[("llumnix", s)][metric] / better(by[(p, s)][metric] for p in PREFIX_ROUTERS) for s in seeds]
+                    row[f"{metric}_vs_best_router"] = float(np.median(ratios))
+            rows.append(row)
+    return rows
+
+
+def no_cost_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Llumnix with prefix awareness / without, paired by seed, per unshared trace."""
+    rows = []
+    for trace in UNSHARED:
+        pairs = {}
+        for r in runs:
+            if r["trace"] == trace:
+                pairs.setdefault(r["seed"], {})[r["policy"]] = r
+        row: dict[str, Any] = {"trace": trace, "load": UNSHARED_LOAD}
+        for metric in ("prefill_p99", "prefill_mean", "decode_p99"):
+            row[f"{metric}_ratio"] = float(np.median([p["llumnix"][metric] / p["llumnix_no_prefix"][metric] for p in pairs.values()]))
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated workload seeds (default %(default)s)")
+    p.add_argument("--jobs", type=int, default=2, help="simulations at once (default %(default)s)")
+    args = p.parse_args(argv)
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    scale, instances = (0.1, 4) if args.quick else (1.0, 16)
+    started = time.perf_counter()
+    shared = [with_derived(r) for r in run_cases(shared_cases(seeds, instances, scale), args.jobs, print)]
+    unshared = run_cases(unshared_cases(seeds, instances, scale), args.jobs, print)
+    rows = setting_rows(shared)
+    cost = no_cost_rows(unshared)
+    notes = [f"{r['trace']} rate {r['rate']:g}: Llumnix P99 TTFT {r['prefill_p99_vs_best_router']:.2f}x, throughput "
+             f"{r['throughput_vs_best_router']:.2f}x the best prefix router's (median over seeds of per-seed ratios)"
+             for r in rows if r["policy"] == "llumnix"]
+    notes += [f"{r['trace']} load {r['load']:g} (nothing shared): Llumnix with / without prefix awareness: P99 TTFT "
+              f"{r['prefill_p99_ratio']:.3f}x, mean TTFT {r['prefill_mean_ratio']:.3f}x, P99 TPOT {r['decode_p99_ratio']:.3f}x"
+              for r in cost]
+    columns = [("trace", "trace", "{}"), ("rate", "req/s", "{:g}"), ("policy", "policy", "{}"),
+               ("prefill_p99", "TTFT p99 s", "{:.3f}"), ("prefill_mean", "TTFT mean s", "{:.3f}"),
+               ("prefix_hit_rate", "hit rate", "{:.3f}"), ("throughput", "req/s done", "{:.2f}"),
+               ("imbalance", "imbalance", "{:.2f}")]
+    facts = {"instances": instances, "profile": "llama-7b-a10", "seeds": list(seeds),
+             "requests": {k: max(50, round(v * scale)) for k, v in REQUESTS.items()},
+             "wall_seconds": round(time.perf_counter() - started, 1)}
+    report("prefix_routing" + ("_quick" if args.quick else ""), args.out, rows + cost, columns, facts, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
