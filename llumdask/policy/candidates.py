@@ -49,8 +49,8 @@ class CandidateTable(Sequence[Candidate]):
         self._candidates = sorted(candidates, key=lambda c: c.order)
         self._prefix = prefix
         self._last_hits: tuple[tuple[int, ...], np.ndarray | None] | None = None
-        # Each candidate's bit in the index (its slot), or -1.
-        self._prefix_slots = np.array([-1 if prefix is None else prefix.add(c.instance_id) for c in self._candidates],
+        # Each candidate's bit in the index (its slot).
+        self._prefix_slots = np.array([prefix.add(c.instance_id) for c in self._candidates] if prefix else [],
                                       dtype=np.int64)
         n = len(self._candidates)
         self._surplus = np.empty(n)
@@ -112,13 +112,8 @@ class CandidateTable(Sequence[Candidate]):
         if last is not None and last[0] is hashes:
             return last[1]
         lengths = self._prefix.lengths(hashes)
-        hits = None
-        if lengths is not None:
-            slots = self._prefix_slots
-            known = (slots >= 0) & (slots < len(lengths))
-            hits = np.where(known, lengths[np.where(known, slots, 0)], 0).astype(float) * ANCHOR_STRIDE
-            if not hits.any():
-                hits = None
+        # Every candidate has its slot (given when the table was built), below the index's width.
+        hits = None if lengths is None else lengths[self._prefix_slots] * float(ANCHOR_STRIDE)
         self._last_hits = (hashes, hits)
         return hits
 
