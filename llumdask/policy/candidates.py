@@ -50,7 +50,7 @@ class CandidateTable(Sequence[Candidate]):
         self._prefix = prefix
         self._last_hits: tuple[tuple[int, ...], np.ndarray | None] | None = None
         # Each candidate's bit in the index (its slot).
-        self._prefix_slots = np.array([prefix.add(c.instance_id) for c in self._candidates] if prefix else [],
+        self._prefix_slots = np.array([prefix.add(c.instance_id) for c in self._candidates] if prefix is not None else [],
                                       dtype=np.int64)
         n = len(self._candidates)
         self._surplus = np.empty(n)
@@ -120,7 +120,7 @@ class CandidateTable(Sequence[Candidate]):
     def held_blocks(self) -> np.ndarray:
         """Block hashes each candidate caches, as far as the index knows (its cache's size)."""
         prefix = self._prefix
-        return np.array([prefix.cached_blocks(c.instance_id) if prefix else 0 for c in self._candidates], dtype=float)
+        return np.array([prefix.cached_blocks(c.instance_id) if prefix is not None else 0 for c in self._candidates], dtype=float)
 
     def __len__(self) -> int:
         return len(self._candidates)
