@@ -111,11 +111,13 @@ class Placed:
 
 @dataclass(frozen=True)
 class Members:
-    """Every instance and the placeable ones, or None for both when the caller's epoch is current."""
+    """Every instance and the placeable ones, or None for both when the caller's epoch is current;
+    and the instances' KV block size, which a requester cuts prompts by for their block hashes."""
 
     epoch: str
     alive: tuple[str, ...] | None
     placeable: tuple[str, ...] | None
+    block_size: int | None = None
 
 
 @dataclass(frozen=True)

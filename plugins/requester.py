@@ -68,7 +68,8 @@ class Requester:
 
     def __init__(self, client: Client, config: RequesterConfig | None = None, block_size: int | None = None) -> None:
         """`config`: the ``llumdask.requester`` settings; `block_size`: the instances' KV block size,
-        which a prompt's block hashes are cut by (both dask.config's when None)."""
+        which a prompt's block hashes are cut by (both dask.config's when None; the block size
+        then follows the scheduler's from the first membership poll on)."""
         self._config = config if config is not None else load_config().requester
         self._block_size = block_size if block_size is not None else load_config().block_size
         self._client = client
@@ -132,6 +133,8 @@ class Requester:
         reply = await asyncio.wait_for(call(self._client.scheduler, Op.MEMBERS, epoch=self._epoch), self._config.rpc_timeout)
         if reply.alive is not None:
             self._epoch, self._alive, self._known = reply.epoch, set(reply.alive), list(reply.placeable)
+        if reply.block_size:
+            self._block_size = reply.block_size  # the cluster's, over this process's configuration
         return self._alive
 
     @property

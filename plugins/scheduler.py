@@ -222,9 +222,9 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         `epoch` is current: what a requester polls every second to notice a dead instance."""
         current = f"{self._incarnation}:{self._scheduler().epoch}"
         if epoch == current:
-            return reply(Members(current, None, None))
+            return reply(Members(current, None, None, self.config.block_size))
         alive, placeable = self._scheduler().members()
-        return reply(Members(current, tuple(alive), tuple(placeable)))
+        return reply(Members(current, tuple(alive), tuple(placeable), self.config.block_size))
 
     def migrations(self, limit: int = 50) -> list[dict]:
         """The latest `limit` migration outcomes (committed and aborted), oldest first."""

@@ -239,9 +239,6 @@ class SimEngine:
                 raise ValueError(f"{self._name}: sim_engine.{field_name} must be an integer >= {low}, got {value!r}")
         self._blocks = BlockManager(total, block_size)
         self._prefix_caching = config.prefix_caching
-        # Prefix-cache lookups at admission, in blocks: looked for, and found.
-        self.prefix_queried_blocks = 0
-        self.prefix_hit_blocks = 0
         self._clock = clock
         self._real_time = config.real_time
         self._vocab = _U64(config.vocab_size)
@@ -598,9 +595,6 @@ class SimEngine:
             self._share(seq, hit)
             self._allocate(seq, blocks_for(computed + count, size) - len(hit))
             seq.request.status = RequestStatus.RUNNING
-            if self._prefix_caching:
-                self.prefix_queried_blocks += (seq.num_tokens - 1) // size
-                self.prefix_hit_blocks += len(hit)
             timing = seq.request.timing
             if timing.first_scheduled is None:
                 timing.first_scheduled = now

@@ -126,10 +126,6 @@ class TraceRequest:
     after: int | None = None
     think: float = 0.0
 
-    @property
-    def shared_len(self) -> int:
-        return sum(length for _, length in self.prefix)
-
 
 # Prompt token ids lie in [1, _PROMPT_VOCAB]: within any model's vocabulary the simulator serves.
 _PROMPT_VOCAB = 30_000

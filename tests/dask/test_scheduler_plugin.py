@@ -155,12 +155,20 @@ def test_with_scaling_enabled_dask_adaptive_target_is_answered():
     run_plugin(check, overrides=overrides)
 
 
+def test_members_tell_the_instances_block_size():
+    async def check(plugin, scheduler):
+        assert plugin.members()["block_size"] == 4
+
+    run_plugin(check, overrides={"block-size": 4, "migration": {"interval": 60.0}})
+
+
 def test_members_answer_lists_only_when_membership_changed():
     async def check(plugin, scheduler):
         plugin.register("a", 100, 16)
         first = plugin.members()
         assert first["alive"] == ("a",) and first["placeable"] == ()  # registered, not ready yet
-        assert plugin.members(epoch=first["epoch"]) == {"epoch": first["epoch"], "alive": None, "placeable": None}
+        assert plugin.members(epoch=first["epoch"]) == {"epoch": first["epoch"], "alive": None, "placeable": None,
+                                                         "block_size": 16}
         plugin.on_load(load("a"))  # a load report is no membership change
         assert plugin.members(epoch=first["epoch"])["alive"] is None
         plugin.ready("a")

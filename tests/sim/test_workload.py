@@ -365,7 +365,7 @@ def test_system_prompt_requests_share_a_few_long_prompts_by_skewed_popularity():
     assert len(segments) == 8 and counts[0] > 3 * counts[-1]  # Zipf: the first about 8x the last
     (i, first), (j, second) = [(i, r) for i, r in enumerate(requests) if r.prefix == requests[0].prefix][:2]
     a, b = prompt_tokens(first, i), prompt_tokens(second, j)
-    shared = first.shared_len
+    shared = sum(length for _, length in first.prefix)
     assert len(a) == first.input_len and a[:shared] == b[:shared] and a[shared] != b[shared]
 
 
