@@ -110,13 +110,11 @@ class BlockManager:
             self._release_blocks(reversed(table))
 
     # ------------------------------------------------------------------ prefix cache
-    def cached_prefix(self, hashes: Sequence[int], limit: int, known: list[int] | None = None) -> list[int]:
-        """The blocks caching the longest prefix of `hashes[:limit]` (each a block's chained hash).
-        `known` is an earlier answer for the same hashes with no eviction since: it still holds
-        (registering only adds), so the walk resumes after it, extending it in place."""
-        blocks = [] if known is None else known
+    def cached_prefix(self, hashes: Sequence[int], limit: int) -> list[int]:
+        """The blocks caching the longest prefix of `hashes[:limit]` (each a block's chained hash)."""
+        blocks = []
         by_hash = self._by_hash
-        for index in range(len(blocks), limit):
+        for index in range(limit):
             block = by_hash.get(hashes[index])
             if block is None:
                 break
@@ -125,7 +123,7 @@ class BlockManager:
 
     @property
     def evictions(self) -> int:
-        """Cached blocks handed out so far: an earlier `cached_prefix` answer holds while this stays."""
+        """Cached blocks handed out to new holders so far (their prefixes evicted)."""
         return self._evictions
 
     def blocks_to_take(self, num_new: int, shared: Iterable[int]) -> int:
@@ -265,12 +263,11 @@ class BlockManager:
             return taken
         if num_blocks > self.free_blocks:
             raise OutOfBlocks(f"{what}: {num_blocks} blocks requested, {self.free_blocks} free")
-        plain = len(free)
-        taken = self._free[len(self._free) - plain :]
-        del self._free[len(self._free) - plain :]
-        taken.reverse()
-        self._evictions += num_blocks - plain
-        for _ in range(num_blocks - plain):
+        # Every plain free block, then the least recently freed cached ones, evicted.
+        taken = free[::-1]
+        free.clear()
+        self._evictions += num_blocks - len(taken)
+        for _ in range(num_blocks - len(taken)):
             block, _ = self._evictable.popitem(last=False)
             evicted = self._hash_of.pop(block)
             del self._by_hash[evicted]

@@ -113,9 +113,6 @@ class _Seq:
     block_hashes: list[int]
     # Blocks of its table known to be in the prefix cache (registered or shared from it).
     registered: int
-    # Its last prefix-cache answer while waiting, and the cache's eviction count then.
-    hit: list[int]
-    hit_evictions: int
     greedy: bool
     # Temperature > 0: a key derived from the seed, or a per-request sampler when there is none.
     seed_key: int
@@ -153,8 +150,6 @@ def _new_seq(request: Request, rng_state: dict[str, Any] | None = None) -> _Seq:
         num_blocks=0,
         block_hashes=[],
         registered=0,
-        hit=[],
-        hit_evictions=-1,
         greedy=sampling.greedy,
         seed_key=((sampling.seed or 0) * _SEED_SALT) & _MASK64,
         rng=rng,
@@ -585,9 +580,8 @@ class SimEngine:
         while waiting and budget > 0 and len(running) < self._max_num_seqs:
             seq = waiting[0]
             hit = self._cached_prefix(seq)
-            new = blocks_for(seq.num_tokens, size) - len(hit)
-            # Cached blocks nobody holds leave the free pool too (counted only when the rest fits).
-            if not self._blocks.can_allocate(new) or (hit and not self._blocks.can_allocate(self._blocks.blocks_to_take(new, hit))):
+            # Blocks for the uncached rest, and the cached ones nobody holds (they leave the free pool).
+            if not self._blocks.can_allocate(self._blocks.blocks_to_take(blocks_for(seq.num_tokens, size) - len(hit), hit)):
                 break
             computed = len(hit) * size
             count = min(seq.num_tokens - computed, budget)
@@ -610,12 +604,7 @@ class SimEngine:
         if not self._prefix_caching:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
-        blocks = self._blocks
-        # A request blocked at the head of the queue asks every step: resume its last answer.
-        known = seq.hit if seq.hit_evictions == blocks.evictions and len(seq.hit) <= limit else None
-        seq.hit = blocks.cached_prefix(self._hashes(seq, limit), limit, known)
-        seq.hit_evictions = blocks.evictions
-        return seq.hit
+        return self._blocks.cached_prefix(self._hashes(seq, limit), limit)
 
     def _hashes(self, seq: _Seq, num_blocks: int) -> list[int]:
         """The request's first `num_blocks` block hashes (its tokens cover them), computed once."""
@@ -715,8 +704,10 @@ class SimEngine:
             positions.append(position)
             # A slot's content depends on its token, its position and every token before its
             # block (the parent block's hash): requests sharing a prefix write the same bytes.
-            parents = np.array([ROOT_HASH, *self._hashes(seq, (start + count - 1) // size)], dtype=_U64)
-            hashes.append(parents[position // size])
+            first, last = start // size, (start + count - 1) // size
+            chain = self._hashes(seq, last)
+            parents = _u64([chain[b - 1] if b else ROOT_HASH for b in range(first, last + 1)])
+            hashes.append(parents[position // size - first])
             blocks.append(np.asarray(self._blocks.table(seq.request_id), dtype=np.int64)[position // size])
         position = np.concatenate(positions)
         self._kv[np.concatenate(blocks), position % size] = self._slot_bytes(

@@ -202,9 +202,9 @@ def test_a_repeated_prompt_goes_where_it_is_cached_and_usage_says_so(server):
         answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
         cached.append(answer.usage.prompt_tokens_details.cached_tokens)
         time.sleep(0.5)  # a load report (every 50 ms) tells the scheduler what the instance cached
-    # The instance that served it reported its blocks; prefix-aware dispatch sends the repeats
-    # there (of two idle instances), and each finds every full block of 16 tokens cached but the
-    # one holding the prompt's last token.
+    # The repeats find every full block of 16 tokens cached but the one holding the prompt's last
+    # token. (Two idle instances tie, so this would hold without prefix-aware dispatch too: that
+    # dispatch follows the index is tests/test_global_scheduler.py's to show; here, the plumbing.)
     assert cached == [0, (length - 1) // 16 * 16, (length - 1) // 16 * 16]
     # The scheduler's index learnt the prompt's blocks from the serving instance's reports.
     after = cached_blocks(server)
