@@ -112,7 +112,8 @@ class InstanceTable(_Table):
     migrations: dict[str, Any] = field(default_factory=dict)
 
     COLUMNS = ("instance", "state", "freeness", "free_blocks", "total_blocks", "num_running",
-               "num_waiting", "num_pending", "num_migrating_out", "num_migrating_in", "num_preemptions")
+               "num_waiting", "num_pending", "num_migrating_out", "num_migrating_in", "num_preemptions",
+               "cached_blocks")
 
     def __getitem__(self, instance: str) -> dict[str, Any]:
         for row in self.rows:

@@ -10,7 +10,7 @@ Deterministic across processes, so a requester and an engine in different proces
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -93,6 +93,42 @@ class PrefixEvents:
     def from_dict(cls, d: Mapping) -> "PrefixEvents":
         return cls(tuple(int(h) for h in d.get("stored", ())), tuple(int(h) for h in d.get("removed", ())),
                    bool(d.get("reset", False)))
+
+
+class PrefixChangeLog:
+    """An engine's side of `PrefixEvents`: the last state of each hash cached or evicted since
+    the last drain. Past twice the pool the log is longer than the cache it describes, so it
+    stops recording and the next drain sends the whole cache instead (`reset`)."""
+
+    def __init__(self, pool_blocks: int) -> None:
+        self._limit = 2 * pool_blocks
+        self._changes: dict[int, bool] = {}
+        self._overflowed = False
+
+    def record(self, block_hash: int, cached: bool) -> None:
+        if self._overflowed:
+            return
+        self._changes[block_hash] = cached
+        if len(self._changes) > self._limit:
+            self.overflow()
+
+    def overflow(self) -> None:
+        """Make the next drain send the whole cache (the log no longer describes it)."""
+        self._changes.clear()
+        self._overflowed = True
+
+    def drain(self, whole: Callable[[], Iterable[int]]) -> PrefixEvents:
+        """The changes since the last drain, or `whole()` (every reported hash cached now) after
+        an overflow."""
+        if self._overflowed:
+            events = PrefixEvents(stored=tuple(whole()), reset=True)
+        else:
+            changes = self._changes
+            events = PrefixEvents(tuple(h for h, cached in changes.items() if cached),
+                                  tuple(h for h, cached in changes.items() if not cached))
+        self._changes = {}
+        self._overflowed = False
+        return events
 
 
 class PrefixIndex:

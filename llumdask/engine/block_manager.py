@@ -18,11 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from llumdask.prefix import PrefixEvents
-
-
-# A change log longer than this many times the pool is longer than the cache it describes.
-_CHANGE_LOG_LIMIT = 2
+from llumdask.prefix import PrefixChangeLog, PrefixEvents
 
 
 class OutOfBlocks(RuntimeError):
@@ -50,10 +46,7 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
         self._evictions = 0
-        # Hashes cached (True) or evicted (False) since the last `drain_changes`, the last state
-        # of each; past `_CHANGE_LOG_LIMIT` x the pool, the next drain sends the whole cache.
-        self._changes: dict[int, bool] = {}
-        self._changes_overflowed = False
+        self._changes = PrefixChangeLog(total_blocks)
         # Cached blocks whose hash the change log reports.
         self._reported: set[int] = set()
 
@@ -158,28 +151,12 @@ class BlockManager:
         self._hash_of[block] = block_hash
         if reported:
             self._reported.add(block)
-            self._log(block_hash, True)
+            self._changes.record(block_hash, True)
 
     def drain_changes(self) -> PrefixEvents:
         """What the reported part of the cache gained and lost since the last call (the
         scheduler's index follows it)."""
-        if self._changes_overflowed:
-            events = PrefixEvents(stored=tuple(self._hash_of[b] for b in self._reported), reset=True)
-        else:
-            changes = self._changes
-            events = PrefixEvents(tuple(h for h, cached in changes.items() if cached),
-                                  tuple(h for h, cached in changes.items() if not cached))
-        self._changes = {}
-        self._changes_overflowed = False
-        return events
-
-    def _log(self, block_hash: int, cached: bool) -> None:
-        if self._changes_overflowed:
-            return
-        self._changes[block_hash] = cached
-        if len(self._changes) > _CHANGE_LOG_LIMIT * self.total_blocks:
-            self._changes.clear()
-            self._changes_overflowed = True
+        return self._changes.drain(lambda: (self._hash_of[b] for b in self._reported))
 
     # ------------------------------------------------------------------ reservations
     def reservation(self, migration_id: str) -> list[int]:
@@ -273,6 +250,6 @@ class BlockManager:
             del self._by_hash[evicted]
             if block in self._reported:
                 self._reported.discard(block)
-                self._log(evicted, False)
+                self._changes.record(evicted, False)
             taken.append(block)
         return taken

@@ -100,6 +100,18 @@ def test_in_process_switch_is_read_by_the_cpu_platform(vllm_ready):
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" in inspect.getsource(cpu)
 
 
+def test_kv_cache_events(vllm_ready):
+    """The events kv_events.py translates, and the publisher call internals.tap_kv_events
+    intercepts (the scheduler publishes each step's events through it)."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: F401
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "lora_name",
+            "extra_keys"} <= set(BlockStored.__struct_fields__)
+    assert "block_hashes" in BlockRemoved.__struct_fields__
+    assert "self.kv_event_publisher.publish(" in inspect.getsource(Scheduler.update_from_output)
+
+
 def test_running_engine_internals(vllm_engine):
     """The live objects internals.py and kv_blocks.py walk: in-process core, scheduler queues,
     request fields, block pool, and block-first KV tensors."""
@@ -119,6 +131,7 @@ def test_running_engine_internals(vllm_engine):
     assert isinstance(scheduler.get_kv_connector(), LlumdaskMigrationConnector)
     for queue in ("running", "waiting", "kv_holding_waiting", "requests"):
         assert hasattr(scheduler, queue), f"Scheduler.{queue}"
+    assert scheduler.enable_kv_cache_events and isinstance(scheduler.kv_event_publisher, internals.KvEventTap)
     pool = internals.block_pool_of(llm)
     assert isinstance(pool, BlockPool)
     assert pool.null_block.block_id == 0 and pool.blocks[0] is pool.null_block

@@ -236,3 +236,21 @@ def test_destination_killed_mid_migration_the_request_completes_on_the_source(ll
 def _no_restart(dask_worker) -> None:
     """On a nanny (Client.run names it dask_worker): do not restart the worker when it exits."""
     dask_worker.close_gracefully(reason="the test kills its worker")
+
+
+def test_the_scheduler_indexes_what_an_instance_caches_and_sends_the_repeat_there(clean):
+    """vLLM's KV-cache events reach the scheduler's prefix index (an anchor every eight blocks),
+    and a repeated nine-block prompt goes to the instance holding it and skips its prefill."""
+    from llumdask.prefix import ANCHOR_STRIDE
+
+    def indexed() -> int:
+        return sum(row["cached_blocks"] for row in clean.instances())
+
+    prompt = prompt_of("indexed", 9 * 128 + 5)
+    before = indexed()
+    first = clean.generate(prompt, max_tokens=2, ignore_eos=True)
+    assert first.usage["prompt_tokens_details"]["cached_tokens"] == 0
+    wait_until(lambda: indexed() >= before + ANCHOR_STRIDE, 10, "the prompt's anchor in the index")
+    again = clean.generate(prompt, max_tokens=2, ignore_eos=True)
+    assert again.usage["prompt_tokens_details"]["cached_tokens"] == 9 * 128
+    assert again.token_ids == first.token_ids

@@ -38,6 +38,8 @@ from llumdask.engine.base import (
     TokenOutput,
 )
 from llumdask.engine.vllm import internals
+from llumdask.engine.vllm.kv_events import PrefixTracker
+from llumdask.prefix import PrefixEvents
 from llumdask.request import FinishReason, Request, RequestStatus, SamplingParams, blocks_for
 
 if TYPE_CHECKING:
@@ -63,6 +65,9 @@ DEFAULT_ENGINE_ARGS: Mapping[str, Any] = {
     "enforce_eager": True,
     # Admission by (priority, arrival), as llumdask's queue_key orders waiting requests.
     "scheduling_policy": "priority",
+    # What the prefix cache gains and loses, for the global scheduler's prefix index
+    # (kv_events.py); off ({"enable_kv_cache_events": False}) leaves dispatch blind to it.
+    "kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"},
 }
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -172,6 +177,9 @@ class VllmEngine:
         self._max_model_len: int = self._llm.vllm_config.model_config.max_model_len
         self._on_cpu = self._llm.vllm_config.device_config.device_type == "cpu"
         self._connector = self._scheduler.get_kv_connector()
+        self._prefix: PrefixTracker | None = PrefixTracker(self.block_size, self.total_blocks)
+        if not internals.tap_kv_events(self._scheduler, self._prefix.apply):
+            self._prefix = None
         self._requests: dict[str, Request] = {}
         self._internal_ids: dict[str, str] = {}
         self._num_preemptions = 0
@@ -311,10 +319,10 @@ class VllmEngine:
             num_pinned=sum(1 for request, _, _ in holders if migration_refusal(request)),
         )
 
-    def prefix_events(self) -> None:
-        """None: vLLM's block hashes are not the scheduler's (`llumdask.prefix`) and its KV-cache
-        events are not read yet, so dispatch sees no prefix here."""
-        return None
+    def prefix_events(self) -> PrefixEvents | None:
+        """Anchor blocks cached and evicted since the last call, from vLLM's KV-cache events;
+        None when those are off."""
+        return self._prefix.drain() if self._prefix is not None else None
 
     def get_request(self, request_id: str) -> Request | None:
         """A request this engine is serving (finished and aborted ones are forgotten)."""

@@ -12,7 +12,7 @@ fails there, naming it, instead of somewhere deep in a migration.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -118,6 +118,30 @@ def live_requests(scheduler: "Scheduler") -> Iterator["VllmRequest"]:
 def block_ref_counts(pool: "BlockPool") -> list[int]:
     """Reference count of every block, indexed by block id."""
     return [block.ref_cnt for block in pool.blocks]
+
+
+class KvEventTap:
+    """Stands in for the scheduler's KV-event publisher: hands each step's events to `sink`,
+    then to the publisher vLLM made (a ZMQ one the user configured keeps working)."""
+
+    def __init__(self, sink: Callable[[list[Any]], None], publisher: Any) -> None:
+        self._sink, self._publisher = sink, publisher
+
+    def publish(self, batch: Any) -> None:
+        self._sink(batch.events)
+        self._publisher.publish(batch)
+
+    def shutdown(self) -> None:
+        self._publisher.shutdown()
+
+
+def tap_kv_events(scheduler: "Scheduler", sink: Callable[[list[Any]], None]) -> bool:
+    """Route the scheduler's KV-cache events through `sink` after every step; False (and
+    nothing done) when the engine was started with KV-cache events off."""
+    if not scheduler.enable_kv_cache_events:
+        return False
+    scheduler.kv_event_publisher = KvEventTap(sink, scheduler.kv_event_publisher)
+    return True
 
 
 def cache_as_prefix(pool: "BlockPool", vllm_request: "VllmRequest", blocks: list[Any], block_size: int) -> None:

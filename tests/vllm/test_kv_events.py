@@ -1,0 +1,155 @@
+"""vLLM's KV-cache events translated into the scheduler's prefix hashes (engine/vllm/kv_events.py).
+
+The tracker is fed vLLM's own event classes, built as the block pool builds them; the engine
+tests at the end read the events of a running vLLM engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llumdask.prefix import ANCHOR_STRIDE, PrefixEvents, anchors, block_hashes
+
+pytestmark = [pytest.mark.vllm]
+
+BS = 4  # block size of the unit tests
+
+
+@pytest.fixture
+def events(vllm_ready):
+    from vllm.distributed import kv_events
+
+    return kv_events
+
+
+def stored(kv_events, theirs, tokens, parent=None, block_size=BS, **extra):
+    fields = {"lora_id": None, "medium": "GPU", "lora_name": None, **extra}
+    return kv_events.BlockStored(block_hashes=list(theirs), parent_block_hash=parent, token_ids=list(tokens),
+                                 block_size=block_size, **fields)
+
+
+def removed(kv_events, theirs):
+    return kv_events.BlockRemoved(block_hashes=list(theirs), medium="GPU")
+
+
+def tracker(pool_blocks: int = 1000):
+    from llumdask.engine.vllm.kv_events import PrefixTracker
+
+    return PrefixTracker(BS, pool_blocks)
+
+
+TOKENS = list(range(100, 100 + 2 * ANCHOR_STRIDE * BS + 3))  # two anchors' worth and a partial block
+OURS = block_hashes(TOKENS, BS)
+
+
+def test_a_stored_run_reports_the_requesters_anchor_hashes(events):
+    t = tracker()
+    theirs = [f"v{i}" for i in range(len(OURS))]
+    t.apply([stored(events, theirs, TOKENS[: len(OURS) * BS])])
+    assert t.drain() == PrefixEvents(stored=anchors(OURS))
+    assert not t.drain() and len(t) == len(OURS)
+
+
+def test_a_run_continuing_a_cached_parent_chains_from_its_hash_and_position(events):
+    t = tracker()
+    split = ANCHOR_STRIDE - 3  # the first anchor falls in the second run
+    theirs = [f"v{i}" for i in range(len(OURS))]
+    t.apply([stored(events, theirs[:split], TOKENS[: split * BS])])
+    assert not t.drain()
+    t.apply([stored(events, theirs[split:], TOKENS[split * BS : len(OURS) * BS], parent=theirs[split - 1])])
+    assert t.drain() == PrefixEvents(stored=anchors(OURS))
+
+
+def test_removal_reports_an_anchor_once_its_last_copy_goes(events):
+    t = tracker()
+    theirs = [f"v{i}" for i in range(ANCHOR_STRIDE)]
+    run = TOKENS[: ANCHOR_STRIDE * BS]
+    t.apply([stored(events, theirs, run), stored(events, theirs, run)])  # two requests computed it at once
+    assert t.drain() == PrefixEvents(stored=(OURS[ANCHOR_STRIDE - 1],))
+    t.apply([removed(events, [theirs[-1]])])
+    assert not t.drain()
+    t.apply([removed(events, [theirs[-1]]), removed(events, ["never-stored"])])
+    assert t.drain() == PrefixEvents(removed=(OURS[ANCHOR_STRIDE - 1],))
+
+
+def test_blocks_whose_identity_is_more_than_tokens_are_left_out_with_their_children(events):
+    t = tracker()
+    n = ANCHOR_STRIDE
+    run = TOKENS[: n * BS]
+    t.apply([
+        stored(events, [f"salt{i}" for i in range(n)], run, extra_keys=[("salt",)] + [None] * (n - 1)),
+        stored(events, ["lora"], run[:BS], lora_name="adapter"),
+        stored(events, ["partial"], run[:2], block_size=2),
+        stored(events, ["orphan"], run[:BS], parent="salt0"),  # its parent was left out
+    ])
+    assert not t.drain() and len(t) == 0
+
+
+def test_a_cleared_cache_resets_the_index_entry(events):
+    t = tracker()
+    t.apply([stored(events, [f"v{i}" for i in range(ANCHOR_STRIDE)], TOKENS[: ANCHOR_STRIDE * BS])])
+    t.apply([events.AllBlocksCleared()])
+    assert t.drain() == PrefixEvents(reset=True) and len(t) == 0
+
+
+def test_a_change_log_past_twice_the_pool_sends_the_whole_cache(events):
+    t = tracker(pool_blocks=1)
+    for round_ in range(3):
+        tokens = [round_ * 1000 + i for i in range(ANCHOR_STRIDE * BS)]
+        t.apply([stored(events, [f"r{round_}b{i}" for i in range(ANCHOR_STRIDE)], tokens)])
+    t.apply([removed(events, ["r0b7"])])
+    cached = {block_hashes([r * 1000 + i for i in range(ANCHOR_STRIDE * BS)], BS)[-1] for r in (1, 2)}
+    events_out = t.drain()
+    assert events_out.reset and set(events_out.stored) == cached
+
+
+# ---------------------------------------------------------------------- a running engine
+@pytest.fixture(scope="module")
+def tight_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Iterator:
+    """Ten usable blocks of 128 tokens: a 9-block prompt evicts the last one's."""
+    from llumdask.engine.vllm.engine import VllmEngine
+
+    engine = VllmEngine(str(tiny_model), {**engine_args, "num_gpu_blocks_override": 11, "max_model_len": 1280})
+    yield engine
+    engine.close()
+
+
+def run(engine, request_id: str, prompt: list[int]) -> None:
+    from llumdask.request import Request, SamplingParams
+
+    engine.add_request(Request(request_id, prompt, SamplingParams(max_tokens=2, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    engine.check_integrity()
+
+
+def prompt(seed: int, length: int = 9 * 128 + 5) -> list[int]:
+    return [10 + (seed * 131 + 7 * i) % 450 for i in range(length)]
+
+
+@pytest.mark.slow
+def test_a_running_engine_reports_what_the_requester_hashes_and_its_evictions(tight_engine):
+    first, second = prompt(1), prompt(2)
+    tight_engine.prefix_events()
+    run(tight_engine, "first", first)
+    anchor = anchors(block_hashes(first, 128))
+    assert anchor and tight_engine.prefix_events() == PrefixEvents(stored=anchor)
+    run(tight_engine, "again", first)
+    assert not tight_engine.prefix_events()  # a hit caches nothing new
+    run(tight_engine, "second", second)  # its ten blocks take the first's cached ones
+    assert tight_engine.prefix_events() == PrefixEvents(stored=anchors(block_hashes(second, 128)), removed=anchor)
+
+
+@pytest.mark.slow
+def test_events_off_reports_none(vllm_ready: None, tiny_model: Path, engine_args: dict):
+    from llumdask.engine.vllm.engine import VllmEngine
+
+    engine = VllmEngine(str(tiny_model), {**engine_args, "kv_events_config": {"enable_kv_cache_events": False}})
+    try:
+        run(engine, "plain", prompt(3))
+        assert engine.prefix_events() is None
+    finally:
+        engine.close()
