@@ -8,12 +8,16 @@ Steps, all in one run:
    run at once, one thread each, each keeping the other core busy the way the second instance
    does; the profile is the mean of their two fitted profiles.
 2. Trace. A seeded S-S workload (the paper's short power-law lengths, capped to the model's
-   context) with Poisson arrivals, written as a CSV trace file.
+   context) with Poisson arrivals, written as a CSV trace file; or, with --trace multi-turn,
+   conversations whose turns resend their history (`llumdask.sim.workload.conversations`),
+   which puts the prefix cache to work on both sides.
 3. Real. A scheduler process and two `dask worker` processes hosting vLLM instances
    (benchmarks/deploy.py). This process is the notebook client. First it sends probes, rounds of
    requests sent at once on an idle cluster: a 128-token prompt per instance, four of them per
-   instance, a 512-token prompt per instance. Then it replays the trace open-loop: each request
-   is sent at its arrival time, whatever happened before.
+   instance, a 512-token prompt per instance. Then it replays the trace as the simulator does:
+   each request that follows none at its arrival time, whatever happened before (open loop); a
+   conversation's next turn its think time after the previous answer, its prompt the previous
+   prompt and the tokens the instance generated, then tokens of its own (closed loop).
 4. Simulated, twice, on the same trace file and configuration. "engine": with the measured
    profile alone (what the simulator knows from `profile measure`). "served": with the costs of
    serving that the probes measured (never the trace; `ServingCosts`): TPOT beyond the profile's
@@ -22,7 +26,9 @@ Steps, all in one run:
    its process and the cores with the serving machinery); TTFT beyond that profile's prefill
    (client -> scheduler -> worker, and the first token back) becomes the simulator's
    `dispatch_delay`.
-5. The table: mean and P99 TTFT and TPOT, real vs simulated, and their relative errors.
+5. The table: mean and P99 TTFT and TPOT, real vs simulated, and their relative errors; the
+   preemptions and the prefix-cache hit rate (cached prompt tokens over prompt tokens: the
+   instances' own counts at the client, the sim engine's in the simulator) beside it.
 
 Where latency is measured: at the client, as tokens arrive, because that is what a user of the
 cluster sees and what the simulator's numbers are read as. TTFT = first token - the moment the
@@ -37,6 +43,7 @@ so the serving path weighs as much as the model) or, with --shape, a larger rand
 decode steps of about 25 ms on one core, as a 7B model's on one GPU).
 
     python -m llumdask.benchmarks.sim_validation --out DIR [--quick] [--shape 8x768 --rate 1.5] [--requests 300]
+        [--trace multi-turn]
         [--rate 8] [--kv-tokens 16384] [--policy llumnix] [--profile PROFILE.json]
 """
 
@@ -69,12 +76,13 @@ from llumdask.benchmarks.profile_fit import profile_json
 from llumdask.llumlet import MigrationEventKind
 from llumdask.request import RequestStatus
 from llumdask.sim.cluster import SimulatorSettings
-from llumdask.sim.metrics import mean_and_p99, migration_outcomes
+from llumdask.sim.metrics import mean_and_p99, migration_outcomes, prefix_hit_rate
 from llumdask.sim.presets import Preset, get_preset
 from llumdask.sim.run import make_spec, run_cluster
-from llumdask.sim.workload import TraceRequest, make_workload, write_trace
+from llumdask.sim.workload import TraceRequest, make_workload, prompt_tokens, write_trace
 
 GOAL = 0.15
+HIT_RATE_GOAL = 0.10
 INSTANCES = 2
 # Requests/s that load two tiny-model instances moderately (a few sequences each, no queue).
 TINY_RATE = 8.0
@@ -119,6 +127,8 @@ class Observed:
     last: float
     tokens: int
     instance: str | None = None  # the instance that sent the last tokens
+    prompt: int = 0
+    cached: int | None = None  # prompt tokens the instance found in its prefix cache
 
     @property
     def ttft(self) -> float:
@@ -306,9 +316,10 @@ def measure_profile(overrides: dict[str, Any], directory: Path) -> Path:
     return path
 
 
-def make_trace(requests: int, rate: float, seed: int) -> list[TraceRequest]:
-    """S-S lengths up to TRACE_MAX_LEN tokens per request: a run's length stays bounded."""
-    return make_workload("S-S", rate=rate, num_requests=requests, seed=seed, max_seq_len=TRACE_MAX_LEN)
+def make_trace(workload: str, requests: int, rate: float, seed: int) -> list[TraceRequest]:
+    """Requests of up to TRACE_MAX_LEN tokens (a conversation stays within it): a run's length
+    stays bounded."""
+    return make_workload(workload, rate=rate, num_requests=requests, seed=seed, max_seq_len=TRACE_MAX_LEN)
 
 
 def prompt_of(key: Sequence[int], length: int, vocab: int) -> list[int]:
@@ -316,20 +327,29 @@ def prompt_of(key: Sequence[int], length: int, vocab: int) -> list[int]:
     return np.random.default_rng(list(key)).integers(1, vocab, size=length).tolist()
 
 
+def turn_prompt(trace: Sequence[TraceRequest], index: int, history: Sequence[int], vocab: int) -> list[int]:
+    """The trace's `index`-th prompt as the simulator builds it (`prompt_tokens`: the
+    conversation so far, then tokens of its own), its own tokens folded into the model's
+    vocabulary. The history is what the instance generated, in the vocabulary already."""
+    own = prompt_tokens(trace[index], index, history)[len(history):]
+    return [*history, *(1 + t % (vocab - 1) for t in own)]
+
+
 # ------------------------------------------------------------------ real cluster
-async def send(llum: LlumdaskClient, start: float, request: TraceRequest, prompt: list[int]) -> Observed:
-    """At its arrival time, stream one request to the end."""
-    await asyncio.sleep(max(0.0, start + request.arrival - time.perf_counter()))
+async def send(llum: LlumdaskClient, at: float, prompt: list[int], output_len: int) -> tuple[Observed, list[int]]:
+    """At `at` (perf_counter), stream one request to the end; what the client saw, and the tokens."""
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
     sent = time.perf_counter()
-    first, count = None, 0
-    stream = llum.stream(prompt, max_tokens=request.output_len, ignore_eos=True)
-    async for _ in stream:
-        count += 1
+    first, tokens = None, []
+    stream = llum.stream(prompt, max_tokens=output_len, ignore_eos=True)
+    async for token in stream:
+        tokens.append(token)
         if first is None:
             first = time.perf_counter()
-    if first is None or count != request.output_len:
-        raise RuntimeError(f"a request streamed {count} of {request.output_len} tokens")
-    return Observed(sent, sent - start - request.arrival, first, time.perf_counter(), count, stream.instance)
+    if first is None or len(tokens) != output_len:
+        raise RuntimeError(f"a request streamed {len(tokens)} of {output_len} tokens")
+    return Observed(sent, sent - at, first, time.perf_counter(), len(tokens), stream.instance, len(prompt),
+                    stream.cached_tokens), tokens
 
 
 async def send_round(llum: LlumdaskClient, prompts: Sequence[list[int]], max_tokens: int,
@@ -338,7 +358,27 @@ async def send_round(llum: LlumdaskClient, prompts: Sequence[list[int]], max_tok
     round only on fresh load reports), all at once, to the end."""
     await asyncio.sleep(settle)
     start = time.perf_counter()
-    return list(await asyncio.gather(*(send(llum, start, TraceRequest(0.0, len(p), max_tokens), p) for p in prompts)))
+    return [o for o, _ in await asyncio.gather(*(send(llum, start, p, max_tokens) for p in prompts))]
+
+
+async def replay_trace(llum: LlumdaskClient, start: float, trace: Sequence[TraceRequest], vocab: int) -> list[Observed]:
+    """The trace as the simulator replays it: a request that follows none is sent at its arrival
+    time whatever happened before (open loop); a conversation's next turn `think` seconds after
+    the previous answer's last token, its prompt that answer's prompt and tokens, then its own."""
+    followers = {r.after: i for i, r in enumerate(trace) if r.after is not None}
+    observed: dict[int, Observed] = {}
+
+    async def conversation(index: int | None) -> None:
+        at, history = start + trace[index].arrival, []
+        while index is not None:
+            prompt = turn_prompt(trace, index, history, vocab)
+            observed[index], answer = await send(llum, at, prompt, trace[index].output_len)
+            history = prompt + answer
+            index = followers.get(index)
+            at = time.perf_counter() + (trace[index].think if index is not None else 0.0)
+
+    await asyncio.gather(*(conversation(i) for i, r in enumerate(trace) if r.after is None))
+    return [observed[i] for i in range(len(trace))]
 
 
 @dataclass(frozen=True)
@@ -358,9 +398,9 @@ def probe_rounds(seed: int, vocab: int) -> list[tuple[str, list[list[int]]]]:
             for name, probe in rounds]
 
 
-async def replay_real(address: str, trace: Sequence[TraceRequest], prompts: Sequence[list[int]],
+async def replay_real(address: str, trace: Sequence[TraceRequest], vocab: int,
                       rounds: Sequence[tuple[str, list[list[int]]]], settle: float) -> RealRun:
-    """The probe rounds, then the trace open-loop from half a second on."""
+    """The probe rounds, then the trace from half a second on."""
     async with Client(address, asynchronous=True) as dask_client:
         llum = LlumdaskClient(dask_client)
         try:
@@ -369,7 +409,7 @@ async def replay_real(address: str, trace: Sequence[TraceRequest], prompts: Sequ
                 probes[name] += await send_round(llum, round_prompts, PROBE_TOKENS, settle)
             before = await llum.instances()
             start = time.perf_counter() + 0.5
-            observed = await asyncio.gather(*(send(llum, start, r, p) for r, p in zip(trace, prompts)))
+            observed = await replay_trace(llum, start, trace, vocab)
             await asyncio.sleep(settle)  # the last load reports, with the last preemptions
             after = await llum.instances()
         finally:
@@ -387,22 +427,38 @@ def real_latencies(observed: Sequence[Observed]) -> Latencies:
     return Latencies(tuple(o.ttft for o in observed), tuple(o.tpot for o in observed))
 
 
+def real_hit_rate(observed: Sequence[Observed]) -> float:
+    """Share of prompt tokens the instances found cached (`prefix_hit_rate`'s rule, at the client)."""
+    reported = [o for o in observed if o.cached is not None]
+    prompts = sum(o.prompt for o in reported)
+    return sum(o.cached for o in reported) / prompts if prompts else float("nan")
+
+
 # ------------------------------------------------------------------ simulator
-def simulate(trace_file: Path, profile: Path, preset: str, overrides: dict[str, Any],
-             settings: SimulatorSettings) -> tuple[Latencies, int, int]:
-    """The trace file through the simulated cluster; per-request latencies in trace order (the
-    simulator names the i-th request of a workload req-i), the migrations and the preemptions."""
+@dataclass(frozen=True)
+class Simulated:
+    latencies: Latencies
+    migrations: int
+    preemptions: int
+    hit_rate: float
+
+
+def simulate(trace: list[TraceRequest], profile: Path, preset: str, overrides: dict[str, Any],
+             settings: SimulatorSettings) -> Simulated:
+    """The trace through the simulated cluster; per-request latencies in trace order (the
+    simulator names the i-th request of a workload req-i), the migrations, the preemptions and
+    the prefix-cache hit rate."""
     spec = make_spec(preset, INSTANCES, profile=str(profile), base=load_config(overrides), settings=settings)
-    outcome, _ = run_cluster(spec, make_workload(str(trace_file)))
+    outcome, _ = run_cluster(spec, trace)
     done = sorted((r for r in outcome.requests if r.status is RequestStatus.FINISHED),
                   key=lambda r: int(r.request_id.rsplit("-", 1)[1]))
     if len(done) != len(outcome.requests) or outcome.rejected:
         raise RuntimeError(f"the simulation finished {len(done)} of {len(outcome.requests)} requests")
     committed = migration_outcomes(outcome.migrations).values()
-    return (Latencies(tuple(r.timing.prefill_latency for r in done),
-                      tuple(r.timing.decode_latency(r.num_output_tokens) for r in done)),
-            sum(e.kind is MigrationEventKind.COMMITTED for e in committed),
-            sum(r.timing.preemptions for r in done))
+    return Simulated(Latencies(tuple(r.timing.prefill_latency for r in done),
+                               tuple(r.timing.decode_latency(r.num_output_tokens) for r in done)),
+                     sum(e.kind is MigrationEventKind.COMMITTED for e in committed),
+                     sum(r.timing.preemptions for r in done), prefix_hit_rate(done))
 
 
 def write_requests(path: Path, trace: Sequence[TraceRequest], real: Latencies, simulated: dict[str, Latencies]) -> Path:
@@ -426,6 +482,9 @@ def _ms(seconds: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--shape", type=model_shape, help="a larger random Llama, LAYERSxHIDDEN (default: the offline tiny model)")
+    p.add_argument("--trace", default="S-S", choices=("S-S", "multi-turn"),
+                   help="the workload: short independent requests, or conversations resending their history "
+                        "(closed loop, the prefix cache at work)")
     p.add_argument("--requests", type=int, default=300, help="requests in the trace")
     p.add_argument("--rate", type=float, help=f"mean arrival rate, requests/s (Poisson); default {TINY_RATE} for the "
                    "tiny model, required with --shape")
@@ -452,46 +511,56 @@ def main(argv: list[str] | None = None) -> int:
     profile_path = args.profile or measure_profile(cluster_overrides(model, preset, MEASURE_KV_TOKENS), work)
     profile = load_profile(profile_path)
     load = {"load_after_profile": os.getloadavg()[0]}
-    trace = make_trace(requests, rate, args.seed)
-    trace_file = write_trace(work / "trace.csv", trace)
+    trace = make_trace(args.trace, requests, rate, args.seed)
+    # A trace file replays independent requests only (it has no column for a turn's predecessor).
+    trace_file = write_trace(work / "trace.csv", trace) if all(r.after is None for r in trace) else None
     vocab = load_tokenizer(model).vocab_size
-    prompts = [prompt_of((args.seed, 0, i), r.input_len, vocab) for i, r in enumerate(trace)]
     with process_cluster(INSTANCES, overrides, timeout=300) as address:
         settle = 3 * load_config(overrides).report_interval
-        real = asyncio.run(replay_real(address, trace, prompts, probe_rounds(args.seed, vocab), settle))
+        real = asyncio.run(replay_real(address, trace, vocab, probe_rounds(args.seed, vocab), settle))
     load["load_after_real"] = os.getloadavg()[0]
     costs = serving_costs(real.probes, profile)
     served_path = work / "sim-validation-served.json"
     served_path.write_text(profile_json(costs.served(profile)))
     variants = {"engine": (profile_path, SimulatorSettings()),
                 "served": (served_path, SimulatorSettings(dispatch_delay=costs.request_path))}
-    simulated = {name: simulate(trace_file, path, preset.name, overrides, settings)
+    simulated = {name: simulate(trace, path, preset.name, overrides, settings)
                  for name, (path, settings) in variants.items()}
     real_lat = real_latencies(real.trace)
-    rows = error_rows(real_lat.stats(), {name: lat.stats() for name, (lat, _, _) in simulated.items()})
-    per_request = write_requests(work / "requests.csv", trace, real_lat, {n: lat for n, (lat, _, _) in simulated.items()})
-    sim_preemptions = simulated["served"][2]
+    rows = error_rows(real_lat.stats(), {name: sim.latencies.stats() for name, sim in simulated.items()})
+    per_request = write_requests(work / "requests.csv", trace, real_lat,
+                                 {n: sim.latencies for n, sim in simulated.items()})
+    sim_preemptions = simulated["served"].preemptions
+    real_hits, sim_hits = real_hit_rate(real.trace), simulated["served"].hit_rate
+    hit_error = sim_hits / real_hits - 1 if real_hits else None
     preemption_error = sim_preemptions / real.preemptions - 1 if real.preemptions else None
-    facts = {"model": Path(model).name, "requests": requests, "rate": rate, "policy": preset.name,
+    facts = {"model": Path(model).name, "trace": args.trace, "requests": requests, "rate": rate,
+             "policy": preset.name,
              "instances": INSTANCES, "kv_tokens": args.kv_tokens, "seed": args.seed,
              "request_path_ms": costs.request_path * 1e3, "per_step_ms": costs.per_step * 1e3,
              "per_seq_ms": costs.per_seq * 1e3, "prefill_scale": costs.prefill_scale,
              "probe_ttft_ms": {n: [round(o.ttft * 1e3, 3) for o in obs] for n, obs in real.probes.items()},
              "probe_tpot_ms": {n: [round(o.tpot * 1e3, 3) for o in obs] for n, obs in real.probes.items()},
              "probe_instances": {n: [o.instance for o in obs] for n, obs in real.probes.items()},
-             "real_completed": len(real.trace), "sim_completed": len(simulated["served"][0].ttft),
-             "real_migrations": real.migrations, "sim_migrations": simulated["served"][1],
+             "real_completed": len(real.trace), "sim_completed": len(simulated["served"].latencies.ttft),
+             "real_migrations": real.migrations, "sim_migrations": simulated["served"].migrations,
              "real_preemptions": real.preemptions, "sim_preemptions": sim_preemptions,
-             "sim_engine_preemptions": simulated["engine"][2], "preemption_error": preemption_error,
+             "sim_engine_preemptions": simulated["engine"].preemptions, "preemption_error": preemption_error,
              "preemptions_within_goal": preemption_error is not None and abs(preemption_error) <= GOAL,
+             "real_hit_rate": real_hits, "sim_hit_rate": sim_hits, "hit_rate_error": hit_error,
+             "hit_rate_within_goal": hit_error is not None and abs(hit_error) <= HIT_RATE_GOAL,
              "max_send_lateness_ms": max(o.late for o in real.trace) * 1e3, "goal": GOAL,
              "wall_s": time.perf_counter() - started, **load}
-    notes = [f"profile: {profile_path}", f"served profile: {served_path}", f"trace: {trace_file}",
+    notes = [f"profile: {profile_path}", f"served profile: {served_path}", f"trace: {trace_file or args.trace}",
              f"every request, real and simulated: {per_request}"]
     notes.append(f"preemptions: real {real.preemptions}, simulated {sim_preemptions}"
                  + (f" ({preemption_error:+.1%}; goal {GOAL:.0%})" if preemption_error is not None else ""))
+    if real_hits:
+        notes.append(f"prefix-cache hit rate: real {real_hits:.3f}, simulated {sim_hits:.3f} ({hit_error:+.1%}; "
+                     f"goal {HIT_RATE_GOAL:.0%})")
     pressure = "" if args.kv_tokens == DEFAULT_KV_TOKENS else f"_kv{args.kv_tokens}"
-    report("sim_validation" + served.suffix + pressure, args.out, rows, COLUMNS, facts, notes)
+    workload = "" if args.trace == "S-S" else "_" + args.trace.replace("-", "_")
+    report("sim_validation" + served.suffix + pressure + workload, args.out, rows, COLUMNS, facts, notes)
     return 0
 
 

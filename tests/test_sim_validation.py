@@ -14,7 +14,9 @@ from llumdask.benchmarks.sim_validation import (
     ServingCosts,
     error_rows,
     mean_profile,
+    real_hit_rate,
     serving_costs,
+    turn_prompt,
 )
 from llumdask.benchmarks.common import model_shape
 from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost
@@ -113,3 +115,29 @@ def test_shape_option():
     for bad in ("8", "0x768", "8x100", "axb"):
         with pytest.raises(argparse.ArgumentTypeError):
             model_shape(bad)
+
+
+def test_a_turn_resends_the_generated_history_and_adds_its_own_tokens_in_the_vocabulary():
+    from llumdask.sim.workload import make_workload, prompt_tokens
+
+    trace = make_workload("multi-turn", rate=1.0, num_requests=30, seed=0)
+    first = next(i for i, r in enumerate(trace) if r.after is None and any(t.after == i for t in trace))
+    follower = next(i for i, r in enumerate(trace) if r.after == first)
+    opening = turn_prompt(trace, first, [], vocab=512)
+    assert len(opening) == trace[first].input_len and all(1 <= t < 512 for t in opening)
+    assert opening == turn_prompt(trace, first, [], vocab=512)  # deterministic
+    answer = [7] * trace[first].output_len  # what the instance generated
+    history = opening + answer
+    turn = turn_prompt(trace, follower, history, vocab=512)
+    assert turn[: len(history)] == history and len(turn) == trace[follower].input_len
+    # The same own tokens as the simulator's prompt, folded into the vocabulary.
+    own = prompt_tokens(trace[follower], follower, history)[len(history):]
+    assert turn[len(history):] == [1 + t % 511 for t in own]
+
+
+def test_the_real_hit_rate_is_cached_prompt_tokens_over_prompt_tokens_where_reported():
+    def seen(prompt: int, cached: int | None) -> Observed:
+        return replace(observed(0.01, 0.001, 4), prompt=prompt, cached=cached)
+
+    assert real_hit_rate([seen(100, 0), seen(300, 256), seen(50, None)]) == pytest.approx(256 / 400)
+    assert real_hit_rate([seen(100, None)]) != real_hit_rate([seen(100, None)])  # NaN: nobody said
