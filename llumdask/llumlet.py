@@ -62,6 +62,8 @@ class MigrationEvent:
     bytes: int = 0
     downtime: float = 0.0
     reason: str = ""
+    # Of `blocks`, those the destination had cached: never copied, no bytes.
+    reused_blocks: int = 0
 
 
 class _Phase(enum.Enum):
@@ -86,6 +88,7 @@ class _Outgoing:
     stage_blocks: int = 0
     last: bool = False
     bytes: int = 0
+    reused_blocks: int = 0
     state: MigrationState | None = None
     paused_at: float | None = None
 
@@ -236,23 +239,29 @@ class Llumlet:
 
     def _next_stage(self, out: _Outgoing) -> None:
         """Either another copy stage while decoding goes on, or the last stage's reservation:
-        the tail it will have, plus slack, reserved before the pause (`_pause_for_last_stage`)."""
-        remaining = self.engine.completed_blocks(out.request_id) - out.sent_blocks
+        the tail it will have, plus slack, reserved before the pause (`_pause_for_last_stage`).
+        The first also offers the destination the migrant's computed blocks' tokens."""
+        completed = self.engine.completed_blocks(out.request_id)
+        remaining = completed - out.sent_blocks
         out.last = remaining <= self._migration.last_stage_blocks or out.stage >= self._migration.max_stages - 1
+        request = self.engine.get_request(out.request_id)
+        assert request is not None
         if out.last:
-            request = self.engine.get_request(out.request_id)
-            assert request is not None
             tail = blocks_for(request.num_tokens, self.engine.block_size) - out.sent_blocks
             remaining = tail + self._migration.last_stage_slack_blocks
         out.stage_blocks = remaining
-        self._prealloc(out, remaining)
+        prefix = ()
+        if out.stage == 0:
+            prefix = tuple(request.prompt_token_ids + request.output_token_ids)[: completed * self.engine.block_size]
+        self._prealloc(out, remaining, prefix)
 
-    def _prealloc(self, out: _Outgoing, num_blocks: int) -> None:
+    def _prealloc(self, out: _Outgoing, num_blocks: int, prefix_tokens: tuple[int, ...] = ()) -> None:
         out.phase = _Phase.AWAIT_PREALLOC
         out.deadline = self._clock() + self._migration.handshake_timeout
         self._send(
             out.destination,
-            PreAlloc(out.migration_id, self.instance_id, out.destination, out.request_id, out.stage, num_blocks),
+            PreAlloc(out.migration_id, self.instance_id, out.destination, out.request_id, out.stage, num_blocks,
+                     prefix_tokens),
         )
 
     def _pause_for_last_stage(self, out: _Outgoing) -> bool:
@@ -276,6 +285,10 @@ class Llumlet:
             # A refusing destination has already released everything it held for this migration.
             self._abort_outgoing(out, f"destination refused: {reply.reason}", notify=False)
             return
+        if reply.reused_blocks:  # already there: this stage starts after them
+            out.reused_blocks += reply.reused_blocks
+            out.sent_blocks += reply.reused_blocks
+            out.stage_blocks -= reply.reused_blocks
         if out.state is None:
             reason = self._source_lost_reason(out)
             if reason:
@@ -342,13 +355,14 @@ class Llumlet:
                 return
             inc = _Incoming(msg.migration_id, msg.request_id, sender, deadline=0.0)
             self._incoming[msg.migration_id] = inc
-        if not self.engine.reserve_blocks(msg.migration_id, msg.num_blocks):
+        reused = self.engine.reserve_cached(msg.migration_id, msg.prefix_tokens) if msg.prefix_tokens else 0
+        if not self.engine.reserve_blocks(msg.migration_id, msg.num_blocks - reused):
             self._drop_incoming(inc)
             self._send(sender, PreAllocReply(msg.migration_id, msg.stage, False, "out of blocks"))
             return
         inc.reserved_blocks += msg.num_blocks
         inc.deadline = self._clock() + self._migration.handshake_timeout
-        self._send(sender, PreAllocReply(msg.migration_id, msg.stage, True))
+        self._send(sender, PreAllocReply(msg.migration_id, msg.stage, True, reused_blocks=reused))
 
     def _refuse_new_migrant(self) -> str:
         if self._terminating:
@@ -457,5 +471,6 @@ class Llumlet:
                 bytes=out.bytes,
                 downtime=downtime,
                 reason=reason,
+                reused_blocks=out.reused_blocks,
             )
         )

@@ -22,6 +22,9 @@ class PreAlloc:
     request_id: str
     stage: int
     num_blocks: int
+    # First PreAlloc only: the migrant's tokens of whole computed blocks, so that the
+    # destination reuses the blocks of them it caches (`Engine.reserve_cached`) instead of copies.
+    prefix_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class PreAllocReply:
     stage: int
     accepted: bool
     reason: str = ""
+    # The migrant's leading blocks the destination holds already: the source skips them.
+    reused_blocks: int = 0
 
 
 @dataclass(frozen=True)

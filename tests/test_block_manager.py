@@ -108,6 +108,45 @@ def test_sharing_counts_holders_and_a_shared_block_is_freed_with_its_last_holder
     bm.check_integrity()
 
 
+def test_a_migration_reuses_cached_blocks_holds_them_and_hands_them_on():
+    bm = BlockManager(8, 4)
+    a = list(bm.allocate("a", 3))
+    for block, h in zip(a, (1, 2, 3)):
+        bm.register(block, h)
+    bm.free("a")  # all three cached and free
+    reused = bm.reserve_cached("m", [1, 2, 9])  # the third block is not the migrant's
+    assert reused == a[:2] and bm.cached_free_blocks == 1 and bm.reserved_blocks == 2
+    assert bm.reserve("m", 3) and bm.reserved_blocks == 5
+    assert bm.reservation("m")[:2] == a[:2] and len(bm.reservation("m")) == 5
+    bm.allocate("x", 3)  # the two plain free blocks, then the one cached block nobody holds
+    assert bm.evictions == 1 and bm.free_blocks == 0
+    assert bm.cached_prefix([1, 2], 2) == a[:2]  # held by the migration: not evicted
+    bm.check_integrity()
+    with pytest.raises(ValueError, match="reservation already"):
+        bm.reserve_cached("m", [1])
+    table = bm.adopt("m", "r", 4)
+    assert table[:2] == a[:2] and bm.reserved_blocks == 0 and bm.table("r") == table and bm.free_blocks == 1
+    bm.check_integrity()
+    bm.free("r")
+    assert bm.cached_prefix([1, 2], 2) == a[:2]  # cached again once freed
+    bm.check_integrity()
+
+
+def test_releasing_a_migration_gives_back_its_reused_blocks_still_cached():
+    bm = BlockManager(4, 4)
+    a = list(bm.allocate("a", 2))
+    bm.register(a[0], 1)
+    bm.share("b", [a[0]])  # a running request holds it too
+    assert bm.reserve_cached("m", [1, 2]) == [a[0]]
+    bm.release("m")
+    bm.release("m")  # idempotent
+    assert bm.reserved_blocks == 0 and bm.table("b") == [a[0]]
+    bm.free("a")
+    bm.free("b")
+    assert bm.cached_free_blocks == 1 and bm.free_blocks == 4
+    bm.check_integrity()
+
+
 def test_register_and_share_refuse_what_is_not_theirs():
     bm = BlockManager(4, 4)
     with pytest.raises(ValueError, match="not held"):

@@ -8,7 +8,7 @@ from inprocess import InProcessCluster, make_request, reference_tokens, small_co
 from llumdask.engine.base import MigrationRefused
 from llumdask.llumlet import MigrationEventKind
 from llumdask.protocol import PreAlloc, StageData
-from llumdask.request import Priority
+from llumdask.request import Priority, Request, SamplingParams
 
 
 def run_with_migration(steps_before: int, *, prompt_len: int = 10, max_tokens: int = 40, **sampling) -> InProcessCluster:
@@ -314,4 +314,56 @@ def test_a_source_that_cannot_pause_aborts_and_keeps_the_request():
     (aborted,) = cluster.aborted()
     assert aborted.reason.startswith("source cannot pause")
     assert cluster.log.sequence("r") == reference_tokens(make_request("r", 10, 30))
+    cluster.assert_no_leaks()
+
+
+SHARED = list(range(100, 140))  # ten blocks of 4 tokens
+
+
+def sharing(request_id: str, own: int, max_tokens: int) -> Request:
+    """A request whose prompt starts with SHARED, then `own` tokens of its own."""
+    prompt = SHARED + (make_request(request_id, own).prompt_token_ids if own else [])
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def migrate_sharing(warm: bool, steps_before: int, own: int, hog: int = 0) -> InProcessCluster:
+    """Migrate a request sharing SHARED to i1, which cached SHARED first (`warm`) or not, and
+    has `hog` blocks reserved for another migration."""
+    cluster = InProcessCluster(2, small_config(total_blocks=32))
+    if warm:
+        cluster["i1"].add_request(sharing("warm-up", 3, 2))
+        cluster.run_until_idle()
+    assert cluster["i1"].engine.reserve_blocks("hog", hog)
+    cluster["i0"].add_request(sharing("r", own, 20))
+    for _ in range(steps_before):
+        cluster.step_all()
+    assert cluster["i0"].migrate_out("i1", "r") is not None
+    cluster.run_until_idle()
+    cluster["i1"].engine.release_reservation("hog")
+    return cluster
+
+
+@pytest.mark.parametrize(("steps_before", "own"), [(1, 5), (1, 0), (4, 5), (15, 5)])
+def test_blocks_the_destination_caches_are_reused_not_copied_and_tokens_stay_exact(steps_before, own):
+    cold, warm = (migrate_sharing(w, steps_before, own) for w in (False, True))
+    (moved,), (reused,) = cold.committed(), warm.committed()
+    assert moved.reused_blocks == 0 and reused.reused_blocks == len(SHARED) // 4
+    per_block = moved.bytes // moved.blocks
+    assert moved.blocks == reused.blocks and reused.bytes == per_block * (reused.blocks - reused.reused_blocks)
+    expected = reference_tokens(sharing("r", own, 20))
+    assert cold.log.sequence("r") == warm.log.sequence("r") == expected
+    warm.assert_no_leaks()
+
+
+def test_a_refused_migration_gives_back_the_cached_blocks_it_reused():
+    """The destination holds the prefix but no room for the rest: it refuses, and the prefix it
+    had taken for the migration is free (and still cached) again."""
+    cluster = migrate_sharing(True, 2, 8, hog=21)  # 21 of 32 blocks held: the 11 cached ones are left
+    (aborted,) = cluster.aborted()
+    assert "out of blocks" in aborted.reason and not cluster.committed()
+    assert cluster.log.sequence("r") == reference_tokens(sharing("r", 8, 20))
+    cluster.assert_no_leaks()
+    engine = cluster["i1"].engine
+    assert engine.reserve_cached("probe", SHARED) == len(SHARED) // 4  # the prefix outlived the refusal
+    engine.release_reservation("probe")
     cluster.assert_no_leaks()

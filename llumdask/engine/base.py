@@ -6,7 +6,8 @@ the engine never knows about other instances.
 
 Migration primitives follow the paper's protocol (section 4.2):
 reserve_blocks / import_blocks on the destination, completed_blocks / export_blocks / pause /
-unpause / free_migrated on the source, resume on the destination at COMMIT. `export_later`
+unpause / free_migrated on the source, resume on the destination at COMMIT. A destination first
+reuses what its prefix cache holds of the migrant (`reserve_cached`): those blocks are not copied. `export_later`
 splits block fusion in two, so that a host can copy a stage out while its engine keeps stepping.
 """
 
@@ -327,6 +328,11 @@ class Engine(Protocol):
         """After COMMIT: forget a paused request and free its blocks."""
 
     # ------------------------------------------------------------------ migration, destination side
+    def reserve_cached(self, migration_id: str, tokens: Sequence[int]) -> int:
+        """Open an incoming migration's reservation with the blocks of the longest prefix of
+        `tokens` (the migrant's whole blocks of computed KV) this instance caches: held from now
+        on, never copied; how many (0 without a prefix cache). Before any `reserve_blocks`."""
+
     def reserve_blocks(self, migration_id: str, num_blocks: int) -> bool:
         """Set aside blocks for an incoming migration; False when they are not free."""
 

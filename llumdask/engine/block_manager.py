@@ -39,6 +39,8 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._tables: dict[str, list[int]] = {}
         self._reservations: dict[str, list[int]] = {}
+        # Cached blocks a migration reuses instead of copying them (each held once by it).
+        self._reused: dict[str, list[int]] = {}
         # Holders of every block in some table (a shared prefix block has several).
         self._refs: dict[int, int] = {}
         self._reserved = 0
@@ -68,13 +70,14 @@ class BlockManager:
 
     @property
     def used_blocks(self) -> int:
-        """Blocks in some sequence's block table (a shared block once)."""
+        """Blocks in some sequence's block table or reused by a migration (a shared block once)."""
         return len(self._refs)
 
     @property
     def reserved_blocks(self) -> int:
-        """Blocks set aside for incoming migrations, not yet owned by a sequence."""
-        return self._reserved
+        """Blocks set aside for incoming migrations, not yet owned by a sequence: those reserved
+        for copies, and the cached ones reused (the migrant's, whoever else holds them)."""
+        return self._reserved + sum(map(len, self._reused.values()))
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.free_blocks
@@ -128,6 +131,12 @@ class BlockManager:
         """Start an empty table with cached blocks (a prefix hit): each gains a holder."""
         if self._tables.get(owner):
             raise ValueError(f"sequence {owner!r} already holds blocks; a prefix is shared into an empty table")
+        self._hold(blocks)
+        if blocks:
+            self._tables[owner] = list(blocks)
+
+    def _hold(self, blocks: Sequence[int]) -> None:
+        """One more holder for each cached block (out of the evictable pool if nobody held it)."""
         for block in blocks:
             if block not in self._hash_of:
                 raise ValueError(f"block {block} holds no cached prefix")
@@ -136,8 +145,6 @@ class BlockManager:
             else:
                 del self._evictable[block]
                 self._refs[block] = 1
-        if blocks:
-            self._tables[owner] = list(blocks)
 
     def register(self, block: int, block_hash: int, *, reported: bool = True) -> None:
         """Record a held block, now full, under its prefix hash. A hash already cached keeps its
@@ -160,11 +167,24 @@ class BlockManager:
 
     # ------------------------------------------------------------------ reservations
     def reservation(self, migration_id: str) -> list[int]:
-        """Blocks held for a migration, in the order the migrated blocks go into them."""
-        return self._reservations.get(migration_id, [])
+        """Blocks held for a migration, in the order the migrated blocks go into them: the
+        cached ones it reuses (`reserve_cached`), then those reserved for copies."""
+        return self._reused.get(migration_id, []) + self._reservations.get(migration_id, [])
 
     def migrations(self) -> set[str]:
-        return set(self._reservations)
+        return set(self._reservations) | set(self._reused)
+
+    def reserve_cached(self, migration_id: str, hashes: Sequence[int]) -> list[int]:
+        """Open a migration's reservation with the cached blocks of the longest prefix of the
+        migrant's block `hashes`: the migration holds each (it is not evicted) and nothing is
+        copied into it. Before any `reserve`."""
+        if migration_id in self._reservations or migration_id in self._reused:
+            raise ValueError(f"migration {migration_id!r} has a reservation already")
+        blocks = self.cached_prefix(hashes, len(hashes))
+        self._hold(blocks)
+        if blocks:
+            self._reused[migration_id] = blocks
+        return blocks
 
     def reserve(self, migration_id: str, num_blocks: int) -> bool:
         """Add `num_blocks` to the migration's reservation (each stage reserves its own blocks);
@@ -183,6 +203,7 @@ class BlockManager:
         if blocks:
             self._reserved -= len(blocks)
             self._free.extend(reversed(blocks))
+        self._release_blocks(reversed(self._reused.pop(migration_id, [])))
 
     def _release_blocks(self, blocks: Iterable[int]) -> None:
         refs, cached, evictable, free = self._refs, self._hash_of, self._evictable, self._free
@@ -196,16 +217,21 @@ class BlockManager:
                 free.append(block)
 
     def adopt(self, migration_id: str, owner: str, keep: int) -> list[int]:
-        """Turn a reservation into the owner's block table: its first `keep` blocks, the rest freed."""
+        """Turn a reservation into the owner's block table: its first `keep` blocks, the rest freed
+        (the reused cached blocks come first, and pass their hold from the migration to the owner)."""
         if owner in self._tables:
             raise ValueError(f"sequence {owner!r} already holds blocks")
+        reused = self._reused.pop(migration_id, [])
+        if keep < len(reused):
+            raise ValueError(f"migration {migration_id!r} reuses {len(reused)} cached blocks, more than {keep}")
         blocks = self._reservations.pop(migration_id, [])
         self._reserved -= len(blocks)
-        table, spare = blocks[:keep], blocks[keep:]
+        copied, spare = blocks[: keep - len(reused)], blocks[keep - len(reused) :]
         self._free.extend(reversed(spare))
+        self._refs.update(dict.fromkeys(copied, 1))
+        table = reused + copied
         if table:
             self._tables[owner] = table
-            self._refs.update(dict.fromkeys(table, 1))
         return table
 
     # ------------------------------------------------------------------ checks
@@ -213,7 +239,7 @@ class BlockManager:
         """free + used + reserved == total, every block in exactly one place, every held block's
         holder count equal to the tables naming it, and the cache's two maps mirror each other."""
         counts: dict[int, int] = {}
-        for table in self._tables.values():
+        for table in [*self._tables.values(), *self._reused.values()]:
             assert len(set(table)) == len(table), "a table names a block twice"
             for block in table:
                 counts[block] = counts.get(block, 0) + 1

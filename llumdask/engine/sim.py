@@ -49,7 +49,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -478,6 +478,12 @@ class SimEngine:
         self._snapshot = None
 
     # ------------------------------------------------------------------ migration, destination side
+    def reserve_cached(self, migration_id: str, tokens: Sequence[int]) -> int:
+        if not self._prefix_caching:
+            return 0
+        self._snapshot = None
+        return len(self._blocks.reserve_cached(migration_id, block_hashes(tokens, self.block_size)))
+
     def reserve_blocks(self, migration_id: str, num_blocks: int) -> bool:
         """Adds to the migration's reservation: each stage reserves the blocks it will import."""
         self._snapshot = None

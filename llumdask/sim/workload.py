@@ -510,7 +510,12 @@ def make_workload(
         longest = _SYSTEM_PROMPT_LENGTHS[1]
         if max_seq_len is not None and max_seq_len < longest + 2:
             raise ValueError(f"max_seq_len {max_seq_len} is too small for {key}: its shared prompts reach {longest} tokens")
-        suffixes, outputs = _draw_pairs("S-S", length_rng, num_requests, None if max_seq_len is None else max_seq_len - longest)
+        try:
+            suffixes, outputs = _draw_pairs("S-S", length_rng, num_requests,
+                                            None if max_seq_len is None else max_seq_len - longest)
+        except ValueError as exc:
+            raise ValueError(f"max_seq_len {max_seq_len} is too small for {key}: its shared prompts reach "
+                             f"{longest} tokens, leaving {max_seq_len - longest} for the rest ({exc})") from None
         return [
             TraceRequest(float(a), prefix[1] + int(i), int(o), Priority.HIGH if h else Priority.NORMAL, (prefix,))
             for a, prefix, i, o, h in zip(arrivals, prefixes, suffixes, outputs, high)

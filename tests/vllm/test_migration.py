@@ -338,3 +338,55 @@ def test_logprobs_migrate_with_the_values_of_an_unmigrated_run(vllm_engine, peer
         assert got[index].logprob == pytest.approx(entry.logprob, abs=1e-4)
         assert [t for t, _ in got[index].top] == [t for t, _ in entry.top]
         assert [lp for _, lp in got[index].top] == pytest.approx([lp for _, lp in entry.top], abs=1e-4)
+
+
+def test_blocks_the_destination_caches_are_reused_not_copied(vllm_engine, peer_engine, reference):
+    """The destination served the same prompt before: the blocks of it that it caches are held
+    for the migration (`reserve_cached`) and become the resumed request's, only the rest is
+    copied, and the tokens are those of an unmigrated run."""
+    from llumdask.engine.vllm import internals
+
+    free = (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks)
+    peer_engine.add_request(make_request("warm", 300, 2))
+    drain(peer_engine, {})
+    streams = ({}, {})
+    request = make_request("reuse", 300, 200)
+    vllm_engine.add_request(request)
+    for _ in range(20):
+        step(vllm_engine, streams[0])
+    size = vllm_engine.block_size
+    tokens = (request.prompt_token_ids + request.output_token_ids)[: vllm_engine.completed_blocks("reuse") * size]
+    cached = internals.cached_prefix_blocks(peer_engine.llm_engine, tokens, size)
+    assert peer_engine.reserve_cached("m-reuse", tokens) == len(cached) == 300 // size
+    with pytest.raises(ValueError, match="reservation already"):
+        peer_engine.reserve_cached("m-reuse", tokens)
+    peer_engine.check_integrity()  # the reservation counts as a holder of each cached block
+    state = vllm_engine.pause("reuse")
+    total = blocks_for(state.num_tokens, size)
+    assert peer_engine.reserve_blocks("m-reuse", total - len(cached))
+    peer_engine.import_blocks("m-reuse", len(cached), vllm_engine.export_blocks("reuse", len(cached), total))
+    peer_engine.resume("m-reuse", state)
+    vllm_engine.free_migrated("reuse")
+    first = step(peer_engine, streams[1])
+    assert first.num_prefill_tokens == 1
+    scheduler = internals.scheduler_of(peer_engine.llm_engine)
+    assert internals.request_block_ids(scheduler, peer_engine._internal_ids["reuse"])[: len(cached)] == [
+        b.block_id for b in cached]
+    drain(peer_engine, streams[1])
+    drain(vllm_engine, streams[0])
+    assert received_tokens(list(streams), "reuse") == reference[(300, 200)]
+    assert (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks) == free
+
+
+def test_a_released_reservation_gives_back_the_cached_blocks_it_reused(peer_engine):
+    peer_engine.add_request(make_request("warm-release", 300, 2))
+    drain(peer_engine, {})
+    free = peer_engine.snapshot().free_blocks
+    tokens = make_request("x", 300, 1).prompt_token_ids[:256]
+    assert peer_engine.reserve_cached("m-release", tokens) == 2
+    assert peer_engine.snapshot().free_blocks == free - 2
+    peer_engine.release_reservation("m-release")
+    peer_engine.check_integrity()
+    assert peer_engine.snapshot().free_blocks == free
+    assert peer_engine.reserve_cached("m-release-again", tokens) == 2  # still cached
+    peer_engine.release_reservation("m-release-again")

@@ -21,7 +21,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -185,8 +185,10 @@ class VllmEngine:
         self._num_preemptions = 0
         # Source side: paused request -> the internal id whose blocks the connector holds.
         self._paused: dict[str, str] = {}
-        # Destination side: migration id -> reserved blocks (vLLM KVCacheBlock objects).
+        # Destination side: migration id -> reserved blocks (vLLM KVCacheBlock objects), the
+        # cached ones it reuses first (how many: `_reused`).
         self._reservations: dict[str, list[Any]] = {}
+        self._reused: dict[str, int] = {}
         # Re-added requests (resumed or unpaused) whose KV loads at their first step: migration id
         # -> held source-side internal id to release afterwards (None on a destination).
         self._loading: dict[str, str | None] = {}
@@ -420,6 +422,17 @@ class VllmEngine:
         del self._internal_ids[request_id]
 
     # ------------------------------------------------------------------ migration, destination side
+    def reserve_cached(self, migration_id: str, tokens: Sequence[int]) -> int:
+        """The cached blocks are touched (one more holder: out of the free queue, not evicted);
+        at resume they are a prefix hit of the re-added request like the imported ones."""
+        if migration_id in self._reservations:
+            raise ValueError(f"migration {migration_id!r} has a reservation already")
+        blocks = internals.cached_prefix_blocks(self._llm, tokens, self.block_size)
+        self._pool.touch(blocks)
+        self._reservations[migration_id] = blocks
+        self._reused[migration_id] = len(blocks)
+        return len(blocks)
+
     def reserve_blocks(self, migration_id: str, num_blocks: int) -> bool:
         """Adds to the migration's reservation; each stage reserves the blocks it will import."""
         if num_blocks > self._pool.get_num_free_blocks():
@@ -429,6 +442,7 @@ class VllmEngine:
 
     def release_reservation(self, migration_id: str) -> None:
         blocks = self._reservations.pop(migration_id, None)
+        self._reused.pop(migration_id, None)
         if blocks:
             self._pool.free_blocks(blocks)
         self._connector.forget_import(migration_id)
@@ -476,9 +490,8 @@ class VllmEngine:
         self._submit(request, migration_id)
         # Zero-copy for the full blocks: they become a prefix-cache hit of the re-added request.
         # The partial tail travels as a one-block buffer, so its block can go back right away.
-        internals.cache_as_prefix(
-            self._pool, self._scheduler.requests[self._internal_ids[rid]], reserved[: len(full)], self.block_size
-        )
+        internals.cache_as_prefix(self._pool, self._scheduler.requests[self._internal_ids[rid]], reserved[: len(full)],
+                                  self.block_size, num_cached=min(self._reused.pop(migration_id, 0), len(full)))
         self._reservations[migration_id] = reserved[: len(full)]
         self._pool.free_blocks(reserved[len(full) :])
         self._connector.expect_import(migration_id, full, num_kv, tail)

@@ -12,7 +12,7 @@ fails there, naming it, instead of somewhere deep in a migration.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -144,14 +144,35 @@ def tap_kv_events(scheduler: "Scheduler", sink: Callable[[list[Any]], None]) -> 
     return True
 
 
-def cache_as_prefix(pool: "BlockPool", vllm_request: "VllmRequest", blocks: list[Any], block_size: int) -> None:
+def cache_as_prefix(pool: "BlockPool", vllm_request: "VllmRequest", blocks: list[Any], block_size: int,
+                    num_cached: int = 0) -> None:
     """Register full blocks holding a request's first tokens in the prefix cache under that
-    request's own block hashes, so that scheduling it finds them as a local prefix hit."""
+    request's own block hashes, so that scheduling it finds them as a local prefix hit; the
+    first `num_cached` are cached already."""
     pool.cache_full_blocks(
         request=vllm_request,
         blocks=blocks,
-        num_cached_blocks=0,
+        num_cached_blocks=num_cached,
         num_full_blocks=len(blocks),
         block_size=block_size,
         kv_cache_group_id=0,
     )
+
+
+def cached_prefix_blocks(llm: "LLMEngine", tokens: Sequence[int], block_size: int) -> list[Any]:
+    """The blocks of the prefix cache holding the longest prefix of the whole blocks of
+    `tokens` (plain tokens: no LoRA, cache salt or multimodal input), found by vLLM's own chained
+    hash (`hash_block_tokens` with the engine's hash function, as its request block hasher)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+    hash_fn = get_hash_fn_by_name(llm.vllm_config.cache_config.prefix_caching_hash_algo)
+    pool = block_pool_of(llm)
+    parent, blocks = None, []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block_tokens(hash_fn, parent, tokens[start : start + block_size])
+        found = pool.get_cached_block(parent, [0])
+        if found is None:
+            break
+        blocks.append(found[0])
+    return blocks
