@@ -184,7 +184,13 @@ def migration_main(argv: Sequence[str]) -> int:
     return run_migration(argv)
 
 
-SUBCOMMANDS = {"sim": sim_main, "paper": paper_main, "migration": migration_main}
+def soak_main(argv: Sequence[str]) -> int:
+    from llumdask.benchmarks.soak import main as run_soak  # the openai client and psutil load only here
+
+    return run_soak(list(argv))
+
+
+SUBCOMMANDS = {"sim": sim_main, "paper": paper_main, "migration": migration_main, "soak": soak_main}
 
 
 def main(argv: Sequence[str]) -> int:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,39 +27,60 @@ from llumdask.clusters.instances import wait_for_instances
 from llumdask.config import load_config
 
 
+@dataclass
+class Deployment:
+    """The processes of a running deployment: the scheduler first, then the workers."""
+
+    address: str
+    env: dict[str, str]
+    root: Path
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def spawn(self, args: list[str], log: str) -> subprocess.Popen:
+        with (self.root / log).open("w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", *args], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def add_worker(self) -> subprocess.Popen:
+        """One more `dask worker` hosting an instance (it joins once its engine is up)."""
+        return self.spawn(["distributed.cli.dask_worker", self.address, "--host", "127.0.0.1", "--nthreads", "1",
+                           "--no-dashboard", "--preload", "llumdask.plugins.worker"], f"worker-{len(self.procs) - 1}.log")
+
+
 @contextlib.contextmanager
 def process_cluster(n_instances: int, overrides: dict[str, Any] | None = None,
                     timeout: float = 120.0) -> Iterator[str]:
     """Start the scheduler and `n_instances` workers; yield the scheduler address once all are ready."""
+    with deployment(n_instances, overrides, timeout) as running:
+        yield running.address
+
+
+@contextlib.contextmanager
+def deployment(n_instances: int, overrides: dict[str, Any] | None = None,
+               timeout: float = 120.0) -> Iterator[Deployment]:
+    """`process_cluster`, yielding the processes too (to add workers, to watch them)."""
     load_config(overrides)  # a bad override fails here, naming its key, not in every worker
     with tempfile.TemporaryDirectory(prefix="llumdask-bench-") as tmp:
         root = Path(tmp)
-        env = config_env(root / "config", overrides)
+        running = Deployment("", config_env(root / "config", overrides), root)
         scheduler_file = root / "scheduler.json"
-        procs: list[subprocess.Popen] = []
-
-        def spawn(args: list[str], log: str) -> None:
-            with (root / log).open("w") as out:
-                procs.append(subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=out,
-                                              stderr=subprocess.STDOUT))
-
         try:
-            spawn(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                   "--scheduler-file", str(scheduler_file), "--preload", "llumdask.plugins.scheduler"],
-                  "scheduler.log")
-            address = _address_from(scheduler_file, procs[0], timeout)
-            for i in range(n_instances):
-                spawn(["distributed.cli.dask_worker", address, "--host", "127.0.0.1", "--nthreads", "1",
-                       "--no-dashboard", "--preload", "llumdask.plugins.worker"], f"worker-{i}.log")
-            _wait_ready(address, n_instances, procs, timeout)
-            yield address
+            running.spawn(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                           "--scheduler-file", str(scheduler_file), "--preload", "llumdask.plugins.scheduler"],
+                          "scheduler.log")
+            running.address = _address_from(scheduler_file, running.procs[0], timeout)
+            for _ in range(n_instances):
+                running.add_worker()
+            _wait_ready(running.address, n_instances, running.procs, timeout)
+            yield running
         except BaseException:
             for log in sorted(root.glob("*.log")):
                 print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text().splitlines()[-15:]),
                       file=sys.stderr)
             raise
         finally:
-            _stop(procs)
+            _stop(running.procs)
 
 
 def config_env(directory: Path, overrides: dict[str, Any] | None) -> dict[str, str]:
