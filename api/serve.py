@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement-timeout", type=float, default=None,
                    help="seconds to find an instance for a request before answering 503 "
                         "(default: llumdask.gateway.placement-timeout, 10)")
+    p.add_argument("--write-timeout", type=float, default=None,
+                   help="seconds a streaming client may leave its stream unread (the server's buffers full) "
+                        "before its request is aborted (default: llumdask.gateway.write-timeout, 30)")
     p.add_argument("--tool-call-parser", metavar="NAME", default=None,
                    help="vLLM's tool-call parser for the model (e.g. hermes): chat requests with tool_choice "
                         "\"auto\" get their tool calls read with it (default: llumdask.gateway.tool-call-parser)")
@@ -291,7 +294,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
     model_info = ModelInfo(args.served_model_name or default_name, max_context)
     given = {"api-keys": args.api_key, "max-in-flight": args.max_in_flight, "placement-timeout": args.placement_timeout,
-             "tool-call-parser": args.tool_call_parser}
+             "tool-call-parser": args.tool_call_parser, "write-timeout": args.write_timeout}
     settings = load_config({"gateway": {k: v for k, v in given.items() if v is not None}}).gateway
     if settings.tool_call_parser is not None:
         try:

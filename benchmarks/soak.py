@@ -9,7 +9,8 @@ the clients (the official `openai` client, streaming) and the operator:
 2. Soak. Poisson arrivals at `--load` x that rate for `--seconds`, prompts and outputs of varied
    lengths, every request streamed to the end. A third of the way in one worker joins (scale out);
    two thirds in the operator drains the oldest instance, whose requests migrate away, and
-   retires its worker once empty (scale in). Migration stays on throughout.
+   retires its worker once empty (scale in). Migration stays on throughout, and every
+   `--migrate-every` seconds the operator moves a request in flight to another instance.
 3. Afterwards, once every instance is idle: each one's block accounting.
 
 Figures: requests failed (the goal is 0; a failure is an error status, an exception, or a token
@@ -34,7 +35,7 @@ import openai
 import psutil
 from distributed import Client
 
-from llumdask.api.client import LlumdaskClient
+from llumdask.api.client import LlumdaskClient, MigrationNotStarted
 from llumdask.benchmarks.common import parser, report, summarize
 from llumdask.benchmarks.deploy import Deployment, deployment
 from llumdask.benchmarks.servers import llumdask_serve, serving
@@ -91,18 +92,24 @@ def request_for(rng: np.random.Generator) -> tuple[list[int], int]:
     return prompt, int(rng.integers(*OUTPUT_TOKENS))
 
 
-async def stream_one(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int) -> Stream:
-    """Stream one completion to its end; what went wrong, if anything, and the longest wait."""
+async def stream_one(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int,
+                     in_flight: set[str] | None = None) -> Stream:
+    """Stream one completion to its end; what went wrong, if anything, and the longest wait. Its
+    request id is in `in_flight` while it streams."""
     sent = time.perf_counter()
     seen = Stream(sent)
     last = sent
     tokens = None
+    request_id = None
     try:
         stream = await client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
             now = time.perf_counter()
+            if in_flight is not None and request_id is None:
+                request_id = chunk.id.removeprefix("cmpl-")
+                in_flight.add(request_id)
             if chunk.choices:
                 seen.longest_wait = max(seen.longest_wait, now - last)
                 last = now
@@ -112,6 +119,9 @@ async def stream_one(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: 
             seen.error = f"{tokens} tokens streamed, {max_tokens} asked"
     except openai.OpenAIError as exc:
         seen.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        if in_flight is not None:
+            in_flight.discard(request_id)
     return seen
 
 
@@ -133,7 +143,7 @@ async def capacity(client: openai.AsyncOpenAI, streams: int, seconds: float, see
 
 
 async def poisson(client: openai.AsyncOpenAI, rate: float, seconds: float, seed: int,
-                  at: dict[float, Callable[[], Awaitable[Any]]]) -> list[Stream]:
+                  at: dict[float, Callable[[], Awaitable[Any]]], in_flight: set[str]) -> list[Stream]:
     """Open-loop arrivals at `rate` for `seconds`; each operator action of `at` runs at its time
     (seconds from the start) beside the load."""
     rng = np.random.default_rng(seed)
@@ -143,7 +153,7 @@ async def poisson(client: openai.AsyncOpenAI, rate: float, seconds: float, seed:
     next_at = start
     while (next_at := next_at + rng.exponential(1 / rate)) < start + seconds:
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-        tasks.append(asyncio.create_task(stream_one(client, *request_for(rng))))
+        tasks.append(asyncio.create_task(stream_one(client, *request_for(rng), in_flight)))
     streams = list(await asyncio.gather(*tasks))
     await asyncio.gather(*actions)
     return streams
@@ -162,7 +172,7 @@ class Operator:
     dask: Client
     llum: LlumdaskClient
     timeout: float
-    log: dict[str, Any] = field(default_factory=dict)
+    log: dict[str, Any] = field(default_factory=lambda: {"forced_migrations": 0, "forced_not_started": 0})
 
     async def instances(self) -> list[dict]:
         return list((await self.llum.instances()).rows)
@@ -185,6 +195,21 @@ class Operator:
         await self.dask.retire_workers([victim], close_workers=True)
         await self._until(lambda rows: victim not in {r["instance"] for r in rows}, "the drained worker to leave")
         self.log.update(scale_in_s=time.perf_counter() - started, drained=victim)
+
+    async def migrate_now_and_then(self, in_flight: set[str], period: float, seed: int) -> None:
+        """Every `period` seconds, move a request in flight to another instance (until cancelled)."""
+        rng = np.random.default_rng(seed)
+        while True:
+            await asyncio.sleep(period)
+            ready = [r["instance"] for r in await self.instances() if r["ready"] and r["state"] != "terminating"]
+            if not in_flight or len(ready) < 2:
+                continue
+            request_id = sorted(in_flight)[int(rng.integers(len(in_flight)))]
+            try:
+                await self.llum.migrate(request_id, to=ready[int(rng.integers(len(ready)))])
+                self.log["forced_migrations"] += 1
+            except MigrationNotStarted:  # it runs there already, or it just finished
+                self.log["forced_not_started"] += 1
 
     async def _until(self, done: Callable[[list[dict]], bool], what: str) -> None:
         deadline = time.perf_counter() + self.timeout
@@ -235,14 +260,18 @@ async def soak(url: str, running: Deployment, args: Any) -> dict[str, Any]:
                     watch.sample(named, time.perf_counter())
                     await asyncio.sleep(SAMPLE_PERIOD)
 
-            sampler = asyncio.create_task(sampling())
+            in_flight: set[str] = set()
+            background = [asyncio.create_task(sampling()),
+                          asyncio.create_task(operator.migrate_now_and_then(in_flight, args.migrate_every, args.seed))]
             started = time.perf_counter()
             streams = await poisson(client, rate, args.seconds, args.seed + 1,
-                                    {args.seconds / 3: operator.scale_out, 2 * args.seconds / 3: operator.scale_in})
+                                    {args.seconds / 3: operator.scale_out, 2 * args.seconds / 3: operator.scale_in},
+                                    in_flight)
             ended = time.perf_counter()
+            background[1].cancel()
             statuses = await idle_accounts(dask, timeout=120)
             watch.sample(named, time.perf_counter())
-            sampler.cancel()
+            background[0].cancel()
             migrations = (await llum.instances()).migrations.get("committed", 0) - before
         finally:
             await llum.close()
@@ -263,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", type=float, default=0.8, help="arrival rate as a share of measured capacity")
     p.add_argument("--probe-streams", type=int, default=48)
     p.add_argument("--probe-seconds", type=float, default=20.0)
+    p.add_argument("--migrate-every", type=float, default=5.0,
+                   help="seconds between operator-forced migrations of a request in flight")
     p.add_argument("--stall-bound", type=float, default=10.0, help="seconds without a token that count as a stall")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

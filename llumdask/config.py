@@ -131,6 +131,7 @@ class GatewayConfig:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     tool_call_parser: str | None = None
+    write_timeout: float = 30.0
 
 
 def _default_headroom() -> dict[Priority, int | None]:

@@ -499,6 +499,22 @@ def test_every_decision_follows_a_full_period_of_its_condition(steps):
     assert all(b - a >= SCALING.scale_in_period for a, b in zip(times, times[1:]))
 
 
+def test_the_candidate_table_follows_a_class_arriving_and_leaving_after_it_was_built():
+    headroom = {Priority.HIGH: 30, Priority.NORMAL: 0}
+
+    def loaded(k: int, high: bool) -> View:
+        cls = Priority.HIGH if high else Priority.NORMAL
+        load = InstanceLoad(f"i{k}", 100, 16, 80, 1, 0, running_blocks={cls: 20}, running_count={cls: 1})
+        return View(f"i{k}", load, headroom=headroom)
+
+    table = CandidateTable([loaded(0, True), loaded(1, True)])  # no charge anywhere
+    for high in (False, True, False):
+        table.update(loaded(1, high))
+        expected = [dispatch_freeness(v.load, headroom, pending_blocks=1, pending_requests=1, classes=(Priority.HIGH,))
+                    for v in (loaded(0, True), loaded(1, high))]
+        assert list(table.dispatch_freeness(16, Priority.HIGH)) == pytest.approx(expected)
+
+
 @given(
     st.lists(st.tuples(st.integers(0, 100), st.integers(0, 8), st.integers(0, 3), st.integers(0, 60), st.integers(0, 3),
                        st.booleans()), min_size=1, max_size=6),

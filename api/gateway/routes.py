@@ -171,7 +171,8 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                 await finish(gateway, generations, charge)
 
             events = stream_events(request, gateway, fmt, generations, prompt_ids, options, echo, readers)
-            return EventStreamResponse(events, on_close)  # owns the generations and the slots from here
+            # Owns the generations and the slots from here.
+            return EventStreamResponse(events, on_close, gateway.settings.write_timeout)
 
         async def texts() -> list[str]:
             return await asyncio.gather(*(g.text() for g in generations))

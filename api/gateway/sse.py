@@ -1,19 +1,25 @@
 """Server-sent events as OpenAI streams them: ``data: {json}`` events, then ``data: [DONE]``.
 
 `EventStreamResponse` stops the event source as soon as the client disconnects (see
-disconnect.py), whether the stream is writing or waiting for the next token, and then always
-runs `on_close`, even if the source never started (an unstarted generator runs no `finally`).
+disconnect.py), whether the stream is writing or waiting for the next token, or once a write has
+waited `write_timeout` seconds for a client that does not read (the server's buffers full: the
+ASGI server holds `send` until they drain), and then always runs `on_close`, even if the source
+never started (an unstarted generator runs no `finally`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
+
+logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 
@@ -34,10 +40,12 @@ class EventStreamResponse:
         (b"x-accel-buffering", b"no"),
     ]
 
-    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[bool], Awaitable[None]]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[bool], Awaitable[None]],
+                 write_timeout: float | None = None) -> None:
         """`on_close(complete)`: complete is True when every event reached the client."""
         self._events = events
         self._on_close = on_close
+        self._write_timeout = write_timeout
         self.status_code = 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -47,6 +55,8 @@ class EventStreamResponse:
             complete = True
         except (ClientDisconnected, OSError):
             pass  # nobody is listening
+        except TimeoutError:
+            logger.warning("a client read none of its stream for %s s: its request is aborted", self._write_timeout)
         finally:
             await self._on_close(complete)
 
@@ -54,7 +64,8 @@ class EventStreamResponse:
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.headers})
             async for chunk in self._events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": True}),
+                                       self._write_timeout)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self._events.aclose()

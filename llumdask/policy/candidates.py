@@ -54,12 +54,19 @@ class CandidateTable(Sequence[Candidate]):
                                       dtype=np.int64)
         n = len(self._candidates)
         self._surplus = np.empty(n)
-        self._requests = np.empty(n)
-        # Prefill tokens queued there (reported waiting + dispatched since) and its batch (running + pending).
+        # The requests the surplus is shared by once this one is added (dispatch_requests + 1).
+        self._shared_by = np.empty(n)
+        # Prefill tokens queued there (reported waiting + dispatched since) and the decodes a prefill
+        # there stalls (running + pending + itself).
         self._prefill_tokens = np.empty(n)
-        self._batch = np.empty(n)
+        self._stalled = np.empty(n)
         self._block_size = np.fromiter((c.block_size for c in self._candidates), dtype=np.int64, count=n)
+        # One block size for all (the usual case): block arithmetic on a scalar, not a column.
+        sizes = set(self._block_size.tolist())
+        self._uniform_block_size: int | None = sizes.pop() if len(sizes) == 1 else None
         self._charge = {p: np.zeros(n) for p in Priority}
+        # Candidates charged each class's headroom: a column of zeros is not worth a pass.
+        self._charged = dict.fromkeys(Priority, 0)
         self._slots = {c.instance_id: k for k, c in enumerate(self._candidates)}
         # The last `dispatch_freeness` asked, until a candidate changes: admission and the policy
         # of one dispatch ask the same.
@@ -73,11 +80,13 @@ class CandidateTable(Sequence[Candidate]):
         if slot is not None:
             self._last_freeness = self._last_hits = None
             self._surplus[slot] = candidate.dispatch_surplus
-            self._requests[slot] = candidate.dispatch_requests
+            self._shared_by[slot] = candidate.dispatch_requests + 1
             self._prefill_tokens[slot] = candidate.load.pending_prefill_tokens + candidate.pending_prompt_tokens
-            self._batch[slot] = candidate.load.num_running + candidate.num_pending
+            self._stalled[slot] = candidate.load.num_running + candidate.num_pending + 1
             for priority, column in self._charge.items():
-                column[slot] = candidate.absent_charge(priority)
+                charge = candidate.absent_charge(priority)
+                self._charged[priority] += bool(charge) - bool(column[slot])
+                column[slot] = charge
 
     def dispatch_freeness(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None = None) -> np.ndarray:
         """Each candidate's dispatch freeness with this request added (its prompt blocks as demand,
@@ -87,11 +96,17 @@ class CandidateTable(Sequence[Candidate]):
         last = self._last_freeness
         if last is not None and last[0] == prompt_tokens and last[1] is priority and last[2] is cached:
             return last[3]
-        surplus = self._surplus - (-(-prompt_tokens // self._block_size)) - self._charge[priority]
+        # As few passes over the columns as the request needs: right after a burst of reports they
+        # are out of the CPU's caches, and each pass costs several times what it does warm.
+        size = self._uniform_block_size
+        surplus = self._surplus - (-(-prompt_tokens // (size or self._block_size)))
+        if self._charged[priority]:
+            surplus -= self._charge[priority]
         if cached is not None:
-            surplus = surplus + cached
-        requests = self._requests + 1
-        freeness = np.where(surplus >= 0, surplus / requests, surplus * requests)
+            surplus += cached
+        freeness = surplus / self._shared_by
+        # A deficit is multiplied by the requests instead (`load.per_request`).
+        np.multiply(surplus, self._shared_by, out=freeness, where=surplus < 0)
         self._last_freeness = (prompt_tokens, priority, cached, freeness)
         return freeness
 
@@ -99,8 +114,11 @@ class CandidateTable(Sequence[Candidate]):
         """How much this request would interfere with each candidate's work, LMetric's measure:
         (prefill tokens it waits behind + its own not `cached` there) x (the decodes its prefill
         stalls + itself)."""
-        own = prompt_tokens if cached is None else np.maximum(prompt_tokens - cached * self._block_size, 1)
-        return (self._prefill_tokens + own) * (self._batch + 1)
+        if cached is None:
+            own = prompt_tokens
+        else:
+            own = np.maximum(prompt_tokens - cached * (self._uniform_block_size or self._block_size), 1)
+        return (self._prefill_tokens + own) * self._stalled
 
     def cached_blocks(self, hashes: tuple[int, ...]) -> np.ndarray | None:
         """Blocks of the longest prefix each candidate holds in its prefix cache, as its reports

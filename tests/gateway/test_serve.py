@@ -14,6 +14,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -395,6 +396,28 @@ def test_disconnect_frees_the_blocks(server):
             assert all(line.startswith("data: ") or not line for line in received)
             assert sum(s["num_running"] for s in worker_statuses(client).values()) == 1
         wait_until_clean(client)
+
+
+def test_a_flood_of_dropped_connections_leaves_the_gateway_serving_and_nothing_held(server):
+    """Hundreds of connections opened and reset at once: bare, mid-header, and right after a full
+    streaming request. The gateway goes on answering, and every request started is aborted."""
+    import struct
+
+    from distributed import Client
+
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "stream": True}).encode()
+    full = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    openings = [b"", b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1000\r\n\r\n{\"model\"", full]
+    for k in range(600):
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(openings[k % 3])
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    answer = server.openai().completions.create(model=MODEL, prompt="Still serving", max_tokens=5, temperature=0)
+    assert answer.usage.completion_tokens >= 1
+    with Client(server.scheduler, timeout=30) as client:
+        wait_until_clean(client, timeout=60)
 
 
 def test_a_migrated_stream_is_identical_to_an_unmigrated_one(server):
