@@ -73,19 +73,32 @@ def sshd(tmp_path_factory: pytest.TempPathFactory):
             log.close()
 
 
-def test_an_ssh_cluster_serves_and_migrates_between_its_hosts(sshd):
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_an_ssh_cluster_serves_and_migrates_between_its_hosts(sshd, tls, tmp_path):
+    """With TLS: certificates from `llumdask certs` naming both hosts, every channel encrypted and
+    mutually authenticated across them (Dask's comms, the KV stages, the token stream)."""
     from distributed import Client
 
+    from llumdask.api.cli import main
     from llumdask.api.client import connect
+    from llumdask.clusters import certs
     from llumdask.clusters.ssh import ssh_cluster
 
     connect_options, home = sshd
     config = load_config(CLUSTER_OVERRIDES)
+    security = None
+    if tls:
+        assert main(["certs", "--out", str(tmp_path), "--hosts", ",".join(HOSTS)]) == 0
+        security = certs.security(tmp_path)
+    logins_before = [(home / f"sshd-{h}.log").read_text().count("Accepted publickey") for h in HOSTS]
     with ssh_cluster([HOSTS[0], HOSTS[0], HOSTS[1]], CLUSTER_OVERRIDES, connect_options=connect_options,
-                     remote_python=sys.executable, dashboard_address="127.0.0.1:0", timeout=120) as cluster, \
-            Client(cluster) as client, connect(client) as llum:
+                     remote_python=sys.executable, dashboard_address="127.0.0.1:0", security=security,
+                     timeout=120) as cluster, \
+            Client(cluster, security=security) as client, connect(client) as llum:
+        assert cluster.scheduler_address.startswith("tls://" if tls else "tcp://")
         # The first host started the scheduler and a worker, the second a worker, each over its sshd.
-        logins = [(home / f"sshd-{h}.log").read_text().count("Accepted publickey") for h in HOSTS]
+        logins = [(home / f"sshd-{h}.log").read_text().count("Accepted publickey") - before
+                  for h, before in zip(HOSTS, logins_before)]
         assert logins[0] >= 2 and logins[1] >= 1, logins
         rows = llum.instances().rows
         assert len(rows) == 2 and all(r["total_blocks"] == config.sim_engine.total_blocks for r in rows)
@@ -96,5 +109,6 @@ def test_an_ssh_cluster_serves_and_migrates_between_its_hosts(sshd):
         llum.migrate(stream.request_id, to=destination)
         tokens += list(stream)
         assert tokens == reference_tokens(config, prompt, 120) and stream.instance == destination
+        assert llum.requester.token_address.startswith("tls://" if tls else "tcp://")
         assert llum.instances().migrations["committed"] == 1
         assert_workers_clean(client)
