@@ -1,6 +1,8 @@
 """Shared real vLLM engines on the tiny model: built once per test session (about 2 s each).
 
-Tests that share an engine leave it empty (no requests, no held blocks) when they finish.
+Tests that share an engine leave it empty (no requests, no held blocks) when they finish. Engines
+are closed only at the session's end: closing an in-process engine tears down vLLM's process-wide
+parallel state, which every other engine of the process still uses.
 """
 
 from __future__ import annotations
@@ -69,5 +71,25 @@ def vllm_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Iterat
     from llumdask.engine.vllm.engine import VllmEngine
 
     engine = VllmEngine(str(tiny_model), engine_args)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def tight_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Iterator["VllmEngine"]:  # noqa: F821
+    """Ten usable blocks of 128 tokens: a 9-block prompt evicts the last one's."""
+    from llumdask.engine.vllm.engine import VllmEngine
+
+    engine = VllmEngine(str(tiny_model), {**engine_args, "num_gpu_blocks_override": 11, "max_model_len": 1280})
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def blind_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Iterator["VllmEngine"]:  # noqa: F821
+    """KV-cache events off: nothing reported to the scheduler's prefix index."""
+    from llumdask.engine.vllm.engine import VllmEngine
+
+    engine = VllmEngine(str(tiny_model), {**engine_args, "kv_events_config": {"enable_kv_cache_events": False}})
     yield engine
     engine.close()

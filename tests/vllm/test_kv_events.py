@@ -6,9 +6,6 @@ tests at the end read the events of a running vLLM engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from llumdask.prefix import ANCHOR_STRIDE, PrefixEvents, anchors, block_hashes
@@ -107,16 +104,6 @@ def test_a_change_log_past_twice_the_pool_sends_the_whole_cache(events):
 
 
 # ---------------------------------------------------------------------- a running engine
-@pytest.fixture(scope="module")
-def tight_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Iterator:
-    """Ten usable blocks of 128 tokens: a 9-block prompt evicts the last one's."""
-    from llumdask.engine.vllm.engine import VllmEngine
-
-    engine = VllmEngine(str(tiny_model), {**engine_args, "num_gpu_blocks_override": 11, "max_model_len": 1280})
-    yield engine
-    engine.close()
-
-
 def run(engine, request_id: str, prompt: list[int]) -> None:
     from llumdask.request import Request, SamplingParams
 
@@ -144,12 +131,6 @@ def test_a_running_engine_reports_what_the_requester_hashes_and_its_evictions(ti
 
 
 @pytest.mark.slow
-def test_events_off_reports_none(vllm_ready: None, tiny_model: Path, engine_args: dict):
-    from llumdask.engine.vllm.engine import VllmEngine
-
-    engine = VllmEngine(str(tiny_model), {**engine_args, "kv_events_config": {"enable_kv_cache_events": False}})
-    try:
-        run(engine, "plain", prompt(3))
-        assert engine.prefix_events() is None
-    finally:
-        engine.close()
+def test_events_off_reports_none(blind_engine):
+    run(blind_engine, "plain", prompt(3))
+    assert blind_engine.prefix_events() is None
