@@ -146,6 +146,7 @@ class LlumdaskConfig:
     engine: str = "sim"
     report_interval: float = 0.05
     stream_interval: float = 0.01
+    max_failed_steps: int = 3
     headroom_tokens: dict[Priority, int | None] = field(default_factory=_default_headroom)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)

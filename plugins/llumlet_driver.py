@@ -88,6 +88,8 @@ class LlumletDriver:
         send_load: Callable[[dict], None],
         publish_event: Callable[[MigrationEvent], None],
         calls_waiting: Callable[[], bool],
+        max_failed_steps: int = 3,
+        on_broken: Callable[[int], None] = lambda failures: None,
         clock: Callable[[], float] = time.time,
         timer: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -104,6 +106,10 @@ class LlumletDriver:
         self._send_load = send_load
         self._publish_event = publish_event
         self._calls_waiting = calls_waiting
+        # Steps failed in a row; at `max_failed_steps` the engine counts as broken (`on_broken`).
+        self._failed_steps = 0
+        self._max_failed_steps = max_failed_steps
+        self._on_broken = on_broken
         self._clock = clock
         self._timer = timer
 
@@ -131,9 +137,13 @@ class LlumletDriver:
             try:
                 result = llumlet.step()
             except BaseException:
+                self._failed_steps += 1
                 self._end_requests_after_a_failed_step()
                 self._hand_off(force=True)  # what the failed step produced still goes, and the ends
+                if self._failed_steps >= self._max_failed_steps:
+                    self._on_broken(self._failed_steps)
                 raise
+            self._failed_steps = 0
             progress = result.batch_size > 0 and llumlet.engine.has_work()
         # Nothing is held while the thread sleeps, nor while it runs calls (a KV stage's import
         # may take longer than the stream interval).

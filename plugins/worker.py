@@ -129,6 +129,8 @@ class LlumletHost:
             send_load=lambda load: self.loop.add_callback(self._send_load, load),
             publish_event=lambda event: self.loop.add_callback(self._publish_event, event),
             calls_waiting=lambda: self._engine_thread.calls_waiting,
+            max_failed_steps=config.max_failed_steps,
+            on_broken=lambda failures: self.loop.add_callback(self._leave, failures),
         )
         self._engine_thread = EngineThread(f"llumlet {self.instance_id}", self.driver.step_once, config.report_interval)
         self._registrar: asyncio.Task | None = None
@@ -176,6 +178,14 @@ class LlumletHost:
         )
         self._engine_thread.wake()
         self._registrar = asyncio.ensure_future(self._register())
+
+    async def _leave(self, failures: int) -> None:
+        """The engine is broken: the worker closes (its teardown unregisters the instance); under
+        a nanny a fresh worker, and engine, takes its place."""
+        if self.worker.status != Status.running:
+            return
+        logger.error("%s: %d engine steps in a row failed; the instance leaves the cluster", self.instance_id, failures)
+        await self.worker.close(nanny=False, reason="llumdask-engine-broken")
 
     async def close(self) -> None:
         self._dask_timers.restore()

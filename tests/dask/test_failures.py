@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from daskhelpers import assert_workers_clean, prompt_of, reference_tokens, wait_until, worker_statuses
@@ -137,3 +138,36 @@ def test_a_failed_engine_step_ends_its_requests_as_aborted_instead_of_leaving_th
     # The instance goes on serving (the sim engine survives a failed step; its blocks were freed).
     again = llum.generate(prompt_of(71, 20), max_tokens=8, ignore_eos=True)
     assert len(again.token_ids) == 8
+
+
+def _break_for_good(dask_worker) -> None:
+    """In a worker: every step of the engine raises from now on (a dead engine core)."""
+    engine = dask_worker.plugins["llumdask"].host.llumlet.engine
+
+    def step():
+        raise RuntimeError("the engine is dead")
+
+    engine.step = step
+
+
+def test_an_instance_whose_engine_stays_broken_leaves_and_a_fresh_one_takes_its_place(llum, two_instances):
+    """Each failed step aborts its requests; at `max-failed-steps` (3) in a row the worker closes,
+    the instance leaves the table, and its nanny starts a fresh worker that serves."""
+    client = llum.dask_client
+    probe = llum.stream(prompt_of(80, 20), max_tokens=4, ignore_eos=True)
+    list(probe)
+    broken = probe.instance  # an idle cluster dispatches the same way again: there
+    client.run(_break_for_good, workers=[broken])
+    aborted = 0
+    for k in range(10):
+        result = llum.generate(prompt_of(81 + k, 20), max_tokens=4, ignore_eos=True, timeout=30)
+        aborted += result.finish_reason is FinishReason.ABORT
+        if aborted == 3:
+            break
+        time.sleep(0.2)  # the instance reports itself idle again
+    assert aborted == 3
+    wait_until(lambda: broken not in [row["instance"] for row in llum.instances()], 30, what="the broken one to leave")
+    wait_for_instances(client, 2, timeout=60)  # the nanny's fresh worker
+    assert broken not in [row["instance"] for row in llum.instances()]
+    served = [llum.generate(prompt_of(95 + k, 20), max_tokens=8, ignore_eos=True, timeout=30) for k in range(4)]
+    assert all(len(r.token_ids) == 8 for r in served)

@@ -125,6 +125,24 @@ def test_held_tokens_go_when_a_step_fails_and_the_request_ends_aborted(driver, s
     assert llumlet.aborted == ["r"] and "r" not in driver.routes.owned
 
 
+def test_an_engine_failing_steps_in_a_row_is_reported_broken_once_a_success_resets_the_count(senders, timer):
+    broken: list[int] = []
+    driver = LlumletDriver(stream_interval=3600.0, report_interval=10.0, route_expiry=60.0, push_tokens=senders.push,
+                           send_load=senders.loads.append, publish_event=lambda event: None,
+                           calls_waiting=lambda: False, max_failed_steps=2, on_broken=broken.append, timer=timer)
+    llumlet = start(driver, steps=10)
+    outcomes = [True, False, True, False, False, False]  # step succeeds?
+    for succeeds in outcomes:
+        llumlet.fail = not succeeds
+        if succeeds:
+            driver.step_once()
+        else:
+            with pytest.raises(RuntimeError, match="broken step"):
+                driver.step_once()
+    # One failure, a success, then three in a row: broken at the second and the third.
+    assert broken == [2, 3]
+
+
 def test_held_tokens_go_before_queued_calls_run(driver, senders):
     start(driver, steps=5)
     driver.step_once()
