@@ -61,11 +61,17 @@ class EventStreamResponse:
             await self._on_close(complete)
 
     async def _pump(self, send: Send) -> None:
+        loop = asyncio.get_running_loop()
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.headers})
-            async for chunk in self._events:
-                await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": True}),
-                                       self._write_timeout)
+            # One deadline, armed only while a write waits (not while the next token does): a
+            # timer per event, where `wait_for` would add a task per event to the token path.
+            async with asyncio.timeout(None) as deadline:
+                async for chunk in self._events:
+                    if self._write_timeout is not None:
+                        deadline.reschedule(loop.time() + self._write_timeout)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    deadline.reschedule(None)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self._events.aclose()

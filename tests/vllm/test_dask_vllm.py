@@ -238,9 +238,11 @@ def _no_restart(dask_worker) -> None:
     dask_worker.close_gracefully(reason="the test kills its worker")
 
 
-def test_the_scheduler_indexes_what_an_instance_caches_and_sends_the_repeat_there(clean):
+def test_the_scheduler_indexes_what_an_instance_caches_and_a_repeat_hits_it(clean):
     """vLLM's KV-cache events reach the scheduler's prefix index (an anchor every eight blocks),
-    and a repeated nine-block prompt goes to the instance holding it and skips its prefill."""
+    and a repeated nine-block prompt finds its blocks cached. The plumbing: two idle instances
+    tie, so the repeat would land on the same one without prefix-aware dispatch too (that
+    dispatch follows the index is tests/test_global_scheduler.py's to show)."""
     from llumdask.prefix import ANCHOR_STRIDE
 
     def indexed() -> int:
