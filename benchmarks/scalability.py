@@ -29,7 +29,7 @@ from llumdask.benchmarks.common import parser, report
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.global_scheduler import DispatchInfo, GlobalScheduler
 from llumdask.load import InstanceLoad
-from llumdask.prefix import ANCHOR_STRIDE, PrefixEvents, anchors
+from llumdask.prefix import PrefixEvents, anchor_stride, anchors
 from llumdask.request import Priority
 
 # Goals from the design: dispatch must not add visible latency to a request, and a pairing
@@ -166,13 +166,13 @@ class _PrefixTraffic:
     def __init__(self, rng: np.random.Generator, ids: list[str], scheduler: GlobalScheduler) -> None:
         self._rng = rng
         # Private blocks first (half the pool), numbered apart per instance.
-        self._held = {i: list(anchors(range((k + 1) << 32, ((k + 1) << 32) + _TOTAL_BLOCKS // 2))) for k, i in enumerate(ids)}
+        self._held = {i: list(anchors(range((k + 1) << 32, ((k + 1) << 32) + _TOTAL_BLOCKS // 2), _BLOCK_SIZE)) for k, i in enumerate(ids)}
         self._fresh = 1 << 48
         weights = 1.0 / np.arange(1, _CHAINS + 1)
         self._popularity = weights / weights.sum()
         for instance_id in ids:
             for chain in rng.choice(_CHAINS, size=3, replace=False, p=self._popularity):
-                self._held[instance_id] += anchors(self._chain(int(chain))[: int(rng.integers(16, _CHAIN_BLOCKS))])
+                self._held[instance_id] += anchors(self._chain(int(chain))[: int(rng.integers(16, _CHAIN_BLOCKS))], _BLOCK_SIZE)
             scheduler.report(_synthetic_load(rng, instance_id, 0), 0.0, PrefixEvents(stored=tuple(self._held[instance_id])))
 
     @staticmethod
@@ -181,7 +181,7 @@ class _PrefixTraffic:
 
     def events(self, instance_id: str) -> PrefixEvents:
         held = self._held[instance_id]
-        churn = _CHURN // ANCHOR_STRIDE
+        churn = _CHURN // anchor_stride(_BLOCK_SIZE)
         evicted = [held.pop(int(self._rng.integers(len(held)))) for _ in range(churn)]
         stored = list(range(self._fresh, self._fresh + churn))
         self._fresh += churn
@@ -194,7 +194,7 @@ class _PrefixTraffic:
         shared = self._chain(chain)[: int(self._rng.integers(16, _CHAIN_BLOCKS))]
         own = range(self._fresh, self._fresh + own_blocks // _BLOCK_SIZE)
         self._fresh += own_blocks // _BLOCK_SIZE
-        return anchors(shared + list(own))
+        return anchors(shared + list(own), _BLOCK_SIZE)
 
 
 def main(argv: list[str] | None = None) -> int:

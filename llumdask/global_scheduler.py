@@ -37,7 +37,7 @@ from llumdask.load import (
     virtual_usage,
 )
 from llumdask.policy.candidates import CandidateTable
-from llumdask.prefix import PrefixEvents, PrefixIndex
+from llumdask.prefix import PrefixEvents, PrefixIndex, anchor_stride
 from llumdask.policy.dispatch import DispatchInfo, DispatchPolicy, make_dispatch_policy
 from llumdask.policy.migration import MigrationPair, pair_migrations
 from llumdask.policy.scaling import ScaleAction, ScaleDecision, ScalingPolicy
@@ -306,7 +306,8 @@ class GlobalScheduler:
 
     def instances(self) -> list[InstanceView]:
         """The whole table, in registration order."""
-        return [instance.view(self.prefix.cached_blocks(instance.instance_id)) for instance in self._instances.values()]
+        return [instance.view(self.prefix.held_anchors(instance.instance_id) * anchor_stride(instance.block_size))
+                for instance in self._instances.values()]
 
     def members(self) -> tuple[list[str], list[str]]:
         """Every known instance, and those a request may be placed on (ready, not draining)."""

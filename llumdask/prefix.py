@@ -57,20 +57,29 @@ def block_hashes(tokens: Sequence[int], block_size: int, *, parent: int = ROOT_H
     return hashes
 
 
-# The scheduler indexes one block in ANCHOR_STRIDE (the last of each run of that many): a
-# block's hash names its whole prefix, so an anchor stands for the blocks before it, and a
-# dispatch walks a prompt in strides (prefix matches are found to within that many blocks).
-ANCHOR_STRIDE = 8
+# The scheduler indexes one block in a stride (the last of each run of that many): a block's
+# hash names its whole prefix, so an anchor stands for the blocks before it, and a dispatch walks
+# a prompt in strides (prefix matches are found to within a stride). The stride is a number of
+# tokens, so that the index costs the same per cached token whatever the block size, and a
+# prefix shorter than a stride is as invisible on GPUs (16-token blocks) as on CPUs (128).
+ANCHOR_TOKENS = 128
 
 
-def is_anchor(block_index: int) -> bool:
+def anchor_stride(block_size: int) -> int:
+    """Blocks per anchor at this block size (at least 1)."""
+    return max(1, ANCHOR_TOKENS // block_size)
+
+
+def is_anchor(block_index: int, block_size: int) -> bool:
     """Whether the block at this position of a sequence is one the scheduler indexes."""
-    return block_index % ANCHOR_STRIDE == ANCHOR_STRIDE - 1
+    stride = anchor_stride(block_size)
+    return block_index % stride == stride - 1
 
 
-def anchors(hashes: Sequence[int]) -> tuple[int, ...]:
+def anchors(hashes: Sequence[int], block_size: int) -> tuple[int, ...]:
     """The anchor blocks' hashes of a sequence's block hashes (what a dispatch carries)."""
-    return tuple(hashes[ANCHOR_STRIDE - 1 :: ANCHOR_STRIDE])
+    stride = anchor_stride(block_size)
+    return tuple(hashes[stride - 1 :: stride])
 
 
 @dataclass(frozen=True)
@@ -197,9 +206,10 @@ class PrefixIndex:
             self._clear(self._held.pop(instance_id), 1 << slot)
             self._free_slots.append(slot)
 
-    def cached_blocks(self, instance_id: str) -> int:
-        """About how many blocks the instance caches, as far as the index knows (its anchors)."""
-        return len(self._held.get(instance_id, ())) * ANCHOR_STRIDE
+    def held_anchors(self, instance_id: str) -> int:
+        """How many anchors the instance caches, as far as the index knows (each stands for a
+        stride of blocks)."""
+        return len(self._held.get(instance_id, ()))
 
     def lengths(self, hashes: Sequence[int]) -> np.ndarray | None:
         """Per slot, the length (in anchors) of the longest prefix of anchor `hashes` the instance

@@ -195,7 +195,8 @@ class Requester:
             execution_priority=int(request.execution_priority),
             admitted=admitted,
             # The scheduler sees block hashes, never tokens: enough to find a cached prefix.
-            block_hashes=anchors(block_hashes(request.prompt_token_ids + request.output_token_ids, self._block_size)),
+            block_hashes=anchors(block_hashes(request.prompt_token_ids + request.output_token_ids, self._block_size),
+                                 self._block_size),
         )
         return reply.instance
 

@@ -250,7 +250,7 @@ def test_power_of_two_is_seeded_from_the_config():
 
 
 # ---------------------------------------------------------------- prefix-aware dispatch
-# A 1,280-token prompt: 80 blocks of 16, told by its 10 anchor blocks (one in 8), hashes 1..10.
+# A 1,280-token prompt: 80 blocks of 16, told by its 10 anchor blocks (one in 8: 128 tokens), hashes 1..10.
 PREFIXED = DispatchInfo("p", num_prompt_tokens=1280, max_tokens=10, block_hashes=tuple(range(1, 11)))
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llumdask.engine.block_manager import BlockManager
-from llumdask.prefix import ANCHOR_STRIDE, ROOT_HASH, PrefixEvents, PrefixIndex, anchors, block_hashes, is_anchor
+from llumdask.prefix import ROOT_HASH, PrefixEvents, PrefixIndex, anchor_stride, anchors, block_hashes, is_anchor
 
 
 def test_block_hashes_chain_so_equal_hashes_mean_equal_prefixes():
@@ -21,10 +21,17 @@ def test_block_hashes_chain_so_equal_hashes_mean_equal_prefixes():
         block_hashes([1, 2], 0)
 
 
-def test_anchors_are_one_block_in_a_stride_the_last_of_each():
-    hashes = list(range(100, 100 + 2 * ANCHOR_STRIDE + 3))
-    assert anchors(hashes) == (hashes[ANCHOR_STRIDE - 1], hashes[2 * ANCHOR_STRIDE - 1])
-    assert [i for i in range(len(hashes)) if is_anchor(i)] == [ANCHOR_STRIDE - 1, 2 * ANCHOR_STRIDE - 1]
+@pytest.mark.parametrize("block_size, expected", [
+    (16, [7, 15]),  # one block in 8: the last of each 128 tokens
+    (32, [3, 7, 11, 15]),
+    (128, list(range(19))),  # a block is a stride
+    (256, list(range(19))),  # blocks longer than a stride: every block still
+])
+def test_anchors_are_the_last_block_of_each_128_tokens(block_size, expected):
+    hashes = list(range(100, 119))
+    assert [i for i in range(len(hashes)) if is_anchor(i, block_size)] == expected
+    assert anchors(hashes, block_size) == tuple(hashes[i] for i in expected)
+    assert anchor_stride(block_size) == (expected[1] - expected[0])
 
 
 def test_only_reported_blocks_enter_the_change_log():
@@ -68,9 +75,9 @@ def test_the_index_finds_each_instances_longest_prefix_and_forgets_what_is_evict
     index.apply("a", PrefixEvents(removed=(2, 9)))
     assert index.matches((1, 2, 3)) == {"a": 1, "b": 2}
     index.apply("b", PrefixEvents(stored=(7,), reset=True))
-    assert index.matches((1, 2)) == {"a": 1} and index.cached_blocks("b") == ANCHOR_STRIDE
+    assert index.matches((1, 2)) == {"a": 1} and index.held_anchors("b") == 1
     index.drop("a")
-    assert index.matches((1,)) == {} and index.cached_blocks("a") == 0 and len(index) == 3
+    assert index.matches((1,)) == {} and index.held_anchors("a") == 0 and len(index) == 3
 
 
 @settings(max_examples=200, deadline=None)

@@ -7,6 +7,7 @@ nothing predicts (the prompt's first) has None in the completions' lists.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,5 +51,7 @@ def _chat_token(tokenizer: Tokenizer, token: int, logprob: float) -> dict[str, A
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _text(tokenizer: Tokenizer, token: int) -> str:
+    """Kept: a streamed token with logprobs shows up to 21 tokens' texts, and a vocabulary's never change."""
     return tokenizer.decode([token])

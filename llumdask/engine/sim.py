@@ -630,7 +630,7 @@ class SimEngine:
         hashes = self._hashes(seq, full)
         table = self._blocks.table(seq.request_id)
         for index in range(seq.registered, full):
-            self._blocks.register(table[index], hashes[index], reported=is_anchor(index))
+            self._blocks.register(table[index], hashes[index], reported=is_anchor(index, self.block_size))
         seq.registered = full
 
     def _step_time(self, chunks: list[_Chunk]) -> float:

@@ -15,7 +15,7 @@ from typing import Iterator, Protocol, Sequence, overload
 import numpy as np
 
 from llumdask.load import InstanceLoad
-from llumdask.prefix import ANCHOR_STRIDE, PrefixIndex
+from llumdask.prefix import PrefixIndex, anchor_stride
 from llumdask.request import Priority
 
 
@@ -64,6 +64,9 @@ class CandidateTable(Sequence[Candidate]):
         # One block size for all (the usual case): block arithmetic on a scalar, not a column.
         sizes = set(self._block_size.tolist())
         self._uniform_block_size: int | None = sizes.pop() if len(sizes) == 1 else None
+        # Blocks an anchor of the prefix index stands for.
+        self._stride: float | np.ndarray = (float(anchor_stride(self._uniform_block_size)) if self._uniform_block_size
+                                          else np.array([anchor_stride(int(b)) for b in self._block_size], dtype=float))
         self._charge = {p: np.zeros(n) for p in Priority}
         # Candidates charged each class's headroom: a column of zeros is not worth a pass.
         self._charged = dict.fromkeys(Priority, 0)
@@ -131,14 +134,15 @@ class CandidateTable(Sequence[Candidate]):
             return last[1]
         lengths = self._prefix.lengths(hashes)
         # Every candidate has its slot (given when the table was built), below the index's width.
-        hits = None if lengths is None else lengths[self._prefix_slots] * float(ANCHOR_STRIDE)
+        hits = None if lengths is None else lengths[self._prefix_slots] * self._stride
         self._last_hits = (hashes, hits)
         return hits
 
     def held_blocks(self) -> np.ndarray:
         """Block hashes each candidate caches, as far as the index knows (its cache's size)."""
         prefix = self._prefix
-        return np.array([prefix.cached_blocks(c.instance_id) if prefix is not None else 0 for c in self._candidates], dtype=float)
+        held = np.array([prefix.held_anchors(c.instance_id) if prefix is not None else 0 for c in self._candidates], dtype=float)
+        return held * self._stride
 
     def __len__(self) -> int:
         return len(self._candidates)

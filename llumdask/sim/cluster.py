@@ -319,7 +319,7 @@ class SimCluster:
             arrival_time=self.events.now,
         )
         # As the requester does: the prompt's block hashes travel with the dispatch, not its tokens.
-        hashes = anchors(block_hashes(prompt, self.config.block_size)) if self._hash_prompts else ()
+        hashes = anchors(block_hashes(prompt, self.config.block_size), self.config.block_size) if self._hash_prompts else ()
         info = DispatchInfo(request_id, trace.input_len, trace.output_len, trace.priority, block_hashes=hashes)
         try:
             target = self.scheduler.dispatch(info, self.events.now)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from llumdask.prefix import ANCHOR_STRIDE, PrefixEvents, anchors, block_hashes
+from llumdask.prefix import PrefixEvents, anchor_stride, anchors, block_hashes
 
 pytestmark = [pytest.mark.vllm]
 
 BS = 4  # block size of the unit tests
+STRIDE = anchor_stride(BS)  # blocks per anchor at that size
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def tracker(pool_blocks: int = 1000):
     return PrefixTracker(BS, pool_blocks)
 
 
-TOKENS = list(range(100, 100 + 2 * ANCHOR_STRIDE * BS + 3))  # two anchors' worth and a partial block
+TOKENS = list(range(100, 100 + 2 * STRIDE * BS + 3))  # two anchors' worth and a partial block
 OURS = block_hashes(TOKENS, BS)
 
 
@@ -46,35 +47,35 @@ def test_a_stored_run_reports_the_requesters_anchor_hashes(events):
     t = tracker()
     theirs = [f"v{i}" for i in range(len(OURS))]
     t.apply([stored(events, theirs, TOKENS[: len(OURS) * BS])])
-    assert t.drain() == PrefixEvents(stored=anchors(OURS))
+    assert t.drain() == PrefixEvents(stored=anchors(OURS, BS))
     assert not t.drain() and len(t) == len(OURS)
 
 
 def test_a_run_continuing_a_cached_parent_chains_from_its_hash_and_position(events):
     t = tracker()
-    split = ANCHOR_STRIDE - 3  # the first anchor falls in the second run
+    split = STRIDE - 3  # the first anchor falls in the second run
     theirs = [f"v{i}" for i in range(len(OURS))]
     t.apply([stored(events, theirs[:split], TOKENS[: split * BS])])
     assert not t.drain()
     t.apply([stored(events, theirs[split:], TOKENS[split * BS : len(OURS) * BS], parent=theirs[split - 1])])
-    assert t.drain() == PrefixEvents(stored=anchors(OURS))
+    assert t.drain() == PrefixEvents(stored=anchors(OURS, BS))
 
 
 def test_removal_reports_an_anchor_once_its_last_copy_goes(events):
     t = tracker()
-    theirs = [f"v{i}" for i in range(ANCHOR_STRIDE)]
-    run = TOKENS[: ANCHOR_STRIDE * BS]
+    theirs = [f"v{i}" for i in range(STRIDE)]
+    run = TOKENS[: STRIDE * BS]
     t.apply([stored(events, theirs, run), stored(events, theirs, run)])  # two requests computed it at once
-    assert t.drain() == PrefixEvents(stored=(OURS[ANCHOR_STRIDE - 1],))
+    assert t.drain() == PrefixEvents(stored=(OURS[STRIDE - 1],))
     t.apply([removed(events, [theirs[-1]])])
     assert not t.drain()
     t.apply([removed(events, [theirs[-1]]), removed(events, ["never-stored"])])
-    assert t.drain() == PrefixEvents(removed=(OURS[ANCHOR_STRIDE - 1],))
+    assert t.drain() == PrefixEvents(removed=(OURS[STRIDE - 1],))
 
 
 def test_blocks_whose_identity_is_more_than_tokens_are_left_out_with_their_children(events):
     t = tracker()
-    n = ANCHOR_STRIDE
+    n = STRIDE
     run = TOKENS[: n * BS]
     t.apply([
         stored(events, [f"salt{i}" for i in range(n)], run, extra_keys=[("salt",)] + [None] * (n - 1)),
@@ -87,7 +88,7 @@ def test_blocks_whose_identity_is_more_than_tokens_are_left_out_with_their_child
 
 def test_a_cleared_cache_resets_the_index_entry(events):
     t = tracker()
-    t.apply([stored(events, [f"v{i}" for i in range(ANCHOR_STRIDE)], TOKENS[: ANCHOR_STRIDE * BS])])
+    t.apply([stored(events, [f"v{i}" for i in range(STRIDE)], TOKENS[: STRIDE * BS])])
     t.apply([events.AllBlocksCleared()])
     assert t.drain() == PrefixEvents(reset=True) and len(t) == 0
 
@@ -95,10 +96,10 @@ def test_a_cleared_cache_resets_the_index_entry(events):
 def test_a_change_log_past_twice_the_pool_sends_the_whole_cache(events):
     t = tracker(pool_blocks=1)
     for round_ in range(3):
-        tokens = [round_ * 1000 + i for i in range(ANCHOR_STRIDE * BS)]
-        t.apply([stored(events, [f"r{round_}b{i}" for i in range(ANCHOR_STRIDE)], tokens)])
-    t.apply([removed(events, ["r0b7"])])
-    cached = {block_hashes([r * 1000 + i for i in range(ANCHOR_STRIDE * BS)], BS)[-1] for r in (1, 2)}
+        tokens = [round_ * 1000 + i for i in range(STRIDE * BS)]
+        t.apply([stored(events, [f"r{round_}b{i}" for i in range(STRIDE)], tokens)])
+    t.apply([removed(events, [f"r0b{STRIDE - 1}"])])
+    cached = {block_hashes([r * 1000 + i for i in range(STRIDE * BS)], BS)[-1] for r in (1, 2)}
     events_out = t.drain()
     assert events_out.reset and set(events_out.stored) == cached
 
@@ -122,12 +123,13 @@ def test_a_running_engine_reports_what_the_requester_hashes_and_its_evictions(ti
     first, second = prompt(1), prompt(2)
     tight_engine.prefix_events()
     run(tight_engine, "first", first)
-    anchor = anchors(block_hashes(first, 128))
+    anchor = anchors(block_hashes(first, 128), 128)
     assert anchor and tight_engine.prefix_events() == PrefixEvents(stored=anchor)
     run(tight_engine, "again", first)
     assert not tight_engine.prefix_events()  # a hit caches nothing new
     run(tight_engine, "second", second)  # its ten blocks take the first's cached ones
-    assert tight_engine.prefix_events() == PrefixEvents(stored=anchors(block_hashes(second, 128)), removed=anchor)
+    events = tight_engine.prefix_events()  # evicted in vLLM's order: the tail of a prefix first
+    assert events.stored == anchors(block_hashes(second, 128), 128) and sorted(events.removed) == sorted(anchor)
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ class PrefixTracker:
                 self._changes.overflow()
 
     def drain(self) -> PrefixEvents:
-        return self._changes.drain(lambda: (c.our_hash for c in self._cached.values() if is_anchor(c.position)))
+        return self._changes.drain(lambda: (c.our_hash for c in self._cached.values() if is_anchor(c.position, self.block_size)))
 
     def _stored(self, event: Any) -> None:
         if event.block_size != self.block_size or event.lora_name is not None or event.lora_id is not None:
@@ -77,7 +77,7 @@ class PrefixTracker:
                 known.copies += 1  # a second block with the same prefix (two requests computed it at once)
                 continue
             self._cached[theirs] = _Cached(our_hash, position + offset)
-            if is_anchor(position + offset):
+            if is_anchor(position + offset, self.block_size):
                 self._changes.record(our_hash, True)
 
     def _removed(self, hashes: Iterable[Any]) -> None:
@@ -88,5 +88,5 @@ class PrefixTracker:
             known.copies -= 1
             if known.copies == 0:
                 del self._cached[theirs]
-                if is_anchor(known.position):
+                if is_anchor(known.position, self.block_size):
                     self._changes.record(known.our_hash, False)
