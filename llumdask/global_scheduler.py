@@ -317,7 +317,8 @@ class GlobalScheduler:
     # ------------------------------------------------------------------ decisions
 
     def dispatch(self, info: DispatchInfo, now: float) -> str:
-        """Choose the instance for a new request and count it as pending demand there."""
+        """Choose the instance for a new request (and the `info.count` - 1 placed with it) and count
+        them as pending demand there."""
         candidates = self._candidates
         if candidates is None:
             candidates = self._candidates = CandidateTable(
@@ -335,7 +336,8 @@ class GlobalScheduler:
         instance = self._instances.get(chosen)
         if instance is None or not instance.ready or instance.terminating:
             raise RuntimeError(f"dispatch policy {type(self._dispatch_policy).__name__} chose {chosen!r}, not a candidate")
-        instance.add_pending(info)
+        for _ in range(info.count):
+            instance.add_pending(info)
         candidates.update(instance)
         return chosen
 

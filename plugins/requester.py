@@ -1,7 +1,9 @@
 """The requester's side of serving (notebook client, gateway): placement, token streams, recovery.
 
 Placement: the scheduler's `llumnix_dispatch` names an instance (a few numbers go to the
-scheduler, never the prompt), then the request goes straight to that instance's worker. If the
+scheduler, never the prompt), then the request goes straight to that instance's worker; the
+choices of one completion go together (`submit_together`: one dispatch, one instance, where
+they share the prompt's KV). If the
 scheduler does not answer within `dispatch_timeout`, the requester enters bypass mode for
 `bypass_period`: it hands requests to known instances itself, in turn (no migration, no load
 balance beyond rotation), and tries the scheduler again afterwards. Transient failures (no
@@ -28,6 +30,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -93,15 +96,26 @@ class Requester:
     # ------------------------------------------------------------------ requests
     async def submit(self, request: Request) -> TokenStream:
         """Place a request and return its token stream (open until it finishes or is forgotten)."""
+        return (await self.submit_together([request]))[0]
+
+    async def submit_together(self, requests: Sequence[Request]) -> list[TokenStream]:
+        """Place requests that share a prompt (the choices of one completion) on one instance with
+        one dispatch: there they share the prompt's KV through the prefix cache, as vLLM's server
+        prefills n choices once. All or none: if one cannot be placed, those placed are aborted."""
         listener = await self._ensure_listener()
-        stream = listener.open(request.request_id)
+        streams = [listener.open(r.request_id) for r in requests]
+        placed: dict[str, str] = {}
         try:
-            instance = await self._place(request)
+            await self._place(requests, placed)
         except BaseException:
-            listener.close_stream(request.request_id)
+            for request in requests:
+                listener.close_stream(request.request_id)
+                if request.request_id in placed:
+                    await asyncio.shield(self._abort_on(placed[request.request_id], request.request_id))
             raise
-        self._open[request.request_id] = _Open(request, stream, instance)
-        return stream
+        for request, stream in zip(requests, streams):
+            self._open[request.request_id] = _Open(request, stream, placed[request.request_id])
+        return streams
 
     def holder(self, request_id: str) -> str | None:
         """The instance believed to hold an open request now."""
@@ -118,10 +132,13 @@ class Requester:
         holder = self.holder(request_id)
         self.forget(request_id)
         if holder is not None:
-            try:
-                await asyncio.wait_for(call(self._client.rpc(holder), Op.ABORT, request_id=request_id), self._config.rpc_timeout)
-            except (OSError, asyncio.TimeoutError):
-                logger.info("could not abort %s on %s", request_id, holder)
+            await self._abort_on(holder, request_id)
+
+    async def _abort_on(self, instance: str, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(call(self._client.rpc(instance), Op.ABORT, request_id=request_id), self._config.rpc_timeout)
+        except (OSError, asyncio.TimeoutError):
+            logger.info("could not abort %s on %s", request_id, instance)
 
     async def status(self) -> dict:
         """The scheduler's `llumnix_status` (the whole instance table and the migration counts)."""
@@ -154,30 +171,37 @@ class Requester:
         self._open.clear()
 
     # ------------------------------------------------------------------ placement
-    async def _place(self, request: Request, *, admitted: bool = False) -> str:
-        """Choose an instance and hand the request over, retrying transient failures. A refusal
-        for load (ClusterOverloaded) is not retried: the caller answers it; `admitted` requests
-        (resubmissions) are never refused for load."""
+    async def _place(self, requests: Sequence[Request], placed: dict[str, str], *, admitted: bool = False) -> None:
+        """Choose one instance for requests sharing a prompt and hand them over, entering each in
+        `placed` (id -> instance) as it is accepted; those a transient failure left out are placed
+        again, together, until `placement_timeout`. A refusal for load (ClusterOverloaded) is not
+        retried: the caller answers it; `admitted` requests (resubmissions) are never refused for load."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.placement_timeout
         while True:
+            left = [r for r in requests if r.request_id not in placed]
             try:
-                instance = await self._choose(request, admitted)
-                await self._hand_over(request, instance)
-                return instance
+                instance = await self._choose(left[0], admitted, len(left))
+                handed = await asyncio.gather(*(self._hand_over(r, instance) for r in left), return_exceptions=True)
+                placed.update((r.request_id, instance) for r, result in zip(left, handed) if result is None)
+                failure = next((result for result in handed if isinstance(result, BaseException)), None)
+                if failure is not None:
+                    raise failure
+                return
             except (OSError, asyncio.TimeoutError, NoInstanceAvailable) as exc:
                 if loop.time() > deadline:
                     raise NoInstanceAvailable(
-                        f"request {request.request_id} not placed within {self._config.placement_timeout} s: {exc}"
+                        f"request {left[0].request_id} not placed within {self._config.placement_timeout} s: {exc}"
                     ) from exc
-                logger.debug("placing %s failed (%s); retrying", request.request_id, exc)
+                logger.debug("placing %s failed (%s); retrying", left[0].request_id, exc)
                 await asyncio.sleep(0.2)
 
-    async def _choose(self, request: Request, admitted: bool) -> str:
+    async def _choose(self, request: Request, admitted: bool, count: int) -> str:
+        """The instance for `request` and the `count` - 1 others placed with it (its prompt's)."""
         loop = asyncio.get_running_loop()
         if loop.time() >= self._bypass_until:
             try:
-                return await asyncio.wait_for(self._dispatch(request, admitted), self._config.dispatch_timeout)
+                return await asyncio.wait_for(self._dispatch(request, admitted, count), self._config.dispatch_timeout)
             except (OSError, asyncio.TimeoutError):
                 logger.warning("the scheduler does not answer: dispatching directly for %s s", self._config.bypass_period)
                 self._bypass_until = loop.time() + self._config.bypass_period
@@ -186,7 +210,7 @@ class Requester:
         self.bypassed += 1
         return self._known[next(self._rotation) % len(self._known)]
 
-    async def _dispatch(self, request: Request, admitted: bool) -> str:
+    async def _dispatch(self, request: Request, admitted: bool, count: int) -> str:
         reply = await call(
             self._client.scheduler, Op.DISPATCH,
             request_id=request.request_id,
@@ -194,6 +218,7 @@ class Requester:
             max_tokens=request.remaining_tokens,
             execution_priority=int(request.execution_priority),
             admitted=admitted,
+            count=count,
             # The scheduler sees block hashes, never tokens: enough to find a cached prefix.
             block_hashes=anchors(block_hashes(request.prompt_token_ids + request.output_token_ids, self._block_size),
                                  self._block_size),
@@ -310,11 +335,13 @@ class Requester:
                 entry.stream.push(TokenBatch(request.request_id, len(request.output_token_ids), (),
                                              entry.holder, finished=True, finish_reason=reason))
                 return
+            placed: dict[str, str] = {}
             try:
-                instance = await self._place(request, admitted=True)
+                await self._place([request], placed, admitted=True)
             except RuntimeError as exc:  # not placed in time, refused, no llumdask scheduler
                 entry.stream.fail(exc)
                 return
+            instance = placed[request.request_id]
             entry.instance = instance
             sequence.owner = None
             self.resubmissions += 1

@@ -194,15 +194,16 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         execution_priority: int = 0,
         admitted: bool = False,
         block_hashes: Sequence[int] = (),
+        count: int = 1,
     ) -> dict:
         info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, execution_priority, admitted,
-                            tuple(block_hashes))
+                            tuple(block_hashes), count)
         try:
             instance = self._scheduler().dispatch(info, time.time())
         except (NoInstanceAvailable, ClusterOverloaded) as exc:
-            self._metrics().dispatches["refused"] += 1
+            self._metrics().dispatches["refused"] += count
             return refusal(exc)
-        self._metrics().dispatches["placed"] += 1
+        self._metrics().dispatches["placed"] += count
         return reply(Placed(instance))
 
     def status(self) -> dict:

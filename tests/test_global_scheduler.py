@@ -225,6 +225,17 @@ def test_reports_absorb_pending_requests_in_dispatch_order():
     assert gs.freeness("i0") == (BLOCKS - 15) / 3
 
 
+def test_choices_placed_together_go_to_one_instance_and_each_is_pending_there():
+    gs = scheduler(2)
+    gs.report(load("i1", used=10), 0.0)
+    chosen = gs.dispatch(DispatchInfo("r0", 16 * 4, 10, count=3), 0.0)
+    assert chosen == "i0"  # where one would go; the other two follow it
+    rows = {row.instance_id: row for row in gs.instances()}
+    assert (rows["i0"].num_pending, rows["i0"].pending_blocks) == (3, 12) and rows["i1"].num_pending == 0
+    gs.report(load("i0", used=6, running=3, received=3), 1.0)  # all three arrived (the prompt shared)
+    assert gs.instances()[0].num_pending == 0
+
+
 def test_incoming_migrations_are_not_received_requests():
     gs = scheduler(1)
     gs.dispatch(info(0, 16 * 4), 0.0)

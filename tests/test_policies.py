@@ -131,7 +131,8 @@ def test_unknown_policy_lists_the_registered_names():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"request_id": ""}, {"num_prompt_tokens": 0}, {"num_prompt_tokens": -5}, {"max_tokens": 0}, {"num_prompt_tokens": 1.5}],
+    [{"request_id": ""}, {"num_prompt_tokens": 0}, {"num_prompt_tokens": -5}, {"max_tokens": 0}, {"num_prompt_tokens": 1.5},
+     {"count": 0}],
 )
 def test_dispatch_info_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):

@@ -76,12 +76,14 @@ class TokenBatches(Protocol):
 class Backend(Protocol):
     model: ModelInfo
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     priority: Priority) -> TokenBatches:
-        """Dispatch a request named `request_id` (cluster-unique); returns once an instance accepted it.
+    async def submit(self, choices: Sequence[tuple[str, SamplingParams]], prompt_token_ids: list[int],
+                     priority: Priority) -> list[TokenBatches]:
+        """Dispatch the choices of one completion, each a request named by its (cluster-unique) id
+        with its own sampling, together (they share the prompt); returns once instances accepted
+        them all, their batches in the same order.
 
         Raises BackendUnavailable (no instance now), BackendOverloaded (every instance would queue
-        it) or BackendRejected (never fits).
+        them) or BackendRejected (never fits); then none of them runs.
         """
         ...
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -75,18 +75,19 @@ class DaskBackend:
             await requester.close()
             await dask_client.close()
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     priority: Priority) -> DaskTokenBatches:
-        request = Request.arriving(request_id, prompt_token_ids, sampling, priority, time.time())
+    async def submit(self, choices: Sequence[tuple[str, SamplingParams]], prompt_token_ids: list[int],
+                     priority: Priority) -> list[DaskTokenBatches]:
+        now = time.time()
+        requests = [Request.arriving(request_id, prompt_token_ids, sampling, priority, now) for request_id, sampling in choices]
         try:
-            stream = await self.requester.submit(request)
+            streams = await self.requester.submit_together(requests)
         except RequestRejected as exc:
             raise BackendRejected(str(exc)) from None
         except ClusterOverloaded as exc:
             raise BackendOverloaded(str(exc)) from None
         except (NoInstanceAvailable, NoLlumdaskScheduler, OSError, asyncio.TimeoutError) as exc:
             raise BackendUnavailable(str(exc) or type(exc).__name__) from None
-        return DaskTokenBatches(self.requester, request.request_id, stream)
+        return [DaskTokenBatches(self.requester, r.request_id, stream) for r, stream in zip(requests, streams)]
 
     async def abort(self, request_id: str) -> None:
         await self.requester.abort(request_id)

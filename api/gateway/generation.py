@@ -56,7 +56,7 @@ class Delta(NamedTuple):
 
 
 class Generation:
-    """Use as: `await start()`, iterate `deltas()`, then read `finish_reason` / `usage`; always `close()`."""
+    """Use as: `await start_all([...])`, iterate `deltas()`, then read `finish_reason` / `usage`; always `close()`."""
 
     def __init__(self, backend: Backend, metrics: GatewayMetrics, endpoint: str,
                  request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
@@ -91,24 +91,14 @@ class Generation:
 
     def logprobs(self, start: int, end: int) -> Sequence[TokenLogprob]:
         """Log probabilities of output tokens [start, end) (the request asked for them)."""
-        assert self._batches is not None, "start() first"
+        assert self._batches is not None, "start_all() first"
         return self._batches.logprobs(start, end)
 
     @property
     def prompt_logprobs(self) -> Sequence[TokenLogprob | None]:
         """The prompt's (the request asked for them; the first is None): once a token came."""
-        assert self._batches is not None, "start() first"
+        assert self._batches is not None, "start_all() first"
         return self._batches.prompt_logprobs or [None] * len(self._prompt)
-
-    async def start(self) -> None:
-        try:
-            self._batches = await self._backend.submit(self._request_id, self._prompt, self._sampling, self._priority)
-        except BackendUnavailable as exc:
-            raise Unavailable(f"No instance can take the request now: {exc}") from None
-        except BackendOverloaded as exc:
-            raise ClusterBusy(str(exc), self._retry_after) from None
-        except BackendRejected as exc:
-            raise InvalidRequest(f"The request was rejected: {exc}", code="request_rejected") from None
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """One text delta per token batch until the request finishes or hits a stop string.
@@ -117,7 +107,7 @@ class Generation:
         tail of a possible stop string). It is still sent, as vLLM's server does, so that a client
         sees each token when it is made (time to first token is the first token's, not the first
         complete character's) and a streaming client's chunks follow the tokens."""
-        assert self._batches is not None, "start() first"
+        assert self._batches is not None, "start_all() first"
         try:
             async for batch in self._batches:
                 self._last_token = time.perf_counter()
@@ -163,12 +153,20 @@ def _finish_reason(reason: FinishReason | None) -> str:
 
 
 async def start_all(generations: Sequence[Generation]) -> None:
-    """Start every choice's generation; if one fails, its error once all have settled (the caller
-    closes them all, so none that did start keeps running)."""
-    results = await asyncio.gather(*(g.start() for g in generations), return_exceptions=True)
-    error = next((r for r in results if isinstance(r, BaseException)), None)
-    if error is not None:
-        raise error
+    """Start the choices of one completion, placed together (they share the prompt); if they
+    cannot be, none runs."""
+    first = generations[0]
+    try:
+        batches = await first._backend.submit([(g._request_id, g._sampling) for g in generations], first._prompt,
+                                              first._priority)
+    except BackendUnavailable as exc:
+        raise Unavailable(f"No instance can take the request now: {exc}") from None
+    except BackendOverloaded as exc:
+        raise ClusterBusy(str(exc), first._retry_after) from None
+    except BackendRejected as exc:
+        raise InvalidRequest(f"The request was rejected: {exc}", code="request_rejected") from None
+    for generation, batch in zip(generations, batches):
+        generation._batches = batch
 
 
 def total_usage(generations: Sequence[Generation]) -> Usage:

@@ -36,11 +36,14 @@ class DispatchInfo:
     # The prompt's anchor-block hashes (`llumdask.prefix.anchors`), for prefix-aware placement;
     # () if unknown.
     block_hashes: tuple[int, ...] = ()
+    # Requests placed together, this one and count - 1 like it (the choices of one completion):
+    # placed where this one would go, and all pending there.
+    count: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
-        for name in ("num_prompt_tokens", "max_tokens"):
+        for name in ("num_prompt_tokens", "max_tokens", "count"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"request {self.request_id}: {name} must be an integer >= 1, got {value!r}")

@@ -19,10 +19,10 @@ def recover(sampling: SamplingParams, delivered: int) -> tuple[TokenStream, list
     async def scenario() -> TokenStream:
         requester = Requester(client=None)  # no cluster: placement is recorded, not performed
 
-        async def place(request: Request, *, admitted: bool = False) -> str:
+        async def place(requests: list[Request], into: dict[str, str], *, admitted: bool = False) -> None:
             assert admitted, "a resubmission was admitted once: it must never be refused for load"
-            placed.append(request)
-            return "alive"
+            placed.extend(requests)
+            into.update((r.request_id, "alive") for r in requests)
 
         requester._place = place
         stream = TokenStream("r")

@@ -120,6 +120,34 @@ async def test_admission_by_load_refuses_at_once_and_never_refuses_a_resubmissio
         await requester.close()
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_choices_submitted_together_run_on_one_instance_and_all_or_none(c, s, a, b):
+    await install(c, s)
+    requester = Requester(c, load_config().requester)
+    try:
+        streams = await requester.submit_together([request(f"c{i}", 20) for i in range(3)])
+        assert len({requester.holder(f"c{i}") for i in range(3)}) == 1
+        for stream in streams:
+            tokens: list[int] = []
+            while batch := await stream.next_tokens():
+                tokens += batch
+            assert len(tokens) == 20
+        # One of them can never fit: the group is refused and the one accepted is aborted.
+        never = Request("g1", request("g0", 20).prompt_token_ids, SamplingParams(max_tokens=5000, ignore_eos=True))
+        with pytest.raises(RequestRejected, match="can never"):
+            await requester.submit_together([request("g0", 2000), never])
+        assert requester.holder("g0") is None
+        for _ in range(200):
+            rows = (await call(c.scheduler, Op.STATUS))["instances"]
+            if all(r["num_running"] == r["num_waiting"] == 0 and r["free_blocks"] == r["total_blocks"] for r in rows):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"the accepted choice still runs: {rows}")
+    finally:
+        await requester.close()
+
+
 def test_concurrent_first_submissions_share_one_token_listener(monkeypatch):
     """A fresh requester's first requests, submitted at once, start one token listener and each
     get every token (each once started a listener of its own, and a stream opened on one of them

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -102,18 +102,21 @@ class FakeBackend:
     # What the engine reports of its prefix cache (None: nothing, as the sim engine).
     cached_tokens: int | None = None
     submitted: list[Submitted] = field(default_factory=list)
+    # The request ids of each submission (a completion's choices come together).
+    placements: list[list[str]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     # Set (from the server's loop) when a request reached stall_after; tests wait on it from theirs.
     stalled: threading.Event = field(default_factory=threading.Event)
     opened: int = 0
     closed: int = 0
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     priority: Priority) -> ScriptedBatches:
+    async def submit(self, choices: Sequence[tuple[str, SamplingParams]], prompt_token_ids: list[int],
+                     priority: Priority) -> list[ScriptedBatches]:
         if self.submit_error is not None:
             raise self.submit_error
-        self.submitted.append(Submitted(request_id, list(prompt_token_ids), sampling, priority))
-        return ScriptedBatches(self, request_id, sampling, list(prompt_token_ids))
+        self.placements.append([request_id for request_id, _ in choices])
+        self.submitted += [Submitted(request_id, list(prompt_token_ids), sampling, priority) for request_id, sampling in choices]
+        return [ScriptedBatches(self, request_id, sampling, list(prompt_token_ids)) for request_id, sampling in choices]
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -327,6 +327,7 @@ def test_n_choices_are_requests_of_their_own(client, backend, tokenizer, script)
     assert all(c["text"] == tokenizer.decode(script[:5]) and c["finish_reason"] == "length" for c in body["choices"])
     rid = body["id"].removeprefix("cmpl-")
     assert [s.request_id for s in backend.submitted] == [rid, f"{rid}-1", f"{rid}-2"]
+    assert backend.placements == [[rid, f"{rid}-1", f"{rid}-2"]]  # placed together: they share the prompt
     # Seeded as vLLM seeds its n samples: seed + index.
     assert [s.sampling.seed for s in backend.submitted] == [5, 6, 7]
     prompt_tokens = len(backend.submitted[0].prompt_token_ids)
