@@ -191,8 +191,13 @@ class LlumletDriver:
         return report
 
     # ------------------------------------------------------------------ requests
-    def add(self, request: Request, reply_to: str) -> None:
-        self._llumlet().add_request(request)
+    def add(self, request: Request, reply_to: str, resubmission: bool = False) -> None:
+        """A resubmission of a request this instance runs already goes on here (it moved here while
+        its requester took its source for dead, e.g. the source died once it had handed the
+        request over): only its route is renewed. Any other request id it knows is an error."""
+        llumlet = self._llumlet()
+        if not (resubmission and llumlet.engine.get_request(request.request_id) is not None):
+            llumlet.add_request(request)
         self.routes.owned[request.request_id] = reply_to
 
     def abort(self, request_id: str) -> bool:

@@ -182,7 +182,8 @@ class Requester:
             left = [r for r in requests if r.request_id not in placed]
             try:
                 instance = await self._choose(left[0], admitted, len(left))
-                handed = await asyncio.gather(*(self._hand_over(r, instance) for r in left), return_exceptions=True)
+                handed = await asyncio.gather(*(self._hand_over(r, instance, admitted) for r in left),
+                                              return_exceptions=True)
                 placed.update((r.request_id, instance) for r, result in zip(left, handed) if result is None)
                 failure = next((result for result in handed if isinstance(result, BaseException)), None)
                 if failure is not None:
@@ -225,10 +226,13 @@ class Requester:
         )
         return reply.instance
 
-    async def _hand_over(self, request: Request, instance: str) -> None:
+    async def _hand_over(self, request: Request, instance: str, resubmission: bool) -> None:
+        """`resubmission`: the instance may hold the request already (it moved there), and then
+        keeps it running."""
         try:
             await asyncio.wait_for(
-                call(self._client.rpc(instance), Op.ADD, request=request_to_msg(request), reply_to=self._listener.address),
+                call(self._client.rpc(instance), Op.ADD, request=request_to_msg(request), reply_to=self._listener.address,
+                     resubmission=resubmission),
                 self._config.rpc_timeout,
             )
         except (OSError, asyncio.TimeoutError):

@@ -20,7 +20,7 @@ says where each request's tokens go, the report cadence) is `LlumletDriver`'s, w
 I/O; this host wires it to the worker: thread, comms, handlers, registration.
 
 Worker RPC handlers (a refusal, in brackets, is raised again at the caller; see plugins/control.py):
-    llumnix_add(request, reply_to)             -> {"accepted": True} [RequestRejected]
+    llumnix_add(request, reply_to, resubmission) -> {"accepted": True} [RequestRejected]
     llumnix_abort(request_id)                  -> {"aborted": bool}
     llumnix_where(request_ids)                 -> {"here": [id, ...], "moved": {id: destination}, "gone": [id, ...]}
     llumnix_migrate_out(request_id, destination) -> {"migration_id": str} [MigrationNotStarted]
@@ -278,13 +278,13 @@ class LlumletHost:
             self.worker.batched_send({"op": Op.EVENT, "event": msg})
 
     # ------------------------------------------------------------------ RPC handlers
-    async def add(self, request: dict, reply_to: str) -> dict:
+    async def add(self, request: dict, reply_to: str, resubmission: bool = False) -> dict:
         try:
             parsed = request_from_msg(request)
         except (KeyError, TypeError, ValueError) as exc:
             return refusal(RequestRejected(f"malformed request: {exc}"))
         try:
-            await self._call(self.driver.add, parsed, reply_to)
+            await self._call(self.driver.add, parsed, reply_to, bool(resubmission))
         except ValueError as exc:
             return refusal(RequestRejected(str(exc)))
         return reply(Accepted(True))

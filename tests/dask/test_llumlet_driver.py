@@ -45,11 +45,15 @@ class FakeLlumlet:
         self.fail = False
         self.ticks = 0
         self.aborted: list[str] = []
+        self.added: list[str] = []
         self.engine = SimpleNamespace(has_work=lambda: self.left > 0,
                                       get_request=lambda request_id: SimpleNamespace(num_output_tokens=self.index))
 
     def abort_request(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def add_request(self, request) -> None:
+        self.added.append(request.request_id)
 
     def tick(self) -> None:
         self.ticks += 1
@@ -197,3 +201,18 @@ def test_whereabouts_say_which_requests_are_here_moved_on_or_gone(driver):
     found = driver.whereabouts(["here", "arriving", "left", "stayed", "never"])
     assert found.here == ("here", "arriving") and found.moved == {"left": "tcp://other:1"}
     assert found.gone == ("stayed", "never")  # an aborted migration moved nothing: gone unless running
+
+
+def test_a_resubmission_of_a_request_already_here_goes_on_here_with_its_route_renewed(driver):
+    """Its source died once it had handed the request over: the requester resubmits it, and the
+    scheduler may send it where it already runs."""
+    from llumdask.request import Request
+
+    llumlet = start(driver, steps=0)
+    running = {"moved-here"}
+    llumlet.engine.get_request = lambda request_id: object() if request_id in running else None
+    driver.add(Request("moved-here", [1, 2]), "tcp://gateway:2", resubmission=True)
+    assert llumlet.added == [] and driver.routes.owned["moved-here"] == "tcp://gateway:2"
+    driver.add(Request("new", [1, 2]), "tcp://gateway:2", resubmission=True)
+    driver.add(Request("moved-here", [1, 2]), "tcp://gateway:3")  # not a resubmission: the engine decides
+    assert llumlet.added == ["new", "moved-here"]
