@@ -13,8 +13,8 @@ state a fault fires, injected in the worker that receives that state's message:
 
 Figures per cell: runs whose client received exactly the tokens of an unmigrated run (none
 missing, none twice), runs that failed with an error, blocks or reservations left on a surviving
-instance once all are idle (the engines' own counts), the migration's outcome, and the time from
-the fault to the stream's next token (recovery). Goals: every run exact, no error, nothing leaked.
+instance once all are idle (the engines' own counts), the migration's outcome, the time from
+the fault to the stream's next token (recovery) and the longest wait for a token from the fault on. Goals: every run exact, no error, nothing leaked.
 
     python -m llumdask.benchmarks.faults --out DIR [--runs 20] [--states ...] [--faults ...]
 """
@@ -58,6 +58,7 @@ COLUMNS = (
     ("outcomes", "migration outcomes", "{}"),
     ("recovery_p50_ms", "recovery p50 ms", "{:.0f}"),
     ("recovery_max_ms", "recovery max ms", "{:.0f}"),
+    ("longest_gap_max_ms", "longest token gap ms", "{:.0f}"),
 )
 
 
@@ -105,7 +106,9 @@ class Run:
     leaked_blocks: int
     fired: bool
     outcome: str
+    # From the fault to the stream's next token, and the longest wait for a token from the fault on.
     recovery_s: float | None
+    longest_gap_s: float | None
 
 
 def reference(config: LlumdaskConfig, prompt: list[int]) -> list[int]:
@@ -180,21 +183,23 @@ def run_once(llum: LlumdaskClient, config: LlumdaskConfig, state: str, fault: st
                  if w in (source, destination))
     events = [e for s in survivors.values() for e in s["events"] if e["migration_id"] == migration]
     outcome = next((e["kind"] for e in events if e["kind"] != "started"), "unknown (its source died)")
-    after = [t for t in arrivals if fault_at is not None and t >= fault_at]
-    return Run(received == expected, error, leaked, fired, outcome, after[0] - fault_at if after else None)
+    after = [fault_at, *(t for t in arrivals if t >= fault_at)] if fault_at is not None else []
+    gaps = [b - a for a, b in zip(after, after[1:])]
+    return Run(received == expected, error, leaked, fired, outcome, gaps[0] if gaps else None, max(gaps, default=None))
 
 
 def cell(llum: LlumdaskClient, config: LlumdaskConfig, state: str, fault: str, runs: int, numbers: Any,
          mark: Path) -> dict[str, Any]:
     results = [run_once(llum, config, state, fault, next(numbers), mark) for _ in range(runs)]
     recovery = summarize((r.recovery_s for r in results if r.recovery_s is not None), 1e3)
+    longest = summarize((r.longest_gap_s for r in results if r.longest_gap_s is not None), 1e3)
     outcomes: dict[str, int] = {}
     for r in results:
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
     return {"state": state, "fault": fault, "runs": runs, "exact": sum(r.exact for r in results),
             "failed": sum(r.error is not None for r in results), "leaked_blocks": sum(r.leaked_blocks for r in results),
             "fired": sum(r.fired for r in results), "outcomes": outcomes,
-            "recovery_p50_ms": recovery["p50"], "recovery_max_ms": recovery["max"],
+            "recovery_p50_ms": recovery["p50"], "recovery_max_ms": recovery["max"], "longest_gap_max_ms": longest["max"],
             "errors": sorted({r.error for r in results if r.error is not None})}
 
 

@@ -1,0 +1,19 @@
+"""A slice of the fault matrix (benchmarks/faults.py) in the default run: the source killed once
+it has handed a request over. The rest of the matrix is the benchmark's (README, figures)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llumdask.benchmarks.faults import matrix
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_source_killed_after_handing_the_request_over_loses_nothing(tmp_path):
+    """Its requester resubmits the request, and the scheduler may send it to the instance already
+    running it: that instance keeps it (it once refused it as a duplicate, and the client got an
+    error). Every token exactly once, nothing left on the survivors."""
+    rows = matrix(("last_stage", "commit"), ("kill_source",), runs=1, scratch=tmp_path)
+    for row in rows:
+        assert row["fired"] == row["exact"] == 1 and row["failed"] == 0 and row["leaked_blocks"] == 0, row
