@@ -309,6 +309,15 @@ class GlobalScheduler:
         return [instance.view(self.prefix.held_anchors(instance.instance_id) * anchor_stride(instance.block_size))
                 for instance in self._instances.values()]
 
+    @property
+    def block_size(self) -> int | None:
+        """The KV block size of the instances (the first registered of those known), which
+        requesters cut prompts by for the block hashes dispatch matches against the instances'
+        caches; None while none is registered. It is the engines' (vLLM's CPU blocks are 128
+        tokens), not this process's configuration."""
+        first = next(iter(self._instances.values()), None)
+        return None if first is None else first.block_size
+
     def members(self) -> tuple[list[str], list[str]]:
         """Every known instance, and those a request may be placed on (ready, not draining)."""
         placeable = [i.instance_id for i in self._instances.values() if i.ready and not i.terminating]

@@ -221,11 +221,13 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
     def members(self, epoch: str | None = None) -> dict:
         """The instance ids (all, and those a request may go to), or only the epoch when the caller's
         `epoch` is current: what a requester polls every second to notice a dead instance."""
-        current = f"{self._incarnation}:{self._scheduler().epoch}"
+        scheduler = self._scheduler()
+        current = f"{self._incarnation}:{scheduler.epoch}"
+        block_size = scheduler.block_size or self.config.block_size
         if epoch == current:
-            return reply(Members(current, None, None, self.config.block_size))
-        alive, placeable = self._scheduler().members()
-        return reply(Members(current, tuple(alive), tuple(placeable), self.config.block_size))
+            return reply(Members(current, None, None, block_size))
+        alive, placeable = scheduler.members()
+        return reply(Members(current, tuple(alive), tuple(placeable), block_size))
 
     def migrations(self, limit: int = 50) -> list[dict]:
         """The latest `limit` migration outcomes (committed and aborted), oldest first."""

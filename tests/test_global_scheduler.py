@@ -541,3 +541,10 @@ def test_reports_feed_the_prefix_index_and_dispatch_follows_it_until_the_instanc
     assert [v.cached_blocks for v in gs.instances()] == [16, 0]
     gs.remove_instance("i0")
     assert gs.prefix.matches(hashes) == {}
+
+
+def test_the_block_size_is_the_instances():
+    gs = scheduler()
+    assert gs.block_size is None
+    gs.register_instance("a", BLOCKS, 128, 0.0)
+    assert gs.block_size == 128

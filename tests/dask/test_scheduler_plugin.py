@@ -155,9 +155,14 @@ def test_with_scaling_enabled_dask_adaptive_target_is_answered():
     run_plugin(check, overrides=overrides)
 
 
-def test_members_tell_the_instances_block_size():
+def test_members_tell_the_instances_block_size_not_the_configured_one():
+    """vLLM's CPU blocks are 128 tokens whatever the configuration says: a requester cutting
+    prompts by the configured 4 (or the default 16) would match no block an engine caches."""
     async def check(plugin, scheduler):
-        assert plugin.members()["block_size"] == 4
+        assert plugin.members()["block_size"] == 4  # no instance yet: the configuration's
+        plugin.register("a", 100, 128)
+        first = plugin.members()
+        assert first["block_size"] == 128 and plugin.members(epoch=first["epoch"])["block_size"] == 128
 
     run_plugin(check, overrides={"block-size": 4, "migration": {"interval": 60.0}})
 

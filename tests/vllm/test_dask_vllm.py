@@ -238,21 +238,30 @@ def _no_restart(dask_worker) -> None:
     dask_worker.close_gracefully(reason="the test kills its worker")
 
 
-def test_the_scheduler_indexes_what_an_instance_caches_and_a_repeat_hits_it(clean):
-    """vLLM's KV-cache events reach the scheduler's prefix index (an anchor every eight blocks),
-    and a repeated nine-block prompt finds its blocks cached. The plumbing: two idle instances
-    tie, so the repeat would land on the same one without prefix-aware dispatch too (that
-    dispatch follows the index is tests/test_global_scheduler.py's to show)."""
-    from llumdask.prefix import ANCHOR_STRIDE
+def _index_matches(hashes: tuple[int, ...], dask_scheduler=None) -> dict[str, int]:
+    from llumdask.plugins.scheduler import PLUGIN_NAME
 
-    def indexed() -> int:
-        return sum(row["cached_blocks"] for row in clean.instances())
+    return dask_scheduler.plugins[PLUGIN_NAME].global_scheduler.prefix.matches(hashes)
 
+
+def test_the_scheduler_indexes_what_an_instance_caches_under_the_requesters_hashes(clean):
+    """vLLM's KV-cache events reach the scheduler's prefix index under the very hashes a requester
+    computes for the prompt, cut by the block size the scheduler tells requesters: the engines'
+    128 tokens, not the configured 16 (with which no dispatch ever matched a vLLM instance's
+    cache). A repeated nine-block prompt finds its blocks cached."""
+    from llumdask.plugins.control import Op, call
+    from llumdask.prefix import anchors, block_hashes
+
+    client = clean.dask_client
+    block_size = client.sync(call, client.scheduler, Op.MEMBERS).block_size
+    assert block_size == 128
     prompt = prompt_of("indexed", 9 * 128 + 5)
-    before = indexed()
-    first = clean.generate(prompt, max_tokens=2, ignore_eos=True)
-    assert first.usage["prompt_tokens_details"]["cached_tokens"] == 0
-    wait_until(lambda: indexed() >= before + ANCHOR_STRIDE, 10, "the prompt's anchor in the index")
+    hashes = anchors(block_hashes(prompt, block_size), block_size)
+    stream = clean.stream(prompt, max_tokens=2, ignore_eos=True)
+    first = list(stream)
+    assert stream.cached_tokens == 0
+    wait_until(lambda: client.run_on_scheduler(_index_matches, hashes) == {stream.instance: 9}, 10,
+               "the prompt's nine anchors indexed for its instance")
     again = clean.generate(prompt, max_tokens=2, ignore_eos=True)
     assert again.usage["prompt_tokens_details"]["cached_tokens"] == 9 * 128
-    assert again.token_ids == first.token_ids
+    assert again.token_ids == first

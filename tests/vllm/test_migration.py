@@ -4,6 +4,8 @@ decodes, a paused last stage, resume on the destination, and the rollback paths.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -287,11 +289,12 @@ def test_min_tokens_count_what_was_generated_before_the_migration(vllm_engine, p
 ], ids=["presence_penalty", "frequency_penalty", "json_schema"])
 def test_options_that_cannot_move_exactly_are_pinned(vllm_engine, option, reason):
     vllm_engine.add_request(make_request("pinned", 20, 50, **option))
-    # A grammar compiles before its request is scheduled: step until it decodes.
-    for _ in range(200):
+    # A grammar compiles (in a thread) before its request is scheduled: step until it decodes,
+    # however many steps that takes on a busy machine.
+    deadline = time.monotonic() + 120
+    while len(vllm_engine.get_request("pinned").output_token_ids) < 2:
+        assert time.monotonic() < deadline, "the request never decoded"
         vllm_engine.step()
-        if len(vllm_engine.get_request("pinned").output_token_ids) >= 2:
-            break
     (load,) = vllm_engine.snapshot().running
     assert not load.migratable and load.pinned and vllm_engine.load_totals().num_pinned == 1
     vllm_engine.check_integrity()  # the totals equal a recount, pinned ones included
