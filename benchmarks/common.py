@@ -17,6 +17,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from llumdask.api.bench import format_table
+from llumdask.engine.base import Engine
+from llumdask.request import Request
 from llumdask.sim.run import write_json
 
 Column = tuple[str, str, str]
@@ -91,6 +93,15 @@ def int_list(text: str) -> list[int]:
 def times(value: float | None) -> str:
     """A ratio for a sentence: 1.23x, or - when undefined."""
     return "-" if value is None else f"{value:.2f}x"
+
+
+def tokens_alone(engine: Engine, request: Request) -> list[int]:
+    """The tokens `request` yields run alone on `engine` to its end, never migrated: what a
+    migrated run must reproduce."""
+    engine.add_request(request)
+    while engine.has_work():
+        engine.step()
+    return list(request.output_token_ids)
 
 
 def report(name: str, out: Path, rows: Sequence[dict[str, Any]], columns: Sequence[Column],

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from llumdask.benchmarks.common import tokens_alone
 from llumdask.config import LlumdaskConfig
 from llumdask.engine.base import Engine, MigrationState, StepResult, TokenOutput
 from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
@@ -225,13 +226,6 @@ class _Pair:
         raise RuntimeError("instances did not go idle")
 
 
-def _reference(engine: Engine, request: Request) -> list[int]:
-    engine.add_request(request)
-    while engine.has_work():
-        engine.step()
-    return list(request.output_token_ids)
-
-
 class MigrationBench:
     """The three ways of moving a request, measured on one pair of instances."""
 
@@ -261,7 +255,7 @@ class MigrationBench:
         s = self._settings
         prompt = self._prompts.tokens(length)
         progress(f"length {length}: unmigrated reference")
-        expected = _reference(self._source, self._prompts.request(prompt, s.output_tokens, "ref"))
+        expected = tokens_alone(self._source, self._prompts.request(prompt, s.output_tokens, "ref"))
         progress(f"length {length}: live migration")
         live = self._live(prompt)
         progress(f"length {length}: blocking copy")

@@ -56,7 +56,7 @@ class Delta(NamedTuple):
 
 
 class Generation:
-    """Use as: `await start_all([...])`, iterate `deltas()`, then read `finish_reason` / `usage`; always `close()`."""
+    """Use as: `await Generation.start_all([...])`, iterate `deltas()`, then read `finish_reason` / `usage`; always `close()`."""
 
     def __init__(self, backend: Backend, metrics: GatewayMetrics, endpoint: str,
                  request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
@@ -99,6 +99,23 @@ class Generation:
         """The prompt's (the request asked for them; the first is None): once a token came."""
         assert self._batches is not None, "start_all() first"
         return self._batches.prompt_logprobs or [None] * len(self._prompt)
+
+    @staticmethod
+    async def start_all(generations: Sequence["Generation"]) -> None:
+        """Start the choices of one completion, placed together (they share the prompt); if they
+        cannot be, none runs."""
+        first = generations[0]
+        try:
+            batches = await first._backend.submit([(g._request_id, g._sampling) for g in generations], first._prompt,
+                                                  first._priority)
+        except BackendUnavailable as exc:
+            raise Unavailable(f"No instance can take the request now: {exc}") from None
+        except BackendOverloaded as exc:
+            raise ClusterBusy(str(exc), first._retry_after) from None
+        except BackendRejected as exc:
+            raise InvalidRequest(f"The request was rejected: {exc}", code="request_rejected") from None
+        for generation, batch in zip(generations, batches):
+            generation._batches = batch
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """One text delta per token batch until the request finishes or hits a stop string.
@@ -150,23 +167,6 @@ def _finish_reason(reason: FinishReason | None) -> str:
     if reason is None:
         return "stop"
     return reason.value
-
-
-async def start_all(generations: Sequence[Generation]) -> None:
-    """Start the choices of one completion, placed together (they share the prompt); if they
-    cannot be, none runs."""
-    first = generations[0]
-    try:
-        batches = await first._backend.submit([(g._request_id, g._sampling) for g in generations], first._prompt,
-                                              first._priority)
-    except BackendUnavailable as exc:
-        raise Unavailable(f"No instance can take the request now: {exc}") from None
-    except BackendOverloaded as exc:
-        raise ClusterBusy(str(exc), first._retry_after) from None
-    except BackendRejected as exc:
-        raise InvalidRequest(f"The request was rejected: {exc}", code="request_rejected") from None
-    for generation, batch in zip(generations, batches):
-        generation._batches = batch
 
 
 def total_usage(generations: Sequence[Generation]) -> Usage:

@@ -25,7 +25,7 @@ from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
 from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
 from llumdask.api.gateway.fim import fill_in_the_middle
 from llumdask.api.gateway.detok import IncrementalText
-from llumdask.api.gateway.generation import Generation, InFlight, merged_deltas, start_all, total_usage
+from llumdask.api.gateway.generation import Generation, InFlight, merged_deltas, total_usage
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.rate_limits import ANONYMOUS, Charge, RateLimited, RateLimits
 from llumdask.api.gateway.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
@@ -163,7 +163,7 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
     try:
         # Not cancelled by a disconnect: until it returns there is no request id to abort with.
         # A client gone meanwhile is noticed right after, while waiting for tokens.
-        await start_all(generations)
+        await Generation.start_all(generations)
         if options.stream:
             async def on_close(complete: bool) -> None:
                 if not complete:
