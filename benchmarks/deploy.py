@@ -42,6 +42,25 @@ class Deployment:
         self.procs.append(proc)
         return proc
 
+    def start_scheduler(self, port: int = 0, scheduler_file: Path | None = None,
+                        log: str = "scheduler.log") -> subprocess.Popen:
+        """`dask scheduler` with the llumdask preload, first of `procs` (port 0: any free port)."""
+        args = ["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
+                "--preload", "llumdask.plugins.scheduler"]
+        if scheduler_file is not None:
+            args += ["--scheduler-file", str(scheduler_file)]
+        proc = self.spawn(args, log)
+        self.procs.insert(0, self.procs.pop())
+        return proc
+
+    def restart_scheduler(self) -> None:
+        """SIGKILL the scheduler and start a new one at its address. Its workers exit with it (as
+        Dask workers do); starting new ones is a supervisor's job (`add_worker`)."""
+        old = self.procs.pop(0)
+        old.kill()
+        old.wait()
+        self.start_scheduler(int(self.address.rsplit(":", 1)[1]), log="scheduler-restarted.log")
+
     def add_worker(self) -> subprocess.Popen:
         """One more `dask worker` hosting an instance (it joins once its engine is up)."""
         return self.spawn(["distributed.cli.dask_worker", self.address, "--host", "127.0.0.1", "--nthreads", "1",
@@ -66,9 +85,7 @@ def deployment(n_instances: int, overrides: dict[str, Any] | None = None,
         running = Deployment("", config_env(root / "config", overrides), root)
         scheduler_file = root / "scheduler.json"
         try:
-            running.spawn(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                           "--scheduler-file", str(scheduler_file), "--preload", "llumdask.plugins.scheduler"],
-                          "scheduler.log")
+            running.start_scheduler(scheduler_file=scheduler_file)
             running.address = _address_from(scheduler_file, running.procs[0], timeout)
             for _ in range(n_instances):
                 running.add_worker()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import dask
 from distributed import Client
 
 from llumdask.api.client import LlumdaskClient, connect
@@ -198,7 +199,11 @@ def matrix(states: Sequence[str], faults: Sequence[str], runs: int, scratch: Pat
     numbers = itertools.count()
     scratch.mkdir(parents=True, exist_ok=True)
     rows = []
-    with local_cluster(2, config_overrides=OVERRIDES) as cluster, connect(cluster) as llum:
+    # The nanny restarts a killed worker; the cluster object would also close a nanny whose worker
+    # is missing when a check 15 s after an earlier loss runs (`lost-worker-timeout`), which runs
+    # killing the same worker every few seconds hit.
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}), \
+            local_cluster(2, config_overrides=OVERRIDES) as cluster, connect(cluster) as llum:
         settled(llum.dask_client)  # each run leaves the cluster settled for the next
         for state, fault in itertools.product(states, faults):
             rows.append(cell(llum, config, state, fault, runs, numbers, scratch / "fault-fired"))

@@ -58,6 +58,8 @@ class Stream:
     sent: float
     error: str = ""
     longest_wait: float = 0.0  # the longest time without a token, the first one's wait included
+    ended: float = 0.0
+    text: str = ""
 
 
 @dataclass
@@ -101,6 +103,7 @@ async def stream_one(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: 
     last = sent
     tokens = None
     request_id = None
+    pieces: list[str] = []
     try:
         stream = await client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
@@ -113,6 +116,7 @@ async def stream_one(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: 
             if chunk.choices:
                 seen.longest_wait = max(seen.longest_wait, now - last)
                 last = now
+                pieces.append(chunk.choices[0].text)
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
         if tokens != max_tokens:
@@ -122,6 +126,8 @@ async def stream_one(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: 
     finally:
         if in_flight is not None:
             in_flight.discard(request_id)
+        seen.ended = time.perf_counter()
+        seen.text = "".join(pieces)
     return seen
 
 

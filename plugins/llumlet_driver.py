@@ -50,10 +50,13 @@ class Routes:
     def receiving(self, request_id: str) -> bool:
         return any(entry[0] == request_id for entry in self._incoming.values())
 
-    def commit_incoming(self, migration_id: str) -> None:
+    def commit_incoming(self, migration_id: str) -> str | None:
+        """The incoming request is this instance's now: its route (None if unknown or expired)."""
         entry = self._incoming.pop(migration_id, None)
-        if entry is not None:
-            self.owned[entry[0]] = entry[1]
+        if entry is None:
+            return None
+        self.owned[entry[0]] = entry[1]
+        return entry[1]
 
     def drop_incoming(self, migration_id: str) -> None:
         self._incoming.pop(migration_id, None)
@@ -253,7 +256,14 @@ class LlumletDriver:
             reply_to = self.routes.owned.get(message.request_id)
             return {"reply_to": reply_to} if reply_to else None
         if isinstance(message, Committed):
-            self.routes.commit_incoming(message.migration_id)
+            reply_to = self.routes.commit_incoming(message.migration_id)
+            request = self._llumlet().engine.get_request(message.request_id) if reply_to else None
+            if request is not None:
+                # The requester learns the new owner now, not from its first token: should this
+                # instance die before sending one, the requester's liveness check sees it. Sent
+                # before the commit leaves (the source may go on the commit's arrival).
+                self._outbox.add(reply_to, TokenOutput(message.request_id, request.num_output_tokens, ()))
+                self._push_tokens(self._outbox.take(force=True))
         elif isinstance(message, Abort) or (isinstance(message, PreAllocReply) and not message.accepted):
             self.routes.drop_incoming(message.migration_id)
         return None

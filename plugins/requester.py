@@ -6,7 +6,8 @@ choices of one completion go together (`submit_together`: one dispatch, one inst
 they share the prompt's KV). If the
 scheduler does not answer within `dispatch_timeout`, the requester enters bypass mode for
 `bypass_period`: it hands requests to known instances itself, in turn (no migration, no load
-balance beyond rotation), and tries the scheduler again afterwards. Transient failures (no
+balance beyond rotation), and tries the scheduler again afterwards, or as soon as no known
+instance is left (they died with a killed scheduler). Transient failures (no
 instance ready yet, an instance that just died) are retried until `placement_timeout`.
 
 Recovery: the requester keeps every open request (prompt, sampling, tokens received so far).
@@ -200,7 +201,9 @@ class Requester:
     async def _choose(self, request: Request, admitted: bool, count: int) -> str:
         """The instance for `request` and the `count` - 1 others placed with it (its prompt's)."""
         loop = asyncio.get_running_loop()
-        if loop.time() >= self._bypass_until:
+        # With no instance left to bypass to (they died with a killed scheduler), only the
+        # scheduler can place it: ask it again rather than wait out the bypass period.
+        if loop.time() >= self._bypass_until or not self._known:
             try:
                 return await asyncio.wait_for(self._dispatch(request, admitted, count), self._config.dispatch_timeout)
             except (OSError, asyncio.TimeoutError):
@@ -260,7 +263,12 @@ class Requester:
         return self._listener
 
     def _on_sender_closed(self, instance: str) -> None:
-        """An owner's token connection closed: if it held open requests, check at once whether it died."""
+        """An owner's token connection closed: if it held open requests, check at once whether it
+        died. It may well have (with a killed scheduler, all its instances go): bypass mode leaves
+        it out until the scheduler's next answer lists it again."""
+        if instance in self._known:
+            self._known.remove(instance)
+            self._epoch = None
         if any(entry.holder == instance for entry in self._open.values()):
             self._check_now.set()
 

@@ -212,7 +212,9 @@ class TokenSequence:
         if batch.first_index < 0:
             raise ValueError(f"request {batch.request_id}: negative first_index {batch.first_index}")
         end = batch.first_index + len(batch.token_ids)
-        if end > self._furthest or batch.finished:
+        # A batch without tokens is an owner's claim (a migration's destination at its commit):
+        # it wins from where the tokens are.
+        if end > self._furthest or batch.finished or (not batch.token_ids and end >= self._furthest):
             self.owner = batch.instance
             self._furthest = max(self._furthest, end)
         for offset, token in enumerate(batch.token_ids):

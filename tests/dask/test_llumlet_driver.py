@@ -189,6 +189,19 @@ def test_routes_follow_incoming_migrations_to_commit_or_expiry():
     assert routes.owned == {} and len(routes) == 0
 
 
+def test_a_destination_tells_the_requester_at_its_commit_that_it_owns_the_request(driver, senders):
+    """An output without tokens at the request's length goes to the route the migration carried,
+    so the requester's liveness check follows the new owner before its first token."""
+    from llumdask.protocol import Committed
+
+    start(driver, steps=0)  # its engine says the request has 1 output token
+    driver.routes.add_incoming("m-in", "arriving", "tcp://gateway:2", now=0.0)
+    driver.annotate(Committed("m-in", "arriving"))
+    driver.annotate(Committed("m-unknown", "other"))  # expired meanwhile: nobody to tell
+    assert senders.outputs == [TokenOutput("arriving", 1, ())]  # at once, before the commit is sent
+    assert driver.routes.owned["arriving"] == "tcp://gateway:2"
+
+
 def test_whereabouts_say_which_requests_are_here_moved_on_or_gone(driver):
     from llumdask.llumlet import MigrationEvent, MigrationEventKind
 

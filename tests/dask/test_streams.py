@@ -114,6 +114,19 @@ def test_the_owner_is_whoever_sent_the_furthest_tokens_not_the_latest_batch():
     assert seq.owner == "destination"
 
 
+def test_a_batch_without_tokens_claims_ownership_from_where_the_tokens_are():
+    """A migration's destination says so at its commit; the source's last tokens, sent later, do
+    not win it back, and a claim from behind the furthest tokens is stale."""
+    seq = TokenSequence()
+    seq.add(TokenBatch("r", 0, (1, 2), "source"))
+    assert seq.add(TokenBatch("r", 3, (), "destination")) == []
+    assert seq.owner == "destination"
+    assert seq.add(TokenBatch("r", 2, (3,), "source")) == [3]
+    assert seq.owner == "destination"
+    seq.add(TokenBatch("r", 1, (), "source"))
+    assert seq.owner == "destination" and seq.delivered == [1, 2, 3]
+
+
 def test_start_index_skips_tokens_delivered_elsewhere():
     seq = TokenSequence(start_index=3)
     assert seq.add(TokenBatch("r", 0, (1, 2, 3, 4), "a")) == [4]
