@@ -27,6 +27,7 @@ from llumdask.api.gateway.fim import fill_in_the_middle
 from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.generation import Generation, InFlight, merged_deltas, total_usage
 from llumdask.api.gateway.metrics import GatewayMetrics
+from llumdask.api.gateway.openapi import openapi_document
 from llumdask.api.gateway.rate_limits import ANONYMOUS, Charge, RateLimited, RateLimits
 from llumdask.api.gateway.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
 from llumdask.api.gateway.schemas import (
@@ -428,6 +429,11 @@ async def metrics(request: Request, gateway: Gateway) -> Response:
     return gateway.metrics.render()
 
 
+async def openapi(request: Request, gateway: Gateway) -> Response:
+    # Off the event loop: the first call imports vLLM's protocol models (seconds).
+    return JSONResponse(await asyncio.to_thread(openapi_document))
+
+
 ROUTES = [
     Route("/v1/completions", endpoint("completions", completions), methods=["POST"]),
     Route("/v1/chat/completions", endpoint("chat_completions", chat_completions), methods=["POST"]),
@@ -438,4 +444,5 @@ ROUTES = [
     Route("/version", endpoint("version", version), methods=["GET"]),
     Route("/health", endpoint("health", health), methods=["GET"]),
     Route("/metrics", endpoint("metrics", metrics), methods=["GET"]),
+    Route("/openapi.json", endpoint("openapi", openapi), methods=["GET"]),
 ]

@@ -1,0 +1,58 @@
+"""The gateway's OpenAPI description, and the gateway fuzzed from it (schemathesis): whatever a
+client sends, no 5xx, and every error in OpenAI's error shape. Over the fake backend: this tests
+the HTTP layer (validation, routing, errors), not serving."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from gatewayfakes import MODEL
+from hypothesis import HealthCheck, given, settings
+from schemathesis.generation import GenerationMode
+from starlette.testclient import TestClient
+
+EXAMPLES = 60
+
+ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
+          "/detokenize", "/version", "/health", "/metrics"}
+POSTED = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+
+
+def test_openapi_json_describes_every_route_with_vllm_s_request_shapes(client: TestClient):
+    document = client.get("/openapi.json").json()
+    assert set(document["paths"]) == ROUTES
+    completion = document["paths"]["/v1/completions"]["post"]
+    request = completion["requestBody"]["content"]["application/json"]["schema"]
+    assert request == {"$ref": "#/components/schemas/CompletionRequest"}
+    schemas = document["components"]["schemas"]
+    assert {"prompt", "max_tokens", "logprobs", "stream"} <= set(schemas["CompletionRequest"]["properties"])
+    assert completion["responses"]["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}
+
+
+# Bodies of the documented shapes everywhere; bodies that break them where there is a body (a GET
+# without parameters has nothing to break).
+CASES = sorted([(p, "GET", GenerationMode.POSITIVE) for p in ROUTES - POSTED - {"/metrics"}]
+               + [(p, "POST", mode) for p in POSTED for mode in GenerationMode])
+
+
+@pytest.mark.parametrize("path, method, mode", CASES)
+def test_no_input_gets_a_server_error_and_every_error_is_openai_shaped(client: TestClient, path: str, method: str,
+                                                                       mode: GenerationMode):
+    """`positive`: bodies of the documented shapes; `negative`: bodies that break them. The served
+    model's name goes in where a body names one, so requests get past the model check."""
+    operation = schemathesis.openapi.from_asgi("/openapi.json", client.app)[path][method]
+
+    @given(case=operation.as_strategy(mode))
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def send(case) -> None:
+        if isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = MODEL
+        kwargs = case.as_transport_kwargs()
+        response = client.request(kwargs.pop("method"), kwargs.pop("url"), **kwargs)
+        assert response.status_code < 500, (case.as_curl_command(), response.status_code, response.text[:500])
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert isinstance(error["message"], str) and isinstance(error["type"], str)
+            assert error["code"] is None or isinstance(error["code"], str)
+
+    send()
