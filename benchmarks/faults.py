@@ -36,7 +36,7 @@ from distributed import Client
 
 from llumdask.api.client import LlumdaskClient, connect
 from llumdask.benchmarks.common import parser, report, summarize, tokens_alone
-from llumdask.clusters.instances import wait_for_instances
+from llumdask.clusters.instances import wait_for_instances, worker_statuses
 from llumdask.clusters.local import local_cluster
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.sim import SimEngine
@@ -119,24 +119,13 @@ def prompt_for(number: int) -> list[int]:
     return [(number * 7919 + i * 104729) % 30000 + 1 for i in range(PROMPT_TOKENS)]
 
 
-def statuses(dask: Client) -> dict[str, dict]:
-    """Each live worker's llumlet status (one that just died is left out)."""
-    out = {}
-    for worker in dask.scheduler_info()["workers"]:
-        try:
-            out[worker] = dask.sync(dask.rpc(worker).llumnix_worker_status)
-        except OSError:
-            continue
-    return out
-
-
 def settled(dask: Client, timeout: float = 30.0) -> dict[str, dict]:
     """Two ready instances, none with work or a migration in flight: their statuses."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             wait_for_instances(dask, 2, timeout=max(1.0, deadline - time.monotonic()))
-            found = statuses(dask)
+            found = worker_statuses(dask)
             if len(found) == 2 and all(not s["has_work"] and not s["migrations_in_flight"] for s in found.values()):
                 return found
         except TimeoutError:

@@ -39,6 +39,7 @@ from llumdask.api.client import LlumdaskClient, MigrationNotStarted
 from llumdask.benchmarks.common import parser, report, summarize
 from llumdask.benchmarks.deploy import Deployment, deployment
 from llumdask.benchmarks.servers import llumdask_serve, serving
+from llumdask.clusters.instances import worker_statuses
 
 MODEL = "soak"
 # Token ids from 3 up (the tiny tokenizer's 0-2 are special), within its vocabulary.
@@ -229,8 +230,7 @@ async def idle_accounts(dask: Client, timeout: float) -> list[dict]:
     """Every instance's status once none has work or a migration in flight."""
     deadline = time.perf_counter() + timeout
     while True:
-        workers = list((await dask.scheduler.identity())["workers"])
-        statuses = [await dask.rpc(w).llumnix_worker_status() for w in workers]
+        statuses = list((await worker_statuses(dask)).values())
         if all(not s["has_work"] and not s["migrations_in_flight"] for s in statuses):
             return statuses
         if time.perf_counter() > deadline:

@@ -10,6 +10,7 @@ which Dask runs on every worker present and to come, each setting up one engine 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from distributed import Client, SpecCluster
@@ -81,3 +82,23 @@ def wait_for_instances(client: Client, n: int, timeout: float = 60.0,
         if time.monotonic() > deadline:
             raise TimeoutError(f"{sum(1 for r in rows if r['ready'])} of {n} llumdask instances ready after {timeout} s")
         time.sleep(0.1)
+
+
+def worker_statuses(client: Client, workers: Iterable[str] | None = None) -> dict[str, dict]:
+    """Each live worker's llumlet status (`llumnix_worker_status`: blocks, work and migrations in
+    flight, integrity), by address; with an asynchronous client, awaitable. A worker that is gone
+    or not serving yet is left out. Asking a worker just killed can take Dask's whole connect
+    timeout (a refused connection is retried), so a caller that killed one names the others."""
+    return client.sync(_worker_statuses, client, workers)
+
+
+async def _worker_statuses(client: Client, workers: Iterable[str] | None) -> dict[str, dict]:
+    if workers is None:
+        workers = (await client.scheduler.identity())["workers"]
+    statuses = {}
+    for worker in workers:
+        try:
+            statuses[worker] = await call(client.rpc(worker), Op.WORKER_STATUS)
+        except OSError:
+            continue
+    return statuses

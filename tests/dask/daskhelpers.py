@@ -13,6 +13,7 @@ from typing import Any
 
 from distributed import Client
 
+from llumdask.clusters.instances import worker_statuses
 from llumdask.config import LlumdaskConfig
 from llumdask.engine.sim import SimEngine
 from llumdask.request import Request, SamplingParams
@@ -35,21 +36,6 @@ def reference_tokens(config: LlumdaskConfig, prompt: list[int], max_tokens: int,
         for out in engine.step().outputs:
             tokens.update({out.first_index + k: t for k, t in enumerate(out.token_ids)})
     return [tokens[i] for i in range(len(tokens))]
-
-
-def worker_statuses(client: Client, workers: list[str] | None = None) -> dict[str, dict]:
-    """Each live worker's llumlet status (a worker that just died is left out), or only `workers`'.
-
-    Asking a worker that was just killed can take Dask's whole connect timeout (30 s: a refused
-    connection is retried), so a test that kills one asks only the others.
-    """
-    statuses = {}
-    for worker in workers if workers is not None else client.scheduler_info()["workers"]:
-        try:
-            statuses[worker] = client.sync(client.rpc(worker).llumnix_worker_status)
-        except OSError:
-            continue
-    return statuses
 
 
 def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> None:

@@ -28,6 +28,7 @@ import openai
 import pytest
 
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer
+from llumdask.clusters.instances import worker_statuses
 from llumdask.config import load_config
 from llumdask.engine.sim import SimEngine
 from llumdask.request import Request, SamplingParams
@@ -361,10 +362,6 @@ class LiveStream:
         self._response.close()
         self._http.close()
         return "".join(self.texts)
-
-
-def worker_statuses(client) -> dict[str, dict]:
-    return {w: client.sync(client.rpc(w).llumnix_worker_status) for w in client.scheduler_info()["workers"]}
 
 
 def wait_until_clean(client, timeout: float = 15) -> None:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from llumdask.clusters.instances import worker_statuses
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 # The instances' KV cache: 256 blocks of 128 tokens (2 KiB per token of the tiny model).
@@ -44,17 +46,6 @@ CASES = [
 def prompt_of(name: str, length: int) -> list[int]:
     seed = sum(map(ord, name))
     return [10 + (seed * 31 + 7 * i) % 480 for i in range(length)]
-
-
-def worker_statuses(client) -> dict[str, dict]:
-    """Each live instance's status; a worker that is gone or not serving yet is left out."""
-    statuses = {}
-    for worker in client.scheduler_info()["workers"]:
-        try:
-            statuses[worker] = client.sync(client.rpc(worker).llumnix_worker_status)
-        except OSError:
-            continue
-    return statuses
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
