@@ -38,12 +38,11 @@ from typing import Any
 
 import numpy as np
 import openai
-import psutil
 from distributed import Client
 
 from llumdask.benchmarks.common import parser, report, summarize
 from llumdask.benchmarks.deploy import Deployment, deployment
-from llumdask.benchmarks.servers import llumdask_serve, serving
+from llumdask.benchmarks.servers import llumdask_serve, serve_process, serving
 from llumdask.benchmarks.soak import MODEL, Stream, idle_accounts, request_for, stream_one
 from llumdask.clusters.instances import wait_for_instances
 
@@ -136,15 +135,6 @@ def _wait_ready(address: str, n: int) -> None:
         wait_for_instances(dask, n, timeout=120)
 
 
-def gateway_pid(port: int) -> int:
-    """The `llumdask serve` process listening on `port`."""
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "llumdask.api.serve" in cmdline and str(port) in cmdline:
-            return proc.pid
-    raise LookupError(f"no llumdask serve process on port {port}")
-
-
 async def run_fault(kind: str, urls: list[str], running: Deployment, args: Any, seed: int) -> dict[str, Any]:
     clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) for url in urls]
     rng = np.random.default_rng(seed)
@@ -152,7 +142,7 @@ async def run_fault(kind: str, urls: list[str], running: Deployment, args: Any, 
     try:
         expected = await reference(clients[0], prompts)
         async with Client(running.address, asynchronous=True) as dask:
-            fault = Fault(kind, running, dask, gateway_pid(int(urls[1].rsplit(":", 1)[1])), args.instances, args.outage)
+            fault = Fault(kind, running, dask, serve_process(int(urls[1].rsplit(":", 1)[1])).pid, args.instances, args.outage)
             start = time.perf_counter()
 
             async def fire_later() -> None:

@@ -20,6 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import psutil
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -71,6 +73,15 @@ def _stop(proc: subprocess.Popen) -> None:
     # Whatever the server left in its group (worker processes that outlived it) goes too.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def serve_process(port: int) -> psutil.Process:
+    """The `llumdask serve` process (as `serving` starts it) listening on `port`."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "llumdask.api.serve" in cmdline and str(port) in cmdline:
+            return proc
+    raise LookupError(f"no llumdask serve process on port {port}")
 
 
 def llumdask_serve(*args: str) -> list[str]:

@@ -38,7 +38,7 @@ from distributed import Client
 from llumdask.api.client import LlumdaskClient, MigrationNotStarted
 from llumdask.benchmarks.common import parser, report, summarize
 from llumdask.benchmarks.deploy import Deployment, deployment
-from llumdask.benchmarks.servers import llumdask_serve, serving
+from llumdask.benchmarks.servers import llumdask_serve, serve_process, serving
 from llumdask.clusters.instances import worker_statuses
 
 MODEL = "soak"
@@ -242,10 +242,7 @@ def processes(running: Deployment, gateway_port: int) -> dict[str, psutil.Proces
     """The scheduler, the workers started with the deployment, and the gateway, by name."""
     named = {"scheduler": psutil.Process(running.procs[0].pid)}
     named |= {f"worker-{i}": psutil.Process(p.pid) for i, p in enumerate(running.procs[1:])}
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "llumdask.api.serve" in cmdline and str(gateway_port) in cmdline:
-            named["gateway"] = proc
+    named["gateway"] = serve_process(gateway_port)
     return named
 
 

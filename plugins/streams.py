@@ -5,7 +5,9 @@ dropped early messages), nor through the worker's event loop: the owner's engine
 them on one TCP connection per requester (`TokenPusher`), and the requester runs a small asyncio
 server (`TokenListener`). The owner changes when a migration commits, so the last tokens of the
 source and the first of the destination may arrive interleaved or twice: `TokenSequence` puts
-them back in order by sequence number and drops duplicates. `TokenSequence` is pure (no I/O);
+them back in order by sequence number and drops duplicates. The owner is whoever sent the
+furthest tokens; a destination also claims the request at its commit with a message carrying no
+tokens, so that the requester watches the new owner before its first token. `TokenSequence` is pure (no I/O);
 `TokenStream` adds waiting on an asyncio loop.
 
 Authentication: a listener has a random key, and its address (the "route" a request carries to

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.generation import GenerationMode
 from starlette.testclient import TestClient
 
-EXAMPLES = 60
+EXAMPLES = 40
 
 ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
           "/detokenize", "/version", "/health", "/metrics"}
