@@ -370,13 +370,16 @@ class SimEngine:
 
     def load_totals(self) -> LoadTotals:
         """O(priorities): read from counters kept current as requests move."""
-        blocks, counts, waiting = self._held_blocks, self._held_count, self._waiting
+        blocks, counts, waiting, pool = self._held_blocks, self._held_count, self._waiting, self._blocks
+        # Running requests occupy what is neither free nor reserved: a cached block an incoming
+        # migration reuses may also sit in a running request's table, and counts as reserved once.
+        physical = pool.total_blocks - pool.free_blocks - pool.reserved_blocks
         return LoadTotals(
-            total_blocks=self._blocks.total_blocks,
-            block_size=self._blocks.block_size,
-            free_blocks=self._blocks.free_blocks,
-            reserved_blocks=self._blocks.reserved_blocks,
-            running_blocks=physical_split({p: blocks[p] for p, n in counts.items() if n}, self._blocks.used_blocks),
+            total_blocks=pool.total_blocks,
+            block_size=pool.block_size,
+            free_blocks=pool.free_blocks,
+            reserved_blocks=pool.reserved_blocks,
+            running_blocks=physical_split({p: blocks[p] for p, n in counts.items() if n}, physical),
             running_count={p: n for p, n in counts.items() if n},
             num_waiting=len(waiting),
             head_of_line_demand=blocks_for(waiting[0].num_tokens, self._blocks.block_size) if waiting else 0,
