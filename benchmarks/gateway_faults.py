@@ -165,8 +165,11 @@ def summarize_fault(kind: str, served: list[Served], expected: list[str], fired_
                     statuses: list[dict]) -> dict[str, Any]:
     assert fired_at is not None
     # The killed gateway's clients lose what was in flight there: counted apart, not as failures.
-    cut = [s for s in served if kind == "kill_gateway" and s.gateway == 1 and s.stream.ended >= fired_at]
-    counted = [s for s in served if s not in cut]
+    def was_cut(s: Served) -> bool:
+        return kind == "kill_gateway" and s.gateway == 1 and s.stream.ended >= fired_at
+
+    cut = [s for s in served if was_cut(s)]
+    counted = [s for s in served if not was_cut(s)]
     exact = [s for s in counted if not s.stream.error and s.stream.text == expected[s.prompt]]
     failed = [s for s in counted if s.stream.error]
     wrong = [s for s in counted if not s.stream.error and s.stream.text != expected[s.prompt]]
