@@ -23,6 +23,7 @@ import math
 import multiprocessing
 import shlex
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-timeout", type=float, default=None,
                    help="seconds a streaming client may leave its stream unread (the server's buffers full) "
                         "before its request is aborted (default: llumdask.gateway.write-timeout, 30)")
+    p.add_argument("--send-buffer-bytes", type=_positive_int, default=None,
+                   help="kernel send buffer of each client connection, bounding what a client that does not "
+                        "read holds (default: llumdask.gateway.send-buffer-bytes, null: the kernel's)")
     p.add_argument("--tool-call-parser", metavar="NAME", default=None,
                    help="vLLM's tool-call parser for the model (e.g. hermes): chat requests with tool_choice "
                         "\"auto\" get their tool calls read with it (default: llumdask.gateway.tool-call-parser)")
@@ -294,7 +298,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
     model_info = ModelInfo(args.served_model_name or default_name, max_context)
     given = {"api-keys": args.api_key, "max-in-flight": args.max_in_flight, "placement-timeout": args.placement_timeout,
-             "tool-call-parser": args.tool_call_parser, "write-timeout": args.write_timeout}
+             "tool-call-parser": args.tool_call_parser, "write-timeout": args.write_timeout,
+             "send-buffer-bytes": args.send_buffer_bytes}
     settings = load_config({"gateway": {k: v for k, v in given.items() if v is not None}}).gateway
     if settings.tool_call_parser is not None:
         try:
@@ -344,14 +349,21 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         app = create_app(
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
             tokenizer, settings, ToolCalling(model, settings.tool_call_parser, engine))
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                               lifespan="on", timeout_graceful_shutdown=5))
+        uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                                        timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn_config)
+        sockets = None
+        if settings.send_buffer_bytes is not None:
+            # Set on the listening socket, the size every accepted connection inherits.
+            listening = uvicorn_config.bind_socket()
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.send_buffer_bytes)
+            sockets = [listening]
 
         def on_started(port: int) -> None:
             print(banner(model_info.name, where, f"http://{_url_host(args.host)}:{port}", address, dashboard,
                          bool(settings.api_keys)), flush=True)
 
-        asyncio.run(_run(server, on_started))
+        asyncio.run(_run(server, on_started, sockets))
         if not server.started:
             print("llumdask serve: the gateway did not start (see the log above)", file=sys.stderr)
             return 1
@@ -374,9 +386,10 @@ class IgnoreTerminalInterrupt(WorkerPlugin):
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-async def _run(server: Any, on_started: Callable[[int], None]) -> None:
-    """Serve until stopped; call `on_started(port)` once the socket listens (port 0 resolved)."""
-    serving = asyncio.ensure_future(server.serve())
+async def _run(server: Any, on_started: Callable[[int], None], sockets: list[socket.socket] | None = None) -> None:
+    """Serve (on `sockets`, if bound already) until stopped; call `on_started(port)` once the
+    socket listens (port 0 resolved)."""
+    serving = asyncio.ensure_future(server.serve(sockets))
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:

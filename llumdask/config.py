@@ -132,6 +132,7 @@ class GatewayConfig:
     tokens_per_minute: int | None = None
     tool_call_parser: str | None = None
     write_timeout: float = 30.0
+    send_buffer_bytes: int | None = None
 
 
 def _default_headroom() -> dict[Priority, int | None]:

@@ -25,6 +25,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from llumdask.admission import DepartureRate, RetryQueue, departures
 from llumdask.config import LlumdaskConfig
 from llumdask.load import (
     InstanceLoad,
@@ -59,7 +60,12 @@ class NoInstanceAvailable(RuntimeError):
 
 
 class ClusterOverloaded(RuntimeError):
-    """Admission by load (`dispatch.admission-freeness`): every instance would queue the request."""
+    """Admission by load (`dispatch.admission-freeness`): every instance would queue the request.
+    `retry_after`: seconds to wait before sending it again (`llumdask.admission`), None if unknown."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class UnknownInstance(KeyError):
@@ -227,6 +233,9 @@ class GlobalScheduler:
         # Counts membership changes (an instance registered, ready, draining or gone), so that a
         # poller can ask "anything new since epoch n?" and get the lists only when there is.
         self.epoch = 0
+        # How fast requests leave, and when each request refused for load should come back.
+        self._departures = DepartureRate()
+        self._retry = RetryQueue()
         # Instances a scale-out asked for that have not registered yet: capacity on its way.
         self.requested = 0
         # Every instance's prefix cache as its reports tell (empty where engines report none).
@@ -291,6 +300,8 @@ class GlobalScheduler:
                 f"registered with {instance.total_blocks} blocks of {instance.block_size}"
             )
         was_terminating = instance.terminating
+        if instance.last_report_at is not None:  # a first report is no baseline (a restarted scheduler)
+            self._departures.add(departures(instance.load, load), now)
         instance.absorb(load)
         if prefix:
             self.prefix.apply(load.instance_id, prefix)
@@ -340,7 +351,8 @@ class GlobalScheduler:
             freest = float(candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, cached).max())
             if freest < limit:
                 raise ClusterOverloaded(f"every instance would queue request {info.request_id}: the freest would keep "
-                                        f"a dispatch freeness of {freest:.1f} with it, below {limit:g}")
+                                        f"a dispatch freeness of {freest:.1f} with it, below {limit:g}",
+                                        self._retry.slot(now, self._departures.per_second(now)))
         chosen = self._dispatch_policy.choose(candidates, info)
         instance = self._instances.get(chosen)
         if instance is None or not instance.ready or instance.terminating:

@@ -46,10 +46,14 @@ REFUSALS: dict[str, type[Exception]] = {
 }
 
 
-def refusal(exc: Exception) -> dict[str, str]:
-    """The reply that makes `call` raise `exc`'s class with its message on the caller's side."""
+def refusal(exc: Exception) -> dict[str, Any]:
+    """The reply that makes `call` raise `exc`'s class with its message on the caller's side (and
+    its retry_after, where it has one)."""
     kind = next(name for name, cls in REFUSALS.items() if isinstance(exc, cls))
-    return {"error": kind, "message": str(exc)}
+    reply: dict[str, Any] = {"error": kind, "message": str(exc)}
+    if getattr(exc, "retry_after", None) is not None:
+        reply["retry_after"] = exc.retry_after
+    return reply
 
 
 class Op(enum.StrEnum):
@@ -181,7 +185,8 @@ async def call(target: Any, op: Op, **kwargs: Any) -> Any:
                                   "(start the cluster with llumdask.clusters, or register LlumnixSchedulerPlugin "
                                   "and LlumletWorkerPlugin)")
     if isinstance(answer, dict) and "error" in answer:
-        raise REFUSALS[answer["error"]](answer["message"])
+        fields = {"retry_after": answer["retry_after"]} if "retry_after" in answer else {}
+        raise REFUSALS[answer["error"]](answer["message"], **fields)
     kind = REPLIES.get(op)
     if kind is None:
         return answer

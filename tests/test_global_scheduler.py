@@ -74,6 +74,24 @@ def test_admission_refuses_what_every_instance_would_queue_but_never_a_resubmiss
     assert scheduler(2, policy=policy).dispatch(info(3, 16 * 500), 1.0) in ("i0", "i1")
 
 
+def test_a_refusal_for_load_says_when_to_come_back_from_the_pace_requests_leave():
+    gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(admission_freeness=0.0)))
+    gs.register_instance("i0", BLOCKS, BLOCK_SIZE, 0.0)
+    gs.mark_ready("i0", 0.0)
+    gs.report(load("i0", used=100, running=20, received=20), 0.0)
+    with pytest.raises(ClusterOverloaded) as refused:
+        gs.dispatch(info(0), 0.5)
+    assert refused.value.retry_after is None  # nothing has left yet: no estimate
+    for second in range(1, 31):  # one request finishes and one more is received every second
+        gs.report(load("i0", used=100, running=20, received=20 + second), float(second))
+    waits = []
+    for k in range(3):
+        with pytest.raises(ClusterOverloaded) as refused:
+            gs.dispatch(info(k + 1), 30.0)
+        waits.append(refused.value.retry_after)
+    assert waits == pytest.approx([1.0, 2.0, 3.0], rel=0.1)  # one slot per departure, in order
+
+
 # ---------------------------------------------------------------- instance table and input checks
 
 

@@ -22,7 +22,12 @@ class BackendUnavailable(Exception):
 
 
 class BackendOverloaded(Exception):
-    """The cluster refuses new work for load now (every instance would queue it): 429, retry later."""
+    """The cluster refuses new work for load now (every instance would queue it): 429, retry later,
+    after `retry_after` seconds where the cluster estimated them."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class BackendRejected(Exception):

@@ -84,7 +84,7 @@ class DaskBackend:
         except RequestRejected as exc:
             raise BackendRejected(str(exc)) from None
         except ClusterOverloaded as exc:
-            raise BackendOverloaded(str(exc)) from None
+            raise BackendOverloaded(str(exc), exc.retry_after) from None
         except (NoInstanceAvailable, NoLlumdaskScheduler, OSError, asyncio.TimeoutError) as exc:
             raise BackendUnavailable(str(exc) or type(exc).__name__) from None
         return [DaskTokenBatches(self.requester, r.request_id, stream) for r, stream in zip(requests, streams)]

@@ -61,7 +61,7 @@ class Generation:
     def __init__(self, backend: Backend, metrics: GatewayMetrics, endpoint: str,
                  request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
                  text: IncrementalText, retry_after: float) -> None:
-        """`retry_after`: what a 429 for load asks the client to wait."""
+        """`retry_after`: the least a 429 for load asks the client to wait."""
         self._backend = backend
         self._retry_after = retry_after
         self._request_id = request_id
@@ -111,7 +111,8 @@ class Generation:
         except BackendUnavailable as exc:
             raise Unavailable(f"No instance can take the request now: {exc}") from None
         except BackendOverloaded as exc:
-            raise ClusterBusy(str(exc), first._retry_after) from None
+            # The configured wait is the least; the cluster's estimate spreads a burst of refusals.
+            raise ClusterBusy(str(exc), max(first._retry_after, exc.retry_after or 0.0)) from None
         except BackendRejected as exc:
             raise InvalidRequest(f"The request was rejected: {exc}", code="request_rejected") from None
         for generation, batch in zip(generations, batches):

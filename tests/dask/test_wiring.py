@@ -19,6 +19,7 @@ from llumdask.plugins.control import (
     Op,
     RequestRejected,
     call,
+    refusal,
 )
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
@@ -101,6 +102,17 @@ async def test_refusals_are_raised_again_where_the_call_was_made(c, s, a, b):
         await call(c.scheduler, Op.DRAIN, instance=worker.address)
     with pytest.raises(NoInstanceAvailable):
         await call(c.scheduler, Op.DISPATCH, request_id="r", num_prompt_tokens=4, max_tokens=4)
+
+
+def test_a_refusal_for_load_keeps_its_retry_after_through_a_call():
+    class Scheduler:  # what an rpc to the scheduler plugin answers for a refused dispatch
+        async def llumnix_dispatch(self, **_: object) -> dict:
+            return refusal(ClusterOverloaded("every instance would queue request r", 2.5))
+
+    with pytest.raises(ClusterOverloaded, match="would queue") as refused:
+        asyncio.run(call(Scheduler(), Op.DISPATCH, request_id="r"))
+    assert refused.value.retry_after == 2.5
+    assert "retry_after" not in refusal(ClusterOverloaded("no estimate"))
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)

@@ -198,6 +198,13 @@ def test_a_cluster_refusing_for_load_is_429_with_retry_after(make_client, backen
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}).status_code == 200
 
 
+@pytest.mark.parametrize(("estimate", "header"), [(7.4, "7"), (1.2, "3"), (None, "3")])
+def test_a_refusal_for_load_asks_for_the_clusters_wait_when_it_is_longer(make_client, backend, estimate, header):
+    backend.submit_error = BackendOverloaded("every instance would queue request r", estimate)
+    r = make_client(backend, retry_after=3.0).post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert r.status_code == 429 and r.headers["retry-after"] == header
+
+
 def test_rejected_by_the_instance_is_400(make_client, backend):
     backend.submit_error = BackendRejected("needs 300 blocks, the instance has 128")
     r = make_client(backend).post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})

@@ -30,6 +30,7 @@ import pytest
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer
 from llumdask.clusters.instances import worker_statuses
 from llumdask.config import load_config
+from llumdask.engine.latency import load_profile
 from llumdask.engine.sim import SimEngine
 from llumdask.request import Request, SamplingParams
 
@@ -415,6 +416,43 @@ def test_a_flood_of_dropped_connections_leaves_the_gateway_serving_and_nothing_h
     assert answer.usage.completion_tokens >= 1
     with Client(server.scheduler, timeout=30) as client:
         wait_until_clean(client, timeout=60)
+
+
+def test_a_client_that_never_reads_is_cut_off_and_its_request_aborted(server, cache, tmp_path):
+    """A gateway with its connections' send buffer bounded: a stream its client leaves unread fills
+    the kernel's buffers within a few hundred KB, the next write waits past --write-timeout, and the
+    request is aborted long before its natural end (two choices of 1,000 tokens: 1,000 steps of
+    tens of milliseconds); nothing stays held, and the gateway serves on."""
+    from distributed import Client
+
+    body = json.dumps({"model": MODEL, "prompt": "Never read", "max_tokens": 1000, "n": 2, "stream": True,
+                       "ignore_eos": True}).encode()
+    with (tmp_path / "gateway.log").open("w+") as log, Client(server.scheduler, timeout=30) as client:
+        gateway = start_serve(["--scheduler", server.scheduler, "--write-timeout", "1", "--send-buffer-bytes", "4096",
+                               "--log-level", "warning"], cache, log)
+        try:
+            host, port = gateway.url.removeprefix("http://").split(":")
+            reader = socket.socket()
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: it reads nothing
+            with reader:
+                reader.connect((host, int(port)))
+                reader.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                               f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                sent = time.monotonic()
+                deadline = sent + 30
+                while not sum(s["num_running"] for s in worker_statuses(client).values()):
+                    assert time.monotonic() < deadline, "the request never started"
+                    time.sleep(0.05)
+                wait_until_clean(client, timeout=30)
+                held_for = time.monotonic() - sent
+            lower_bound = 1000 * load_profile(load_config().sim_engine.profile).decode_time(2, 0)
+            assert held_for < lower_bound, f"held for {held_for:.1f} s: as long as running to its end ({lower_bound:.1f} s)"
+            log.seek(0)
+            assert "read none of its stream" in log.read()
+            answer = gateway.openai().completions.create(model=MODEL, prompt="Still serving", max_tokens=5)
+            assert answer.usage.completion_tokens >= 1
+        finally:
+            stop_serve(gateway)
 
 
 def test_a_migrated_stream_is_identical_to_an_unmigrated_one(server):
