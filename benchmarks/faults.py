@@ -17,9 +17,11 @@ worker that receives that state's message:
   acknowledgement (`stage`); it applies to the states in which the source still runs it).
 
 Figures per cell: runs whose client received exactly the tokens of an unmigrated run (none
-missing, none twice; under `finish`, exactly their first tokens up to the early end), runs that failed with an error, blocks or reservations left on a surviving
-instance once all are idle (the engines' own counts), the migration's outcome, the time from
-the fault to the stream's next token (recovery) and the longest wait for a token from the fault on. Goals: every run exact, no error, nothing leaked.
+missing, none twice; under `finish`, exactly its first tokens and a `length` end before
+max_tokens), runs that failed with an error, blocks or reservations left on a surviving instance
+once all are idle (the engines' own counts), the migration's outcome, the time from the fault to
+the stream's next token (recovery) and the longest wait for a token from the fault on. Goals:
+every run exact, no error, nothing leaked.
 
     python -m llumdask.benchmarks.faults --out DIR [--runs 20] [--engine sim|vllm] [--states ...] [--faults ...]
 """
@@ -66,6 +68,7 @@ class Setup:
     overrides: dict[str, Any]
     prompt_tokens: int
     max_tokens: int
+    # Prompts' token ids are drawn below it (the tiny model's vocabulary has 512).
     vocab: int
     # How long a killed worker's replacement may take to be ready (vLLM loads a model).
     settle_timeout: float
@@ -95,8 +98,8 @@ class Setup:
         what every run must reproduce. One engine in this process, closed before the cluster starts."""
         engine = _engine(self.config())
         try:
-            return [tokens_alone(engine, Request(f"reference-{n}", self.prompt(n), SamplingParams(max_tokens=self.max_tokens)))
-                    for n in range(count)]
+            sampling = SamplingParams(max_tokens=self.max_tokens)
+            return [tokens_alone(engine, Request(f"reference-{n}", self.prompt(n), sampling)) for n in range(count)]
         finally:
             close_engine(engine)
 
@@ -109,6 +112,7 @@ def _engine(config: LlumdaskConfig) -> Engine:
     from llumdask.engine.vllm.factory import create_engine
 
     return create_engine(config.vllm_engine)
+
 
 COLUMNS = (
     ("state", "state", "{}"),
@@ -239,7 +243,8 @@ def run_once(llum: LlumdaskClient, setup: Setup, state: str, fault: str, number:
     fault_at = float(mark.read_text()) if fired else None
     if fault == "finish" and fired:
         # Ended early, at its max_tokens: every token it had, in order, none twice.
-        expected = expected[:len(received)] if stream.finish_reason is FinishReason.LENGTH and len(received) < len(expected) else None
+        ended_early = stream.finish_reason is FinishReason.LENGTH and len(received) < len(expected)
+        expected = expected[:len(received)] if ended_early else None
     survivors = settled(dask, setup.settle_timeout)
     dask.run(_disarm, workers=list(survivors))
     leaked = sum(s["total_blocks"] - s["free_blocks"] + s["reserved_blocks"] for w, s in survivors.items()

@@ -53,10 +53,11 @@ class EventStreamResponse:
         try:
             await until_disconnect(receive, self._pump(send))
             complete = True
+        except TimeoutError:  # first: it is an OSError too
+            # (The ASGI server then logs that the response did not complete, and closes the connection.)
+            logger.warning("a client read none of its stream for %s s: its request is aborted", self._write_timeout)
         except (ClientDisconnected, OSError):
             pass  # nobody is listening
-        except TimeoutError:
-            logger.warning("a client read none of its stream for %s s: its request is aborted", self._write_timeout)
         finally:
             await self._on_close(complete)
 

@@ -20,7 +20,7 @@ def test_separator_characters_are_escaped():
     assert "\u2028" not in event({"text": "a\u2028b\x85c"}).decode()
 
 
-def test_a_write_the_client_never_takes_ends_the_stream_after_the_write_timeout():
+def test_a_write_the_client_never_takes_ends_the_stream_after_the_write_timeout(caplog):
     """The ASGI server holds `send` while its buffers are full; past the write timeout the
     response gives up, closes its event source and reports the stream incomplete."""
     import asyncio
@@ -58,3 +58,5 @@ def test_a_write_the_client_never_takes_ends_the_stream_after_the_write_timeout(
     took = asyncio.run(run())
     assert closed == [False] and finished == [True] and len(sent) == 3
     assert 0.2 <= took < 2.0
+    # Said in the log (a TimeoutError is an OSError: it once went unsaid as a disconnect).
+    assert "read none of its stream for 0.2 s" in caplog.text
