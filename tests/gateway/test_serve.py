@@ -725,6 +725,8 @@ def test_on_vllm_tools_auto_migrates_exactly_and_a_pinned_request_outlives_its_i
         victim, _ = owner_of_the_only_request(client)
         stream.read(5)
         seen = "".join(stream.texts)
+        # Its nanny lets it stay dead: a fresh vLLM starting while the module tears down costs ~20 s.
+        client.run(lambda dask_worker: dask_worker.close_gracefully(), workers=[victim], nanny=True)
         os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
         text = stream.read_to_end()
     expected = unkilled["choices"][0]["text"]

@@ -22,7 +22,9 @@ FACT_KEYS = {"model", "requests", "rate", "policy", "instances", "request_path_m
 def test_a_small_run_completes_every_request_and_writes_the_documented_json(vllm_ready, tmp_path, capsys):
     from llumdask.benchmarks.sim_validation import main
 
-    code = main(["--trace", "multi-turn", "--requests", "12", "--rate", "6", "--out", str(tmp_path / "out"),
+    # Seed 1: its conversations' later turns (four) all come within about 12 s; seed 0's last one
+    # waits out think times until 58 s.
+    code = main(["--trace", "multi-turn", "--requests", "12", "--rate", "6", "--seed", "1", "--out", str(tmp_path / "out"),
                  "--logs", str(tmp_path / "logs")])
     assert code == 0
     result = json.loads((tmp_path / "out" / "sim_validation_multi_turn.json").read_text())
