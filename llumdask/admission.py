@@ -40,14 +40,16 @@ class DepartureRate:
         back, e.g. a migration's destination reported before its source)."""
         if self._at is None:
             self._since = self._at = now
-        elif now > self._at:
+        if not departures:  # most reports: nothing to add, and decay is applied lazily
+            return
+        if now > self._at:
             self._weight *= math.exp((self._at - now) / self._window)
             self._at = now
         self._weight += departures
 
     def per_second(self, now: float) -> float:
         """The rate at `now`: the decayed count over the time it covers (0 before any report)."""
-        if self._at is None or self._since is None:
+        if self._at is None or self._since is None:  # both set by the first report
             return 0.0
         covered = self._window * -math.expm1(-max(now - self._since, self._window / 10) / self._window)
         return max(0.0, self._weight * math.exp(min(0.0, self._at - now) / self._window) / covered)

@@ -382,7 +382,7 @@ class SimEngine:
             running_blocks=physical_split({p: blocks[p] for p, n in counts.items() if n}, physical),
             running_count={p: n for p, n in counts.items() if n},
             num_waiting=len(waiting),
-            head_of_line_demand=blocks_for(waiting[0].num_tokens, self._blocks.block_size) if waiting else 0,
+            head_of_line_demand=blocks_for(waiting[0].num_tokens, pool.block_size) if waiting else 0,
             waiting_demand=self._waiting_demand,
             pending_prefill_tokens=self._waiting_tokens,
             num_preemptions=self._num_preemptions,
