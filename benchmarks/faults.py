@@ -11,17 +11,22 @@ worker that receives that state's message:
   first copy stage), `last_stage` (it receives the last stage, the request paused at the source),
   `commit` (the source receives the destination's commit: the destination runs the request);
 - faults: `kill_source` / `kill_destination` (SIGKILL; the nanny starts a fresh worker),
-  `drop` (that message is lost: the handshake times out), `finish` (the request reaches its end
-  at the source while the migration is under way: its max_tokens is lowered to one more token
-  when the source hears the destination's reservation (`prealloc`) or its first stage's
-  acknowledgement (`stage`); it applies to the states in which the source still runs it).
+  `drop` (that message is lost: the handshake times out), and two that happen to the request at
+  the source while the migration is under way, when the source hears the destination's
+  reservation (`prealloc`) or its first stage's acknowledgement (`stage`), the states in which the
+  source still runs it: `finish` (it reaches its end: its max_tokens is lowered to one more
+  token) and `preempt` (the source engine preempts it for lack of a block, by its own rule: every
+  free block of the source is taken, so the request's next block is one the engine does not have
+  and, the only request running there, it is its own victim; the message is held until that step,
+  a delay well within the handshake timeout, then the blocks are given back and it is delivered).
 
 Figures per cell: runs whose client received exactly the tokens of an unmigrated run (none
 missing, none twice; under `finish`, exactly its first tokens and a `length` end before
-max_tokens), runs that failed with an error, blocks or reservations left on a surviving instance
-once all are idle (the engines' own counts), the migration's outcome, the time from the fault to
-the stream's next token (recovery) and the longest wait for a token from the fault on. Goals:
-every run exact, no error, nothing leaked.
+max_tokens; under `preempt`, all of them: it recomputes and goes on), runs that failed with an
+error, blocks or reservations left on a surviving instance once all are idle (the engines' own
+counts), the migration's outcome (and why it was aborted), the time from the fault to the
+stream's next token (recovery) and the longest wait for a token from the fault on (under
+`preempt`, the recompute). Goals: every run exact, no error, nothing leaked.
 
     python -m llumdask.benchmarks.faults --out DIR [--runs 20] [--engine sim|vllm] [--states ...] [--faults ...]
 """
@@ -33,7 +38,7 @@ from collections import Counter
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,15 +51,18 @@ from llumdask.benchmarks.common import parser, report, summarize, tokens_alone
 from llumdask.clusters.instances import wait_for_instances, worker_statuses
 from llumdask.clusters.local import local_cluster
 from llumdask.config import LlumdaskConfig, load_config
-from llumdask.engine.base import Engine
+from llumdask.engine.base import Engine, StepResult
 from llumdask.plugins.worker import close_engine
 from llumdask.protocol import Committed, PreAlloc, PreAllocReply, StageAck, StageData
 from llumdask.request import FinishReason, Request, SamplingParams
 
 STATES = ("prealloc", "stage", "last_stage", "commit")
-FAULTS = ("kill_source", "kill_destination", "drop", "finish")
-# The states in which the source still runs the request, so that it can end there.
-FINISH_STATES = ("prealloc", "stage")
+FAULTS = ("kill_source", "kill_destination", "drop", "finish", "preempt")
+# Faults that happen to the request at its source, and the states in which the source still runs it.
+SOURCE_FAULTS = ("finish", "preempt")
+RUNNING_STATES = ("prealloc", "stage")
+# The reservation that takes the source's free blocks for `preempt`.
+HOLD = "fault-preempt-hold"
 ENGINES = ("sim", "vllm")
 MIGRATION = {"enabled": False, "handshake-timeout": 2.0}
 
@@ -62,7 +70,9 @@ MIGRATION = {"enabled": False, "handshake-timeout": 2.0}
 @dataclass(frozen=True)
 class Setup:
     """One engine's cluster for the matrix: its configuration and a request long enough to copy in
-    several stages while it decodes."""
+    several stages while it decodes. Every request runs to its max_tokens (`ignore_eos`: the tiny
+    model's greedy outputs often reach its end-of-sequence token within tens of tokens, before a
+    fault fires)."""
 
     engine: str
     overrides: dict[str, Any]
@@ -98,7 +108,7 @@ class Setup:
         what every run must reproduce. One engine in this process, closed before the cluster starts."""
         engine = _engine(self.config())
         try:
-            sampling = SamplingParams(max_tokens=self.max_tokens)
+            sampling = SamplingParams(max_tokens=self.max_tokens, ignore_eos=True)
             return [tokens_alone(engine, Request(f"reference-{n}", self.prompt(n), sampling)) for n in range(count)]
         finally:
             close_engine(engine)
@@ -130,8 +140,8 @@ COLUMNS = (
 
 
 def _trigger(state: str, fault: str, message: Any) -> bool:
-    """Whether `message`, received, marks `state` (for `finish`, as the source hears it)."""
-    if fault == "finish":
+    """Whether `message`, received, marks `state` (for a source fault, as the source hears it)."""
+    if fault in SOURCE_FAULTS:
         if state == "prealloc":
             return isinstance(message, PreAllocReply) and message.accepted and message.stage == 0
         return isinstance(message, StageAck) and message.stage == 0
@@ -145,20 +155,22 @@ def _trigger(state: str, fault: str, message: Any) -> bool:
 
 
 def _receiver_is_source(state: str, fault: str) -> bool:
-    return state == "commit" or fault == "finish"
+    return state == "commit" or fault in SOURCE_FAULTS
 
 
 def _arm(state: str, fault: str, request_id: str, peer_pid: int, mark: str, dask_worker: Any) -> None:
     """In the worker receiving `state`'s message: the first time it comes, write the moment to
-    `mark` and kill this process or its peer, drop the message, or end the request at its next
-    token (on the engine thread, where messages are handled)."""
+    `mark` and kill this process or its peer, drop the message, end the request at its next
+    token or have the engine preempt it (on the engine thread, where messages are handled)."""
     llumlet = dask_worker.plugins["llumdask"].host.llumlet
     deliver = llumlet.on_message
 
     def on_message(sender: str, message: Any) -> None:
         if _trigger(state, fault, message):
             _disarm(dask_worker)  # once: the driver looks the method up per message
-            Path(mark).write_text(repr(time.time()))
+            if fault == "preempt":  # the fault is the preemption, marked when it happens
+                return _preempt_soon(llumlet, request_id, mark, lambda: deliver(sender, message))
+            _write_mark(mark)
             if fault == "finish":
                 _end_soon(llumlet.engine, request_id)
                 return deliver(sender, message)
@@ -186,9 +198,41 @@ def _end_soon(engine: Engine, request_id: str) -> None:
         vllm_request.max_tokens = vllm_request.num_output_tokens + 1
 
 
+def _write_mark(mark: str) -> None:
+    Path(mark).write_text(repr(time.time()))
+
+
+def _preempt_soon(llumlet: Any, request_id: str, mark: str, then: Callable[[], None]) -> None:
+    """Take every free block of the source engine, so that its next step that needs one for the
+    request preempts it (marked); after that step (or the request's end, unmarked: the fault did
+    not fire), give them back and call `then`."""
+    engine = llumlet.engine
+    free = engine.load_totals().free_blocks
+    if free:
+        engine.reserve_blocks(HOLD, free)
+    while engine.reserve_blocks(HOLD, 1):  # whatever a report's count leaves out
+        pass
+    step = llumlet.step
+
+    def stepping() -> StepResult:
+        result = step()
+        request = engine.get_request(request_id)
+        preempted = request_id in result.preempted
+        if preempted:
+            _write_mark(mark)
+        if preempted or request is None or request.status.is_done:
+            llumlet.__dict__.pop("step", None)
+            engine.release_reservation(HOLD)
+            then()
+        return result
+
+    llumlet.step = stepping
+
+
 def _disarm(dask_worker: Any) -> None:
     llumlet = dask_worker.plugins["llumdask"].host.llumlet
     llumlet.__dict__.pop("on_message", None)
+    llumlet.__dict__.pop("step", None)
 
 
 @dataclass
@@ -222,7 +266,7 @@ def settled(dask: Client, timeout: float = 30.0) -> dict[str, dict]:
 def run_once(llum: LlumdaskClient, setup: Setup, state: str, fault: str, number: int, expected: list[int],
              mark: Path) -> Run:
     dask = llum.dask_client
-    stream = llum.stream(setup.prompt(number), max_tokens=setup.max_tokens)
+    stream = llum.stream(setup.prompt(number), max_tokens=setup.max_tokens, ignore_eos=True)
     received = [next(stream) for _ in range(5)]
     source = stream.instance
     destination = next(w for w in dask.scheduler_info()["workers"] if w != source)
@@ -250,10 +294,15 @@ def run_once(llum: LlumdaskClient, setup: Setup, state: str, fault: str, number:
     leaked = sum(s["total_blocks"] - s["free_blocks"] + s["reserved_blocks"] for w, s in survivors.items()
                  if w in (source, destination))
     events = [e for s in survivors.values() for e in s["events"] if e["migration_id"] == migration]
-    outcome = next((e["kind"] for e in events if e["kind"] != "started"), "unknown (its source died)")
+    outcome = next((_outcome(e) for e in events if e["kind"] != "started"), "unknown (its source died)")
     after = [fault_at, *(t for t in arrivals if t >= fault_at)] if fault_at is not None else []
     gaps = [b - a for a, b in zip(after, after[1:])]
     return Run(received == expected, error, leaked, fired, outcome, gaps[0] if gaps else None, max(gaps, default=None))
+
+
+def _outcome(event: dict[str, Any]) -> str:
+    """A migration's end as the figures name it: its kind, and why when it was aborted."""
+    return f"{event['kind']}: {event['reason']}" if event.get("reason") else event["kind"]
 
 
 def cell(llum: LlumdaskClient, setup: Setup, state: str, fault: str, numbers: Sequence[int],
@@ -271,8 +320,8 @@ def cell(llum: LlumdaskClient, setup: Setup, state: str, fault: str, numbers: Se
 
 
 def cells(states: Sequence[str], faults: Sequence[str]) -> list[tuple[str, str]]:
-    """The (state, fault) pairs of the matrix; `finish` only where the source still runs the request."""
-    return [(s, f) for s, f in itertools.product(states, faults) if f != "finish" or s in FINISH_STATES]
+    """The (state, fault) pairs of the matrix; a source fault only where the source still runs the request."""
+    return [(s, f) for s, f in itertools.product(states, faults) if f not in SOURCE_FAULTS or s in RUNNING_STATES]
 
 
 def matrix(states: Sequence[str], faults: Sequence[str], runs: int, scratch: Path,

@@ -17,3 +17,12 @@ def test_a_source_killed_after_handing_the_request_over_loses_nothing(tmp_path):
     rows = matrix(("last_stage", "commit"), ("kill_source",), runs=1, scratch=tmp_path)
     for row in rows:
         assert row["fired"] == row["exact"] == 1 and row["failed"] == 0 and row["leaked_blocks"] == 0, row
+
+
+def test_a_request_its_source_preempts_mid_migration_recomputes_exactly(tmp_path):
+    """The source engine preempts the request (for lack of a block, by its own rule) while its
+    first stage is acknowledged: the migration is aborted for that reason, the request recomputes
+    on its source and streams every token exactly once, and no block is left over."""
+    (row,) = matrix(("stage",), ("preempt",), runs=1, scratch=tmp_path)
+    assert row["fired"] == row["exact"] == 1 and row["failed"] == 0 and row["leaked_blocks"] == 0, row
+    assert row["outcomes"] == {"aborted: request preempted": 1}, row
