@@ -1,14 +1,16 @@
 """Batch inference over Dask collections of prompts (a bag, or a dataframe column), as ordinary Dask tasks.
 
-Each partition becomes one task that submits its prompts through a requester of its own, from
-the worker it runs on (its worker client), so a notebook scores a large collection with one
-call while the gateway and other clients keep being served: the requests are placed by the
-same global scheduler, at the priority asked for (normal by default, so interactive
-high-priority traffic keeps its headroom).
+Each partition becomes one task that submits its prompts through the requester of the worker it
+runs on (one per worker process, through its worker client, kept for later partitions: each
+would otherwise start a token listener and load the tokenizer again), so a notebook scores a
+large collection with one call while the gateway and other clients keep being served: the
+requests are placed by the same global scheduler, at the priority asked for (normal by
+default, so interactive high-priority traffic keeps its headroom).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
@@ -16,11 +18,15 @@ if TYPE_CHECKING:
     import dask.dataframe
     import pandas
 
-    from llumdask.api.client import Generation
+    from llumdask.api.client import Generation, LlumdaskClient
 
 # The columns a dataframe of prompts becomes: what Parquet and pandas users read results by.
 COLUMNS = {"text": "string", "finish_reason": "string", "prompt_tokens": "int64", "completion_tokens": "int64",
            "error": "string"}
+
+# This process's clients for partitions, by (model, chat template); the worker's tasks share them.
+_clients: dict[tuple[str | None, str | None], "LlumdaskClient"] = {}
+_clients_lock = threading.Lock()
 
 
 def generate_bag(prompts: "dask.bag.Bag", *, model: str | None, chat_template: str | None,
@@ -61,15 +67,23 @@ def _frame(rows: list[tuple], index: Any) -> "pandas.DataFrame":
 
 def _generate_partition(prompts: Iterable[Any], model: str | None, chat_template: str | None,
                         options: dict[str, Any]) -> list["Generation | BaseException"]:
+    prompts = list(prompts)
+    if not prompts:
+        return []
+    return worker_llm(model, chat_template).generate(prompts, progress=False, **options)
+
+
+def worker_llm(model: str | None, chat_template: str | None) -> "LlumdaskClient":
+    """The client partitions of this worker process submit through, made on first use: its
+    requester serves the worker's concurrent tasks (its placements and streams run on the
+    worker's event loop, as a gateway's serve many requests) until the process ends."""
     from distributed import get_client
 
     from llumdask.api.client import LlumdaskClient
 
-    prompts = list(prompts)
-    if not prompts:
-        return []
-    llm = LlumdaskClient(get_client(), model=model, chat_template=chat_template)
-    try:
-        return llm.generate(prompts, progress=False, **options)
-    finally:
-        llm.close()
+    dask_client = get_client()
+    with _clients_lock:
+        llm = _clients.get((model, chat_template))
+        if llm is None or llm.dask_client is not dask_client:
+            llm = _clients[(model, chat_template)] = LlumdaskClient(dask_client, model=model, chat_template=chat_template)
+        return llm

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Sequence
 
 from llumdask.engine.base import TokenOutput
 from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
@@ -194,14 +194,24 @@ class LlumletDriver:
         return report
 
     # ------------------------------------------------------------------ requests
-    def add(self, request: Request, reply_to: str, resubmission: bool = False) -> None:
-        """A resubmission of a request this instance runs already goes on here (it moved here while
-        its requester took its source for dead, e.g. the source died once it had handed the
-        request over): only its route is renewed. Any other request id it knows is an error."""
+    def add(self, requests: Sequence[Request], reply_to: str, resubmission: bool = False) -> None:
+        """Requests handed over together, all or none: if the engine refuses one (ValueError), those
+        added before it are aborted. A resubmission of a request this instance runs already goes
+        on here (it moved here while its requester took its source for dead, e.g. the source died
+        once it had handed the request over): only its route is renewed. Any other request id it
+        knows is an error."""
         llumlet = self._llumlet()
-        if not (resubmission and llumlet.engine.get_request(request.request_id) is not None):
-            llumlet.add_request(request)
-        self.routes.owned[request.request_id] = reply_to
+        added: list[str] = []
+        try:
+            for request in requests:
+                if not (resubmission and llumlet.engine.get_request(request.request_id) is not None):
+                    llumlet.add_request(request)
+                    added.append(request.request_id)
+                self.routes.owned[request.request_id] = reply_to
+        except ValueError:
+            for request_id in added:
+                self.abort(request_id)
+            raise
 
     def abort(self, request_id: str) -> bool:
         """Abort a request here; whether this instance knew it."""

@@ -2,8 +2,8 @@
 
 Placement: the scheduler's `llumnix_dispatch` names an instance (a few numbers go to the
 scheduler, never the prompt), then the request goes straight to that instance's worker; the
-choices of one completion go together (`submit_together`: one dispatch, one instance, where
-they share the prompt's KV). If the
+choices of one completion go together (`submit_together`: one dispatch, one hand-over to one
+instance, where they share the prompt's KV). If the
 scheduler does not answer within `dispatch_timeout`, the requester enters bypass mode for
 `bypass_period`: it hands requests to known instances itself, in turn (no migration, no load
 balance beyond rotation), and tries the scheduler again afterwards, or as soon as no known
@@ -12,8 +12,9 @@ instance ready yet, an instance that just died) are retried until `placement_tim
 
 Recovery: the requester keeps every open request (prompt, sampling, tokens received so far).
 When the instance holding one is gone from the scheduler's instance table (checked every
-`liveness_interval`, and at once when that instance's token connection closes), it resubmits prompt +
-tokens so far elsewhere; the new instance recomputes them and continues, and the stream goes on
+`liveness_interval`, and when that instance's token connection closes at once and then every
+`SUSPECT_RECHECK` until its next regular check), it resubmits prompt + tokens so far
+elsewhere; the new instance recomputes them and continues, and the stream goes on
 with the next sequence number. A request that cannot go on from its tokens (a structured output,
 whose grammar would start over) fails with that reason instead of going on wrong. A scheduler
 restart looks the same: the old instances are not in the new scheduler's table, so their
@@ -47,6 +48,9 @@ from llumdask.prefix import anchors, block_hashes
 from llumdask.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
+
+# Seconds between checks of a holder whose token connection closed, until its next regular check.
+SUSPECT_RECHECK = 0.1
 
 
 @dataclass
@@ -84,6 +88,9 @@ class Requester:
         self._open: dict[str, _Open] = {}
         self._watchdog: asyncio.Task | None = None
         self._check_now = asyncio.Event()
+        # Holders whose token connection closed, each asked about again every `SUSPECT_RECHECK`
+        # until this monotonic time (its next regular check).
+        self._suspects: dict[str, float] = {}
         self._bypass_until = 0.0
         # Instances last seen in the scheduler's table (for bypass mode), in rotation order.
         self._known: list[str] = []
@@ -101,8 +108,9 @@ class Requester:
 
     async def submit_together(self, requests: Sequence[Request]) -> list[TokenStream]:
         """Place requests that share a prompt (the choices of one completion) on one instance with
-        one dispatch: there they share the prompt's KV through the prefix cache, as vLLM's server
-        prefills n choices once. All or none: if one cannot be placed, those placed are aborted."""
+        one dispatch and one hand-over, so that one step prefills them all and they share the
+        prompt's KV through the prefix cache, as vLLM's server prefills n choices once. All or
+        none: the instance takes them all or refuses them all."""
         listener = await self._ensure_listener()
         streams = [listener.open(r.request_id) for r in requests]
         placed: dict[str, str] = {}
@@ -173,29 +181,24 @@ class Requester:
 
     # ------------------------------------------------------------------ placement
     async def _place(self, requests: Sequence[Request], placed: dict[str, str], *, admitted: bool = False) -> None:
-        """Choose one instance for requests sharing a prompt and hand them over, entering each in
-        `placed` (id -> instance) as it is accepted; those a transient failure left out are placed
-        again, together, until `placement_timeout`. A refusal for load (ClusterOverloaded) is not
-        retried: the caller answers it; `admitted` requests (resubmissions) are never refused for load."""
+        """Choose one instance for requests sharing a prompt and hand them over in one call (all or
+        none), entering them in `placed` (id -> instance) once accepted; after a transient failure
+        they are placed again until `placement_timeout`. A refusal for load (ClusterOverloaded) is
+        not retried: the caller answers it; `admitted` requests (resubmissions) are never refused for load."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.placement_timeout
         while True:
-            left = [r for r in requests if r.request_id not in placed]
             try:
-                instance = await self._choose(left[0], admitted, len(left))
-                handed = await asyncio.gather(*(self._hand_over(r, instance, admitted) for r in left),
-                                              return_exceptions=True)
-                placed.update((r.request_id, instance) for r, result in zip(left, handed) if result is None)
-                failure = next((result for result in handed if isinstance(result, BaseException)), None)
-                if failure is not None:
-                    raise failure
+                instance = await self._choose(requests[0], admitted, len(requests))
+                await self._hand_over(requests, instance, admitted)
+                placed.update((r.request_id, instance) for r in requests)
                 return
             except (OSError, asyncio.TimeoutError, NoInstanceAvailable) as exc:
                 if loop.time() > deadline:
                     raise NoInstanceAvailable(
-                        f"request {left[0].request_id} not placed within {self._config.placement_timeout} s: {exc}"
+                        f"request {requests[0].request_id} not placed within {self._config.placement_timeout} s: {exc}"
                     ) from exc
-                logger.debug("placing %s failed (%s); retrying", left[0].request_id, exc)
+                logger.debug("placing %s failed (%s); retrying", requests[0].request_id, exc)
                 await asyncio.sleep(0.2)
 
     async def _choose(self, request: Request, admitted: bool, count: int) -> str:
@@ -229,13 +232,14 @@ class Requester:
         )
         return reply.instance
 
-    async def _hand_over(self, request: Request, instance: str, resubmission: bool) -> None:
-        """`resubmission`: the instance may hold the request already (it moved there), and then
-        keeps it running."""
+    async def _hand_over(self, requests: Sequence[Request], instance: str, resubmission: bool) -> None:
+        """In one call, all or none (the instance adds them between the same two steps).
+        `resubmission`: the instance may hold a request already (it moved there), and then keeps
+        it running."""
         try:
             await asyncio.wait_for(
-                call(self._client.rpc(instance), Op.ADD, request=request_to_msg(request), reply_to=self._listener.address,
-                     resubmission=resubmission),
+                call(self._client.rpc(instance), Op.ADD, requests=[request_to_msg(r) for r in requests],
+                     reply_to=self._listener.address, resubmission=resubmission),
                 self._config.rpc_timeout,
             )
         except (OSError, asyncio.TimeoutError):
@@ -270,16 +274,22 @@ class Requester:
             self._known.remove(instance)
             self._epoch = None
         if any(entry.holder == instance for entry in self._open.values()):
+            self._suspects[instance] = time.monotonic() + self._config.liveness_interval
             self._check_now.set()
 
     async def _watch(self) -> None:
-        """While requests are open, check every `liveness_interval` that their instances live."""
+        """While requests are open, check every `liveness_interval` that their instances live, and
+        every `SUSPECT_RECHECK` while a holder's token connection closed lately: a SIGKILL closes
+        it at once, and the scheduler may drop the instance from its table a moment later."""
         while True:
+            interval = SUSPECT_RECHECK if self._suspects else self._config.liveness_interval
             try:
-                await asyncio.wait_for(self._check_now.wait(), self._config.liveness_interval)
+                await asyncio.wait_for(self._check_now.wait(), interval)
             except asyncio.TimeoutError:
                 pass
             self._check_now.clear()
+            now = time.monotonic()
+            self._suspects = {instance: until for instance, until in self._suspects.items() if until > now}
             if self._open:
                 await self._recover_lost()
                 await self._ask_about_stalled()
@@ -289,6 +299,8 @@ class Requester:
             alive = await self.members()
         except (OSError, asyncio.TimeoutError, NoLlumdaskScheduler):
             return  # no instance table to go by: an unanswered check proves no death
+        for instance in self._suspects.keys() - alive:
+            del self._suspects[instance]  # dead: its requests go elsewhere now
         for entry in list(self._open.values()):
             if not entry.recovering and not entry.stream.sequence.done and entry.holder not in alive:
                 entry.recovering = True

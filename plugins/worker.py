@@ -20,7 +20,7 @@ says where each request's tokens go, the report cadence) is `LlumletDriver`'s, w
 I/O; this host wires it to the worker: thread, comms, handlers, registration.
 
 Worker RPC handlers (a refusal, in brackets, is raised again at the caller; see plugins/control.py):
-    llumnix_add(request, reply_to, resubmission) -> {"accepted": True} [RequestRejected]
+    llumnix_add(requests, reply_to, resubmission) -> {"accepted": True} [RequestRejected] (all or none)
     llumnix_abort(request_id)                  -> {"aborted": bool}
     llumnix_where(request_ids)                 -> {"here": [id, ...], "moved": {id: destination}, "gone": [id, ...]}
     llumnix_migrate_out(request_id, destination) -> {"migration_id": str} [MigrationNotStarted]
@@ -278,9 +278,11 @@ class LlumletHost:
             self.worker.batched_send({"op": Op.EVENT, "event": msg})
 
     # ------------------------------------------------------------------ RPC handlers
-    async def add(self, request: dict, reply_to: str, resubmission: bool = False) -> dict:
+    async def add(self, requests: list[dict], reply_to: str, resubmission: bool = False) -> dict:
+        """Requests placed together (the choices of one completion) come in one call, so that the
+        engine thread adds them between the same two steps and one step prefills them all."""
         try:
-            parsed = request_from_msg(request)
+            parsed = [request_from_msg(request) for request in requests]
         except (KeyError, TypeError, ValueError) as exc:
             return refusal(RequestRejected(f"malformed request: {exc}"))
         try:

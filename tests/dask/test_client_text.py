@@ -154,8 +154,21 @@ def test_a_dask_bag_of_prompts_becomes_a_bag_of_generations_in_order(clean, over
     assert [r.text for r in results[:-1]] == [tokenizer.decode(expected(overrides, tokenizer, p, 8))
                                               for p in prompts[:-1]]
     assert isinstance(results[-1], RequestRejected)
+    # Each worker process submits its partitions through one requester, kept for later ones.
+    listeners = clean.dask_client.run(_partition_listeners)
+    assert sorted(len(held) for held in listeners.values()) in ([0, 1], [1, 1]), listeners
+    clean.dask_client.compute(clean.map(db.from_sequence(prompts[:4], npartitions=4), max_tokens=2)).result(timeout=120)
+    again = clean.dask_client.run(_partition_listeners)
+    assert all(again[w][:len(held)] == held for w, held in listeners.items()), (listeners, again)
     with pytest.raises(ValueError, match="temperature"):
         clean.map(db.from_sequence(["a"]), temperature=-1)
+
+
+def _partition_listeners() -> list[str | None]:
+    """The token addresses of the clients this worker's batch partitions submit through."""
+    from llumdask.api import batch
+
+    return [llm.requester.token_address for llm in batch._clients.values()]
 
 
 def test_a_dataframe_column_of_prompts_becomes_a_frame_of_completions(clean, overrides, tokenizer, tmp_path):

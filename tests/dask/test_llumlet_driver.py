@@ -46,6 +46,7 @@ class FakeLlumlet:
         self.ticks = 0
         self.aborted: list[str] = []
         self.added: list[str] = []
+        self.refused: set[str] = set()
         self.engine = SimpleNamespace(has_work=lambda: self.left > 0,
                                       get_request=lambda request_id: SimpleNamespace(num_output_tokens=self.index))
 
@@ -53,6 +54,8 @@ class FakeLlumlet:
         self.aborted.append(request_id)
 
     def add_request(self, request) -> None:
+        if request.request_id in self.refused:
+            raise ValueError(f"{request.request_id} can never fit")
         self.added.append(request.request_id)
 
     def tick(self) -> None:
@@ -216,6 +219,21 @@ def test_whereabouts_say_which_requests_are_here_moved_on_or_gone(driver):
     assert found.gone == ("stayed", "never")  # an aborted migration moved nothing: gone unless running
 
 
+def test_requests_handed_over_together_are_added_all_or_none(driver):
+    """The choices of one completion come in one call (one engine-thread call: the same step
+    prefills them); if the engine refuses one, those added before it are aborted, none keeps a route."""
+    from llumdask.request import Request
+
+    llumlet = start(driver, steps=0)
+    llumlet.refused = {"c"}
+    with pytest.raises(ValueError, match="c can never fit"):
+        driver.add([Request("a", [1, 2]), Request("b", [1, 2]), Request("c", [1, 2])], "tcp://gateway:2")
+    assert llumlet.added == ["a", "b"] and llumlet.aborted == ["a", "b"]
+    assert not {"a", "b", "c"} & set(driver.routes.owned)
+    driver.add([Request("d", [1, 2]), Request("e", [1, 2])], "tcp://gateway:2")
+    assert llumlet.added[2:] == ["d", "e"] and driver.routes.owned["e"] == "tcp://gateway:2"
+
+
 def test_a_resubmission_of_a_request_already_here_goes_on_here_with_its_route_renewed(driver):
     """Its source died once it had handed the request over: the requester resubmits it, and the
     scheduler may send it where it already runs."""
@@ -224,8 +242,8 @@ def test_a_resubmission_of_a_request_already_here_goes_on_here_with_its_route_re
     llumlet = start(driver, steps=0)
     running = {"moved-here"}
     llumlet.engine.get_request = lambda request_id: object() if request_id in running else None
-    driver.add(Request("moved-here", [1, 2]), "tcp://gateway:2", resubmission=True)
+    driver.add([Request("moved-here", [1, 2])], "tcp://gateway:2", resubmission=True)
     assert llumlet.added == [] and driver.routes.owned["moved-here"] == "tcp://gateway:2"
-    driver.add(Request("new", [1, 2]), "tcp://gateway:2", resubmission=True)
-    driver.add(Request("moved-here", [1, 2]), "tcp://gateway:3")  # not a resubmission: the engine decides
+    driver.add([Request("new", [1, 2])], "tcp://gateway:2", resubmission=True)
+    driver.add([Request("moved-here", [1, 2])], "tcp://gateway:3")  # not a resubmission: the engine decides
     assert llumlet.added == ["new", "moved-here"]

@@ -97,7 +97,7 @@ async def test_refusals_are_raised_again_where_the_call_was_made(c, s, a, b):
         await call(c.scheduler, Op.MIGRATE, request_id="nobody", destination=a.address)
     with pytest.raises(RequestRejected, match="can never"):
         huge = Request("huge", list(range(1, 3000)), SamplingParams(max_tokens=10))
-        await call(c.rpc(a.address), Op.ADD, request=request_to_msg(huge), reply_to="tcp://127.0.0.1:1")
+        await call(c.rpc(a.address), Op.ADD, requests=[request_to_msg(huge)], reply_to="tcp://127.0.0.1:1")
     for worker in (a, b):
         await call(c.scheduler, Op.DRAIN, instance=worker.address)
     with pytest.raises(NoInstanceAvailable):
