@@ -367,12 +367,12 @@ class LlumdaskClient:
             priority: Priority | str = "normal", timeout: float | None = None, stop: Sequence[str] = (),
             concurrency: int = 64, **sampling: Any) -> "dask.bag.Bag | dask.dataframe.DataFrame":
         """Batch inference over a Dask collection of prompts, lazily, each partition an ordinary
-        Dask task on the cluster that submits through its own requester, at most `concurrency`
-        at once. A bag (texts or token-id lists) gives a bag of `Generation`s in the same order
-        (a failed prompt: its exception); a dataframe column of texts gives a frame with its
-        index and the columns of `llumdask.api.batch.COLUMNS` (text, finish_reason,
-        prompt_tokens, completion_tokens, error). The options are `generate`'s, checked here
-        before anything runs."""
+        Dask task on the cluster that submits through its worker process's requester (made once,
+        kept for later partitions), at most `concurrency` at once. A bag (texts or token-id
+        lists) gives a bag of `Generation`s in the same order (a failed prompt: its exception);
+        a dataframe column of texts gives a frame with its index and the columns of
+        `llumdask.api.batch.COLUMNS` (text, finish_reason, prompt_tokens, completion_tokens,
+        error). The options are `generate`'s, checked here before anything runs."""
         import dask.bag
 
         from llumdask.api.batch import generate_bag, generate_column

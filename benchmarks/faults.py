@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -92,10 +93,11 @@ class Setup:
         from llumdask.tiny_model import build_tiny_model, default_model_dir
 
         # The offline tiny model: 128-token blocks on CPU, 64 MiB of KV (256 blocks), steps of a
-        # few milliseconds, so a longer output keeps the stream going through the migration.
+        # few milliseconds, so a longer output keeps the stream going through the migration and
+        # past the handshake timeout after a lost message (about 2 ms a token: 2,400 tokens, 5 s).
         vllm = {"model": str(build_tiny_model(default_model_dir())), "dtype": "float32", "max-model-len": 4096,
                 "kv-cache-memory-bytes": 64 * 2**20, "engine-args": {"seed": 0}}
-        return cls("vllm", {"engine": "vllm", "vllm-engine": vllm, "migration": MIGRATION}, 600, 1200, 500, 300.0)
+        return cls("vllm", {"engine": "vllm", "vllm-engine": vllm, "migration": MIGRATION}, 600, 2400, 500, 300.0)
 
     def config(self) -> LlumdaskConfig:
         return load_config(self.overrides)
@@ -301,8 +303,10 @@ def run_once(llum: LlumdaskClient, setup: Setup, state: str, fault: str, number:
 
 
 def _outcome(event: dict[str, Any]) -> str:
-    """A migration's end as the figures name it: its kind, and why when it was aborted."""
-    return f"{event['kind']}: {event['reason']}" if event.get("reason") else event["kind"]
+    """A migration's end as the figures name it: its kind, and why when it was aborted (without the
+    addresses a reason names, which differ from run to run)."""
+    reason = re.sub(r"\s*\S+://\S+", "", event.get("reason") or "")
+    return f"{event['kind']}: {reason}" if reason else event["kind"]
 
 
 def cell(llum: LlumdaskClient, setup: Setup, state: str, fault: str, numbers: Sequence[int],

@@ -108,9 +108,9 @@ class Requester:
 
     async def submit_together(self, requests: Sequence[Request]) -> list[TokenStream]:
         """Place requests that share a prompt (the choices of one completion) on one instance with
-        one dispatch and one hand-over, so that one step prefills them all and they share the
-        prompt's KV through the prefix cache, as vLLM's server prefills n choices once. All or
-        none: the instance takes them all or refuses them all."""
+        one dispatch and one hand-over (they enter the engine between the same two steps, as
+        vLLM's server adds a parent request's n choices at once) and share the prompt's KV
+        through the prefix cache. All or none: the instance takes them all or refuses them all."""
         listener = await self._ensure_listener()
         streams = [listener.open(r.request_id) for r in requests]
         placed: dict[str, str] = {}
