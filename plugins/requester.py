@@ -113,17 +113,14 @@ class Requester:
         through the prefix cache. All or none: the instance takes them all or refuses them all."""
         listener = await self._ensure_listener()
         streams = [listener.open(r.request_id) for r in requests]
-        placed: dict[str, str] = {}
         try:
-            await self._place(requests, placed)
+            instance = await self._place(requests)
         except BaseException:
             for request in requests:
                 listener.close_stream(request.request_id)
-                if request.request_id in placed:
-                    await asyncio.shield(self._abort_on(placed[request.request_id], request.request_id))
             raise
         for request, stream in zip(requests, streams):
-            self._open[request.request_id] = _Open(request, stream, placed[request.request_id])
+            self._open[request.request_id] = _Open(request, stream, instance)
         return streams
 
     def holder(self, request_id: str) -> str | None:
@@ -180,10 +177,10 @@ class Requester:
         self._open.clear()
 
     # ------------------------------------------------------------------ placement
-    async def _place(self, requests: Sequence[Request], placed: dict[str, str], *, admitted: bool = False) -> None:
+    async def _place(self, requests: Sequence[Request], *, admitted: bool = False) -> str:
         """Choose one instance for requests sharing a prompt and hand them over in one call (all or
-        none), entering them in `placed` (id -> instance) once accepted; after a transient failure
-        they are placed again until `placement_timeout`. A refusal for load (ClusterOverloaded) is
+        none): the instance that took them; after a transient failure they are placed again until
+        `placement_timeout`. A refusal for load (ClusterOverloaded) is
         not retried: the caller answers it; `admitted` requests (resubmissions) are never refused for load."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.placement_timeout
@@ -191,8 +188,7 @@ class Requester:
             try:
                 instance = await self._choose(requests[0], admitted, len(requests))
                 await self._hand_over(requests, instance, admitted)
-                placed.update((r.request_id, instance) for r in requests)
-                return
+                return instance
             except (OSError, asyncio.TimeoutError, NoInstanceAvailable) as exc:
                 if loop.time() > deadline:
                     raise NoInstanceAvailable(
@@ -359,13 +355,11 @@ class Requester:
                 entry.stream.push(TokenBatch(request.request_id, len(request.output_token_ids), (),
                                              entry.holder, finished=True, finish_reason=reason))
                 return
-            placed: dict[str, str] = {}
             try:
-                await self._place([request], placed, admitted=True)
+                instance = await self._place([request], admitted=True)
             except RuntimeError as exc:  # not placed in time, refused, no llumdask scheduler
                 entry.stream.fail(exc)
                 return
-            instance = placed[request.request_id]
             entry.instance = instance
             sequence.owner = None
             self.resubmissions += 1

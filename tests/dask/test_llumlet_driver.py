@@ -220,8 +220,8 @@ def test_whereabouts_say_which_requests_are_here_moved_on_or_gone(driver):
 
 
 def test_requests_handed_over_together_are_added_all_or_none(driver):
-    """The choices of one completion come in one call (one engine-thread call: the same step
-    prefills them); if the engine refuses one, those added before it are aborted, none keeps a route."""
+    """The choices of one completion come in one call (one engine-thread call, between the same two
+    steps); if the engine refuses one, those added before it are aborted, none keeps a route."""
     from llumdask.request import Request
 
     llumlet = start(driver, steps=0)

@@ -19,10 +19,10 @@ def recover(sampling: SamplingParams, delivered: int) -> tuple[TokenStream, list
     async def scenario() -> TokenStream:
         requester = Requester(client=None)  # no cluster: placement is recorded, not performed
 
-        async def place(requests: list[Request], into: dict[str, str], *, admitted: bool = False) -> None:
+        async def place(requests: list[Request], *, admitted: bool = False) -> str:
             assert admitted, "a resubmission was admitted once: it must never be refused for load"
             placed.extend(requests)
-            into.update((r.request_id, "alive") for r in requests)
+            return "alive"
 
         requester._place = place
         stream = TokenStream("r")
