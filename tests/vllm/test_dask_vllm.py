@@ -41,6 +41,9 @@ CASES = [
     ("long-prompt-decode", 2000, 80, (5,)),
     ("there-and-back", 300, 160, (20, 90)),
 ]
+# (name, prompt length, max tokens) of the request whose destination is killed: long enough that
+# it cannot end before the source hears of the loss, however slowly the test's calls run.
+KILLED_DESTINATION = ("destination-killed", 2000, 600)
 
 
 def prompt_of(name: str, length: int) -> list[int]:
@@ -64,13 +67,14 @@ def migration_events(client, instance: str, migration_id: str) -> list[dict]:
 def reference(vllm_ready: None, tiny_model: Path) -> dict[str, list[int]]:
     """Greedy tokens of every case's prompt from plain vLLM, in one batch."""
     script = Path(__file__).with_name("plain_vllm.py")
-    prompts = [[prompt_of(name, length), max_tokens] for name, length, max_tokens, _ in CASES]
+    cases = [(name, length, max_tokens) for name, length, max_tokens, _ in CASES] + [KILLED_DESTINATION]
+    prompts = [[prompt_of(name, length), max_tokens] for name, length, max_tokens in cases]
     done = subprocess.run([sys.executable, str(script), str(tiny_model), json.dumps(PLAIN_ARGS), json.dumps(prompts)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("PLAIN-VLLM-OUTPUT ")]
     outputs = json.loads(lines[-1].split(" ", 1)[1])
-    return {name: tokens for (name, *_), tokens in zip(CASES, outputs, strict=True)}
+    return {name: tokens for (name, *_), tokens in zip(cases, outputs, strict=True)}
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +201,7 @@ def test_a_pinned_request_is_never_moved(clean):
 def test_destination_killed_mid_migration_the_request_completes_on_the_source(llum, reference, initial_free_blocks):
     """Last in the module. The destination's nanny is told that its worker's end is the cluster's
     (so it does not start a new vLLM instance while the module's cluster closes)."""
-    name, prompt_len, max_tokens, _ = CASES[3]
+    name, prompt_len, max_tokens = KILLED_DESTINATION
     client = llum.dask_client
     resubmitted_before = llum.resubmissions
     stream = llum.stream(prompt_of(name, prompt_len), max_tokens=max_tokens, ignore_eos=True)
