@@ -176,16 +176,18 @@ def total_usage(generations: Sequence[Generation]) -> Usage:
     return Usage(first.prompt_tokens, sum(g.num_output_tokens for g in generations), first.cached_tokens)
 
 
-async def merged_deltas(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Delta | None]]:
+async def merged_deltas(generations: Sequence[Generation]) -> AsyncIterator[list[tuple[int, Delta | None]]]:
     """(choice index, delta) as each choice produces them, then (index, None) once that
-    choice has finished (its `finish_reason` is set). One choice is read directly; several are
-    read by one task each into a queue as short as their number, so a slow client slows them."""
+    choice has finished (its `finish_reason` is set), in lists of what is ready together (the
+    choices' tokens of one engine step): a stream writes each list at once. One choice is read
+    directly; several are read by one task each into a queue with room for two items a choice (a
+    step's last delta and the end), so a slow client slows them."""
     if len(generations) == 1:
         async for delta in generations[0].deltas():
-            yield 0, delta
-        yield 0, None
+            yield [(0, delta)]
+        yield [(0, None)]
         return
-    queue: asyncio.Queue[tuple[int, Delta | None | Exception]] = asyncio.Queue(maxsize=len(generations))
+    queue: asyncio.Queue[tuple[int, Delta | None | Exception]] = asyncio.Queue(maxsize=2 * len(generations))
 
     async def pump(index: int, generation: Generation) -> None:
         try:
@@ -199,11 +201,18 @@ async def merged_deltas(generations: Sequence[Generation]) -> AsyncIterator[tupl
     try:
         running = len(tasks)
         while running:
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            running -= item is None
-            yield index, item
+            ready = [await queue.get()]
+            while not queue.empty():
+                ready.append(queue.get_nowait())
+            batch: list[tuple[int, Delta | None]] = []
+            for index, item in ready:
+                if isinstance(item, Exception):
+                    if batch:
+                        yield batch
+                    raise item
+                running -= item is None
+                batch.append((index, item))
+            yield batch
     finally:
         for task in tasks:
             task.cancel()

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from starlette.requests import Request
@@ -25,7 +25,7 @@ from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
 from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
 from llumdask.api.gateway.fim import fill_in_the_middle
 from llumdask.api.gateway.detok import IncrementalText
-from llumdask.api.gateway.generation import Generation, InFlight, merged_deltas, total_usage
+from llumdask.api.gateway.generation import Delta, Generation, InFlight, merged_deltas, total_usage
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.openapi import openapi_document
 from llumdask.api.gateway.rate_limits import ANONYMOUS, Charge, RateLimited, RateLimits
@@ -242,52 +242,60 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
     batch's chunk carries what the reader made of it: text, call deltas, or nothing yet."""
     wanted = options.logprobs is not None
     sent = [0] * len(generations)  # characters each choice has shown: its next text offset
-    for index in range(len(generations)):
-        for chunk in fmt.opening_chunks(index):
-            yield event(chunk)
+    echoed: set[int] = set()
 
     def chunk(index: int, text: str, token_ids: Sequence[int], entries: Sequence) -> bytes:
         logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, sent[index]) if wanted else None
         sent[index] += len(text)
         return event(fmt.text_chunk(index, text, logprobs))
 
+    def events(index: int, delta: Delta | None) -> Iterator[bytes]:
+        g = generations[index]
+        if echo is not None and index not in echoed:
+            echoed.add(index)
+            yield chunk(index, echo, prompt_ids, g.prompt_logprobs if wanted else ())
+        if delta is None:
+            finish_reason = g.finish_reason
+            if readers is not None:
+                last = readers[index].last()
+                if last:
+                    yield event(fmt.tool_chunk(index, None, [c.to_dict() for c in last]))  # type: ignore[attr-defined]
+                finish_reason = readers[index].finish_reason(finish_reason)
+            yield event(fmt.final_chunk(index, finish_reason))
+            return
+        entries = g.logprobs(delta.start, delta.end) if wanted else ()
+        token_ids = g.token_ids[delta.start:delta.end]
+        if readers is None:
+            yield chunk(index, delta.text, token_ids, entries)
+            return
+        content, calls = readers[index].delta(delta.text, token_ids)
+        if calls:
+            logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, 0) if wanted else None
+            yield event(fmt.tool_chunk(index, content, [c.to_dict() for c in calls], logprobs))  # type: ignore[attr-defined]
+        elif content is not None:
+            yield chunk(index, content, token_ids, entries)
+
+    # What is ready together goes out in one write: a write per chunk costs the gateway a
+    # system call and a pass through the ASGI stack per choice and token.
+    opening = b"".join(event(c) for index in range(len(generations)) for c in fmt.opening_chunks(index))
+    if opening:
+        yield opening
+    tail = b""
     try:
-        echoed: set[int] = set()
-        async for index, delta in merged_deltas(generations):
-            g = generations[index]
-            if echo is not None and index not in echoed:
-                echoed.add(index)
-                yield chunk(index, echo, prompt_ids, g.prompt_logprobs if wanted else ())
-            if delta is None:
-                finish_reason = g.finish_reason
-                if readers is not None:
-                    last = readers[index].last()
-                    if last:
-                        yield event(fmt.tool_chunk(index, None, [c.to_dict() for c in last]))  # type: ignore[attr-defined]
-                    finish_reason = readers[index].finish_reason(finish_reason)
-                yield event(fmt.final_chunk(index, finish_reason))
-                continue
-            entries = g.logprobs(delta.start, delta.end) if wanted else ()
-            token_ids = g.token_ids[delta.start:delta.end]
-            if readers is None:
-                yield chunk(index, delta.text, token_ids, entries)
-                continue
-            content, calls = readers[index].delta(delta.text, token_ids)
-            if calls:
-                logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, 0) if wanted else None
-                yield event(fmt.tool_chunk(index, content, [c.to_dict() for c in calls], logprobs))  # type: ignore[attr-defined]
-            elif content is not None:
-                yield chunk(index, content, token_ids, entries)
+        async for ready in merged_deltas(generations):
+            body = b"".join(c for index, delta in ready for c in events(index, delta))
+            if body:
+                yield body
         if options.include_usage:
-            yield event(fmt.usage_chunk(total_usage(generations)))
+            tail = event(fmt.usage_chunk(total_usage(generations)))
     except APIError as exc:
         gateway.metrics.error(exc.code)
-        yield event(exc.body())
+        tail = event(exc.body())
     except Exception as exc:  # a bug; the client gets a generic error event
         error = unexpected(exc, request)
         gateway.metrics.error(error.code)
-        yield event(error.body())
-    yield DONE
+        tail = event(error.body())
+    yield tail + DONE
 
 
 def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tokens: int) -> SamplingParams:
