@@ -27,10 +27,12 @@ from llumdask.benchmarks.common import summarize
 @dataclass(frozen=True)
 class Sample:
     start: float
-    first: float
+    first: float  # the first token of any choice
     last: float
     end: float
     tokens: int
+    # The first token of the last choice to start (several choices: when every one had begun).
+    every_first: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -79,17 +81,20 @@ async def _one(client: openai.AsyncOpenAI, work: Workload, number: int) -> Sampl
         stream=True, stream_options={"include_usage": True}, n=work.n,
         **({"logprobs": work.logprobs} if work.logprobs is not None else {}),
         extra_body={"ignore_eos": True, **({"priority": work.priority} if work.priority else {})})
+    firsts: dict[int, float] = {}
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices:
             first = first or now
             last = now
+            for choice in chunk.choices:
+                firsts.setdefault(choice.index, now)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     if first is None or tokens != work.output_tokens * work.n:
         raise RuntimeError(f"request {number}: {tokens} tokens streamed, expected {work.output_tokens * work.n}")
     # Per choice: the choices of a request are decoded side by side.
-    return Sample(start, first, last, time.perf_counter(), work.output_tokens)
+    return Sample(start, first, last, time.perf_counter(), work.output_tokens, max(firsts.values()))
 
 
 async def concurrent_streams(base_url: str, work: Workload, streams: int, seconds: float, settle: float,
@@ -117,17 +122,26 @@ async def concurrent_streams(base_url: str, work: Workload, streams: int, second
 
 
 def row(streams: int, runs: list[Run]) -> dict:
-    """Pooled over `runs`: TTFT, TPOT and end-to-end latency (ms) of the requests started in the
-    measured windows, and the requests and tokens per second that ended in them."""
+    """Pooled over `runs`: TTFT (to the first token of any choice, and of every choice), TPOT and
+    end-to-end latency (ms) of the requests started in the measured windows, the requests and tokens per second that ended in them, and how many
+    requests were decoding (between their first and last token) on average over the windows.
+
+    The last tells TPOTs apart at the same offered concurrency: a server that keeps requests
+    longer before their first token has fewer decoding at once, and so shorter decode steps."""
     started = [s for run in runs for s in run.started]
     ended = [s for run in runs for s in run.ended]
     errors = [e for run in runs for e in run.errors]
     seconds = sum(run.window[1] - run.window[0] for run in runs)
     ttft = summarize((s.first - s.start for s in started), 1e3)
+    every = summarize((s.every_first - s.start for s in started), 1e3)
     tpot = summarize(((s.last - s.first) / (s.tokens - 1) for s in started if s.tokens > 1), 1e3)
     latency = summarize((s.end - s.start for s in started), 1e3)
+    decoding = sum(max(0.0, min(s.last, run.window[1]) - max(s.first, run.window[0]))
+                   for run in runs for s in run.samples) / seconds
     return {"offered": streams, "successful": len(started), "errored": len(errors),
             "error_messages": sorted(set(errors)), "achieved_rps": len(ended) / seconds,
             "output_tokens_per_s": sum(s.tokens for s in ended) / seconds,
-            "ttft_mean_ms": ttft["mean"], "ttft_p99_ms": ttft["p99"], "tpot_mean_ms": tpot["mean"],
-            "tpot_p99_ms": tpot["p99"], "latency_mean_ms": latency["mean"], "latency_p99_ms": latency["p99"]}
+            "ttft_mean_ms": ttft["mean"], "ttft_p99_ms": ttft["p99"],
+            "ttft_every_choice_mean_ms": every["mean"], "ttft_every_choice_p99_ms": every["p99"], "tpot_mean_ms": tpot["mean"],
+            "tpot_p99_ms": tpot["p99"], "latency_mean_ms": latency["mean"], "latency_p99_ms": latency["p99"],
+            "decoding_mean": decoding}
