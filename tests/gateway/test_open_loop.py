@@ -1,0 +1,68 @@
+"""The benchmarks' open-loop load against the real gateway (over the scripted backend, served by
+uvicorn on loopback): requests go out at their drawn arrival times however slowly the server
+answers, and the same number draws the same arrivals."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from gatewayfakes import MODEL
+
+from llumdask.api.gateway import create_app
+from llumdask.benchmarks.openai_load import Level, Workload, row
+from llumdask.benchmarks.servers import free_port
+from llumdask.config import GatewayConfig
+
+
+@contextmanager
+def served(app) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_requests_arrive_on_schedule_however_slow_the_server(backend, tokenizer):
+    backend.delay = 0.1  # a token every 0.1 s: each request takes 0.4 s, far longer than the gaps
+    work = Workload(MODEL, tokenizer.vocab_size, prompt_tokens=8, output_tokens=4)
+    level = Level(rate=20.0)
+    with served(create_app(backend.open, tokenizer, GatewayConfig())) as url:
+        runs = [asyncio.run(level.run(url, work, seconds=1.0, settle=0.5, first_number=7)) for _ in range(2)]
+    for run in runs:
+        assert not run.errors
+        starts = sorted(s.start - (run.window[0] - 0.5) for s in run.samples)
+        # About 30 arrivals in 1.5 s at 20/s; the server's 0.4 s answers do not space them out.
+        assert 15 <= len(starts) <= 50
+        assert max(starts) < 1.5 + 0.1
+        assert all(s.end - s.start >= 0.35 for s in run.samples)
+    # The same number draws the same arrivals.
+    gaps = [[round(b - a, 2) for a, b in zip(sorted(s.start for s in run.samples), sorted(s.start for s in run.samples)[1:])]
+            for run in runs]
+    assert len(runs[0].samples) == len(runs[1].samples)
+    assert sum(abs(a - b) for a, b in zip(*gaps)) / len(gaps[0]) < 0.02
+    summary = row(level.rate, runs)
+    assert summary["successful"] > 0 and summary["decoding_mean"] > 1  # several decode at once
+    assert str(level) == "20 requests/s" and str(Level(streams=3)) == "3 streams"
+
+
+def test_a_level_is_streams_or_a_rate():
+    import pytest
+
+    with pytest.raises(ValueError):
+        Level()
+    with pytest.raises(ValueError):
+        Level(streams=2, rate=3.0)
