@@ -13,11 +13,10 @@ ratio columns are llumdask / vllm serve. The "decoding" columns say how many req
 between their first and last token on average. In a closed loop the load depends on the server
 (one that starts requests sooner has more decoding at once); `--rates` adds open-loop levels,
 Poisson arrivals the same for both servers, where both are offered the same load and their TPOTs
-compare as they are. With several choices (`--n`)
-TTFT is the first chunk of any choice, and "every choice's TTFT" the first token of the last
-choice to start: `vllm serve` hands a request's choices to its engine one by one, so its first
-choice may get a step to itself while the others wait for the next, where llumdask adds them
-together.
+compare as they are. With several choices (`--n`) TTFT is the first chunk of any choice, and
+"every choice's TTFT" the first token of the last choice to start: `vllm serve` hands a
+request's choices to its engine one by one, so its first choice may get a step to itself while
+the others wait for the next, where llumdask adds them together.
 
 With the tiny model a decode step takes about 2 ms, so whatever a server spends per token weighs
 as much as the model; `--shape 8x768` serves a larger random Llama whose steps (about 25 ms on

@@ -32,7 +32,7 @@ class Sample:
     end: float
     tokens: int
     # The first token of the last choice to start (several choices: when every one had begun).
-    every_first: float = 0.0
+    every_first: float
 
 
 @dataclass(frozen=True)
