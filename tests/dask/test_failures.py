@@ -150,13 +150,26 @@ def _break_for_good(dask_worker) -> None:
     engine.step = step
 
 
+def _where_idle_dispatch_goes(llum) -> str:
+    """The instance an idle cluster sends a request to (two idle instances tie; the tie goes one
+    way): the same one for two probes running, each sent once the last one's instance reported
+    itself idle. One probe is not enough: an instance still reporting an earlier request loses."""
+    last = None
+    for k in range(20):
+        probe = llum.stream(prompt_of(60 + k, 20), max_tokens=4, ignore_eos=True)
+        list(probe)
+        if probe.instance == last:
+            return last
+        last = probe.instance
+        time.sleep(0.2)  # its report says idle again
+    raise AssertionError("an idle cluster's dispatch did not settle on one instance")
+
+
 def test_an_instance_whose_engine_stays_broken_leaves_and_a_fresh_one_takes_its_place(llum, two_instances):
     """Each failed step aborts its requests; at `max-failed-steps` (3) in a row the worker closes,
     the instance leaves the table, and its nanny starts a fresh worker that serves."""
     client = llum.dask_client
-    probe = llum.stream(prompt_of(80, 20), max_tokens=4, ignore_eos=True)
-    list(probe)
-    broken = probe.instance  # an idle cluster dispatches the same way again: there
+    broken = _where_idle_dispatch_goes(llum)
     client.run(_break_for_good, workers=[broken])
     aborted = 0
     for k in range(10):
