@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 import uvicorn
 from gatewayfakes import MODEL
 
@@ -60,8 +61,6 @@ def test_requests_arrive_on_schedule_however_slow_the_server(backend, tokenizer)
 
 
 def test_a_level_is_streams_or_a_rate():
-    import pytest
-
     with pytest.raises(ValueError):
         Level()
     with pytest.raises(ValueError):
