@@ -23,11 +23,14 @@ Experiments:
 - scalability: `scalability.measure` at 16 to 1,024 instances.
 
 Rates. Our latency model is not the paper's testbed, so request rates copied from the paper would
-load our cluster differently. Each trace's rates are fractions of its *ideal capacity*: the
-request rate the simulated cluster could sustain if its KV memory were one perfectly packed pool
-(`ideal_capacity`: from the latency profile and the trace's lengths, no simulation, no policy).
-The sweep so runs from light load to about the cluster's limit; each run's backlog when the last
-request arrives tells on which side of its own limit a policy ended up.
+load our cluster differently. Each run's rate is a fraction of the *ideal capacity* of the very
+requests it replays: the request rate the simulated cluster could sustain if its KV memory were
+one perfectly packed pool (`ideal_capacity`: from the latency profile and the requests' lengths,
+no simulation, no policy). Lengths are heavy-tailed, so 5,000 requests of one seed can need a
+fifth more memory-time than another's: a load fraction taken from one seed's lengths would put
+the other seeds past their limit at "0.9". The sweep so runs from light load to about the
+cluster's limit for every seed; each run's backlog when the last request arrives tells on which
+side of its own limit a policy ended up.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from llumdask.sim.metrics import ClusterSample, mean_instances, summarize
 from llumdask.sim.presets import PRESETS
 from llumdask.sim.run import make_spec, run_cluster
 from llumdask.benchmarks.scalability import measure
-from llumdask.sim.workload import PAIRINGS, WORKLOADS, make_workload
+from llumdask.sim.workload import PAIRINGS, WORKLOADS, TraceRequest, make_workload
 
 SERVING, PRIORITIES, AUTOSCALING = "serving", "priorities", "autoscaling"
 # The paper's auto-scaling band is [10, 60] with 1 to 16 instances; the sweep scales it up and
@@ -66,8 +69,8 @@ PRIORITY_POLICIES = ("llumnix_base", "llumnix")
 AUTOSCALING_POLICIES = ("infaas", "llumnix")
 # The pair whose fragmentation over time is plotted (paper: INFaaS++ against Llumnix).
 TIMELINE_POLICIES = ("infaas", "llumnix")
-# Lengths drawn to estimate a trace's ideal capacity (a sample, not a simulation: cheap).
-_CAPACITY_SAMPLE = 50_000
+# Lengths drawn to estimate what a trace's decoding sequence holds (a sample, not a simulation: cheap).
+_LENGTH_SAMPLE = 50_000
 
 
 @dataclass(frozen=True)
@@ -205,14 +208,15 @@ class Case:
 
 # Fields of a run that identify its case; the only ones that may be None.
 _CASE_FIELDS = frozenset(f.name for f in fields(Case))
-# What identifies a setting: every case field but the seed (and the timeline flag).
-_SETTING_FIELDS = tuple(sorted(_CASE_FIELDS - {"seed", "timeline"}))
+# What identifies a setting: every case field but the seed, the rate (each seed's requests have
+# their own capacity) and the timeline flag.
+_SETTING_FIELDS = tuple(sorted(_CASE_FIELDS - {"seed", "rate", "timeline"}))
 
 
 def _median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {k: runs[0].get(k) for k in _SETTING_FIELDS} | {"seeds": len(runs)}
     for key, value in runs[0].items():
-        if key in _CASE_FIELDS or isinstance(value, bool) or not isinstance(value, (int, float)):
+        if (key in _CASE_FIELDS and key != "rate") or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         values = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
         merged[key] = float(np.median(values)) if values else math.nan
@@ -224,8 +228,9 @@ def _median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- capacity
-def ideal_capacity(trace: str, instances: int, profile: LatencyProfile, config: LlumdaskConfig, *, seed: int = 0) -> float:
-    """Requests/s `instances` could sustain if their KV memory were one perfectly packed pool.
+def ideal_capacity(requests: Sequence[TraceRequest], instances: int, profile: LatencyProfile, config: LlumdaskConfig) -> float:
+    """Requests/s `instances` could sustain on `requests` if their KV memory were one perfectly
+    packed pool.
 
     Per instance, with memory full: a running request of input i and output o holds i + k tokens
     at its k-th decode step (k = 1 .. o - 1; prefill made the first token), plus half a block of
@@ -234,11 +239,10 @@ def ideal_capacity(trace: str, instances: int, profile: LatencyProfile, config: 
     T = decode_time(b, b x ctx). Each request needs (o - 1) / b steps' worth of the instance plus
     its own prefill, so one instance finishes 1 / (E[o - 1] T / b + E[prefill(i)]) requests a
     second. An estimate, not a bound: preemption, imbalance and fragmentation lower what real
-    dispatch achieves, while a finite run meets fewer of the rare longest requests in the mean.
+    dispatch achieves.
     """
-    sample = make_workload(trace, rate=1.0, num_requests=_CAPACITY_SAMPLE, seed=seed)
-    inputs = np.array([r.input_len for r in sample], dtype=np.float64)
-    decodes = np.array([r.output_len - 1 for r in sample], dtype=np.float64)
+    inputs = np.array([r.input_len for r in requests], dtype=np.float64)
+    decodes = np.array([r.output_len - 1 for r in requests], dtype=np.float64)
     block = config.block_size
     capacity_tokens = (config.sim_engine.total_blocks or profile.capacity_tokens // block) * block
     token_steps = decodes * inputs + decodes * (decodes + 1) / 2 + decodes * block / 2
@@ -252,17 +256,38 @@ def ideal_capacity(trace: str, instances: int, profile: LatencyProfile, config: 
     return instances / (decodes.mean() * step / batch + prefill)
 
 
-def capacities(plan: PaperPlan) -> dict[str, float]:
-    """Ideal capacity (requests/s of the whole `plan.instances` cluster) of every trace the plan uses."""
-    profile = load_profile(plan.profile)
-    config = make_spec("llumnix", plan.instances, profile=plan.profile).config
-    return {t: float(ideal_capacity(t, plan.instances, profile, config, seed=plan.seeds[0])) for t in plan.all_traces()}
+@dataclass(frozen=True, order=True)
+class Replay:
+    """The requests one run replays: a trace's first `requests` under `seed` (lengths do not
+    depend on the rate, the CV or the priority share)."""
+
+    trace: str
+    requests: int
+    seed: int
+
+
+def replay_capacity(replay: Replay, instances: int, profile_name: str) -> float:
+    """The ideal capacity of one replay's requests on `instances` (the paper plan's configuration)."""
+    config = make_spec("llumnix", instances, profile=profile_name).config
+    sample = make_workload(replay.trace, rate=1.0, num_requests=replay.requests, seed=replay.seed)
+    return float(ideal_capacity(sample, instances, load_profile(profile_name), config))
+
+
+def capacities(plan: PaperPlan) -> dict[Replay, float]:
+    """Ideal capacity (requests/s of the whole `plan.instances` cluster) of every replay the plan
+    runs: each run's rate is a load fraction of its own requests' capacity."""
+    replays = {(plan.priority_trace, plan.priority_requests), (plan.autoscale_trace, plan.autoscale_requests)}
+    replays |= {(trace, plan.requests) for trace in plan.traces}
+    return {
+        replay: replay_capacity(replay, plan.instances, plan.profile)
+        for replay in sorted(Replay(t, n, s) for t, n in replays for s in plan.seeds)
+    }
 
 
 def decode_context_tokens(trace: str, *, seed: int = 0) -> int:
     """Tokens a request of the trace holds while it decodes, weighted by decode steps: what one
     sequence of a busy batch holds (long requests hold more, and for longer)."""
-    sample = make_workload(trace, rate=1.0, num_requests=_CAPACITY_SAMPLE, seed=seed)
+    sample = make_workload(trace, rate=1.0, num_requests=_LENGTH_SAMPLE, seed=seed)
     inputs = np.array([r.input_len for r in sample], dtype=np.float64)
     decodes = np.array([r.output_len - 1 for r in sample], dtype=np.float64)
     return max(1, round(float((decodes * inputs + decodes * (decodes + 1) / 2).sum() / max(decodes.sum(), 1))))
@@ -275,29 +300,31 @@ def priority_headroom(plan: PaperPlan) -> Headroom:
 
 
 # ------------------------------------------------------------------------------- cases
-def plan_cases(plan: PaperPlan, capacity: dict[str, float], headroom: Headroom) -> list[Case]:
-    """Every simulation of the plan, once per seed; each rate is a load fraction times the trace's
-    capacity. Timelines are kept for the first seed only."""
+def plan_cases(plan: PaperPlan, capacity: dict[Replay, float], headroom: Headroom) -> list[Case]:
+    """Every simulation of the plan, once per seed; each rate is a load fraction times the ideal
+    capacity of the requests the case replays. Timelines are kept for the first seed only."""
     cases = []
     for seed in plan.seeds:
         common = dict(instances=plan.instances, profile=plan.profile, seed=seed)
         first = seed == plan.seeds[0]
         cases += [
-            Case(SERVING, trace, load, load * capacity[trace], policy, plan.requests,
+            Case(SERVING, trace, load, load * capacity[Replay(trace, plan.requests, seed)], policy, plan.requests,
                  timeline=first and (trace, load) == plan.timeline and policy in TIMELINE_POLICIES, **common)
             for trace in plan.traces
             for load in plan.loads
             for policy in plan.policies
         ]
         cases += [
-            Case(PRIORITIES, plan.priority_trace, plan.priority_load, plan.priority_load * capacity[plan.priority_trace],
+            Case(PRIORITIES, plan.priority_trace, plan.priority_load,
+                 plan.priority_load * capacity[Replay(plan.priority_trace, plan.priority_requests, seed)],
                  policy, plan.priority_requests, cv=cv, high_priority_share=plan.priority_share,
                  headroom_tokens=headroom.tokens, **common)
             for cv in plan.priority_cvs
             for policy in PRIORITY_POLICIES
         ]
         cases += [
-            Case(AUTOSCALING, plan.autoscale_trace, load, load * capacity[plan.autoscale_trace], policy,
+            Case(AUTOSCALING, plan.autoscale_trace, load,
+                 load * capacity[Replay(plan.autoscale_trace, plan.autoscale_requests, seed)], policy,
                  plan.autoscale_requests, autoscale_startup_delay=plan.autoscale_startup_delay, band=band, timeline=first,
                  **(common | {"instances": plan.autoscale_initial_instances}))
             for load in plan.autoscale_loads
@@ -371,7 +398,7 @@ def run_case(case: Case) -> dict[str, Any]:
 @dataclass
 class PaperResults:
     plan: PaperPlan
-    capacity: dict[str, float]
+    capacity: dict[Replay, float]
     runs: list[dict[str, Any]]
     scalability: list[dict[str, Any]]
     # The high-priority headroom of the priorities experiment, and what it was derived from.
@@ -406,7 +433,7 @@ class PaperResults:
         """
         try:
             plan = PaperPlan(**{k: _tuples(v) for k, v in data["plan"].items()})
-            capacity = {t: float(c["ideal_requests_per_s"]) for t, c in data["capacity"].items()}
+            capacity = {Replay(c["trace"], c["requests"], c["seed"]): float(c["ideal_requests_per_s"]) for c in data["capacity"]}
             runs = [{k: _tuples(v) if k in _CASE_FIELDS else math.nan if v is None else v for k, v in run.items()}
                     for run in data["runs"]]
             headroom = Headroom.from_dict(data["headroom"]) if data.get("headroom") else None
@@ -418,7 +445,7 @@ class PaperResults:
     def to_dict(self) -> dict[str, Any]:
         return {
             "plan": asdict(self.plan),
-            "capacity": {t: {"ideal_requests_per_s": c, "instances": self.plan.instances} for t, c in self.capacity.items()},
+            "capacity": [asdict(r) | {"ideal_requests_per_s": c, "instances": self.plan.instances} for r, c in self.capacity.items()],
             "runs": self.runs,
             "scalability": self.scalability,
             "headroom": self.headroom.to_dict() if self.headroom is not None else None,
@@ -477,8 +504,9 @@ def run_paper(plan: PaperPlan, *, jobs: int = 2, progress: Callable[[str], None]
     """Run every experiment of the plan (simulations in a pool of `jobs` processes)."""
     started = time.perf_counter()
     capacity = capacities(plan)
-    for trace, value in capacity.items():
-        progress(f"ideal capacity {trace}: {value:.2f} req/s on {plan.instances} instances")
+    for replay, value in capacity.items():
+        progress(f"ideal capacity {replay.trace} ({replay.requests} requests, seed {replay.seed}): "
+                 f"{value:.2f} req/s on {plan.instances} instances")
     headroom = priority_headroom(plan)
     progress(f"priority headroom {headroom.tokens:,} tokens (near-ideal load {headroom.near_ideal_tokens:,} tokens for "
              f"sequences of {headroom.sequence_tokens}; ceiling {headroom.ceiling:.2f}x)")

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from llumdask.request import Priority
-from llumdask.benchmarks.paper import AUTOSCALE_MAX_INSTANCES, AUTOSCALING, BASELINES, ORACLE, PRIORITIES, SERVING, PaperResults
+from llumdask.benchmarks.paper import (
+    AUTOSCALE_MAX_INSTANCES, AUTOSCALING, BASELINES, ORACLE, PRIORITIES, SERVING, PaperResults, Replay,
+)
 from llumdask.benchmarks.plots import write_figures
 from llumdask.sim.run import write_json
 from llumdask.benchmarks.scalability import DISPATCH_P99_GOAL_US, PAIRING_P99_GOAL_MS
@@ -487,7 +489,7 @@ def _serving_tables(results: PaperResults, trace: str) -> str:
         for policy, run in policies.items():
             cells = [_spread(run, key, fmt) if spread else _num(run.get(key), fmt) for key, _, fmt, spread in SERVING_COLUMNS]
             rows.append((f"{load:g}", f"{run['rate']:.2f}", policy, _num(run["backlog_at_last_arrival"], "{:.0f}"), *cells))
-    return table(("load", "rate req/s", "policy", "backlog", *(t for _, t, _, _ in SERVING_COLUMNS)), rows)
+    return table(("load", "rate req/s (median)", "policy", "backlog", *(t for _, t, _, _ in SERVING_COLUMNS)), rows)
 
 
 def _ratio_table(results: PaperResults) -> str:
@@ -585,9 +587,11 @@ def _capacity_section(results: PaperResults) -> str:
     plan = results.plan
     rows = []
     for trace in plan.all_traces():
-        rates = sorted({round(r["rate"], 2) for r in results.select(SERVING, trace=trace)})
-        rows.append((trace, f"{results.capacity[trace]:.2f}", ", ".join(f"{r:.2f}" for r in rates)))
-    return table(("trace", f"ideal capacity, {plan.instances} instances (req/s)", "serving rates (req/s)"), rows)
+        for requests in sorted({r.requests for r in results.capacity if r.trace == trace}):
+            per_seed = [results.capacity[Replay(trace, requests, seed)] for seed in plan.seeds]
+            rows.append((trace, f"{requests:,}", " / ".join(f"{c:.2f}" for c in per_seed)))
+    return table(("trace", "requests a run", f"ideal capacity, {plan.instances} instances, seeds "
+                  f"{' / '.join(map(str, plan.seeds))} (req/s)"), rows)
 
 
 def llumnix_worse(results: PaperResults, baseline: str = "infaas", metric: str = "prefill_p99") -> tuple[list[str], int]:
@@ -737,14 +741,15 @@ not the original trace files. Our INFaaS++ baseline reads exact load reports eve
 Rates copied from the paper would load our cluster differently, because our latency model is not
 the paper's testbed. Each trace's rates are fractions ({", ".join(f"{f:g}" for f in plan.loads)}) of its
 *ideal capacity*: the request rate {plan.instances} simulated instances could sustain if their KV
-memory were one perfectly packed pool, computed from the latency profile and 50,000 sampled
-request lengths (`paper.ideal_capacity`: no simulation, no policy involved). It is an estimate,
-not a bound: preemption, imbalance and fragmentation lower what real dispatch achieves, while a
-finite run meets fewer of the rare longest requests that weigh on the mean. So the top of each
-sweep lies near the cluster's real limit, and each run's *backlog* (requests that had arrived
-but not yet started when the last one arrived: a few at a sustainable rate, a growing share of
-the run past it) shows on which side of its own limit each policy ended up. Every policy of a
-setting and seed sees the same requests; the capacities come from seed {plan.seeds[0]}'s lengths.
+memory were one perfectly packed pool, computed from the latency profile and the lengths of the
+very requests the run replays (`paper.ideal_capacity`: no simulation, no policy involved), so a
+seed whose requests are heavier runs at a lower rate and a load means the same for every seed
+(lengths are heavy-tailed: one seed's 5,000 requests can need a fifth more memory-time than
+another's). It is an estimate, not a bound: preemption, imbalance and fragmentation lower what
+real dispatch achieves. So the top of each sweep lies near the cluster's real limit, and each
+run's *backlog* (requests that had arrived but not yet started when the last one arrived: a few
+at a sustainable rate, a growing share of the run past it) shows on which side of its own limit
+each policy ended up. Every policy of a setting and seed sees the same requests.
 
 {_capacity_section(results)}
 

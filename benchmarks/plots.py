@@ -69,13 +69,14 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 def serving_figure(results: PaperResults, trace: str, path: Path) -> Path:
-    """Six metrics against the request rate, one line per policy (the paper's serving figures)."""
+    """Six metrics against the load, one line per policy (the paper's serving figures plot the rate;
+    each seed's rate is its own requests' capacity times the load)."""
     runs = results.select(SERVING, trace=trace)
     fig = Figure(figsize=(12, 6.5), layout="constrained")
     axes = fig.subplots(2, 3).flat
     for ax, (metric, title, log) in zip(axes, SERVING_PANELS):
-        _policy_lines(ax, runs, "rate", metric)
-        _style_axes(ax, title, "request rate (req/s)", log and all(r[metric] > 0 for r in runs if _finite(r.get(metric))))
+        _policy_lines(ax, runs, "load", metric)
+        _style_axes(ax, title, "load (fraction of ideal capacity)", log and all(r[metric] > 0 for r in runs if _finite(r.get(metric))))
     axes_list = fig.axes
     axes_list[0].legend(fontsize=7)
     fig.suptitle(f"{trace}: {results.plan.instances} instances, {results.plan.requests} requests per run", fontsize=10)

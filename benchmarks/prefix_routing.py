@@ -19,13 +19,12 @@ and without it on two paper traces at 0.8 of their ideal capacity, paired seed b
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from llumdask.benchmarks.common import parser, report
-from llumdask.benchmarks.paper import Case, capacities, PaperPlan, run_cases
+from llumdask.benchmarks.paper import Case, PaperPlan, Replay, replay_capacity, run_cases
 from llumdask.sim.workload import MULTI_TURN, SYSTEM_PROMPT
 
 PREFIX_ROUTERS = ("prefix_affinity", "dynamo_kv", "sglang_cache_aware")
@@ -50,11 +49,11 @@ def shared_cases(seeds: tuple[int, ...], instances: int, scale: float) -> list[C
 
 
 def unshared_cases(seeds: tuple[int, ...], instances: int, scale: float) -> list[Case]:
-    plan = replace(PaperPlan(), traces=UNSHARED, seeds=seeds, instances=instances)
-    capacity = capacities(plan)
+    profile, requests = PaperPlan().profile, max(50, round(5000 * scale))
+    capacity = {(t, s): replay_capacity(Replay(t, requests, s), instances, profile) for t in UNSHARED for s in seeds}
     return [
-        Case(EXPERIMENT, trace, UNSHARED_LOAD, UNSHARED_LOAD * capacity[trace], policy,
-             max(50, round(5000 * scale)), instances, plan.profile, seed)
+        Case(EXPERIMENT, trace, UNSHARED_LOAD, UNSHARED_LOAD * capacity[(trace, seed)], policy,
+             requests, instances, profile, seed)
         for trace in UNSHARED for seed in seeds for policy in ("llumnix_no_prefix", "llumnix")
     ]
 

@@ -21,8 +21,7 @@ import numpy as np
 from llumdask.benchmarks.common import float_list, parser, report
 from llumdask.engine.headroom import derive_headroom
 from llumdask.engine.latency import load_profile
-from llumdask.benchmarks.paper import PRIORITIES, Case, PaperPlan, decode_context_tokens, ideal_capacity, run_cases
-from llumdask.sim.run import make_spec
+from llumdask.benchmarks.paper import PRIORITIES, Case, PaperPlan, Replay, decode_context_tokens, replay_capacity, run_cases
 
 # The paper's bound on what priorities may cost normal-priority requests.
 NORMAL_COST_BOUND = 0.045
@@ -32,12 +31,12 @@ TOLERANCES = (0.05, 0.1, 0.15, 0.2, 0.3)
 def cases(plan: PaperPlan, tolerances: list[float]) -> tuple[list[Case], dict[float, Any]]:
     """Llumnix-base and Llumnix at each tolerance's headroom, for every seed and CV."""
     profile = load_profile(plan.profile)
-    config = make_spec("llumnix", plan.instances, profile=plan.profile).config
-    rate = plan.priority_load * ideal_capacity(plan.priority_trace, plan.instances, profile, config, seed=plan.seeds[0])
     tokens = decode_context_tokens(plan.priority_trace, seed=plan.seeds[0])
     headrooms = {t: derive_headroom(profile, tolerance=t, sequence_tokens=tokens) for t in tolerances}
     out = []
     for seed in plan.seeds:
+        rate = plan.priority_load * replay_capacity(Replay(plan.priority_trace, plan.priority_requests, seed),
+                                                    plan.instances, plan.profile)
         for cv in plan.priority_cvs:
             common = dict(instances=plan.instances, profile=plan.profile, seed=seed, cv=cv,
                           high_priority_share=plan.priority_share)

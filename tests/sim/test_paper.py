@@ -18,6 +18,7 @@ from llumdask.benchmarks.paper import (
     CaseFailed,
     PaperPlan,
     PaperResults,
+    Replay,
     capacities,
     ideal_capacity,
     plan_cases,
@@ -40,6 +41,7 @@ from llumdask.benchmarks.paper_report import (
     write_paper,
 )
 from llumdask.sim.run import make_spec
+from llumdask.sim.workload import make_workload
 from llumdask.benchmarks.scalability import measure
 
 # Small enough for seconds: two instances, a few dozen requests, rates past capacity so the
@@ -155,6 +157,8 @@ def test_every_experiment_ran_every_policy_on_the_same_requests(tiny_results, ti
     assert all(r["load"] == 2.0 and r["seed"] == TINY.seeds[0] for r in serving if "timeline" in r)
     progress = tiny_run[1]
     assert sum("ideal capacity" in line for line in progress) == len(tiny_results.capacity)
+    assert set(tiny_results.capacity) == {Replay(t, n, s) for t, n in (("sharegpt", 16), ("S-S", 20), ("L-L", 10))
+                                          for s in TINY.seeds}
     assert sum(line.startswith("[") for line in progress) == len(tiny_results.runs)
 
 
@@ -170,22 +174,27 @@ def test_medians_are_over_seeds_with_their_range(tiny_results):
         assert "seed" not in run
 
 
-def test_rates_are_fractions_of_each_traces_ideal_capacity():
+def test_each_rate_is_a_fraction_of_the_capacity_of_the_requests_it_replays():
     capacity = capacities(TINY)
-    assert set(capacity) == {"sharegpt", "S-S", "L-L"}
     for case in plan_cases(TINY, capacity, priority_headroom(TINY)):
-        assert case.rate == pytest.approx(case.load * capacity[case.trace])
+        assert case.rate == pytest.approx(case.load * capacity[Replay(case.trace, case.requests, case.seed)])
+    # Seeds draw their own lengths, so the same load is a different rate for each.
+    assert capacity[Replay("sharegpt", 16, 0)] != capacity[Replay("sharegpt", 16, 1)]
 
 
 def test_ideal_capacity_follows_lengths_and_instances():
     spec = make_spec("llumnix", 1)
     profile = load_profile("llama-7b-a10")
-    one = {t: ideal_capacity(t, 1, profile, spec.config) for t in ("S-S", "M-M", "L-L")}
+    sample = {t: make_workload(t, rate=1.0, num_requests=5_000, seed=0) for t in ("S-S", "M-M", "L-L")}
+    one = {t: ideal_capacity(requests, 1, profile, spec.config) for t, requests in sample.items()}
     assert one["S-S"] > one["M-M"] > one["L-L"] > 0
-    assert ideal_capacity("M-M", 16, profile, spec.config) == pytest.approx(16 * one["M-M"])
+    assert ideal_capacity(sample["M-M"], 16, profile, spec.config) == pytest.approx(16 * one["M-M"])
     # More memory per instance, more requests in flight at once: capacity grows.
     bigger = replace(spec.config, sim_engine=replace(spec.config.sim_engine, total_blocks=4 * 851))
-    assert ideal_capacity("L-L", 1, profile, bigger) > one["L-L"]
+    assert ideal_capacity(sample["L-L"], 1, profile, bigger) > one["L-L"]
+    # Longer outputs hold more memory for longer: fewer requests a second.
+    longer = [replace(r, output_len=2 * r.output_len) for r in sample["M-M"]]
+    assert ideal_capacity(longer, 1, profile, spec.config) < one["M-M"]
 
 
 def test_pool_and_inline_runs_agree():
