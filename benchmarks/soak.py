@@ -5,7 +5,8 @@ profile's time) as `dask` processes, `llumdask serve --scheduler` in front, and 
 the clients (the official `openai` client, streaming) and the operator:
 
 1. Capacity. Closed loop, `--probe-streams` streams for `--probe-seconds`: the requests per
-   second the cluster completes when saturated.
+   second the cluster completes when saturated. They start together right after the gateway
+   comes up, so their streams are checked as the soak's are (an early-start stall would show).
 2. Soak. Poisson arrivals at `--load` x that rate for `--seconds`, prompts and outputs of varied
    lengths, every request streamed to the end. A third of the way in one worker joins (scale out);
    two thirds in the operator drains the oldest instance, whose requests migrate away, and
@@ -13,8 +14,8 @@ the clients (the official `openai` client, streaming) and the operator:
    `--migrate-every` seconds the operator moves a request in flight to another instance.
 3. Afterwards, once every instance is idle: each one's block accounting.
 
-Figures: requests failed (the goal is 0; a failure is an error status, an exception, or a token
-count other than asked), streams that stalled (no token for `--stall-bound` seconds, first token
+Figures, for the soak and the probe apart: requests failed (the goal is 0; a failure is an error
+status, an exception, or a token count other than asked), streams that stalled (no token for `--stall-bound` seconds, first token
 included; goal 0), KV blocks not free on idle instances (goal 0), migrations committed, and the
 resident memory growth of the scheduler, the gateway and the workers that ran throughout, from a
 quarter of the run to its end (goal < 10%: growth after warm-up is a leak).
@@ -132,21 +133,21 @@ async def stream_one(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: 
     return seen
 
 
-async def capacity(client: openai.AsyncOpenAI, streams: int, seconds: float, seed: int) -> float:
-    """Requests per second completed by `streams` closed-loop streams over `seconds`."""
+async def capacity(client: openai.AsyncOpenAI, streams: int, seconds: float, seed: int) -> tuple[float, list[Stream]]:
+    """Requests per second completed by `streams` closed-loop streams over `seconds`, and every
+    stream they ran."""
     rng = np.random.default_rng(seed)
     end = time.perf_counter() + seconds
-    done: list[float] = []
+    seen: list[Stream] = []
 
     async def user() -> None:
         while time.perf_counter() < end:
-            seen = await stream_one(client, *request_for(rng))
-            if not seen.error and time.perf_counter() <= end:
-                done.append(time.perf_counter())
+            seen.append(await stream_one(client, *request_for(rng)))
 
     started = time.perf_counter()
     await asyncio.gather(*(user() for _ in range(streams)))
-    return len(done) / (time.perf_counter() - started)
+    done = sum(1 for s in seen if not s.error and s.ended <= end)
+    return done / (time.perf_counter() - started), seen
 
 
 async def poisson(client: openai.AsyncOpenAI, rate: float, seconds: float, seed: int,
@@ -254,7 +255,7 @@ async def soak(url: str, running: Deployment, args: Any) -> dict[str, Any]:
         llum = LlumdaskClient(dask)
         operator = Operator(running, dask, llum, timeout=args.seconds)
         try:
-            measured = await capacity(client, args.probe_streams, args.probe_seconds, args.seed)
+            measured, probe = await capacity(client, args.probe_streams, args.probe_seconds, args.seed)
             rate = args.load * measured
             before = (await llum.instances()).migrations.get("committed", 0)
 
@@ -280,8 +281,8 @@ async def soak(url: str, running: Deployment, args: Any) -> dict[str, Any]:
             await llum.close()
             await client.close()
     rss = watch.span(started + (ended - started) / 4, ended)
-    return {"capacity_rps": measured, "rate": rate, "streams": streams, "statuses": statuses, "migrations": migrations,
-            "rss": rss, "operator": operator.log}
+    return {"capacity_rps": measured, "rate": rate, "probe": probe, "streams": streams, "statuses": statuses,
+            "migrations": migrations, "rss": rss, "operator": operator.log}
 
 
 COLUMNS = (("process", "process", "{}"), ("rss_start_mib", "RSS at 1/4, MiB", "{:.1f}"),
@@ -309,8 +310,11 @@ def main(argv: list[str] | None = None) -> int:
                      logs / "gateway.log", env=running.env) as url:
             result = asyncio.run(soak(url, running, args))
     streams: list[Stream] = result["streams"]
+    probe: list[Stream] = result["probe"]
     failed = [s for s in streams if s.error]
     stalled = [s for s in streams if s.longest_wait > args.stall_bound]
+    probe_failed = [s for s in probe if s.error]
+    probe_stalled = [s for s in probe if s.longest_wait > args.stall_bound]
     leaked = {s["instance"]: s["total_blocks"] - s["free_blocks"] for s in result["statuses"]
               if s["free_blocks"] != s["total_blocks"] or s["reserved_blocks"] or s["integrity_error"]}
     growth = {name: end / start - 1 for name, (start, end) in result["rss"].items()}
@@ -321,11 +325,14 @@ def main(argv: list[str] | None = None) -> int:
              "capacity_rps": result["capacity_rps"], "rate_rps": result["rate"], "requests": len(streams),
              "failed": len(failed), "stalled": len(stalled), "stall_bound_s": args.stall_bound,
              "longest_wait_p99_ms": waits["p99"], "longest_wait_max_ms": waits["max"],
+             "probe_requests": len(probe), "probe_failed": len(probe_failed), "probe_stalled": len(probe_stalled),
+             "probe_longest_wait_max_ms": max((s.longest_wait for s in probe), default=0.0) * 1e3,
              "leaked_blocks": sum(leaked.values()), "instances_not_clean": sorted(leaked),
              "migrations": result["migrations"], **result["operator"],
              "rss_growth_max": max(growth.values(), default=None), "rss_goal": RSS_GOAL,
-             "goals_met": not failed and not stalled and not leaked and all(g < RSS_GOAL for g in growth.values())}
-    notes = sorted({s.error for s in failed})[:10]
+             "goals_met": not (failed or stalled or probe_failed or probe_stalled or leaked)
+             and all(g < RSS_GOAL for g in growth.values())}
+    notes = sorted({s.error for s in failed + probe_failed})[:10]
     report("soak" + ("_quick" if args.quick else ""), args.out, rows, COLUMNS, facts, notes)
     return 0
 

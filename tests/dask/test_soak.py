@@ -1,6 +1,8 @@
 """The soak benchmark at its smallest (`--quick`: a minute): real scheduler, worker and gateway
 processes at about 80% of measured capacity, requests migrated while they stream, one worker added
-and one drained and retired meanwhile. Behaviour: no request fails or stalls, no block leaks."""
+and one drained and retired meanwhile. Behaviour: no request fails or stalls (the capacity probe's
+streams, started together right after the gateway comes up, included), no block leaks, no process
+grows by a tenth after warm-up."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def test_a_minute_of_load_through_a_scale_cycle_loses_nothing(tmp_path):
     facts = result["facts"]
     assert facts["requests"] > 50 and facts["rate_rps"] == pytest.approx(0.8 * facts["capacity_rps"])
     assert facts["failed"] == 0 and facts["stalled"] == 0, result["notes"]
+    assert facts["probe_requests"] >= 48 and facts["probe_failed"] == 0 and facts["probe_stalled"] == 0, result["notes"]
     assert facts["leaked_blocks"] == 0 and facts["instances_not_clean"] == []
     assert facts["scale_out_s"] > 0 and facts["scale_in_s"] > 0 and facts["drained"]
     # Requests moved while they streamed: forced by the operator every 5 s, and off the drained instance.
@@ -27,3 +30,5 @@ def test_a_minute_of_load_through_a_scale_cycle_loses_nothing(tmp_path):
     processes = {row["process"] for row in result["rows"]}
     assert {"scheduler", "gateway"} <= processes and len(processes) == 4
     assert all(row["rss_end_mib"] > 10 for row in result["rows"])
+    assert facts["rss_growth_max"] < facts["rss_goal"], result["rows"]
+    assert facts["goals_met"]
