@@ -94,3 +94,15 @@ def test_torch_is_allowed_only_under_engine_and_the_outer_layers_nowhere(tmp_pat
     # llumdask.policy is the core: a name sharing a layer's prefix is not that layer.
     outside.write_text("import llumdask.apis\nfrom llumdask import policy\n")
     assert forbidden_imports(outside, engine=core / "engine", core=core) == set()
+
+
+# What turns bytes into running code or arbitrary objects: nothing an HTTP client sends may reach one.
+UNPICKLERS = frozenset({"pickle", "cloudpickle", "dill", "marshal", "shelve", "jsonpickle", "distributed.protocol"})
+GATEWAY = CORE.parent / "api" / "gateway"
+
+
+@pytest.mark.parametrize("path", sorted(GATEWAY.rglob("*.py")), ids=lambda p: p.relative_to(GATEWAY).as_posix())
+def test_the_http_gateway_never_imports_an_unpickler(path):
+    package = ".".join(("llumdask", *path.parent.relative_to(CORE.parent).parts))
+    imported = imported_modules(path.read_text(), str(path), package)
+    assert {m for m in imported if any(_within(m, u) for u in UNPICKLERS)} == set()
