@@ -459,6 +459,65 @@ def test_a_client_that_never_reads_is_cut_off_and_its_request_aborted(server, ca
             stop_serve(gateway)
 
 
+def test_a_client_that_reads_slowly_holds_back_neither_its_instance_nor_other_clients(server, cache, tmp_path):
+    """A gateway with its connections' send buffer bounded, a client reading its stream slower than
+    the engine writes it (a 4 KiB window, 2 KiB every 0.3 s): the engine runs the request to its end
+    in about the time one takes alone, its blocks free while the client has much of the stream still
+    to read, another client's request meanwhile takes about as long as alone, and the slow client
+    gets every token."""
+    from distributed import Client
+
+    tokens = 150
+    body = json.dumps({"model": MODEL, "prompt": "Read slowly", "max_tokens": tokens, "n": 2, "stream": True,
+                       "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
+    with (tmp_path / "gateway.log").open("w+") as log, Client(server.scheduler, timeout=30) as client:
+        gateway = start_serve(["--scheduler", server.scheduler, "--write-timeout", "5", "--send-buffer-bytes", "4096",
+                               "--log-level", "warning"], cache, log)
+        try:
+            fast = gateway.openai()
+            finished: dict[str, float] = {}
+
+            def complete(name: str) -> None:
+                fast.completions.create(model=MODEL, prompt=name, max_tokens=tokens, extra_body={"ignore_eos": True})
+                finished[name] = time.monotonic()
+
+            started = time.monotonic()
+            complete("alone")
+            alone = finished["alone"] - started
+            host, port = gateway.url.removeprefix("http://").split(":")
+            reader = socket.socket()
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            received = bytearray()
+            read_when_freed = freed_after = None
+            with reader:
+                reader.connect((host, int(port)))
+                reader.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                               f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                reader.settimeout(30)
+                beside = threading.Thread(target=complete, args=("beside a slow reader",))
+                started = time.monotonic()
+                beside.start()
+                while not (b"data: [DONE]" in received and received.endswith(b"0\r\n\r\n")):  # chunked body's end
+                    received += reader.recv(2048)
+                    time.sleep(0.3)
+                    if read_when_freed is None and not any(s["has_work"] for s in worker_statuses(client).values()):
+                        read_when_freed, freed_after = len(received), time.monotonic() - started
+            beside.join(timeout=30)
+            events = [json.loads(line[6:]) for line in received.decode().split("\n") if line.startswith("data: {")]
+            assert events[-1]["usage"]["completion_tokens"] == 2 * tokens
+            assert {c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]} == \
+                {0: "length", 1: "length"}
+            assert read_when_freed is not None and read_when_freed < 0.75 * len(received), \
+                f"the engine was done once {read_when_freed} of {len(received)} bytes were read"
+            assert freed_after < 2 * alone, f"the slow reader's request held its instance {freed_after:.1f} s, " \
+                                            f"one alone {alone:.1f} s"
+            beside_took = finished["beside a slow reader"] - started
+            assert beside_took < 2 * alone, f"beside a slow reader {beside_took:.1f} s, alone {alone:.1f} s"
+            wait_until_clean(client, timeout=30)
+        finally:
+            stop_serve(gateway)
+
+
 def test_a_migrated_stream_is_identical_to_an_unmigrated_one(server):
     from distributed import Client
 
