@@ -28,7 +28,7 @@ import openai
 
 from llumdask.benchmarks.common import parser, ratio, report, summarize
 from llumdask.benchmarks.openai_load import Workload
-from llumdask.benchmarks.servers import llumdask_serve, serving
+from llumdask.benchmarks.servers import llumdask_serve, serve_process, serving, tree_rss
 from llumdask.api.gateway.tokenizer import load_tokenizer
 from llumdask.tiny_model import build_tiny_model, default_model_dir
 
@@ -48,7 +48,30 @@ COLUMNS = (
     ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
     ("refusal_ms_p99", "429 in ms p99", "{:.0f}"),
     ("goodput_rps", "goodput req/s", "{:.2f}"),
+    ("rss_peak_mib", "RSS peak MiB", "{:.0f}"),
+    ("processes_lost", "processes lost", "{}"),
 )
+# Seconds between samples of the serving processes' memory.
+MEMORY_PERIOD = 0.5
+
+
+@dataclass
+class Memory:
+    """The serving processes' resident memory over a run: its peak, and processes that died."""
+
+    peak: int = 0
+    processes_lost: int = 0
+
+    async def watch(self, url: str) -> None:
+        """Sample until cancelled; a process count that falls below the first is a process lost."""
+        root = serve_process(int(url.rsplit(":", 1)[1]))
+        first = None
+        while True:
+            rss, count = tree_rss(root)
+            first = count if first is None else first
+            self.peak = max(self.peak, rss)
+            self.processes_lost = max(self.processes_lost, first - count)
+            await asyncio.sleep(MEMORY_PERIOD)
 
 
 @dataclass(frozen=True)
@@ -89,23 +112,26 @@ async def _one(client: openai.AsyncOpenAI, work: Workload, number: int, at: floa
 
 
 async def offer(url: str, work: Workload, rate: float, seconds: float, timeout: float, seed: int,
-                retry: bool) -> list[Outcome]:
+                retry: bool, memory: Memory) -> list[Outcome]:
     """Poisson arrivals at `rate` for `seconds` (seeded: the same for every server), each waited
     for at most `timeout` s (`retry`: a 429 is followed, after its Retry-After, by the same
-    request again while the first attempt is less than `timeout` s old)."""
+    request again while the first attempt is less than `timeout` s old); the serving processes'
+    memory is watched meanwhile."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=int(rate * seconds * 3) + 10)
     times = np.cumsum(gaps)
     times = times[times < seconds]
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    watching = asyncio.create_task(memory.watch(url))
     begin = time.perf_counter()
     try:
         return await asyncio.gather(*(_one(client, work, seed * 100_000 + k, begin + t, retry, timeout)
                                       for k, t in enumerate(times)))
     finally:
+        watching.cancel()
         await client.close()
 
 
-def row(mode: str, outcomes: list[Outcome], seconds: float, slo: float) -> dict[str, Any]:
+def row(mode: str, outcomes: list[Outcome], seconds: float, slo: float, memory: Memory) -> dict[str, Any]:
     completed = [o for o in outcomes if o.kind == "completed"]
     ttft = summarize((o.ttft for o in completed if o.ttft is not None), 1e3)
     refusals = summarize((o.answered for o in outcomes if o.kind == "refused"), 1e3)
@@ -114,7 +140,8 @@ def row(mode: str, outcomes: list[Outcome], seconds: float, slo: float) -> dict[
     return {"mode": mode, "offered": len(outcomes), **counts,
             "attempts_mean": sum(o.attempts for o in outcomes) / max(1, len(outcomes)),
             "ttft_p50_ms": ttft["p50"], "ttft_p99_ms": ttft["p99"],
-            "refusal_ms_p99": refusals["p99"], "goodput_rps": good / seconds}
+            "refusal_ms_p99": refusals["p99"], "goodput_rps": good / seconds,
+            "rss_peak_mib": memory.peak / 2**20, "processes_lost": memory.processes_lost}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,15 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     command = llumdask_serve("--engine", "sim", "--instances", str(args.instances), "--model", model_dir,
                              "--served-model-name", MODEL, "--max-in-flight", "100000")
     by_mode: dict[str, list[Outcome]] = {mode: [] for mode in MODES}
+    memory = {mode: Memory() for mode in MODES}
     for round_number in range(args.rounds):
         for mode, (freeness, retry) in MODES.items():
             env = {"DASK_LLUMDASK__SIM_ENGINE__TOTAL_BLOCKS": str(args.total_blocks),
                    "DASK_LLUMDASK__DISPATCH__ADMISSION_FREENESS": "None" if freeness is None else str(freeness)}
             with serving(command, args.logs / "admission" / f"{mode}-{round_number}.log", env=env) as url:
                 by_mode[mode] += asyncio.run(offer(url, work, args.rate, args.seconds, args.timeout, round_number,
-                                                   retry))
+                                                   retry, memory[mode]))
     seconds = args.seconds * args.rounds
-    rows = [row(mode, outcomes, seconds, args.ttft_slo_ms / 1e3) for mode, outcomes in by_mode.items()]
+    rows = [row(mode, outcomes, seconds, args.ttft_slo_ms / 1e3, memory[mode]) for mode, outcomes in by_mode.items()]
     queueing, admission, retrying = rows
     facts = {"instances": args.instances, "engine": "sim", "total_blocks": args.total_blocks, "rate": args.rate,
              "seconds": args.seconds, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,

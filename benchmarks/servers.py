@@ -84,6 +84,19 @@ def serve_process(port: int) -> psutil.Process:
     raise LookupError(f"no llumdask serve process on port {port}")
 
 
+def tree_rss(process: psutil.Process) -> tuple[int, int]:
+    """Resident bytes of `process` and every process below it, and how many there are (the
+    `llumdask serve` of a local cluster: gateway, scheduler and workers)."""
+    total = count = 0
+    for member in [process, *process.children(recursive=True)]:
+        try:
+            total += member.memory_info().rss
+            count += 1
+        except psutil.Error:
+            continue  # it left between the listing and the reading
+    return total, count
+
+
 def llumdask_serve(*args: str) -> list[str]:
     """The `llumdask serve` command of this interpreter's installation."""
     return [sys.executable, "-m", "llumdask.api.serve", "--dashboard-address", "127.0.0.1:0", *args]
