@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 # Requests that left by migration whose destination an instance remembers: a requester asks about
 # a stalled stream within seconds, and an instance sends hundreds of requests away in that time.
 MOVED_MEMORY = 4096
+# A load report that says nothing new (an idle instance, or one whose queues stand still) goes out
+# this often, not every report interval: a report that differs goes out at its interval. Idle
+# instances so cost the scheduler one report a second each, not twenty.
+REPORT_KEEPALIVE = 1.0
 
 
 class Routes:
@@ -105,6 +109,9 @@ class LlumletDriver:
         self._outbox = TokenOutbox(stream_interval)
         self._report_interval = report_interval
         self._next_report = float("-inf")
+        # The last report sent, and when an unchanged one is due all the same.
+        self._last_sent: dict | None = None
+        self._keepalive_due = float("-inf")
         self._push_tokens = push_tokens
         self._send_load = send_load
         self._publish_event = publish_event
@@ -178,8 +185,10 @@ class LlumletDriver:
         if now >= self._next_report:
             self._next_report = now + self._report_interval
             load = self.report_once()
-            if self.reporting:
+            if self.reporting and (now >= self._keepalive_due or not _says_nothing_new(load, self._last_sent)):
                 self._send_load(load)
+                self._last_sent = load
+                self._keepalive_due = now + REPORT_KEEPALIVE
 
     def report_once(self) -> dict:
         """Expire handshakes and routes; the load report, with the prefix-cache changes since the
@@ -285,3 +294,10 @@ class LlumletDriver:
         elif isinstance(message, Abort):
             self.routes.drop_incoming(message.migration_id)
         self._llumlet().on_message(sender, message)
+
+
+def _says_nothing_new(report: dict, last: dict | None) -> bool:
+    """The same load as the last report sent (its time aside), and no prefix-cache changes (those
+    are drained into each report, so one that carries any always goes)."""
+    return (last is not None and "prefix" not in report and report.keys() == last.keys()
+            and all(value == last[key] for key, value in report.items() if key != "timestamp"))

@@ -11,8 +11,8 @@ The engine shares the GIL with the event loop, so every wake-up of the loop take
 engine's steps (a diagnosis, from per-thread /proc counters read by hand around one
 `gateway_overhead` level, tiny model, 8 streams: the loop slept and woke ~900 times a second, and
 the engine thread ran 82% of the time where vLLM's own engine ran 89%). So the engine
-thread sends the tokens itself, writes the load report itself every `report-interval` (the loop
-only passes it on to the scheduler), and Dask's own timers that a llumlet worker does not need are
+thread sends the tokens itself, writes the load report itself every `report-interval` (once a
+second when nothing changed; the loop only passes it on to the scheduler), and Dask's own timers that a llumlet worker does not need are
 slowed (`DaskTimers`).
 
 What the engine thread does between steps (stepping, the output cadence, the route table that

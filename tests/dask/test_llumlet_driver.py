@@ -12,7 +12,7 @@ from inprocess import ManualClock
 
 from llumdask.engine.base import StepResult, TokenOutput
 from llumdask.prefix import PrefixEvents
-from llumdask.plugins.llumlet_driver import LlumletDriver, Routes
+from llumdask.plugins.llumlet_driver import REPORT_KEEPALIVE, LlumletDriver, Routes
 from llumdask.request import FinishReason
 
 
@@ -44,6 +44,7 @@ class FakeLlumlet:
         self.index = 1
         self.fail = False
         self.ticks = 0
+        self.cache_changes = True  # each step stores a prefix block
         self.aborted: list[str] = []
         self.added: list[str] = []
         self.refused: set[str] = set()
@@ -65,7 +66,7 @@ class FakeLlumlet:
         return SimpleNamespace(to_dict=lambda: {"steps_left": self.left})
 
     def prefix_events(self):
-        return PrefixEvents(stored=(self.left,))
+        return PrefixEvents(stored=(self.left,)) if self.cache_changes else None
 
     def step(self) -> StepResult:
         self._driver.on_tokens(TokenOutput("r", self.index, (7,)))
@@ -172,6 +173,44 @@ def test_a_load_report_goes_out_every_report_interval_also_while_idle(driver, se
     assert driver.step_once() is False
     assert senders.hand_offs == [[1], [2]] and senders.loads[-1] == report(0)
     assert llumlet.ticks == 2
+
+
+def reporting_every_50_ms(senders: Senders, timer: ManualClock) -> tuple[LlumletDriver, FakeLlumlet]:
+    """A driver reporting every 50 ms (the default) over an idle fake whose cache stands still."""
+    driver = LlumletDriver(stream_interval=3600.0, report_interval=0.05, route_expiry=60.0, push_tokens=senders.push,
+                           send_load=senders.loads.append, publish_event=lambda event: None,
+                           calls_waiting=lambda: False, timer=timer)
+    llumlet = start(driver, steps=0)
+    llumlet.cache_changes = False
+    driver.reporting = True
+    return driver, llumlet
+
+
+def test_a_report_that_says_nothing_new_waits_for_the_keepalive_but_any_change_goes_at_once(senders, timer):
+    driver, llumlet = reporting_every_50_ms(senders, timer)
+    driver.step_once()
+    assert senders.loads == [{"steps_left": 0}]
+    for now in (0.06, 0.12):  # idle, nothing new: the scheduler already knows
+        timer.now = now
+        driver.step_once()
+    assert len(senders.loads) == 1 and llumlet.ticks == 3  # handshakes still expire every interval
+    llumlet.left = 5  # a change goes at the next interval
+    timer.now = 0.18
+    driver.step_once()
+    assert senders.loads[-1] == {"steps_left": 4} and len(senders.loads) == 2
+    llumlet.left = 0
+    llumlet.cache_changes = True  # prefix-cache changes always go: they are drained into each report
+    timer.now = 0.24
+    driver.step_once()
+    assert len(senders.loads) == 3
+
+
+def test_an_unchanged_report_still_goes_out_every_keepalive(senders, timer):
+    driver, _ = reporting_every_50_ms(senders, timer)
+    for k in range(35):  # two seconds, a report due at every wake-up
+        timer.now = k * 0.06
+        driver.step_once()
+    assert len(senders.loads) == 3 == 1 + round(2.0 / REPORT_KEEPALIVE)
 
 
 def test_handshakes_expire_before_registration_but_no_report_is_sent(driver, senders):
