@@ -739,8 +739,8 @@ not the original trace files. Our INFaaS++ baseline reads exact load reports eve
 ## How the rates were chosen
 
 Rates copied from the paper would load our cluster differently, because our latency model is not
-the paper's testbed. Each trace's rates are fractions ({", ".join(f"{f:g}" for f in plan.loads)}) of its
-*ideal capacity*: the request rate {plan.instances} simulated instances could sustain if their KV
+the paper's testbed. Each run's rate is a fraction ({", ".join(f"{f:g}" for f in plan.loads)}) of the
+*ideal capacity* of its own requests: the request rate {plan.instances} simulated instances could sustain if their KV
 memory were one perfectly packed pool, computed from the latency profile and the lengths of the
 very requests the run replays (`paper.ideal_capacity`: no simulation, no policy involved), so a
 seed whose requests are heavier runs at a lower rate and a load means the same for every seed
