@@ -15,10 +15,11 @@ the clients (the official `openai` client, streaming) and the operator:
 3. Afterwards, once every instance is idle: each one's block accounting.
 
 Figures, for the soak and the probe apart: requests failed (the goal is 0; a failure is an error
-status, an exception, or a token count other than asked), streams that stalled (no token for `--stall-bound` seconds, first token
-included; goal 0), KV blocks not free on idle instances (goal 0), migrations committed, and the
-resident memory growth of the scheduler, the gateway and the workers that ran throughout, from a
-quarter of the run to its end (goal < 10%: growth after warm-up is a leak).
+status, an exception, or a token count other than asked), streams that stalled (no token for
+`--stall-bound` seconds, first token included; goal 0), KV blocks not free on idle instances
+(goal 0), migrations committed, and the resident memory growth of the scheduler, the gateway and
+the workers that ran throughout, from a quarter of the run to its end (goal < 10%: growth after
+warm-up is a leak).
 
     python -m llumdask.benchmarks.soak [--seconds 600] [--instances 3] [--load 0.8] [--out DIR]
 """
