@@ -11,7 +11,8 @@ worker that receives that state's message:
   first copy stage), `last_stage` (it receives the last stage, the request paused at the source),
   `commit` (the source receives the destination's commit: the destination runs the request);
 - faults: `kill_source` / `kill_destination` (SIGKILL; the nanny starts a fresh worker),
-  `drop` (that message is lost: the handshake times out), and two that happen to the request at
+  `drop` (that message is lost: the handshake times out), `delay` (it arrives, but only after the
+  handshake has timed out: a stale message the receiver must ignore), and two that happen to the request at
   the source while the migration is under way, when the source hears the destination's
   reservation (`prealloc`) or its first stage's acknowledgement (`stage`), the states in which the
   source still runs it: `finish` (it reaches its end: its max_tokens is lowered to one more
@@ -36,6 +37,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 import os
+import threading
 import re
 import signal
 import time
@@ -58,7 +60,7 @@ from llumdask.protocol import Committed, PreAlloc, PreAllocReply, StageAck, Stag
 from llumdask.request import FinishReason, Request, SamplingParams
 
 STATES = ("prealloc", "stage", "last_stage", "commit")
-FAULTS = ("kill_source", "kill_destination", "drop", "finish", "preempt")
+FAULTS = ("kill_source", "kill_destination", "drop", "delay", "finish", "preempt")
 # Faults that happen to the request at its source, and the states in which the source still runs it.
 SOURCE_FAULTS = ("finish", "preempt")
 RUNNING_STATES = ("prealloc", "stage")
@@ -66,6 +68,8 @@ RUNNING_STATES = ("prealloc", "stage")
 HOLD = "fault-preempt-hold"
 ENGINES = ("sim", "vllm")
 MIGRATION = {"enabled": False, "handshake-timeout": 2.0}
+# How late a delayed message arrives: past the handshake timeout by half as much again.
+DELAY_S = 1.5 * MIGRATION["handshake-timeout"]
 
 
 @dataclass(frozen=True)
@@ -162,8 +166,9 @@ def _receiver_is_source(state: str, fault: str) -> bool:
 
 def _arm(state: str, fault: str, request_id: str, peer_pid: int, mark: str, dask_worker: Any) -> None:
     """In the worker receiving `state`'s message: the first time it comes, write the moment to
-    `mark` and kill this process or its peer, drop the message, end the request at its next
-    token or have the engine preempt it (on the engine thread, where messages are handled)."""
+    `mark` and kill this process or its peer, drop the message or deliver it late, end the request
+    at its next token or have the engine preempt it (on the engine thread, where messages are
+    handled)."""
     llumlet = dask_worker.plugins["llumdask"].host.llumlet
     deliver = llumlet.on_message
 
@@ -178,6 +183,10 @@ def _arm(state: str, fault: str, request_id: str, peer_pid: int, mark: str, dask
                 return deliver(sender, message)
             receiver_is_source = _receiver_is_source(state, fault)
             if fault == "drop":
+                return
+            if fault == "delay":  # handed to the engine thread as a message arriving then would be
+                host = dask_worker.plugins["llumdask"].host
+                threading.Timer(DELAY_S, host._submit, (deliver, sender, message)).start()
                 return
             if (fault == "kill_source") == receiver_is_source:
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -26,3 +26,12 @@ def test_a_request_its_source_preempts_mid_migration_recomputes_exactly(tmp_path
     (row,) = matrix(("stage",), ("preempt",), runs=1, scratch=tmp_path)
     assert row["fired"] == row["exact"] == 1 and row["failed"] == 0 and row["leaked_blocks"] == 0, row
     assert row["outcomes"] == {"aborted: request preempted": 1}, row
+
+
+def test_a_message_arriving_after_its_handshake_timed_out_is_ignored(tmp_path):
+    """The destination receives the first copy stage only after the source gave up waiting for its
+    acknowledgement: the migration was aborted at the timeout, the late stage changes nothing, the
+    request streams on its source exactly and nothing is left reserved at the destination."""
+    (row,) = matrix(("stage",), ("delay",), runs=1, scratch=tmp_path)
+    assert row["fired"] == row["exact"] == 1 and row["failed"] == 0 and row["leaked_blocks"] == 0, row
+    assert row["outcomes"] == {"aborted: timeout waiting in await-stage-ack": 1}, row
