@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from distributed import Client
+from distributed.comm import connect as comm_connect
+from distributed.protocol import to_serialize
 
 from llumdask.clusters.instances import worker_statuses
 from llumdask.config import LlumdaskConfig
 from llumdask.engine.sim import SimEngine
+from llumdask.plugins.control import Op
+from llumdask.protocol import PreAlloc
 from llumdask.request import Request, SamplingParams
 
 # Small instances: 128 blocks of 16 tokens, so that tests stay light and migrations are quick.
@@ -56,6 +60,17 @@ def assert_workers_clean(client: Client, timeout: float = 20.0) -> None:
         assert status["integrity_error"] is None, f"{worker}: {status['integrity_error']}"
         assert status["free_blocks"] == status["total_blocks"], f"{worker} leaked blocks: {status}"
         assert status["reserved_blocks"] == 0, f"{worker} leaked reservations: {status}"
+
+
+async def hand_a_reservation(destination: str, source: str, migration_id: str, blocks: int,
+                             **connection_args: Any) -> None:
+    """Ask `destination`'s worker, over a comm of our own, to reserve `blocks` for a migration from
+    `source` (a `PreAlloc` as a source would send it); `connection_args`: the credentials to use."""
+    comm = await comm_connect(destination, **connection_args)
+    message = PreAlloc(migration_id, source, destination, f"{migration_id}-request", 0, blocks)
+    await comm.write({"op": Op.MIGRATION, "sender": source, "message": to_serialize(message), "context": None,
+                      "reply": False})
+    await comm.close()
 
 
 def free_port() -> int:

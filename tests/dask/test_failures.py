@@ -11,16 +11,12 @@ import signal
 import time
 
 import pytest
-from daskhelpers import assert_workers_clean, prompt_of, reference_tokens, wait_until, worker_statuses
-from distributed.comm import connect as comm_connect
-from distributed.protocol import to_serialize
+from daskhelpers import assert_workers_clean, hand_a_reservation, prompt_of, reference_tokens, wait_until, worker_statuses
 
 from llumdask.api.client import connect
 from llumdask.clusters.instances import wait_for_instances
 from llumdask.clusters.local import local_cluster
 from llumdask.config import load_config
-from llumdask.plugins.control import Op
-from llumdask.protocol import PreAlloc
 from llumdask.request import FinishReason
 
 pytestmark = pytest.mark.slow
@@ -67,16 +63,8 @@ def test_killed_worker_mid_stream_still_completes_its_requests_exactly(llum, two
 
 def test_source_death_releases_the_destination_reservation(llum, two_instances):
     source, destination = two_instances
-
-    async def fake_prealloc():
-        comm = await comm_connect(destination)
-        message = PreAlloc("fake-migration", source, destination, "fake-request", 0, 7)
-        await comm.write({"op": Op.MIGRATION, "sender": source, "message": to_serialize(message),
-                          "context": None, "reply": False})
-        await comm.close()
-
     client = llum.dask_client
-    client.sync(fake_prealloc)
+    client.sync(hand_a_reservation, destination, source, "fake-migration", 7)
     wait_until(lambda: worker_statuses(client)[destination]["reserved_blocks"] == 7, 10, what="reservation")
     assert worker_statuses(client)[destination]["migrations_in_flight"] == 1
     os.kill(pid_of(llum, source), signal.SIGKILL)

@@ -87,18 +87,16 @@ def timer():
     return ManualClock()  # the report cadence's monotonic clock, set by hand
 
 
+def make_driver(senders: Senders, timer: ManualClock, report_interval: float = 10.0, **options) -> LlumletDriver:
+    """A driver sending through `senders` on the hand-set `timer`; tokens never due by time."""
+    return LlumletDriver(stream_interval=3600.0, report_interval=report_interval, route_expiry=60.0,
+                         push_tokens=senders.push, send_load=senders.loads.append, publish_event=lambda event: None,
+                         calls_waiting=lambda: senders.calls_waiting, timer=timer, **options)
+
+
 @pytest.fixture
 def driver(senders, timer):
-    driver = LlumletDriver(
-        stream_interval=3600.0,  # never due by time
-        report_interval=10.0,
-        route_expiry=60.0,
-        push_tokens=senders.push,
-        send_load=senders.loads.append,
-        publish_event=lambda event: None,
-        calls_waiting=lambda: senders.calls_waiting,
-        timer=timer,
-    )
+    driver = make_driver(senders, timer)
     driver.routes.owned["r"] = "tcp://gateway:1"
     return driver
 
@@ -135,9 +133,7 @@ def test_held_tokens_go_when_a_step_fails_and_the_request_ends_aborted(driver, s
 
 def test_an_engine_failing_steps_in_a_row_is_reported_broken_once_a_success_resets_the_count(senders, timer):
     broken: list[int] = []
-    driver = LlumletDriver(stream_interval=3600.0, report_interval=10.0, route_expiry=60.0, push_tokens=senders.push,
-                           send_load=senders.loads.append, publish_event=lambda event: None,
-                           calls_waiting=lambda: False, max_failed_steps=2, on_broken=broken.append, timer=timer)
+    driver = make_driver(senders, timer, max_failed_steps=2, on_broken=broken.append)
     llumlet = start(driver, steps=10)
     outcomes = [True, False, True, False, False, False]  # step succeeds?
     for succeeds in outcomes:
@@ -177,9 +173,7 @@ def test_a_load_report_goes_out_every_report_interval_also_while_idle(driver, se
 
 def reporting_every_50_ms(senders: Senders, timer: ManualClock) -> tuple[LlumletDriver, FakeLlumlet]:
     """A driver reporting every 50 ms (the default) over an idle fake whose cache stands still."""
-    driver = LlumletDriver(stream_interval=3600.0, report_interval=0.05, route_expiry=60.0, push_tokens=senders.push,
-                           send_load=senders.loads.append, publish_event=lambda event: None,
-                           calls_waiting=lambda: False, timer=timer)
+    driver = make_driver(senders, timer, report_interval=0.05)
     llumlet = start(driver, steps=0)
     llumlet.cache_changes = False
     driver.reporting = True

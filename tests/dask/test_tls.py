@@ -5,31 +5,18 @@ Dask's throwaway ones or those `llumdask certs` makes."""
 from __future__ import annotations
 
 import pytest
-from daskhelpers import assert_workers_clean, prompt_of, reference_tokens, wait_until, worker_statuses
+from daskhelpers import assert_workers_clean, hand_a_reservation, prompt_of, reference_tokens, wait_until, worker_statuses
 from distributed import Security
-from distributed.comm import connect as comm_connect
-from distributed.protocol import to_serialize
 
 from llumdask.api.cli import main
 from llumdask.api.client import connect
 from llumdask.clusters import certs
 from llumdask.clusters.local import local_cluster
 from llumdask.config import load_config
-from llumdask.plugins.control import Op
-from llumdask.protocol import PreAlloc
 
 pytestmark = pytest.mark.slow
 
 OVERRIDES = {"sim-engine": {"total-blocks": 256}}
-
-
-async def _hand_a_reservation(destination: str, source: str, security: Security) -> None:
-    """Ask `destination` to reserve 7 blocks for a migration from `source`, with these credentials."""
-    comm = await comm_connect(destination, timeout=3, **security.get_connection_args("client"))
-    message = PreAlloc("outsider", source, destination, "outsider-request", 0, 7)
-    await comm.write({"op": Op.MIGRATION, "sender": source, "message": to_serialize(message), "context": None,
-                      "reply": False})
-    await comm.close()
 
 
 def _secrets(security: Security) -> list[str]:
@@ -69,9 +56,11 @@ def test_a_tls_cluster_serves_and_migrates_with_every_channel_under_its_certific
         # same message with the cluster's own is taken (and its reservation expires unanswered).
         client = llum.dask_client
         with pytest.raises(OSError):
-            client.sync(_hand_a_reservation, destination, source, Security.temporary())
+            client.sync(hand_a_reservation, destination, source, "outsider", 7, timeout=3,
+                        **Security.temporary().get_connection_args("client"))
         assert worker_statuses(client)[destination]["reserved_blocks"] == 0
-        client.sync(_hand_a_reservation, destination, source, security)
+        client.sync(hand_a_reservation, destination, source, "member", 7, timeout=3,
+                    **security.get_connection_args("client"))
         wait_until(lambda: worker_statuses(client)[destination]["reserved_blocks"] == 7, 10, what="reservation")
         assert_workers_clean(client)
 
