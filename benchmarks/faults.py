@@ -8,13 +8,18 @@ it to the other instance, and when the migration reaches a state a fault fires, 
 worker that receives that state's message:
 
 - states: `prealloc` (the destination receives the pre-allocation), `stage` (it receives the
-  first copy stage), `last_stage` (it receives the last stage, the request paused at the source),
-  `commit` (the source receives the destination's commit: the destination runs the request);
+  first copy stage), `later_stage` (it receives a copy stage after the first that is not the
+  last: the blocks the request filled while the first was copied), `last_stage` (it receives the
+  last stage, the request paused at the source), `commit` (the source receives the destination's
+  commit: the destination runs the request). A later stage needs blocks filled during the first:
+  its cluster runs with `last-stage-blocks: 0` (any new block is a stage of its own) and the
+  source holds the first stage's acknowledgement until the request fills one more block (half a
+  second at most, well within the handshake timeout);
 - faults: `kill_source` / `kill_destination` (SIGKILL; the nanny starts a fresh worker),
   `drop` (that message is lost: the handshake times out), `delay` (it arrives, but only after the
   handshake has timed out: a stale message the receiver must ignore), and two that happen to the request at
   the source while the migration is under way, when the source hears the destination's
-  reservation (`prealloc`) or its first stage's acknowledgement (`stage`), the states in which the
+  reservation (`prealloc`) or a copy stage's acknowledgement (`stage`, `later_stage`), the states in which the
   source still runs it: `finish` (it reaches its end: its max_tokens is lowered to one more
   token) and `preempt` (the source engine preempts it for lack of a block, by its own rule: every
   free block of the source is taken, so the request's next block is one the engine does not have
@@ -59,11 +64,14 @@ from llumdask.plugins.worker import close_engine
 from llumdask.protocol import Committed, PreAlloc, PreAllocReply, StageAck, StageData
 from llumdask.request import FinishReason, Request, SamplingParams
 
-STATES = ("prealloc", "stage", "last_stage", "commit")
+STATES = ("prealloc", "stage", "later_stage", "last_stage", "commit")
 FAULTS = ("kill_source", "kill_destination", "drop", "delay", "finish", "preempt")
 # Faults that happen to the request at its source, and the states in which the source still runs it.
 SOURCE_FAULTS = ("finish", "preempt")
-RUNNING_STATES = ("prealloc", "stage")
+RUNNING_STATES = ("prealloc", "stage", "later_stage")
+# What a state's cluster changes in the configuration: a later stage needs every new block to
+# make a stage of its own.
+STATE_OVERRIDES: dict[str, dict[str, Any]] = {"later_stage": {"migration": {"last-stage-blocks": 0}}}
 # The reservation that takes the source's free blocks for `preempt`.
 HOLD = "fault-preempt-hold"
 ENGINES = ("sim", "vllm")
@@ -147,14 +155,15 @@ COLUMNS = (
 
 def _trigger(state: str, fault: str, message: Any) -> bool:
     """Whether `message`, received, marks `state` (for a source fault, as the source hears it)."""
+    first = state != "later_stage"
     if fault in SOURCE_FAULTS:
         if state == "prealloc":
             return isinstance(message, PreAllocReply) and message.accepted and message.stage == 0
-        return isinstance(message, StageAck) and message.stage == 0
+        return isinstance(message, StageAck) and (message.stage == 0) == first
     if state == "prealloc":
         return isinstance(message, PreAlloc)
-    if state == "stage":
-        return isinstance(message, StageData) and message.state is None
+    if state in ("stage", "later_stage"):
+        return isinstance(message, StageData) and message.state is None and (message.stage == 0) == first
     if state == "last_stage":
         return isinstance(message, StageData) and message.state is not None
     return isinstance(message, Committed)
@@ -240,6 +249,31 @@ def _preempt_soon(llumlet: Any, request_id: str, mark: str, then: Callable[[], N
     llumlet.step = stepping
 
 
+def _hold_first_ack(request_id: str, dask_worker: Any) -> None:
+    """In the source, for `later_stage`: hold the first copy stage's acknowledgement until the
+    request has filled one more block (or ended), so that the next stage copies that block and is
+    not the last. Handed over on the engine thread after that step; every other message passes."""
+    llumlet = dask_worker.plugins["llumdask"].host.llumlet
+    engine, deliver, step = llumlet.engine, llumlet.on_message, llumlet.step
+
+    def on_message(sender: str, message: Any) -> None:
+        if not (isinstance(message, StageAck) and message.stage == 0):
+            return deliver(sender, message)
+        filled = engine.completed_blocks(request_id)
+
+        def stepping() -> StepResult:
+            result = step()
+            request = engine.get_request(request_id)
+            if request is None or request.status.is_done or engine.completed_blocks(request_id) > filled:
+                llumlet.__dict__.pop("step", None)
+                deliver(sender, message)
+            return result
+
+        llumlet.step = stepping
+
+    llumlet.on_message = on_message
+
+
 def _disarm(dask_worker: Any) -> None:
     llumlet = dask_worker.plugins["llumdask"].host.llumlet
     llumlet.__dict__.pop("on_message", None)
@@ -284,6 +318,8 @@ def run_once(llum: LlumdaskClient, setup: Setup, state: str, fault: str, number:
     pids = dask.run(os.getpid, workers=[source, destination])
     receiver, peer = (source, destination) if _receiver_is_source(state, fault) else (destination, source)
     mark.unlink(missing_ok=True)
+    if state == "later_stage":
+        dask.run(_hold_first_ack, stream.request_id, workers=[source])
     dask.run(_arm, state, fault, stream.request_id, pids[peer], str(mark), workers=[receiver])
     error, arrivals = None, []
     migration = ""
@@ -339,24 +375,31 @@ def cells(states: Sequence[str], faults: Sequence[str]) -> list[tuple[str, str]]
 
 def matrix(states: Sequence[str], faults: Sequence[str], runs: int, scratch: Path,
            setup: Setup | None = None) -> list[dict[str, Any]]:
-    """The cells' rows, on `setup`'s cluster (sim instances by default)."""
+    """The cells' rows, in the order of `cells`, on `setup`'s cluster (sim instances by default):
+    one cluster for the states that change nothing in its configuration, one for each that does."""
     setup = setup or Setup.of("sim")
     pairs = cells(states, faults)
     references = setup.references(len(pairs) * runs)
     scratch.mkdir(parents=True, exist_ok=True)
-    rows = []
+    groups: dict[str | None, list[int]] = {}
+    for k, (state, _) in enumerate(pairs):
+        groups.setdefault(state if state in STATE_OVERRIDES else None, []).append(k)
+    rows: dict[int, dict[str, Any]] = {}
     # The nanny restarts a killed worker; the cluster object would also close a nanny whose worker
     # is missing when a check 15 s after an earlier loss runs (`lost-worker-timeout`), which runs
     # killing the same worker every few seconds hit.
-    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}), \
-            local_cluster(2, setup.engine, setup.overrides, timeout=setup.settle_timeout) as cluster, \
-            connect(cluster) as llum:
-        settled(llum.dask_client, setup.settle_timeout)  # each run leaves the cluster settled for the next
-        for k, (state, fault) in enumerate(pairs):
-            numbers = range(k * runs, (k + 1) * runs)
-            rows.append(cell(llum, setup, state, fault, numbers, references, scratch / "fault-fired"))
-            print(f"  {state} x {fault}: {rows[-1]['exact']}/{runs} exact", flush=True)
-    return rows
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}):
+        for group_state, indices in groups.items():
+            overrides = dask.config.merge(setup.overrides, STATE_OVERRIDES.get(group_state, {}))
+            with local_cluster(2, setup.engine, overrides, timeout=setup.settle_timeout) as cluster, \
+                    connect(cluster) as llum:
+                settled(llum.dask_client, setup.settle_timeout)  # each run leaves the cluster settled for the next
+                for k in indices:
+                    state, fault = pairs[k]
+                    numbers = range(k * runs, (k + 1) * runs)
+                    rows[k] = cell(llum, setup, state, fault, numbers, references, scratch / "fault-fired")
+                    print(f"  {state} x {fault}: {rows[k]['exact']}/{runs} exact", flush=True)
+    return [rows[k] for k in range(len(pairs))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,3 +35,11 @@ def test_a_message_arriving_after_its_handshake_timed_out_is_ignored(tmp_path):
     (row,) = matrix(("stage",), ("delay",), runs=1, scratch=tmp_path)
     assert row["fired"] == row["exact"] == 1 and row["failed"] == 0 and row["leaked_blocks"] == 0, row
     assert row["outcomes"] == {"aborted: timeout waiting in await-stage-ack": 1}, row
+
+
+def test_a_destination_killed_as_a_later_copy_stage_reaches_it_loses_nothing(tmp_path):
+    """A copy stage after the first and before the last (the block the request filled while the
+    first was copied) reaches a destination that dies with it: the source hears of the loss, the
+    request streams on there exactly, and the survivors hold no block."""
+    (row,) = matrix(("later_stage",), ("kill_destination",), runs=1, scratch=tmp_path)
+    assert row["fired"] == row["exact"] == 1 and row["failed"] == 0 and row["leaked_blocks"] == 0, row
