@@ -13,13 +13,22 @@ the completed ones counted from the first attempt, and goodput: completed reques
 token came within --ttft-slo-ms of the first attempt, per second of offered load. The modes
 alternate (`--rounds`), each round offering all the same arrival times and prompts.
 
+`--tenants` runs the per-key rate limits instead: two API keys share the cluster, one offering
+--rate (past capacity), the other --quiet-rate (well within it), everything queueing (no admission
+by load), once without limits and once with `--key-rpm` requests per minute for every key (the
+gateway's `requests-per-minute`). Rows per mode and key: the quiet key's TTFT is what the limits
+protect, the busy key's refusals (`rate_limit_exceeded`, OpenAI's rate-limit error) what they cost.
+
     python -m llumdask.benchmarks.admission [--rate 4] [--seconds 30] [--rounds 2] [--total-blocks 64]
+    python -m llumdask.benchmarks.admission --tenants [--quiet-rate 0.25] [--key-rpm 20] [--seconds 60]
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,14 +42,29 @@ from llumdask.api.gateway.tokenizer import load_tokenizer
 from llumdask.tiny_model import build_tiny_model, default_model_dir
 
 MODEL = "llumdask-tiny-llama"
-# mode -> (dispatch.admission-freeness, clients retry after 429)
-MODES = {"queueing": (None, False), "admission": (0.0, False), "admission+retry": (0.0, True)}
+
+
+@dataclass(frozen=True)
+class Mode:
+    # dispatch.admission-freeness (None: everything queues)
+    freeness: float | None
+    # Clients wait a 429's Retry-After and send the request again.
+    retry: bool = False
+    # Every key limited to --key-rpm requests per minute.
+    key_limits: bool = False
+
+
+MODES = {"queueing": Mode(None), "admission": Mode(0.0), "admission+retry": Mode(0.0, retry=True)}
+TENANT_MODES = {"two keys, no limits": Mode(None), "two keys, per-key limits": Mode(None, key_limits=True)}
+BUSY, QUIET = "busy", "quiet"
 
 COLUMNS = (
     ("mode", "mode", "{}"),
+    ("key", "key", "{}"),
     ("offered", "offered", "{}"),
     ("completed", "completed", "{}"),
     ("refused", "429", "{}"),
+    ("rate_limited", "of which rate_limit_exceeded", "{}"),
     ("attempts_mean", "attempts", "{:.2f}"),
     ("timed_out", "timed out", "{}"),
     ("failed", "failed", "{}"),
@@ -80,6 +104,15 @@ class Outcome:
     ttft: float | None = None  # seconds from the first attempt, completed requests
     answered: float | None = None  # seconds until the (last) 429, refused requests
     attempts: int = 1
+    code: str | None = None  # the (last) 429's error code
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One API key's open-loop arrivals."""
+
+    key: str
+    rate: float
 
 
 async def _one(client: openai.AsyncOpenAI, work: Workload, number: int, at: float, retry: bool,
@@ -101,7 +134,7 @@ async def _one(client: openai.AsyncOpenAI, work: Workload, number: int, at: floa
         except openai.RateLimitError as exc:
             wait = float(exc.response.headers.get("retry-after", "1"))
             if not retry or time.perf_counter() + wait - start >= timeout:
-                return Outcome("refused", answered=time.perf_counter() - attempt, attempts=attempts)
+                return Outcome("refused", answered=time.perf_counter() - attempt, attempts=attempts, code=exc.code)
             await asyncio.sleep(wait)
             continue
         except openai.APITimeoutError:
@@ -111,33 +144,42 @@ async def _one(client: openai.AsyncOpenAI, work: Workload, number: int, at: floa
         return Outcome("completed", ttft=None if first is None else first - start, attempts=attempts)
 
 
-async def offer(url: str, work: Workload, rate: float, seconds: float, timeout: float, seed: int,
-                retry: bool, memory: Memory) -> list[Outcome]:
-    """Poisson arrivals at `rate` for `seconds` (seeded: the same for every server), each waited
-    for at most `timeout` s (`retry`: a 429 is followed, after its Retry-After, by the same
-    request again while the first attempt is less than `timeout` s old); the serving processes'
-    memory is watched meanwhile."""
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=int(rate * seconds * 3) + 10)
-    times = np.cumsum(gaps)
-    times = times[times < seconds]
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+async def offer(url: str, work: Workload, tenants: Sequence[Tenant], seconds: float, timeout: float, seed: int,
+                retry: bool, memory: Memory) -> dict[str, list[Outcome]]:
+    """Each tenant's Poisson arrivals at its rate for `seconds` (seeded: the same for every
+    server), each waited for at most `timeout` s (`retry`: a 429 is followed, after its
+    Retry-After, by the same request again while the first attempt is less than `timeout` s
+    old); the serving processes' memory is watched meanwhile. Outcomes by key."""
+    clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=t.key, max_retries=0, timeout=timeout) for t in tenants]
     watching = asyncio.create_task(memory.watch(url))
     begin = time.perf_counter()
     try:
-        return await asyncio.gather(*(_one(client, work, seed * 100_000 + k, begin + t, retry, timeout)
-                                      for k, t in enumerate(times)))
+        outcomes = await asyncio.gather(*(
+            asyncio.gather(*(_one(client, work, seed * 100_000 + i * 10_000 + k, begin + at, retry, timeout)
+                             for k, at in enumerate(arrivals(tenant.rate, seconds, seed + 1000 * i))))
+            for i, (tenant, client) in enumerate(zip(tenants, clients))))
+        return {tenant.key: list(got) for tenant, got in zip(tenants, outcomes)}
     finally:
         watching.cancel()
-        await client.close()
+        for client in clients:
+            await client.close()
 
 
-def row(mode: str, outcomes: list[Outcome], seconds: float, slo: float, memory: Memory) -> dict[str, Any]:
+def arrivals(rate: float, seconds: float, seed: int) -> np.ndarray:
+    """Poisson arrival times within `seconds`."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=int(rate * seconds * 3) + 10)
+    times = np.cumsum(gaps)
+    return times[times < seconds]
+
+
+def row(mode: str, key: str, outcomes: list[Outcome], seconds: float, slo: float, memory: Memory) -> dict[str, Any]:
     completed = [o for o in outcomes if o.kind == "completed"]
     ttft = summarize((o.ttft for o in completed if o.ttft is not None), 1e3)
     refusals = summarize((o.answered for o in outcomes if o.kind == "refused"), 1e3)
     good = sum(1 for o in completed if o.ttft is not None and o.ttft <= slo)
     counts = {kind: sum(1 for o in outcomes if o.kind == kind) for kind in ("completed", "refused", "timed_out", "failed")}
-    return {"mode": mode, "offered": len(outcomes), **counts,
+    return {"mode": mode, "key": key, "offered": len(outcomes), **counts,
+            "rate_limited": sum(1 for o in outcomes if o.code == "rate_limit_exceeded"),
             "attempts_mean": sum(o.attempts for o in outcomes) / max(1, len(outcomes)),
             "ttft_p50_ms": ttft["p50"], "ttft_p99_ms": ttft["p99"],
             "refusal_ms_p99": refusals["p99"], "goodput_rps": good / seconds,
@@ -155,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="a completed request counts as goodput within it")
     p.add_argument("--timeout", type=float, default=60.0, help="a client gives up on a request after this many s")
+    p.add_argument("--tenants", action="store_true", help="per-key rate limits: a busy key and a quiet one")
+    p.add_argument("--quiet-rate", type=float, default=0.25, help="the quiet key's requests/s (--tenants)")
+    p.add_argument("--key-rpm", type=int, default=20, help="requests per minute per key, when limited (--tenants)")
     args = p.parse_args(argv)
     if args.quick:
         args.seconds, args.rounds = 10.0, 1
@@ -162,23 +207,42 @@ def main(argv: list[str] | None = None) -> int:
     work = Workload(MODEL, load_tokenizer(model_dir).vocab_size, args.prompt_tokens, args.output_tokens)
     command = llumdask_serve("--engine", "sim", "--instances", str(args.instances), "--model", model_dir,
                              "--served-model-name", MODEL, "--max-in-flight", "100000")
-    by_mode: dict[str, list[Outcome]] = {mode: [] for mode in MODES}
-    memory = {mode: Memory() for mode in MODES}
+    modes = TENANT_MODES if args.tenants else MODES
+    tenants = [Tenant(BUSY, args.rate), Tenant(QUIET, args.quiet_rate)] if args.tenants else [Tenant("unused", args.rate)]
+    by_mode: dict[str, dict[str, list[Outcome]]] = {mode: {t.key: [] for t in tenants} for mode in modes}
+    memory = {mode: Memory() for mode in modes}
     for round_number in range(args.rounds):
-        for mode, (freeness, retry) in MODES.items():
+        for name, mode in modes.items():
             env = {"DASK_LLUMDASK__SIM_ENGINE__TOTAL_BLOCKS": str(args.total_blocks),
-                   "DASK_LLUMDASK__DISPATCH__ADMISSION_FREENESS": "None" if freeness is None else str(freeness)}
-            with serving(command, args.logs / "admission" / f"{mode}-{round_number}.log", env=env) as url:
-                by_mode[mode] += asyncio.run(offer(url, work, args.rate, args.seconds, args.timeout, round_number,
-                                                   retry, memory[mode]))
+                   "DASK_LLUMDASK__DISPATCH__ADMISSION_FREENESS": str(mode.freeness)}
+            if args.tenants:
+                env["DASK_LLUMDASK__GATEWAY__API_KEYS"] = repr([t.key for t in tenants])
+            if mode.key_limits:
+                env["DASK_LLUMDASK__GATEWAY__REQUESTS_PER_MINUTE"] = str(args.key_rpm)
+            log = args.logs / "admission" / f"{re.sub(r'[^a-z0-9+]+', '-', name)}-{round_number}.log"
+            with serving(command, log, env=env) as url:
+                got = asyncio.run(offer(url, work, tenants, args.seconds, args.timeout, round_number, mode.retry,
+                                        memory[name]))
+            for key, outcomes in got.items():
+                by_mode[name][key] += outcomes
     seconds = args.seconds * args.rounds
-    rows = [row(mode, outcomes, seconds, args.ttft_slo_ms / 1e3, memory[mode]) for mode, outcomes in by_mode.items()]
-    queueing, admission, retrying = rows
+    slo = args.ttft_slo_ms / 1e3
+    rows = [row(name, key, outcomes, seconds, slo, memory[name])
+            for name, keys in by_mode.items() for key, outcomes in keys.items()]
     facts = {"instances": args.instances, "engine": "sim", "total_blocks": args.total_blocks, "rate": args.rate,
              "seconds": args.seconds, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
-             "output_tokens": args.output_tokens, "ttft_slo_ms": args.ttft_slo_ms, "timeout_s": args.timeout,
-             "goodput_admission_over_queueing": ratio(admission["goodput_rps"], queueing["goodput_rps"]),
-             "goodput_retrying_over_queueing": ratio(retrying["goodput_rps"], queueing["goodput_rps"])}
+             "output_tokens": args.output_tokens, "ttft_slo_ms": args.ttft_slo_ms, "timeout_s": args.timeout}
+    if args.tenants:
+        free, limited = rows[1], rows[3]  # the quiet key's rows
+        facts |= {"quiet_rate": args.quiet_rate, "key_rpm": args.key_rpm,
+                  "quiet_ttft_p99_limits_over_none": ratio(limited["ttft_p99_ms"], free["ttft_p99_ms"])}
+        notes = [f"the quiet key's TTFT P99 with per-key limits / without = {facts['quiet_ttft_p99_limits_over_none']}",
+                 f"every key may send {args.key_rpm} requests per minute when limited; no admission by load in either mode"]
+        report("admission_tenants", args.out, rows, COLUMNS, facts, notes)
+        return 0
+    queueing, admission, retrying = rows
+    facts |= {"goodput_admission_over_queueing": ratio(admission["goodput_rps"], queueing["goodput_rps"]),
+              "goodput_retrying_over_queueing": ratio(retrying["goodput_rps"], queueing["goodput_rps"])}
     notes = [f"goodput (completed with TTFT <= {args.ttft_slo_ms:.0f} ms from the first attempt, per offered second): "
              f"admission / queueing = {facts['goodput_admission_over_queueing']}, admission with retrying clients / "
              f"queueing = {facts['goodput_retrying_over_queueing']}",
