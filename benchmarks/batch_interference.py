@@ -11,6 +11,12 @@ same with them at normal priority, as a user who sets no priority gets. The phas
 `--repeats` rounds. The ratio columns are each busy phase over "alone"; the batch job's
 throughput is beside them.
 
+What the policy predicts is printed beside them: the same cluster in the simulator on its virtual
+clock (`predicted`), offered each phase's measured rates as Poisson arrivals (interactive requests
+at the rate they completed, batch prompts at the rate they were scored). The simulator counts
+only the profile's step times; a real-time sim instance also spends its step's own work and
+shares the machine's cores with the clients, the gateway and the scheduler.
+
     python -m llumdask.benchmarks.batch_interference --out DIR [--streams 4] [--seconds 20] [--repeats 2]
         [--batch-prompts 64]
 """
@@ -26,12 +32,17 @@ from pathlib import Path
 from typing import Any
 
 import dask.bag as db
+import numpy as np
 
-from llumdask.benchmarks.common import parser, ratio, report
+from llumdask.benchmarks.common import parser, ratio, report, summarize
 from llumdask.benchmarks.openai_load import Run, Workload, concurrent_streams, row
 from llumdask.benchmarks.servers import llumdask_serve, serving
 from llumdask.api.client import connect
 from llumdask.api.gateway.tokenizer import load_tokenizer
+from llumdask.config import load_config
+from llumdask.request import Priority
+from llumdask.sim.run import make_spec, run_cluster
+from llumdask.sim.workload import TraceRequest
 from llumdask.tiny_model import build_tiny_model, default_model_dir
 
 MODEL = "llumdask-tiny-llama"
@@ -46,7 +57,11 @@ COLUMNS = (
     ("batch_prompts_per_s", "batch prompts/s", "{:.2f}"),
     ("ttft_p99_ratio", "TTFT p99 / alone", "{:.2f}"),
     ("tpot_p99_ratio", "TPOT p99 / alone", "{:.2f}"),
+    ("predicted_ttft_p99_ratio", "predicted TTFT p99 / alone", "{:.2f}"),
+    ("predicted_tpot_p99_ratio", "predicted TPOT p99 / alone", "{:.2f}"),
 )
+# Simulated seconds of each phase's prediction.
+PREDICTED_SECONDS = 300.0
 # Each phase: the interactive requests' priority, and whether the batch job runs beside them.
 PHASES = {"alone": ("high", False), "batch, interactive high": ("high", True), "batch, interactive normal": ("normal", True)}
 
@@ -56,7 +71,7 @@ class BatchJob:
 
     def __init__(self, scheduler: str, prompts: int, max_tokens: int) -> None:
         self._llm = connect(scheduler)
-        self._prompts = [f"Batch row {k}: summarize the review" for k in range(prompts)]
+        self.prompts = [f"Batch row {k}: summarize the review" for k in range(prompts)]
         self._max_tokens = max_tokens
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -75,7 +90,7 @@ class BatchJob:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            bag = self._llm.map(db.from_sequence(self._prompts, npartitions=4), max_tokens=self._max_tokens,
+            bag = self._llm.map(db.from_sequence(self.prompts, npartitions=4), max_tokens=self._max_tokens,
                                 ignore_eos=True)
             for result in self._llm.dask_client.compute(bag).result():
                 if isinstance(result, BaseException):
@@ -85,6 +100,35 @@ class BatchJob:
 
     def close(self) -> None:
         self._llm.close()
+
+
+def predicted(rows: list[dict[str, Any]], instances: int, interactive: tuple[int, int], batch: tuple[int, int],
+              seed: int = 0) -> list[dict[str, float]]:
+    """Each phase's interactive TTFT and TPOT (ms; mean and P99) in the simulator, which runs the
+    production scheduler and llumlets on a virtual clock: Poisson arrivals at the phase's measured
+    rates, `interactive` and `batch` (prompt, output) tokens, the default configuration."""
+    spec = make_spec("llumnix", instances, base=load_config())
+    predictions = []
+    for r in rows:
+        rng = np.random.default_rng(seed)
+        priority, _ = PHASES[r["phase"]]
+        workload = _poisson(rng, r["achieved_rps"], *interactive, Priority[priority.upper()])
+        workload += _poisson(rng, r["batch_prompts_per_s"], *batch, Priority.NORMAL)
+        outcome, _ = run_cluster(spec, sorted(workload, key=lambda w: w.arrival))
+        mine = [q for q in outcome.requests if q.execution_priority is Priority[priority.upper()]
+                and q.sampling.max_tokens == interactive[1] and len(q.prompt_token_ids) == interactive[0]]
+        ttft = summarize((q.timing.prefill_latency for q in mine), 1e3)
+        tpot = summarize((q.timing.decode_latency(q.num_output_tokens) for q in mine), 1e3)
+        predictions.append({"ttft_mean_ms": ttft["mean"], "ttft_p99_ms": ttft["p99"],
+                            "tpot_mean_ms": tpot["mean"], "tpot_p99_ms": tpot["p99"]})
+    return predictions
+
+
+def _poisson(rng: np.random.Generator, rate: float, prompt: int, output: int, priority: Priority) -> list[TraceRequest]:
+    if rate <= 0:
+        return []
+    times = np.cumsum(rng.exponential(1.0 / rate, int(rate * PREDICTED_SECONDS * 2) + 10))
+    return [TraceRequest(float(t), prompt, output, priority) for t in times[times < PREDICTED_SECONDS]]
 
 
 def scheduler_address(log: Path) -> str:
@@ -109,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.seconds, args.repeats, args.settle = 5.0, 1, 1.0
     model_dir = str(build_tiny_model(default_model_dir()))
-    work = Workload(MODEL, load_tokenizer(model_dir).vocab_size, args.prompt_tokens, args.output_tokens)
+    tokenizer = load_tokenizer(model_dir)
+    work = Workload(MODEL, tokenizer.vocab_size, args.prompt_tokens, args.output_tokens)
     log = args.logs / "batch_interference" / "serve.log"
     command = llumdask_serve("--engine", "sim", "--instances", str(args.instances), "--model", model_dir,
                              "--served-model-name", MODEL, "--real-time")
@@ -143,16 +188,25 @@ def main(argv: list[str] | None = None) -> int:
         {"phase": phase, **row(args.streams, phase_runs),
          "batch_prompts_per_s": scored[phase] / batch_seconds[phase] if batch_seconds[phase] else 0.0}
         for phase, phase_runs in runs.items()]
+    batch_prompt_tokens = round(float(np.mean([len(tokenizer.encode(t)) for t in job.prompts])))
+    predictions = predicted(rows, args.instances, (args.prompt_tokens, args.output_tokens),
+                            (batch_prompt_tokens, args.batch_tokens))
+    for r, prediction in zip(rows, predictions):
+        r["predicted"] = prediction
     alone = rows[0]
     for r in rows:
         for key in ("ttft_p99", "tpot_p99", "ttft_mean", "tpot_mean"):
             r[f"{key}_ratio"] = ratio(r[f"{key}_ms"], alone[f"{key}_ms"])
+            r[f"predicted_{key}_ratio"] = ratio(r["predicted"][f"{key}_ms"], alone["predicted"][f"{key}_ms"])
     facts = {"instances": args.instances, "engine": "sim (real time, llama-7b-a10)", "streams": args.streams,
              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "seconds": args.seconds,
              "repeats": args.repeats, "batch_prompts_per_bag": args.batch_prompts, "batch_tokens": args.batch_tokens,
              "batch_scored": job.scored, "batch_failed": job.failed}
     notes = [f"{r['phase']} / alone: TTFT mean {r['ttft_mean_ratio']:.2f}x, P99 {r['ttft_p99_ratio']:.2f}x; "
              f"TPOT mean {r['tpot_mean_ratio']:.2f}x, P99 {r['tpot_p99_ratio']:.2f}x" for r in rows[1:]]
+    notes += [f"{r['phase']} / alone, predicted by the simulator at the measured rates: TTFT mean "
+              f"{r['predicted_ttft_mean_ratio']:.2f}x, P99 {r['predicted_ttft_p99_ratio']:.2f}x; TPOT mean "
+              f"{r['predicted_tpot_mean_ratio']:.2f}x, P99 {r['predicted_tpot_p99_ratio']:.2f}x" for r in rows[1:]]
     notes.append("the load generator, the gateway, the scheduler and the instances share the machine's cores")
     report("batch_interference", args.out, rows, COLUMNS, facts, notes)
     return 0
