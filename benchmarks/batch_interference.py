@@ -13,9 +13,8 @@ throughput is beside them.
 
 What the policy predicts is printed beside them: the same cluster in the simulator on its virtual
 clock (`predicted`), offered each phase's measured rates as Poisson arrivals (interactive requests
-at the rate they completed, batch prompts at the rate they were scored). The simulator counts
-only the profile's step times; a real-time sim instance also spends its step's own work and
-shares the machine's cores with the clients, the gateway and the scheduler.
+at the rate they completed, batch prompts at the rate they were scored). The simulator has no
+gateway, no HTTP clients and no cores to share; the measured run has all three.
 
     python -m llumdask.benchmarks.batch_interference --out DIR [--streams 4] [--seconds 20] [--repeats 2]
         [--batch-prompts 64]
