@@ -39,6 +39,7 @@ from llumdask.benchmarks.common import parser, ratio, report, summarize
 from llumdask.benchmarks.openai_load import Workload
 from llumdask.benchmarks.servers import llumdask_serve, serve_process, serving, tree_rss
 from llumdask.api.gateway.tokenizer import load_tokenizer
+from llumdask.sim.workload import arrivals_within
 from llumdask.tiny_model import build_tiny_model, default_model_dir
 
 MODEL = "llumdask-tiny-llama"
@@ -156,20 +157,13 @@ async def offer(url: str, work: Workload, tenants: Sequence[Tenant], seconds: fl
     try:
         outcomes = await asyncio.gather(*(
             asyncio.gather(*(_one(client, work, seed * 100_000 + i * 10_000 + k, begin + at, retry, timeout)
-                             for k, at in enumerate(arrivals(tenant.rate, seconds, seed + 1000 * i))))
+                             for k, at in enumerate(arrivals_within(np.random.default_rng(seed + 1000 * i), tenant.rate, seconds))))
             for i, (tenant, client) in enumerate(zip(tenants, clients))))
         return {tenant.key: list(got) for tenant, got in zip(tenants, outcomes)}
     finally:
         watching.cancel()
         for client in clients:
             await client.close()
-
-
-def arrivals(rate: float, seconds: float, seed: int) -> np.ndarray:
-    """Poisson arrival times within `seconds`."""
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=int(rate * seconds * 3) + 10)
-    times = np.cumsum(gaps)
-    return times[times < seconds]
 
 
 def row(mode: str, key: str, outcomes: list[Outcome], seconds: float, slo: float, memory: Memory) -> dict[str, Any]:
@@ -233,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
              "seconds": args.seconds, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
              "output_tokens": args.output_tokens, "ttft_slo_ms": args.ttft_slo_ms, "timeout_s": args.timeout}
     if args.tenants:
-        free, limited = rows[1], rows[3]  # the quiet key's rows
+        free, limited = (r for r in rows if r["key"] == QUIET)
         facts |= {"quiet_rate": args.quiet_rate, "key_rpm": args.key_rpm,
                   "quiet_ttft_p99_limits_over_none": ratio(limited["ttft_p99_ms"], free["ttft_p99_ms"])}
         notes = [f"the quiet key's TTFT P99 with per-key limits / without = {facts['quiet_ttft_p99_limits_over_none']}",

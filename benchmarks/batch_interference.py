@@ -41,7 +41,7 @@ from llumdask.api.gateway.tokenizer import load_tokenizer
 from llumdask.config import load_config
 from llumdask.request import Priority
 from llumdask.sim.run import make_spec, run_cluster
-from llumdask.sim.workload import TraceRequest
+from llumdask.sim.workload import TraceRequest, arrivals_within
 from llumdask.tiny_model import build_tiny_model, default_model_dir
 
 MODEL = "llumdask-tiny-llama"
@@ -126,8 +126,7 @@ def predicted(rows: list[dict[str, Any]], instances: int, interactive: tuple[int
 def _poisson(rng: np.random.Generator, rate: float, prompt: int, output: int, priority: Priority) -> list[TraceRequest]:
     if rate <= 0:
         return []
-    times = np.cumsum(rng.exponential(1.0 / rate, int(rate * PREDICTED_SECONDS * 2) + 10))
-    return [TraceRequest(float(t), prompt, output, priority) for t in times[times < PREDICTED_SECONDS]]
+    return [TraceRequest(float(t), prompt, output, priority) for t in arrivals_within(rng, rate, PREDICTED_SECONDS)]
 
 
 def scheduler_address(log: Path) -> str:

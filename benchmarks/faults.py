@@ -232,21 +232,18 @@ def _preempt_soon(llumlet: Any, request_id: str, mark: str, then: Callable[[], N
         engine.reserve_blocks(HOLD, free)
     while engine.reserve_blocks(HOLD, 1):  # whatever a report's count leaves out
         pass
-    step = llumlet.step
 
-    def stepping() -> StepResult:
-        result = step()
-        request = engine.get_request(request_id)
-        preempted = request_id in result.preempted
-        if preempted:
+    def preempted(result: StepResult) -> bool:
+        if request_id in result.preempted:
             _write_mark(mark)
-        if preempted or request is None or request.status.is_done:
-            llumlet.__dict__.pop("step", None)
-            engine.release_reservation(HOLD)
-            then()
-        return result
+            return True
+        return _ended(engine, request_id)
 
-    llumlet.step = stepping
+    def release_then() -> None:
+        engine.release_reservation(HOLD)
+        then()
+
+    _after_the_step_where(llumlet, preempted, release_then)
 
 
 def _hold_first_ack(request_id: str, dask_worker: Any) -> None:
@@ -254,24 +251,36 @@ def _hold_first_ack(request_id: str, dask_worker: Any) -> None:
     request has filled one more block (or ended), so that the next stage copies that block and is
     not the last. Handed over on the engine thread after that step; every other message passes."""
     llumlet = dask_worker.plugins["llumdask"].host.llumlet
-    engine, deliver, step = llumlet.engine, llumlet.on_message, llumlet.step
+    engine, deliver = llumlet.engine, llumlet.on_message
 
     def on_message(sender: str, message: Any) -> None:
         if not (isinstance(message, StageAck) and message.stage == 0):
             return deliver(sender, message)
         filled = engine.completed_blocks(request_id)
-
-        def stepping() -> StepResult:
-            result = step()
-            request = engine.get_request(request_id)
-            if request is None or request.status.is_done or engine.completed_blocks(request_id) > filled:
-                llumlet.__dict__.pop("step", None)
-                deliver(sender, message)
-            return result
-
-        llumlet.step = stepping
+        _after_the_step_where(llumlet, lambda _: _ended(engine, request_id) or engine.completed_blocks(request_id) > filled,
+                              lambda: deliver(sender, message))
 
     llumlet.on_message = on_message
+
+
+def _after_the_step_where(llumlet: Any, done: Callable[[StepResult], bool], then: Callable[[], None]) -> None:
+    """Wrap the llumlet's step: after the first step for which `done(result)` holds, unwrap it and
+    call `then` (on the engine thread, as a message arriving then would be handled)."""
+    step = llumlet.step
+
+    def stepping() -> StepResult:
+        result = step()
+        if done(result):
+            llumlet.__dict__.pop("step", None)
+            then()
+        return result
+
+    llumlet.step = stepping
+
+
+def _ended(engine: Engine, request_id: str) -> bool:
+    request = engine.get_request(request_id)
+    return request is None or request.status.is_done
 
 
 def _disarm(dask_worker: Any) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import openai
 
 from llumdask.benchmarks.common import summarize
+from llumdask.sim.workload import arrivals_within
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,7 @@ async def open_loop(base_url: str, work: Workload, rate: float, seconds: float, 
     so two servers' TPOTs compare at the same load (a closed loop couples them to each server's
     time to first token). Waits for every request to end."""
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    gaps = np.random.default_rng(first_number).exponential(1.0 / rate, int(rate * (settle + seconds) * 2) + 16)
-    arrivals = np.cumsum(gaps)
-    arrivals = arrivals[arrivals < settle + seconds]
+    arrivals = arrivals_within(np.random.default_rng(first_number), rate, settle + seconds)
     samples: list[Sample] = []
     errors: list[str] = []
     begin = time.perf_counter()

@@ -300,6 +300,15 @@ def arrival_times(rng: np.random.Generator, n: int, rate: float, cv: float | Non
     return np.concatenate(([0.0], np.cumsum(gaps)))
 
 
+def arrivals_within(rng: np.random.Generator, rate: float, seconds: float) -> np.ndarray:
+    """Poisson arrival times at `rate` in [0, `seconds`): as many as fall there, drawn in order
+    (a longer window keeps a shorter one's times)."""
+    times = np.cumsum(rng.exponential(1.0 / rate, int(rate * seconds * 2) + 16))
+    while times[-1] < seconds:
+        times = np.concatenate((times, times[-1] + np.cumsum(rng.exponential(1.0 / rate, len(times)))))
+    return times[times < seconds]
+
+
 def _high_priority_mask(rng: np.random.Generator, n: int, share: float) -> np.ndarray:
     mask = np.zeros(n, dtype=bool)
     mask[rng.choice(n, size=round(share * n), replace=False)] = True

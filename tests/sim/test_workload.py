@@ -14,6 +14,7 @@ from llumdask.sim.workload import (
     TraceFormatError,
     TraceRequest,
     arrival_times,
+    arrivals_within,
     length_distribution,
     length_targets,
     make_workload,
@@ -405,3 +406,11 @@ def test_multi_turn_conversations_resend_their_history_and_arrive_at_the_rate():
     history = prompt_tokens(requests[requests[follower].after], requests[follower].after) + [1] * 5
     prompt = prompt_tokens(requests[follower], follower, history)
     assert prompt[: len(history)] == history and len(prompt) == requests[follower].input_len
+
+
+def test_arrivals_within_a_window_are_poisson_and_a_longer_window_keeps_a_shorter_ones():
+    short = arrivals_within(np.random.default_rng(5), 40.0, 10.0)
+    long = arrivals_within(np.random.default_rng(5), 40.0, 100.0)
+    assert np.all(np.diff(long) > 0) and long[0] >= 0 and long[-1] < 100.0
+    assert np.array_equal(long[: len(short)], short) and long[len(short)] >= 10.0
+    assert abs(len(long) - 4000) < 5 * np.sqrt(4000)  # five standard deviations of a Poisson count
