@@ -2,22 +2,25 @@
 
 `llumdask serve --engine sim --instances N` with sim instances that take their modelled step time
 (`--real-time`, the llama-7b-a10 profile), so that a batch job competes with interactive requests
-for the instances' steps and memory as it would on GPUs. The official `openai` client keeps
-`--streams` interactive streams busy (benchmarks/openai_load.py) for `--seconds` in three phases:
-alone; while a batch job scores prompts at normal priority through the notebook client on the
-same cluster (`llumdask.connect(scheduler).map(bag)`, bags of `--batch-prompts` text prompts
-resubmitted until the window ends) with the interactive requests at high priority; and the
-same with them at normal priority, as a user who sets no priority gets. The phases rotate for
-`--repeats` rounds. The ratio columns are each busy phase over "alone"; the batch job's
-throughput is beside them.
+for the instances' steps and memory as it would on GPUs. The official `openai` client sends
+interactive requests arriving at `--rate` a second (Poisson; benchmarks/openai_load.py), or keeps
+`--streams` busy, for `--seconds` in three phases: alone; while a batch job scores prompts at
+normal priority through the notebook client on the same cluster
+(`llumdask.connect(scheduler).map(bag)`, bags of `--batch-prompts` text prompts resubmitted until
+the window ends) with the interactive requests at high priority; and the same with them at normal
+priority, as a user who sets no priority gets. The phases rotate for `--repeats` rounds. The ratio
+columns are each busy phase over "alone"; the batch job's throughput is beside them.
 
 What the policy predicts is printed beside them: the same cluster in the simulator on its virtual
 clock (`predicted`), offered each phase's measured rates as Poisson arrivals (interactive requests
 at the rate they completed, batch prompts at the rate they were scored). The simulator has no
-gateway, no HTTP clients and no cores to share; the measured run has all three.
+gateway, no HTTP clients and no cores to share; the measured run has all three. Closed-loop
+streams compare less well with it: a stream sends its next request as its last token arrives,
+just after a step of the instance that served it began, so that request waits most of a step
+where a Poisson arrival waits half of one on average.
 
-    python -m llumdask.benchmarks.batch_interference --out DIR [--streams 4] [--seconds 20] [--repeats 2]
-        [--batch-prompts 64]
+    python -m llumdask.benchmarks.batch_interference --out DIR [--rate 3.6 | --streams 4] [--seconds 20]
+        [--repeats 2] [--batch-prompts 64]
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import dask.bag as db
 import numpy as np
 
 from llumdask.benchmarks.common import parser, ratio, report, summarize
-from llumdask.benchmarks.openai_load import Run, Workload, concurrent_streams, row
+from llumdask.benchmarks.openai_load import Level, Run, Workload, row
 from llumdask.benchmarks.servers import llumdask_serve, serving
 from llumdask.api.client import connect
 from llumdask.api.gateway.tokenizer import load_tokenizer
@@ -139,7 +142,9 @@ def scheduler_address(log: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--instances", type=int, default=2)
-    p.add_argument("--streams", type=int, default=4, help="interactive streams kept busy")
+    interactive = p.add_mutually_exclusive_group()
+    interactive.add_argument("--rate", type=float, default=3.6, help="interactive requests a second (Poisson)")
+    interactive.add_argument("--streams", type=int, help="interactive streams kept busy instead (a closed loop)")
     p.add_argument("--seconds", type=float, default=20.0, help="measured seconds per phase and round")
     p.add_argument("--settle", type=float, default=3.0)
     p.add_argument("--repeats", type=int, default=2)
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-prompts", type=int, default=64, help="prompts per bag the batch job scores")
     p.add_argument("--batch-tokens", type=int, default=64, help="tokens each batch prompt generates")
     args = p.parse_args(argv)
+    if args.rate <= 0 or (args.streams is not None and args.streams < 1):
+        p.error("--rate and --streams must be positive")
     if args.quick:
         args.seconds, args.repeats, args.settle = 5.0, 1, 1.0
     model_dir = str(build_tiny_model(default_model_dir()))
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     log = args.logs / "batch_interference" / "serve.log"
     command = llumdask_serve("--engine", "sim", "--instances", str(args.instances), "--model", model_dir,
                              "--served-model-name", MODEL, "--real-time")
+    level = Level(streams=args.streams) if args.streams else Level(rate=args.rate)
     runs: dict[str, list[Run]] = {phase: [] for phase in PHASES}
     scored = dict.fromkeys(PHASES, 0)
     batch_seconds = dict.fromkeys(PHASES, 0.0)
@@ -172,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                         job.start()
                         time.sleep(args.settle)  # the batch fills the instances first
                         began = time.perf_counter()
-                    run = asyncio.run(concurrent_streams(url, dataclasses.replace(work, priority=priority),
-                                                         args.streams, args.seconds, args.settle, number))
+                    run = asyncio.run(level.run(url, dataclasses.replace(work, priority=priority), args.seconds,
+                                                args.settle, number))
                     number += len(run.samples) + len(run.errors)
                     if with_batch:
                         job.stop()
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             job.close()
     rows: list[dict[str, Any]] = [
-        {"phase": phase, **row(args.streams, phase_runs),
+        {"phase": phase, **row(args.streams or args.rate, phase_runs),
          "batch_prompts_per_s": scored[phase] / batch_seconds[phase] if batch_seconds[phase] else 0.0}
         for phase, phase_runs in runs.items()]
     batch_prompt_tokens = round(float(np.mean([len(tokenizer.encode(t)) for t in job.prompts])))
@@ -196,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("ttft_p99", "tpot_p99", "ttft_mean", "tpot_mean"):
             r[f"{key}_ratio"] = ratio(r[f"{key}_ms"], alone[f"{key}_ms"])
             r[f"predicted_{key}_ratio"] = ratio(r["predicted"][f"{key}_ms"], alone["predicted"][f"{key}_ms"])
-    facts = {"instances": args.instances, "engine": "sim (real time, llama-7b-a10)", "streams": args.streams,
+    facts = {"instances": args.instances, "engine": "sim (real time, llama-7b-a10)", "interactive": str(level),
              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "seconds": args.seconds,
              "repeats": args.repeats, "batch_prompts_per_bag": args.batch_prompts, "batch_tokens": args.batch_tokens,
              "batch_scored": job.scored, "batch_failed": job.failed}
