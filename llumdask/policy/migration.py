@@ -5,13 +5,19 @@ F = -inf, first), the destinations those above the high threshold; the least fre
 paired with the freest destination, and so on. The thresholds are apart (low < high), so an
 instance is never both, and each appears at most once per round. Which request moves is the
 source llumlet's choice, not the scheduler's.
+
+Where instances cache prefixes, the destinations a round uses stay those the paper's rule uses
+(the freest, one per source), but which source goes to which of them follows what they cache: a
+source, least free first, takes the one among them that shares the most cached prefix with it
+(ties: the freest), so that a migrant with a common prefix (a system prompt) more likely finds its
+blocks already at the destination and fewer are copied.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from llumdask.config import MigrationConfig
 from llumdask.load import InstanceLoad
@@ -35,12 +41,19 @@ class PairingView(Protocol):
     key: tuple[float, str]
 
 
-def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig) -> list[MigrationPair]:
+# How many of the destinations still free in a round a source weighs by shared prefix: bounds a
+# round's prefix comparisons to this many per source at any cluster size.
+PREFIX_CHOICES = 4
+
+
+def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig,
+                    shared: Callable[[str, str], int] | None = None) -> list[MigrationPair]:
     """This round's pairs; none when migration is disabled.
 
     A source needs a running request it can give away (only running requests migrate, and
     pinned ones never) and fewer than `max_concurrent` migrations out; a destination fewer than
-    `max_concurrent` in, both as of its last report.
+    `max_concurrent` in, both as of its last report. `shared(source, destination)`: how much
+    cached prefix the two have in common (None: prefixes play no part).
     """
     if not config.enabled:
         return []
@@ -57,4 +70,13 @@ def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig) -
     by_key = attrgetter("key")
     sources.sort(key=by_key)
     destinations.sort(key=by_key, reverse=True)
-    return [MigrationPair(s.instance_id, d.instance_id) for s, d in zip(sources, destinations)]
+    if shared is None:
+        return [MigrationPair(s.instance_id, d.instance_id) for s, d in zip(sources, destinations)]
+    free = destinations[: len(sources)]
+    pairs = []
+    for source in sources[: len(free)]:
+        window = free[:PREFIX_CHOICES]
+        # max keeps the first of equals: the freest.
+        taken = max(range(len(window)), key=lambda k: shared(source.instance_id, window[k].instance_id))
+        pairs.append(MigrationPair(source.instance_id, free.pop(taken).instance_id))
+    return pairs
