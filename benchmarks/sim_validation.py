@@ -141,10 +141,13 @@ class Observed:
 
 @dataclass(frozen=True)
 class Latencies:
-    """Seconds: per-request TTFT and TPOT (None where a request has a single token)."""
+    """Seconds: per-request TTFT and TPOT (None where a request has a single token); and the
+    prompt tokens each found in a prefix cache (None where its engine did not say), which tells
+    apart a TTFT that differs by placement from one that differs by speed."""
 
     ttft: tuple[float, ...]
     tpot: tuple[float | None, ...]
+    cached: tuple[int | None, ...]
 
     def stats(self) -> dict[str, float]:
         """ttft_mean, ttft_p99, tpot_mean, tpot_p99, as llumdask.sim.metrics computes them."""
@@ -424,7 +427,7 @@ def _preemptions(table) -> int:
 
 
 def real_latencies(observed: Sequence[Observed]) -> Latencies:
-    return Latencies(tuple(o.ttft for o in observed), tuple(o.tpot for o in observed))
+    return Latencies(tuple(o.ttft for o in observed), tuple(o.tpot for o in observed), tuple(o.cached for o in observed))
 
 
 def real_hit_rate(observed: Sequence[Observed]) -> float:
@@ -456,21 +459,24 @@ def simulate(trace: list[TraceRequest], profile: Path, preset: str, overrides: d
         raise RuntimeError(f"the simulation finished {len(done)} of {len(outcome.requests)} requests")
     committed = migration_outcomes(outcome.migrations).values()
     return Simulated(Latencies(tuple(r.timing.prefill_latency for r in done),
-                               tuple(r.timing.decode_latency(r.num_output_tokens) for r in done)),
+                               tuple(r.timing.decode_latency(r.num_output_tokens) for r in done),
+                               tuple(r.timing.cached_tokens for r in done)),
                      sum(e.kind is MigrationEventKind.COMMITTED for e in committed),
                      sum(r.timing.preemptions for r in done), prefix_hit_rate(done))
 
 
 def write_requests(path: Path, trace: Sequence[TraceRequest], real: Latencies, simulated: dict[str, Latencies]) -> Path:
-    """Every request's lengths and its TTFT and TPOT, real and simulated, in milliseconds (CSV)."""
+    """Every request's lengths, its TTFT and TPOT in milliseconds and its prompt tokens found
+    cached, real and simulated (CSV)."""
     columns = {"real": real} | simulated
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["index", "arrival_s", "input_len", "output_len",
-                         *(f"{name}_{metric}_ms" for name in columns for metric in ("ttft", "tpot"))])
+                         *(f"{name}_{metric}" for name in columns for metric in ("ttft_ms", "tpot_ms", "cached"))])
         for i, request in enumerate(trace):
             writer.writerow([i, f"{request.arrival:.4f}", request.input_len, request.output_len,
-                             *(_ms(v) for lat in columns.values() for v in (lat.ttft[i], lat.tpot[i]))])
+                             *(v for lat in columns.values()
+                               for v in (_ms(lat.ttft[i]), _ms(lat.tpot[i]), "" if lat.cached[i] is None else lat.cached[i]))])
     return path
 
 

@@ -4,6 +4,7 @@ overheads read from lone requests, and the latency definitions shared with the s
 from __future__ import annotations
 
 import argparse
+import csv
 from dataclasses import replace
 
 import pytest
@@ -15,11 +16,14 @@ from llumdask.benchmarks.sim_validation import (
     error_rows,
     mean_profile,
     real_hit_rate,
+    real_latencies,
     serving_costs,
     turn_prompt,
+    write_requests,
 )
 from llumdask.benchmarks.common import model_shape
 from llumdask.engine.latency import DecodeCost, LatencyProfile, PrefillCost
+from llumdask.sim.workload import TraceRequest
 
 TOY = LatencyProfile("toy", 16384, 128, 1024, PrefillCost(0.002, 1e-5, 0.0), DecodeCost(0.001, 1e-4, 0.0), "made up")
 
@@ -45,14 +49,26 @@ def test_error_rows_compare_every_variant_with_the_real_run():
 def test_latencies_follow_the_simulator_definitions():
     """TTFT from sending; TPOT = (last - first) / (tokens - 1), skipped for single-token requests;
     P99 interpolated as numpy does (llumdask.sim.metrics.mean_and_p99)."""
-    requests = [observed(0.010, 0.002, 11), observed(0.030, 0.004, 3), observed(0.020, 0.0, 1)]
-    latencies = Latencies(tuple(o.ttft for o in requests), tuple(o.tpot for o in requests))
-    assert latencies.tpot[2] is None
+    requests = [observed(0.010, 0.002, 11), observed(0.030, 0.004, 3), replace(observed(0.020, 0.0, 1), cached=128)]
+    latencies = real_latencies(requests)
+    assert latencies.tpot[2] is None and latencies.cached == (None, None, 128)
     stats = latencies.stats()
     assert stats["ttft_mean"] == pytest.approx(0.020)
     assert stats["ttft_p99"] == pytest.approx(0.020 + 0.98 * 0.010)
     assert stats["tpot_mean"] == pytest.approx(0.003)
     assert stats["tpot_p99"] == pytest.approx(0.002 + 0.99 * 0.002)
+
+
+def test_the_request_table_has_every_variants_latencies_and_cached_tokens(tmp_path):
+    trace = [TraceRequest(0.0, 300, 4), TraceRequest(0.5, 400, 2)]
+    real = Latencies((0.1, 0.2), (0.01, None), (0, 256))
+    simulated = {"served": Latencies((0.15, 0.05), (0.012, 0.02), (128, None))}
+    with write_requests(tmp_path / "requests.csv", trace, real, simulated).open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows[1] == {"index": "1", "arrival_s": "0.5000", "input_len": "400", "output_len": "2",
+                       "real_ttft_ms": "200.000", "real_tpot_ms": "", "real_cached": "256",
+                       "served_ttft_ms": "50.000", "served_tpot_ms": "20.000", "served_cached": ""}
+    assert rows[0]["served_cached"] == "128" and rows[0]["real_cached"] == "0"
 
 
 def test_mean_profile_averages_coefficients_and_keeps_both_derivations():
