@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     measure.add_argument("--model", help="model directory or hub name (default: the configured one, else the offline tiny model)")
     measure.add_argument("--out", type=Path, default=Path("measured.json"),
                          help="profile JSON to write; its file name (without .json) is the profile's name (default: %(default)s)")
-    measure.add_argument("--grid", choices=("quick", "full"), default="quick", help="how much to measure (default: %(default)s)")
+    measure.add_argument("--grid", choices=("quick", "long", "full"), default="quick", help="how much to measure (default: %(default)s)")
     measure.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     measure.set_defaults(run=lambda args: _measure(args, measure))
     headroom = commands.add_parser(

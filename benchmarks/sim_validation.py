@@ -95,9 +95,10 @@ TRACE_MAX_LEN = 2048
 BLOCK_SIZE = 128  # vLLM's CPU backend always uses 128-token blocks
 MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 4096
-# The profile's grid: prompts of 32-1024 tokens, decode batches of 1-8 (llumdask.benchmarks.profile_measure),
-# measured with a KV cache that holds the grid (the cache's size does not change a step's time).
-GRID = "quick"
+# The profile's grid: prompts of 32-2048 tokens (the traces' longest), decode batches of 1-8
+# (llumdask.benchmarks.profile_measure), measured with a KV cache that holds the grid (the cache's
+# size does not change a step's time).
+GRID = "long"
 MEASURE_KV_TOKENS = 16384
 # Each instance's KV cache unless --kv-tokens says otherwise: no memory pressure on the trace.
 DEFAULT_KV_TOKENS = 16384
