@@ -19,6 +19,7 @@ from typing import Sequence
 
 from llumdask.engine.headroom import DEFAULT_SEQUENCE_TOKENS, DEFAULT_TOLERANCE, decode_step, derive_headroom
 from llumdask.engine.latency import LatencyProfile, load_profile
+from llumdask.benchmarks.profile_measure import GRIDS
 from llumdask.benchmarks.profile_fit import (
     DEFAULT_CPU_OVERHEAD_S,
     DEFAULT_MEMORY_BYTES,
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     measure.add_argument("--model", help="model directory or hub name (default: the configured one, else the offline tiny model)")
     measure.add_argument("--out", type=Path, default=Path("measured.json"),
                          help="profile JSON to write; its file name (without .json) is the profile's name (default: %(default)s)")
-    measure.add_argument("--grid", choices=("quick", "long", "full"), default="quick", help="how much to measure (default: %(default)s)")
+    measure.add_argument("--grid", choices=tuple(GRIDS), default="quick", help="how much to measure (default: %(default)s)")
     measure.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     measure.set_defaults(run=lambda args: _measure(args, measure))
     headroom = commands.add_parser(
@@ -138,7 +139,7 @@ def _measure(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--out must name a .json file, got {str(args.out)!r}")
     from llumdask.config import load_config
     from llumdask.engine.vllm.factory import create_engine, resolve_model
-    from llumdask.benchmarks.profile_measure import GRIDS, fit_measured, measure
+    from llumdask.benchmarks.profile_measure import fit_measured, measure
 
     config = load_config().vllm_engine
     if args.model is not None:
