@@ -189,6 +189,8 @@ class Case:
     high_priority_share: float = 0.0
     # Tokens of high-priority headroom (priorities experiment; None: the profile's own).
     headroom_tokens: int | None = None
+    # Instances kept for high-priority requests (the priority_pools policy only).
+    pool_instances: int | None = None
     autoscale_startup_delay: float | None = None
     # The freeness band scaling keeps (autoscaling experiment only).
     band: tuple[float, float] | None = None
@@ -198,7 +200,9 @@ class Case:
     def label(self) -> str:
         cv = f" cv {self.cv:g}" if self.cv is not None else ""
         band = f" band [{self.band[0]:g}, {self.band[1]:g}]" if self.band is not None else ""
-        return f"{self.experiment} {self.trace} load {self.load:g}{cv}{band} ({self.rate:.2f} req/s) {self.policy} seed {self.seed}"
+        pool = f" pool {self.pool_instances}" if self.pool_instances is not None else ""
+        return (f"{self.experiment} {self.trace} load {self.load:g}{cv}{band} ({self.rate:.2f} req/s) {self.policy}{pool} "
+                f"seed {self.seed}")
 
     @property
     def cost(self) -> float:
@@ -339,6 +343,8 @@ def case_config(case: Case) -> LlumdaskConfig:
     config = load_config()
     if case.headroom_tokens is not None:
         config = replace(config, headroom_tokens={**config.headroom_tokens, Priority.HIGH: case.headroom_tokens})
+    if case.pool_instances is not None:
+        config = replace(config, dispatch=replace(config.dispatch, priority_pool_instances=case.pool_instances))
     if case.band is None:
         return replace(config, scaling=replace(config.scaling, enabled=False))
     return replace(

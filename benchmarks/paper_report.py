@@ -163,6 +163,10 @@ def _backlogs(results: PaperResults, where: tuple[str, float] | None, policies: 
 
 # ------------------------------------------------------------------------------- headline
 def headline(results: PaperResults) -> list[HeadlineRow]:
+    """Our side of each claim: the priorities' from every seed's runs (`priority_ratios`), the
+    others from the medians over the seeds."""
+    priorities = _priority_rows(results)
+    results = results.medians()
     rows = []
     for key in ("prefill_p99", "prefill_mean", "decode_p99"):
         factor, where = best_ratio(results, "infaas", key)
@@ -176,7 +180,7 @@ def headline(results: PaperResults) -> list[HeadlineRow]:
         factor, where = best_ratio(results, "round_robin", metric, trace="sharegpt")
         rows.append(HeadlineRow(CLAIMS[key], _x(factor), _setting(where), factor,
                                 _backlogs(results, where, ("round_robin", "llumnix"))))
-    rows += _priority_rows(results)
+    rows += priorities
     rows.append(_autoscaling_row(results))
     rows.append(_scalability_row(results))
     return rows
@@ -235,14 +239,18 @@ def priority_ratios(results: PaperResults) -> list[tuple[float, float, float, fl
     """(CV, high-priority speedup, normal-priority cost, ceiling) per setting: Llumnix-base /
     Llumnix mean end-to-end latency of high-priority requests, Llumnix / Llumnix-base - 1 of
     normal ones, and Llumnix-base's over what the same high-priority requests would take each
-    alone on an idle instance (the most any placement could gain in that setting)."""
+    alone on an idle instance (the most any placement could gain in that setting); each the
+    median over the seeds of that seed's own ratio (`seed_pairs`)."""
+    by_cv: dict[float, list[dict[str, Any]]] = {}
+    for run in results.select(PRIORITIES):
+        by_cv.setdefault(run["cv"], []).append(run)
     rows = []
-    for (cv,), policies in settings(results, PRIORITIES, "cv"):
-        if {"llumnix_base", "llumnix"} <= set(policies):
-            base, ours = policies["llumnix_base"], policies["llumnix"]
-            rows.append((cv, ratio(base.get("high_e2e_mean"), ours.get("high_e2e_mean")),
-                         ratio(ours.get("normal_e2e_mean"), base.get("normal_e2e_mean")) - 1,
-                         ratio(base.get("high_e2e_mean"), base.get("high_solo_e2e_mean"))))
+    for cv, runs in by_cv.items():
+        pairs = seed_pairs(runs, "llumnix_base", "llumnix")
+        if pairs:
+            rows.append((cv, finite_median(ratio(b.get("high_e2e_mean"), o.get("high_e2e_mean")) for b, o in pairs),
+                         finite_median(ratio(o.get("normal_e2e_mean"), b.get("normal_e2e_mean")) - 1 for b, o in pairs),
+                         finite_median(ratio(b.get("high_e2e_mean"), b.get("high_solo_e2e_mean")) for b, _ in pairs)))
     return rows
 
 
@@ -323,18 +331,27 @@ _GOAL_SLACK, _WIN = 1.05, 1.1
 GOAL_METRICS = (("prefill_p99", "P99 prefill"), ("prefill_mean", "mean prefill"), ("decode_p99", "P99 decode"))
 
 
-def paired_ratio(runs: Sequence[dict[str, Any]], policy: str, metric: str) -> float:
-    """Llumnix's `metric` over `policy`'s, seed by seed, and the median of those ratios.
+def seed_pairs(runs: Iterable[dict[str, Any]], first: str, second: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(first's run, second's run) for every seed both policies ran.
 
     Every policy of a seed serves the same requests, so each seed is one paired comparison; a
     ratio of medians would set one seed's Llumnix against another seed's router, which near a
     trace's knee (where one seed is overloaded and the next is not) decides the verdict by chance.
     """
     by_seed = {(r["policy"], r.get("seed", 0)): r for r in runs}
-    ratios = [ratio(by_seed[("llumnix", seed)][metric], by_seed[(policy, seed)][metric])
-              for (name, seed) in by_seed if name == policy and ("llumnix", seed) in by_seed]
-    finite = [r for r in ratios if _finite(r)]
+    return [(run, by_seed[(second, seed)]) for (name, seed), run in by_seed.items()
+            if name == first and (second, seed) in by_seed]
+
+
+def finite_median(values: Iterable[float]) -> float:
+    """The median of the finite values; NaN if there are none."""
+    finite = [v for v in values if _finite(v)]
     return statistics.median(finite) if finite else math.nan
+
+
+def paired_ratio(runs: Sequence[dict[str, Any]], policy: str, metric: str) -> float:
+    """Llumnix's `metric` over `policy`'s, seed by seed (`seed_pairs`), and the median of those ratios."""
+    return finite_median(ratio(ours[metric], theirs[metric]) for ours, theirs in seed_pairs(runs, "llumnix", policy))
 
 
 def serving_groups(results: PaperResults) -> dict[tuple[str, float], list[dict[str, Any]]]:
@@ -379,9 +396,10 @@ def knees(results: PaperResults) -> dict[str, float]:
 
 
 def goals(results: PaperResults) -> list[Goal]:
-    """Every goal: the serving ones on paired per-seed ratios (`serving_goal_rows`), the others on
-    the medians over the seeds."""
+    """Every goal: the serving and priority ones on paired per-seed ratios (`serving_goal_rows`,
+    `priority_ratios`), the others on the medians over the seeds."""
     rows = serving_goal_rows(results)
+    priorities = _priority_goal(results)
     results = results.medians()
     out = []
     for metric, name in GOAL_METRICS:
@@ -400,7 +418,7 @@ def goals(results: PaperResults) -> list[Goal]:
     preemption = _preemption_row(results)
     out.append(Goal("preemption loss <= -70% vs INFaaS++, summed over the serving settings", preemption.ours,
                     preemption.factor >= 1 / 0.3))
-    out.append(_priority_goal(results))
+    out.append(priorities)
     autoscale = _autoscaling_row(results)
     out.append(Goal("autoscaling: mean instances at equal P99 prefill vs INFaaS++ (paper -36%)",
                     f"{autoscale.ours} ({autoscale.where})", autoscale.factor >= 1 / 0.64))
@@ -665,7 +683,9 @@ REASONS = {
         "Headroom for high-priority requests packs normal ones tighter on the other instances, and the headroom's "
         "tolerance sets that trade: the derived headroom keeps a high-priority request's decode step within 10% of "
         "a lone sequence's; a looser tolerance reserves less, costing normal requests less and high-priority ones "
-        "more of their gain."
+        "more of their gain. Instances dedicated to high-priority requests (`priority_pools`) trade along the same "
+        "line (`python -m llumdask.benchmarks.priority_frontier`): the trade is the setting's, not a placement "
+        "a router could improve on."
     ),
     "scalability": (
         "These are wall-clock times on a shared machine: a P99 over a few thousand calls also catches the moments "
@@ -685,9 +705,9 @@ def render(results: PaperResults, figures: dict[str, str]) -> str:
     """The whole report.md: the goals from every seed's runs, everything else from the medians
     over the plan's seeds."""
     goals_section, worse_line = _goals_section(results), _worse_line(results)
+    rows = headline(results)
     results = results.medians()
     plan = results.plan
-    rows = headline(results)
     shortfall = shortfalls(rows) or ["- none: every claim reaches at least 80% of the paper's improvement."]
     shortfall.append(worse_line)
     figure = lambda name, alt: f"![{alt}]({figures[name]})" if name in figures else ""  # noqa: E731
@@ -817,7 +837,7 @@ def write_paper(results: PaperResults, out: Path) -> list[Path]:
     """results.json, the PNG figures and report.md under `out`; returns what was written."""
     out.mkdir(parents=True, exist_ok=True)
     medians = results.medians()
-    write_json(out / "results.json", results.to_dict() | {"headline": [row.to_dict() for row in headline(medians)],
+    write_json(out / "results.json", results.to_dict() | {"headline": [row.to_dict() for row in headline(results)],
                                                           "goals": [goal.to_dict() for goal in goals(results)]})
     figures = write_figures(medians, out)
     (out / "report.md").write_text(render(results, figures))

@@ -14,7 +14,9 @@ Steps, all in one run:
 3. Real. A scheduler process and two `dask worker` processes hosting vLLM instances
    (benchmarks/deploy.py). This process is the notebook client. First it sends probes, rounds of
    requests sent at once on an idle cluster: a 128-token prompt per instance, four of them per
-   instance, a 512-token prompt per instance. Then it replays the trace as the simulator does:
+   instance, a 512-token prompt per instance; the same rounds again after the trace, so that the
+   calibration below is of the machine the trace ran on, not of its state before (this machine's
+   speed drifts between minutes). Then it replays the trace as the simulator does:
    each request that follows none at its arrival time, whatever happened before (open loop); a
    conversation's next turn its think time after the previous answer, its prompt the previous
    prompt and the tokens the instance generated, then tokens of its own (closed loop).
@@ -387,7 +389,9 @@ async def replay_trace(llum: LlumdaskClient, start: float, trace: Sequence[Trace
 
 @dataclass(frozen=True)
 class RealRun:
-    probes: dict[str, list[Observed]]
+    # The probes before and after the trace, each name's in sending order.
+    before: dict[str, list[Observed]]
+    after: dict[str, list[Observed]]
     trace: list[Observed]
     migrations: int
     preemptions: int
@@ -408,19 +412,34 @@ async def replay_real(address: str, trace: Sequence[TraceRequest], vocab: int,
     async with Client(address, asynchronous=True) as dask_client:
         llum = LlumdaskClient(dask_client)
         try:
-            probes: dict[str, list[Observed]] = defaultdict(list)
-            for name, round_prompts in rounds:
-                probes[name] += await send_round(llum, round_prompts, PROBE_TOKENS, settle)
-            before = await llum.instances()
+            before = await send_rounds(llum, rounds, settle)
+            counts_before = await llum.instances()
             start = time.perf_counter() + 0.5
             observed = await replay_trace(llum, start, trace, vocab)
             await asyncio.sleep(settle)  # the last load reports, with the last preemptions
-            after = await llum.instances()
+            counts_after = await llum.instances()
+            after = await send_rounds(llum, [(name, prompts) for name, prompts in rounds if name != "warm-up"], settle)
         finally:
             await llum.close()
-        migrations = after.migrations.get("committed", 0) - before.migrations.get("committed", 0)
-        preemptions = _preemptions(after) - _preemptions(before)
-    return RealRun(dict(probes), list(observed), migrations, preemptions)
+        migrations = counts_after.migrations.get("committed", 0) - counts_before.migrations.get("committed", 0)
+        preemptions = _preemptions(counts_after) - _preemptions(counts_before)
+    return RealRun(before, after, list(observed), migrations, preemptions)
+
+
+async def send_rounds(llum: LlumdaskClient, rounds: Sequence[tuple[str, list[list[int]]]],
+                      settle: float) -> dict[str, list[Observed]]:
+    """The rounds one after another: what each probe name observed."""
+    probes: dict[str, list[Observed]] = defaultdict(list)
+    for name, round_prompts in rounds:
+        probes[name] += await send_round(llum, round_prompts, PROBE_TOKENS, settle)
+    return dict(probes)
+
+
+def probe_drift(real: RealRun) -> dict[str, float]:
+    """After / before the trace, medians of each probe's TTFT and TPOT: how far the machine moved."""
+    return {f"{name}_{metric}": float(np.median([getattr(o, metric) for o in real.after[name]])
+                                     / np.median([getattr(o, metric) for o in real.before[name]]))
+            for name in PROBES for metric in ("ttft", "tpot")}
 
 
 def _preemptions(table) -> int:
@@ -526,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         settle = 3 * load_config(overrides).report_interval
         real = asyncio.run(replay_real(address, trace, vocab, probe_rounds(args.seed, vocab), settle))
     load["load_after_real"] = os.getloadavg()[0]
-    costs = serving_costs(real.probes, profile)
+    probes = {name: real.before.get(name, []) + real.after.get(name, []) for name in {*real.before, *real.after}}
+    costs = serving_costs(probes, profile)
     served_path = work / "sim-validation-served.json"
     served_path.write_text(profile_json(costs.served(profile)))
     variants = {"engine": (profile_path, SimulatorSettings()),
@@ -546,9 +566,10 @@ def main(argv: list[str] | None = None) -> int:
              "instances": INSTANCES, "kv_tokens": args.kv_tokens, "seed": args.seed,
              "request_path_ms": costs.request_path * 1e3, "per_step_ms": costs.per_step * 1e3,
              "per_seq_ms": costs.per_seq * 1e3, "prefill_scale": costs.prefill_scale,
-             "probe_ttft_ms": {n: [round(o.ttft * 1e3, 3) for o in obs] for n, obs in real.probes.items()},
-             "probe_tpot_ms": {n: [round(o.tpot * 1e3, 3) for o in obs] for n, obs in real.probes.items()},
-             "probe_instances": {n: [o.instance for o in obs] for n, obs in real.probes.items()},
+             "probe_ttft_ms": {n: [round(o.ttft * 1e3, 3) for o in obs] for n, obs in probes.items()},
+             "probe_tpot_ms": {n: [round(o.tpot * 1e3, 3) for o in obs] for n, obs in probes.items()},
+             "probe_instances": {n: [o.instance for o in obs] for n, obs in probes.items()},
+             "probe_drift": probe_drift(real),
              "real_completed": len(real.trace), "sim_completed": len(simulated["served"].latencies.ttft),
              "real_migrations": real.migrations, "sim_migrations": simulated["served"].migrations,
              "real_preemptions": real.preemptions, "sim_preemptions": sim_preemptions,

@@ -55,6 +55,7 @@ class DispatchConfig:
     interference_freeness: float | None = 16.0
     admission_freeness: float | None = None
     prefix_aware: bool = True
+    priority_pool_instances: int = 0
 
 
 @dataclass(frozen=True)

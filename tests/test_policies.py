@@ -24,6 +24,7 @@ from llumdask.policy.dispatch import (
     LMetricDispatch,
     PowerOfTwoDispatch,
     PrefixAffinityDispatch,
+    PriorityPoolsDispatch,
     RoundRobinDispatch,
     SglangCacheAwareDispatch,
     make_dispatch_policy,
@@ -117,7 +118,8 @@ def test_registry_names_match_the_config_schema():
     ("name", "cls"),
     [("llumnix", LlumnixDispatch), ("round_robin", RoundRobinDispatch), ("infaas", InfaasDispatch),
      ("lmetric", LMetricDispatch), ("power_of_two", PowerOfTwoDispatch), ("prefix_affinity", PrefixAffinityDispatch),
-     ("dynamo_kv", DynamoKvDispatch), ("sglang_cache_aware", SglangCacheAwareDispatch)],
+     ("dynamo_kv", DynamoKvDispatch), ("sglang_cache_aware", SglangCacheAwareDispatch),
+     ("priority_pools", PriorityPoolsDispatch)],
 )
 def test_registry_builds_each_policy(name, cls):
     assert name in DISPATCH_POLICIES
@@ -248,6 +250,31 @@ def test_power_of_two_is_seeded_from_the_config():
 
     assert picks(1) == picks(1)
     assert picks(1) != picks(2)
+
+
+HIGH = DispatchInfo("h", num_prompt_tokens=100, max_tokens=10, execution_priority=Priority.HIGH)
+
+
+def test_priority_pools_keep_each_class_in_its_own_pool_and_take_its_freest():
+    # i0 and i1 (the first two in natural order) are the high-priority pool; i10 is the freest of all.
+    cluster = [view("i10", used=0), view("i2", used=60), view("i1", used=40), view("i0", used=50), view("i3", used=30)]
+    policy = make_dispatch_policy(DispatchConfig(policy="priority_pools", priority_pool_instances=2))
+    assert choose(policy, cluster, HIGH) == "i1"
+    assert choose(policy, cluster) == "i10"
+    assert choose(policy, [c for c in cluster if c.instance_id != "i10"]) == "i3"
+
+
+@pytest.mark.parametrize("pool", [0, 5, 9])
+def test_priority_pools_send_a_class_without_instances_anywhere(pool):
+    cluster = [view(f"i{k}", used=50 - k) for k in range(5)]
+    policy = PriorityPoolsDispatch(pool)
+    assert choose(policy, cluster, HIGH if pool == 0 else INFO) == "i4"
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_priority_pools_reject_a_bad_pool_size(bad):
+    with pytest.raises(ValueError, match="high_instances must be an integer >= 0"):
+        PriorityPoolsDispatch(bad)
 
 
 # ---------------------------------------------------------------- prefix-aware dispatch

@@ -12,9 +12,11 @@ import pytest
 from llumdask.benchmarks.sim_validation import (
     Latencies,
     Observed,
+    RealRun,
     ServingCosts,
     error_rows,
     mean_profile,
+    probe_drift,
     real_hit_rate,
     real_latencies,
     serving_costs,
@@ -90,6 +92,15 @@ def probes(lone_ttft=0.00908, lone_tpot=0.0021, batched_tpot=0.0030, long_ttft=0
         "batched": [observed(0.03, batched_tpot, 65)] * 2 + [observed(0.03, 0.009, 65)],
         "long": [observed(long_ttft, 0.002, 65)] * 2 + [observed(0.09, 0.002, 65)],
     }
+
+
+def test_probe_drift_is_each_probe_after_the_trace_over_before():
+    before = probes()
+    after = probes(lone_tpot=0.0042, long_ttft=0.01292 * 1.5)
+    drift = probe_drift(RealRun(before, after, [], 0, 0))
+    assert drift["lone_tpot"] == pytest.approx(2.0) and drift["long_ttft"] == pytest.approx(1.5)
+    assert drift["batched_tpot"] == pytest.approx(1.0) and drift["lone_ttft"] == pytest.approx(1.0)
+    assert set(drift) == {f"{n}_{m}" for n in ("lone", "batched", "long") for m in ("ttft", "tpot")}
 
 
 def test_serving_costs_are_what_probes_take_beyond_the_profile():

@@ -230,6 +230,31 @@ class SglangCacheAwareDispatch(DispatchPolicy):
         return candidates[int(np.argmin(candidates.held_blocks()))].instance_id
 
 
+class PriorityPoolsDispatch(DispatchPolicy):
+    """Dedicated pools, the way a fleet serves premium traffic without rescheduling: the first
+    `high_instances` instances in id order serve high-priority requests only, the rest normal ones,
+    and a request goes to the freest of its pool by the dispatch load (ties: the larger id). A pool
+    with no instance sends its requests to every instance. Against priority headroom it shows what
+    isolating a class buys and what the capacity kept aside costs the other."""
+
+    def __init__(self, high_instances: int = 0) -> None:
+        if not isinstance(high_instances, int) or isinstance(high_instances, bool) or high_instances < 0:
+            raise ValueError(f"high_instances must be an integer >= 0, got {high_instances!r}")
+        self._high_instances = high_instances
+
+    @classmethod
+    def from_config(cls, config: DispatchConfig) -> DispatchPolicy:
+        return cls(config.priority_pool_instances)
+
+    def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
+        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority)
+        split = min(self._high_instances, len(candidates))
+        pool = range(split) if info.execution_priority is Priority.HIGH else range(split, len(candidates))
+        if not pool:
+            pool = range(len(candidates))
+        return candidates[pool.start + _last_max(freeness[pool.start:pool.stop])].instance_id
+
+
 def _active_blocks(candidate: Candidate) -> int:
     load = candidate.load
     return load.total_blocks - load.free_blocks + load.waiting_demand + candidate.pending_blocks
@@ -251,6 +276,7 @@ DISPATCH_POLICIES: Registry[type[DispatchPolicy]] = Registry(
         "prefix_affinity": PrefixAffinityDispatch,
         "dynamo_kv": DynamoKvDispatch,
         "sglang_cache_aware": SglangCacheAwareDispatch,
+        "priority_pools": PriorityPoolsDispatch,
     },
 )
 

@@ -49,6 +49,8 @@ PRESETS: dict[str, Preset] = {
                "NVIDIA Dynamo's KV router: least uncached prefill blocks + active blocks, no migration"),
         Preset("sglang_cache_aware", "sglang_cache_aware", False, False,
                "SGLang's cache-aware router: best prefix match over 30% unless load is imbalanced, no migration"),
+        Preset("priority_pools", "priority_pools", False, False,
+               "instances kept for high-priority requests (dispatch.priority-pool-instances), the freest of its pool, no migration"),
         Preset("llumnix_no_prefix", "llumnix", True, True, "Llumnix with prefix-aware dispatch off", prefix_aware=False),
         Preset("llumnix_base", "llumnix", True, False, "Llumnix without priorities (no headroom)"),
         Preset("llumnix", "llumnix", True, True, "Llumnix: freeness dispatch, live migration, priority headroom"),

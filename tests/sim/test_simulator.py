@@ -233,3 +233,18 @@ def test_conversation_turns_follow_their_answers_and_find_their_history_cached()
         assert turn.prompt_token_ids[: previous.num_tokens] == previous.prompt_token_ids + previous.output_token_ids
         hits += (turn.timing.cached_tokens or 0) > previous.num_prompt_tokens // 2
     assert hits >= sum(t.after is not None for t in workload) // 2
+
+
+def test_priority_pools_keep_high_priority_requests_on_their_own_instances():
+    base = load_config({"dispatch": {"priority-pool-instances": 1}})
+    spec = make_spec("priority_pools", 3, base=base)
+    cluster = SimCluster(spec.config, spec.profile, spec.instances)
+    placed: list[tuple[str, Priority]] = []
+    admit = cluster._admit
+    cluster._admit = lambda target, request: (placed.append((target, request.execution_priority)), admit(target, request))[1]
+    workload = make_workload("S-S", rate=8.0, num_requests=120, seed=1, high_priority_share=0.2)
+    outcome = cluster.run(workload)
+    assert len(outcome.requests) == 120 and not outcome.migrations
+    high = {target for target, priority in placed if priority is Priority.HIGH}
+    normal = {target for target, priority in placed if priority is not Priority.HIGH}
+    assert high == {"instance-0"} and normal == {"instance-1", "instance-2"}
