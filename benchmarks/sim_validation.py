@@ -408,7 +408,7 @@ def probe_rounds(seed: int, vocab: int) -> list[tuple[str, list[list[int]]]]:
 
 async def replay_real(address: str, trace: Sequence[TraceRequest], vocab: int,
                       rounds: Sequence[tuple[str, list[list[int]]]], settle: float) -> RealRun:
-    """The probe rounds, then the trace from half a second on."""
+    """The probe rounds, the trace from half a second on, then the probe rounds again (no warm-up)."""
     async with Client(address, asynchronous=True) as dask_client:
         llum = LlumdaskClient(dask_client)
         try:
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         settle = 3 * load_config(overrides).report_interval
         real = asyncio.run(replay_real(address, trace, vocab, probe_rounds(args.seed, vocab), settle))
     load["load_after_real"] = os.getloadavg()[0]
-    probes = {name: real.before.get(name, []) + real.after.get(name, []) for name in {*real.before, *real.after}}
+    probes = {name: observed + real.after.get(name, []) for name, observed in real.before.items()}
     costs = serving_costs(probes, profile)
     served_path = work / "sim-validation-served.json"
     served_path.write_text(profile_json(costs.served(profile)))
