@@ -547,7 +547,7 @@ def _goals_section(results: PaperResults) -> str:
         ((r["trace"], f"{r['load']:g}" + (" (knee)" if knee.get(r["trace"]) == r["load"] else ""),
           *(cell(r, m) for m, _ in GOAL_METRICS), _x(r.get("oracle_prefill_p99", math.nan))) for r in rows),
     )
-    summary = table(("goal", "measured (serving: medians of per-seed ratios; others: medians over seeds)", "met"),
+    summary = table(("goal", "measured (serving and priorities: medians of per-seed ratios; others: medians over seeds)", "met"),
                     ((g.text, g.measured, "yes" if g.met else "**no**") for g in goals(results)))
     return (f"{summary}\n\nPer serving setting (the median over seeds of Llumnix / router, seed by seed; below 1: "
             f"Llumnix better; the router Llumnix compares worst against named):\n\n{detail}")
