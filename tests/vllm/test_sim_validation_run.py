@@ -16,7 +16,7 @@ METRIC_KEYS = {"ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99"}
 ROW_KEYS = {"metric", "key", "real_ms", "engine_ms", "engine_error", "engine_within_goal",
             "served_ms", "served_error", "served_within_goal"}
 FACT_KEYS = {"model", "requests", "rate", "policy", "instances", "request_path_ms", "per_step_ms", "per_seq_ms",
-             "real_completed", "sim_completed", "real_migrations", "sim_migrations", "goal"}
+             "real_completed", "sim_completed", "real_migrations", "sim_migrations", "goal", "probe_drift"}
 
 
 def test_a_small_run_completes_every_request_and_writes_the_documented_json(vllm_ready, tmp_path, capsys):
@@ -38,6 +38,9 @@ def test_a_small_run_completes_every_request_and_writes_the_documented_json(vllm
     # fit gone wrong shows here.
     assert all(math.isfinite(facts[k]) and 0 <= facts[k] < bound
                for k, bound in (("request_path_ms", 1_000), ("per_step_ms", 100), ("per_seq_ms", 100)))
+    # The probes ran before and after the trace: every probe's drift is a ratio of two medians.
+    assert set(facts["probe_drift"]) == {f"{p}_{m}" for p in ("lone", "batched", "long") for m in ("ttft", "tpot")}
+    assert all(math.isfinite(v) and v > 0 for v in facts["probe_drift"].values())
     assert {row["key"] for row in result["rows"]} == METRIC_KEYS
     for row in result["rows"]:
         assert ROW_KEYS <= set(row)
