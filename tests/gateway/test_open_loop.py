@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import uvicorn
 from gatewayfakes import MODEL
@@ -18,6 +19,7 @@ from llumdask.api.gateway import create_app
 from llumdask.benchmarks.openai_load import Level, Workload, row
 from llumdask.benchmarks.servers import free_port
 from llumdask.config import GatewayConfig
+from llumdask.sim.workload import arrivals_within
 
 
 @contextmanager
@@ -50,11 +52,15 @@ def test_requests_arrive_on_schedule_however_slow_the_server(backend, tokenizer)
         assert 15 <= len(starts) <= 50
         assert max(starts) < 1.5 + 0.1
         assert all(s.end - s.start >= 0.35 for s in run.samples)
-    # The same number draws the same arrivals.
-    gaps = [[round(b - a, 2) for a, b in zip(sorted(s.start for s in run.samples), sorted(s.start for s in run.samples)[1:])]
-            for run in runs]
-    assert len(runs[0].samples) == len(runs[1].samples)
-    assert sum(abs(a - b) for a, b in zip(*gaps)) / len(gaps[0]) < 0.02
+    # Each request went out at the time its number drew (the same in both runs), not when an earlier
+    # one was answered: answered one after another, the 0.4 s answers would put the later ones
+    # seconds behind. The bound leaves a loaded machine's event-loop lateness its room.
+    drawn = arrivals_within(np.random.default_rng(7), 20.0, 1.5)
+    for run in runs:
+        begin = run.window[0] - 0.5
+        sent = sorted(s.start - begin for s in run.samples)
+        assert len(sent) == len(drawn)
+        assert max(abs(a - b) for a, b in zip(sent, drawn)) < 0.25
     summary = row(level.rate, runs)
     assert summary["successful"] > 0 and summary["decoding_mean"] > 1  # several decode at once
     assert str(level) == "20 requests/s" and str(Level(streams=3)) == "3 streams"
