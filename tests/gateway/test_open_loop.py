@@ -52,15 +52,16 @@ def test_requests_arrive_on_schedule_however_slow_the_server(backend, tokenizer)
         assert 15 <= len(starts) <= 50
         assert max(starts) < 1.5 + 0.1
         assert all(s.end - s.start >= 0.35 for s in run.samples)
-    # Each request went out at the time its number drew (the same in both runs), not when an earlier
-    # one was answered: answered one after another, the 0.4 s answers would put the later ones
-    # seconds behind. The bound leaves a loaded machine's event-loop lateness its room.
+    # The requests went out at the times their numbers drew (the same in both runs), not when an
+    # earlier one was answered: answered one after another, the 0.4 s answers would put most of them
+    # seconds behind. The median leaves a loaded machine's event-loop stalls (up to 0.45 s seen in a
+    # full suite) their room.
     drawn = arrivals_within(np.random.default_rng(7), 20.0, 1.5)
     for run in runs:
         begin = run.window[0] - 0.5
         sent = sorted(s.start - begin for s in run.samples)
         assert len(sent) == len(drawn)
-        assert max(abs(a - b) for a, b in zip(sent, drawn)) < 0.25
+        assert float(np.median([abs(a - b) for a, b in zip(sent, drawn)])) < 0.1
     summary = row(level.rate, runs)
     assert summary["successful"] > 0 and summary["decoding_mean"] > 1  # several decode at once
     assert str(level) == "20 requests/s" and str(Level(streams=3)) == "3 streams"
