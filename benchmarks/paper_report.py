@@ -248,10 +248,17 @@ def priority_ratios(results: PaperResults) -> list[tuple[float, float, float, fl
     for cv, runs in by_cv.items():
         pairs = seed_pairs(runs, "llumnix_base", "llumnix")
         if pairs:
-            rows.append((cv, finite_median(ratio(b.get("high_e2e_mean"), o.get("high_e2e_mean")) for b, o in pairs),
-                         finite_median(ratio(o.get("normal_e2e_mean"), b.get("normal_e2e_mean")) - 1 for b, o in pairs),
-                         finite_median(ratio(b.get("high_e2e_mean"), b.get("high_solo_e2e_mean")) for b, _ in pairs)))
+            rows.append((cv, *priority_gain(pairs)))
     return rows
+
+
+def priority_gain(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> tuple[float, float, float]:
+    """(speedup, normal cost, ceiling) over (Llumnix-base run, variant run) pairs of the same
+    requests, each the median of the pairs' own: base / variant high-priority mean e2e latency,
+    variant / base - 1 of normal requests' and base's high-priority e2e over solo."""
+    return (finite_median(ratio(b.get("high_e2e_mean"), o.get("high_e2e_mean")) for b, o in pairs),
+            finite_median(ratio(o.get("normal_e2e_mean"), b.get("normal_e2e_mean")) - 1 for b, o in pairs),
+            finite_median(ratio(b.get("high_e2e_mean"), b.get("high_solo_e2e_mean")) for b, _ in pairs))
 
 
 def _priority_rows(results: PaperResults) -> list[HeadlineRow]:

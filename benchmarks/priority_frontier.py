@@ -22,11 +22,11 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 
 from llumdask.benchmarks.common import float_list, int_list, parser, report
 from llumdask.engine.headroom import derive_headroom
 from llumdask.engine.latency import load_profile
+from llumdask.benchmarks.paper_report import priority_gain
 from llumdask.benchmarks.paper import PRIORITIES, Case, PaperPlan, Replay, decode_context_tokens, replay_capacity, run_cases
 
 # The paper's bound on what priorities may cost normal-priority requests.
@@ -70,10 +70,8 @@ def frontier(runs: list[dict[str, Any]], headrooms: dict[float, Any], pools: lis
     for row, selects in variants:
         mine = [r for r in runs if selects(r)]
         for cv in cvs:
-            pairs = [(base[(r["seed"], cv)], r) for r in mine if r["cv"] == cv]
-            row[f"speedup_cv{cv:g}"] = float(np.median([b["high_e2e_mean"] / r["high_e2e_mean"] for b, r in pairs]))
-            row[f"cost_cv{cv:g}"] = float(np.median([r["normal_e2e_mean"] / b["normal_e2e_mean"] - 1 for b, r in pairs]))
-            row[f"ceiling_cv{cv:g}"] = float(np.median([b["high_e2e_mean"] / b["high_solo_e2e_mean"] for b, _ in pairs]))
+            gain = priority_gain([(base[(r["seed"], cv)], r) for r in mine if r["cv"] == cv])
+            row[f"speedup_cv{cv:g}"], row[f"cost_cv{cv:g}"], row[f"ceiling_cv{cv:g}"] = gain
         row["speedup_min"] = min(row[f"speedup_cv{cv:g}"] for cv in cvs)
         row["cost_max"] = max(row[f"cost_cv{cv:g}"] for cv in cvs)
         rows.append(row)
