@@ -182,7 +182,7 @@ def summarize_fault(kind: str, served: list[Served], expected: list[str], fired_
             "in_flight_exact": sum(1 for s in in_flight if s in exact),
             "cut_with_gateway": len(cut), "longest_wait_p50_ms": waits["p50"], "longest_wait_max_ms": waits["max"],
             "leaked_blocks": leaked, "instances_after": len(statuses),
-            "errors": sorted({s.stream.error for s in failed})[:5]}
+            "errors": sorted({f"gateway {s.gateway}: {s.stream.error}" for s in failed})[:5]}
 
 
 def one_fault(kind: str, run: int, args: Any) -> dict[str, Any]:

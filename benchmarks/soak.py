@@ -125,7 +125,10 @@ async def stream_one(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: 
         if tokens != max_tokens:
             seen.error = f"{tokens} tokens streamed, {max_tokens} asked"
     except openai.OpenAIError as exc:
-        seen.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        # The transport's own error says whether the connection was refused, reset or cut mid-body.
+        cause = f" ({type(exc.__cause__).__name__}: {str(exc.__cause__)[:120]})" if exc.__cause__ else ""
+        stage = f" after {len(pieces)} chunks" if pieces else " before the first chunk"
+        seen.error = f"{type(exc).__name__}: {str(exc)[:200]}{cause}{stage}"
     finally:
         if in_flight is not None:
             in_flight.discard(request_id)
