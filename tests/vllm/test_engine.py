@@ -210,6 +210,20 @@ def test_tokens_match_plain_vllm(vllm_engine, tiny_model, engine_args) -> None:
     assert [r.output_token_ids for r in requests] == plain
 
 
+def test_choices_added_together_prefill_their_prompt_once(vllm_engine) -> None:
+    """A completion's choices reach the engine between the same two steps (one hand-over). vLLM
+    caches a request's full blocks as it schedules them, so the later choices find the first
+    one's in the same step: one step computes the prompt once and each other choice only the
+    tokens after its last full block."""
+    for i in range(3):
+        vllm_engine.add_request(make_request(f"n{i}", prompt_len=300, max_tokens=3, offset=23))
+    result = vllm_engine.step()
+    assert sorted((o.request_id, o.cached_tokens) for o in result.outputs) == [("n0", 0), ("n1", 256), ("n2", 256)]
+    assert result.num_prefill_tokens == 300 + 2 * (300 - 256)
+    run_to_completion(vllm_engine)
+    assert vllm_engine.snapshot().free_blocks == vllm_engine.total_blocks
+
+
 def test_the_first_output_reports_the_prompt_tokens_found_in_the_prefix_cache(vllm_engine) -> None:
     """vLLM's num_cached_tokens, on the first output only: none the first time, the full blocks
     of the prompt (never its last token) the second time."""
