@@ -16,7 +16,8 @@ from schemathesis.specs.openapi.checks import (
 from starlette.testclient import TestClient
 
 EXAMPLES = 40
-CONFORMANCE = [status_code_conformance, content_type_conformance, response_schema_conformance]
+STREAM_CONFORMANCE = [status_code_conformance, content_type_conformance]
+CONFORMANCE = [*STREAM_CONFORMANCE, response_schema_conformance]
 
 ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
           "/detokenize", "/version", "/health", "/metrics"}
@@ -56,7 +57,11 @@ def test_no_input_gets_a_server_error_and_every_error_is_openai_shaped(client: T
         response = client.request(kwargs.pop("method"), kwargs.pop("url"), **kwargs)
         assert response.status_code < 500, (case.as_curl_command(), response.status_code, response.text[:500])
         # Each status documented, each body of its documented shape (OpenAI's error object for
-        # every error; vLLM's response models for every 200) and content type.
-        case.validate_response(response, checks=CONFORMANCE)
+        # every error; vLLM's response models for every 200) and content type. A stream is
+        # documented as OpenAPI 3.1 does, one string; schemathesis reads that schema as each
+        # event's (3.2's `itemSchema`), so a stream's body is checked by status and type only
+        # (its chunks are the openai client's to parse, in the tests that stream).
+        streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+        case.validate_response(response, checks=STREAM_CONFORMANCE if streamed else CONFORMANCE)
 
     send()
