@@ -22,11 +22,10 @@ import time
 from dataclasses import replace
 from typing import Any
 
-
 from llumdask.benchmarks.common import float_list, int_list, parser, report
+from llumdask.benchmarks.paper_report import priority_gain
 from llumdask.engine.headroom import derive_headroom
 from llumdask.engine.latency import load_profile
-from llumdask.benchmarks.paper_report import priority_gain
 from llumdask.benchmarks.paper import PRIORITIES, Case, PaperPlan, Replay, decode_context_tokens, replay_capacity, run_cases
 
 # The paper's bound on what priorities may cost normal-priority requests.

@@ -43,23 +43,21 @@ def test_requests_arrive_on_schedule_however_slow_the_server(backend, tokenizer)
     backend.delay = 0.1  # a token every 0.1 s: each request takes 0.4 s, far longer than the gaps
     work = Workload(MODEL, tokenizer.vocab_size, prompt_tokens=8, output_tokens=4)
     level = Level(rate=20.0)
+    seconds, settle = 1.0, 0.5
     with served(create_app(backend.open, tokenizer, GatewayConfig())) as url:
-        runs = [asyncio.run(level.run(url, work, seconds=1.0, settle=0.5, first_number=7)) for _ in range(2)]
-    for run in runs:
-        assert not run.errors
-        starts = sorted(s.start - (run.window[0] - 0.5) for s in run.samples)
-        # About 30 arrivals in 1.5 s at 20/s; the server's 0.4 s answers do not space them out.
-        assert 15 <= len(starts) <= 50
-        assert max(starts) < 1.5 + 0.1
-        assert all(s.end - s.start >= 0.35 for s in run.samples)
-    # The requests went out at the times their numbers drew (the same in both runs), not when an
+        runs = [asyncio.run(level.run(url, work, seconds=seconds, settle=settle, first_number=7)) for _ in range(2)]
+    # The requests go out at the times their numbers drew (the same in both runs), not when an
     # earlier one was answered: answered one after another, the 0.4 s answers would put most of them
     # seconds behind. The median leaves a loaded machine's event-loop stalls (up to 0.45 s seen in a
     # full suite) their room.
-    drawn = arrivals_within(np.random.default_rng(7), 20.0, 1.5)
+    drawn = arrivals_within(np.random.default_rng(7), level.rate, settle + seconds)
     for run in runs:
-        begin = run.window[0] - 0.5
-        sent = sorted(s.start - begin for s in run.samples)
+        assert not run.errors
+        sent = sorted(s.start - (run.window[0] - settle) for s in run.samples)
+        # About 30 arrivals in 1.5 s at 20/s; the server's 0.4 s answers do not space them out.
+        assert 15 <= len(sent) <= 50
+        assert max(sent) < settle + seconds + 0.1
+        assert all(s.end - s.start >= 0.35 for s in run.samples)
         assert len(sent) == len(drawn)
         assert float(np.median([abs(a - b) for a, b in zip(sent, drawn)])) < 0.1
     summary = row(level.rate, runs)
