@@ -424,10 +424,10 @@ def _missed_goals_table(results: PaperResults) -> str:
               "preemption loss, Llumnix vs router (mean)", "backlog at last arrival, Llumnix vs router (per seed)")
     return ("Each serving goal missed, beside what the same runs show (medians of per-seed ratios against the router "
             "named). The oracle places every request knowing its output length and never migrates: where it is over "
-            f"{_GOAL_SLACK:g}x too, even dispatch that knows every output length misses that goal there. End-to-end latency and preemption loss "
-            "show what the router's lower figure cost: a router that preempts running requests to start new ones "
-            "sooner, or queues new ones so that running ones keep their memory, wins one latency by paying in "
-            f"another.\n\n{table(header, rows)}")
+            f"{_GOAL_SLACK:g}x too, even dispatch that knows every output length misses that goal there. End-to-end "
+            "latency and preemption loss show what the router's lower figure cost: a router that preempts running "
+            "requests to start new ones sooner, or queues new ones so that running ones keep their memory, wins one "
+            f"latency by paying in another.\n\n{table(header, rows)}")
 
 
 def knees(results: PaperResults) -> dict[str, float]:
