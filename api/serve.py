@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,11 +158,15 @@ class VllmCheck:
     usable_kv_bytes: int | None = None
 
 
-def check_vllm(config: VllmEngineConfig) -> VllmCheck:
-    """Import vLLM and check the engine arguments in a short-lived process: the import takes
-    seconds and half a gigabyte of memory that the gateway has no use for."""
+@contextlib.contextmanager
+def vllm_check(config: VllmEngineConfig) -> Iterator[Callable[[], VllmCheck]]:
+    """Import vLLM and check the engine arguments in a short-lived process, started now; what
+    it yields waits for the answer. The import takes seconds and half a gigabyte of memory that
+    the gateway has no use for, and the gateway goes on starting meanwhile (a tool-call parser
+    imports vLLM there, on another core). Leaving the block waits for the process to end (a
+    failure on the gateway's side meanwhile surfaces once the check is done)."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_check_vllm, config).result()
+        yield pool.submit(_check_vllm, config).result
 
 
 def _check_vllm(config: VllmEngineConfig) -> VllmCheck:
@@ -192,13 +196,11 @@ def _check_vllm(config: VllmEngineConfig) -> VllmCheck:
     return VllmCheck(device=device, free_bytes=free, total_bytes=total)
 
 
-def pick_engine(requested: str | None, config: VllmEngineConfig) -> tuple[str, VllmCheck | None]:
-    """`requested`, or by default vllm when it imports and sim (after saying why) when not, with
-    what the check found. Fails before any instance starts when vLLM was asked for and cannot
-    serve `config`."""
-    if requested == "sim":
-        return "sim", None
-    check = check_vllm(config)
+def pick_engine(requested: str | None, checked: Callable[[], VllmCheck]) -> tuple[str, VllmCheck]:
+    """vllm (`requested`), or by default vllm when it imports and sim (after saying why) when
+    not, with what the check found (`checked` waits for it). Fails before any instance starts when
+    vLLM was asked for and cannot serve with the checked configuration."""
+    check = checked()
     if check.unavailable is not None:
         if requested == "vllm":
             raise ValueError(f"--engine vllm: {check.unavailable}")
@@ -301,20 +303,23 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
              "tool-call-parser": args.tool_call_parser, "write-timeout": args.write_timeout,
              "send-buffer-bytes": args.send_buffer_bytes}
     settings = load_config({"gateway": {k: v for k, v in given.items() if v is not None}}).gateway
-    if settings.tool_call_parser is not None:
-        try:
-            tool_parser_class(settings.tool_call_parser)  # a wrong name fails now, not at the first request
-        except ImportError as exc:
-            raise ValueError(f"--tool-call-parser needs vLLM where the gateway runs: {exc}") from None
+    local_vllm = args.scheduler is None and args.engine != "sim"
+    if local_vllm:
+        vllm_config = load_config(cluster_overrides("vllm", configured_model, tokenizer.vocab_size, engine_args,
+                                                    args.max_model_len)).vllm_engine
+    with vllm_check(vllm_config) if local_vllm else contextlib.nullcontext() as checked:
+        if settings.tool_call_parser is not None:
+            try:
+                tool_parser_class(settings.tool_call_parser)  # a wrong name fails now, not at the first request
+            except ImportError as exc:
+                raise ValueError(f"--tool-call-parser needs vLLM where the gateway runs: {exc}") from None
+        engine, check = pick_engine(args.engine, checked) if checked else ("sim", None)
 
     with contextlib.ExitStack() as stack:
         if args.scheduler is None:
             from llumdask.clusters.instances import InstanceStartupError
             from llumdask.clusters.local import local_cluster
 
-            vllm_config = load_config(cluster_overrides("vllm", configured_model, tokenizer.vocab_size, engine_args,
-                                                        args.max_model_len)).vllm_engine
-            engine, check = ("sim", None) if args.engine == "sim" else pick_engine(args.engine, vllm_config)
             if engine == "sim" and settings.tool_call_parser is not None:
                 raise ValueError("--tool-call-parser needs the vllm engine: the sim engine's tokens are random draws")
             share = memory_share(vllm_config, args.instances, check) if engine == "vllm" and check else {}

@@ -78,19 +78,19 @@ def test_an_instance_that_cannot_start_stops_serve_at_once_with_its_error(capsys
     assert "failed to start: ValueError: unknown latency profile 'no-such-profile'" in capsys.readouterr().err
 
 
-def test_without_vllm_the_default_falls_back_to_sim_and_says_why(capsys, monkeypatch):
-    from llumdask.api import serve
-    from llumdask.config import VllmEngineConfig
+def test_without_vllm_the_default_falls_back_to_sim_and_says_why(capsys):
+    from functools import partial
 
-    monkeypatch.setattr(serve, "check_vllm", lambda config: serve.VllmCheck(unavailable="vllm is not installed"))
-    assert serve.pick_engine(None, VllmEngineConfig())[0] == "sim"
+    from llumdask.api import serve
+
+    absent = partial(serve.VllmCheck, unavailable="vllm is not installed")
+    assert serve.pick_engine(None, absent)[0] == "sim"
     err = capsys.readouterr().err
     assert "not using vLLM: vllm is not installed" in err and "serving with the sim engine instead" in err
     with pytest.raises(ValueError, match="--engine vllm: vllm is not installed"):
-        serve.pick_engine("vllm", VllmEngineConfig())
-    monkeypatch.setattr(serve, "check_vllm", lambda config: serve.VllmCheck(bad_argument="llumdask.x is wrong"))
+        serve.pick_engine("vllm", absent)
     with pytest.raises(ValueError, match="llumdask.x is wrong"):
-        serve.pick_engine(None, VllmEngineConfig())
+        serve.pick_engine(None, partial(serve.VllmCheck, bad_argument="llumdask.x is wrong"))
 
 
 def test_local_instances_share_their_device_unless_the_user_chose():
