@@ -197,9 +197,9 @@ def _check_vllm(config: VllmEngineConfig) -> VllmCheck:
 
 
 def pick_engine(requested: str | None, checked: Callable[[], VllmCheck]) -> tuple[str, VllmCheck]:
-    """vllm (`requested`), or by default vllm when it imports and sim (after saying why) when
+    """`requested` ("vllm"), or by default vllm when it imports and sim (after saying why) when
     not, with what the check found (`checked` waits for it). Fails before any instance starts when
-    vLLM was asked for and cannot serve with the checked configuration."""
+    vLLM was asked for and cannot serve the configuration checked."""
     check = checked()
     if check.unavailable is not None:
         if requested == "vllm":
