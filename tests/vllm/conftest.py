@@ -7,6 +7,9 @@ parallel state, which every other engine of the process still uses.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +37,31 @@ def vllm_ready() -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """Gather the PLAIN_PROMPTS of every module with a selected test, for `plain_tokens`."""
+    modules = {item.module for item in items if hasattr(item, "module")}
+    config.stash[PLAIN_PROMPTS] = [p for m in modules for p in getattr(m, "PLAIN_PROMPTS", [])]
+
+
+PLAIN_PROMPTS = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session")
+def plain_tokens(request: pytest.FixtureRequest, vllm_ready: None, tiny_model: Path,
+                 engine_args: dict) -> dict[tuple[tuple[int, ...], int], list[int]]:
+    """Greedy tokens from an unmodified `vllm.LLM` (plain_vllm.py, its own process) for every
+    module's PLAIN_PROMPTS ([prompt ids, max tokens] each), keyed by (prompt ids, max tokens):
+    one vLLM start for the whole session, as each start costs about 20 s on two cores."""
+    prompts = [list(p) for p in {(tuple(ids), n) for ids, n in request.config.stash[PLAIN_PROMPTS]}]
+    script = Path(__file__).with_name("plain_vllm.py")
+    done = subprocess.run([sys.executable, str(script), str(tiny_model), json.dumps(engine_args), json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PLAIN-VLLM-OUTPUT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    outputs = json.loads(lines[-1].split(" ", 1)[1])
+    return {(tuple(ids), n): tokens for (ids, n), tokens in zip(prompts, outputs, strict=True)}
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,9 @@ where it started) and the block pool consistent.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,10 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 # The instances' KV cache: 256 blocks of 128 tokens (2 KiB per token of the tiny model).
 KV_CACHE_BYTES = 64 * 2**20
-# The instances' llumdask.vllm-engine section, and the same engine arguments for plain vLLM.
+# The instances' llumdask.vllm-engine section: conftest's engine_args, which plain vLLM runs with.
 VLLM_ENGINE = {"dtype": "float32", "max-model-len": 4096, "kv-cache-memory-bytes": KV_CACHE_BYTES,
                "engine-args": {"seed": 0}}
-PLAIN_ARGS = {"dtype": "float32", "max_model_len": 4096, "kv_cache_memory_bytes": KV_CACHE_BYTES, "seed": 0}
 STARTUP_TIMEOUT = 300.0  # seconds; about 60 on two idle cores
 
 # (name, prompt length, max tokens, tokens received before each forced migration)
@@ -63,18 +59,16 @@ def migration_events(client, instance: str, migration_id: str) -> list[dict]:
     return [e for e in worker_statuses(client)[instance]["events"] if e["migration_id"] == migration_id]
 
 
+# Every case's prompt, for the session's plain-vLLM run (conftest's plain_tokens).
+PLAIN_PROMPTS = [[prompt_of(name, length), max_tokens]
+                 for name, length, max_tokens, *_ in [*CASES, KILLED_DESTINATION]]
+
+
 @pytest.fixture(scope="module")
-def reference(vllm_ready: None, tiny_model: Path) -> dict[str, list[int]]:
-    """Greedy tokens of every case's prompt from plain vLLM, in one batch."""
-    script = Path(__file__).with_name("plain_vllm.py")
-    cases = [(name, length, max_tokens) for name, length, max_tokens, _ in CASES] + [KILLED_DESTINATION]
-    prompts = [[prompt_of(name, length), max_tokens] for name, length, max_tokens in cases]
-    done = subprocess.run([sys.executable, str(script), str(tiny_model), json.dumps(PLAIN_ARGS), json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("PLAIN-VLLM-OUTPUT ")]
-    outputs = json.loads(lines[-1].split(" ", 1)[1])
-    return {name: tokens for (name, *_), tokens in zip(cases, outputs, strict=True)}
+def reference(plain_tokens: dict) -> dict[str, list[int]]:
+    """Greedy tokens of every case's prompt from plain vLLM, by case name."""
+    return {name: plain_tokens[(tuple(prompt_of(name, length)), max_tokens)]
+            for name, length, max_tokens, *_ in [*CASES, KILLED_DESTINATION]}
 
 
 @pytest.fixture(scope="module")

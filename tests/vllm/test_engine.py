@@ -10,8 +10,12 @@ from llumdask.request import FinishReason, Priority, Request, RequestStatus, Sam
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
+def prompt_of(prompt_len: int, offset: int = 0) -> list[int]:
+    return [10 + (offset + 7 * i) % 400 for i in range(prompt_len)]
+
+
 def make_request(request_id: str, prompt_len: int, max_tokens: int, offset: int = 0, **kwargs) -> Request:
-    prompt = [10 + (offset + 7 * i) % 400 for i in range(prompt_len)]
+    prompt = prompt_of(prompt_len, offset)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return Request(request_id, prompt, sampling, **kwargs)
 
@@ -185,29 +189,20 @@ def test_high_scheduling_priority_is_admitted_first(small_engine) -> None:
     assert small_engine.snapshot().free_blocks == small_engine.total_blocks
 
 
-def test_tokens_match_plain_vllm(vllm_engine, tiny_model, engine_args) -> None:
-    """The same prompts through an unmodified vllm.LLM (own process, vLLM defaults) and through
-    VllmEngine, in one batch each: identical greedy tokens."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+# The prompts test_tokens_match_plain_vllm runs through plain vLLM: (prompt length, max tokens).
+PLAIN_SHAPES = [(12, 64), (200, 100), (700, 40)]
+PLAIN_PROMPTS = [[prompt_of(p, offset=i), n] for i, (p, n) in enumerate(PLAIN_SHAPES)]
 
-    requests = [make_request(f"plain{i}", prompt_len=p, max_tokens=n, offset=i) for i, (p, n) in
-                enumerate([(12, 64), (200, 100), (700, 40)])]
-    script = Path(__file__).with_name("plain_vllm.py")
-    prompts = [[r.prompt_token_ids, r.sampling.max_tokens] for r in requests]
-    done = subprocess.run(
-        [sys.executable, str(script), str(tiny_model), json.dumps(engine_args), json.dumps(prompts)],
-        capture_output=True, text=True, timeout=300,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("PLAIN-VLLM-OUTPUT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    plain = json.loads(lines[-1].split(" ", 1)[1])
+
+def test_tokens_match_plain_vllm(vllm_engine, plain_tokens) -> None:
+    """The same prompts through an unmodified vllm.LLM (own process, vLLM defaults) and through
+    VllmEngine, in one batch: identical greedy tokens."""
+    requests = [make_request(f"plain{i}", prompt_len=p, max_tokens=n, offset=i) for i, (p, n) in enumerate(PLAIN_SHAPES)]
     for r in requests:
         vllm_engine.add_request(r)
     run_to_completion(vllm_engine)
-    assert [r.output_token_ids for r in requests] == plain
+    assert [r.output_token_ids for r in requests] == [
+        plain_tokens[(tuple(r.prompt_token_ids), r.sampling.max_tokens)] for r in requests]
 
 
 def test_choices_added_together_prefill_their_prompt_once(vllm_engine) -> None:
