@@ -235,6 +235,9 @@ def test_headline_takes_the_best_setting_of_the_sweep():
     assert rows["prefill_p99"].verdict == REPRODUCED
     # Preemption loss is summed over every setting (4 + 0 + 0 against 1 + 0 + 0), not cherry-picked.
     assert rows["preemption"].ours == "-75.0%" and rows["preemption"].verdict == REPRODUCED
+    # ... and split at the sweep's highest load, where every policy runs out of memory.
+    assert rows["preemption"].evidence.endswith("over the loads below 1: INFaaS++ 0.000 s, Llumnix 0.000 s, "
+                                                "at load 1: INFaaS++ 4.000 s, Llumnix 1.000 s (-75.0%).")
     assert rows["prefill_mean"].verdict == NOT_REPRODUCED
     lines = shortfalls(list(rows.values()))
     assert any(rows["prefill_mean"].claim.text in line for line in lines)
@@ -330,6 +333,9 @@ def test_autoscaling_saving_is_read_off_the_cost_curves_at_equal_p99():
     assert savings == {1.0: pytest.approx(0.2), 3.0: pytest.approx(0.5), 4.0: pytest.approx(1 - 5 / 6)}
     row = next(r for r in headline(results) if r.claim.key == "autoscale_cost")
     assert row.ours == "-50.0%" and "P99 prefill <= 3.00 s" in row.where
+    # The bound: the work of load 0.5 on TINY's two instances fills one at its ideal capacity.
+    assert row.evidence.endswith("about 1.00 instances at their ideal capacity, a count no policy can go below: "
+                                 "against INFaaS++'s 10.00 a saving of at most -90.0%, of which Llumnix's is 56%.")
 
 
 @pytest.mark.parametrize(
