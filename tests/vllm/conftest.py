@@ -53,7 +53,7 @@ def plain_tokens(request: pytest.FixtureRequest, vllm_ready: None, tiny_model: P
                  engine_args: dict) -> dict[tuple[tuple[int, ...], int], list[int]]:
     """Greedy tokens from an unmodified `vllm.LLM` (plain_vllm.py, its own process) for every
     module's PLAIN_PROMPTS ([prompt ids, max tokens] each), keyed by (prompt ids, max tokens):
-    one vLLM start for the whole session, as each start costs about 20 s on two cores."""
+    one vLLM start for the whole session (each costs about 10 s on two cores)."""
     prompts = [list(p) for p in {(tuple(ids), n) for ids, n in request.config.stash[PLAIN_PROMPTS]}]
     script = Path(__file__).with_name("plain_vllm.py")
     done = subprocess.run([sys.executable, str(script), str(tiny_model), json.dumps(engine_args), json.dumps(prompts)],
