@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from llumdask.benchmarks.sim_validation import (
+    PROBES,
     Latencies,
     Observed,
     RealRun,
@@ -85,7 +86,12 @@ def test_mean_profile_averages_coefficients_and_keeps_both_derivations():
         mean_profile([TOY, replace(TOY, capacity_tokens=8192)], "x", "y")
 
 
-def probes(lone_ttft=0.00908, lone_tpot=0.0021, batched_tpot=0.0030, long_ttft=0.01292) -> dict:
+# The long probe's prompt beyond the lone probe's, and what TOY's prefill says it costs (10 us a token).
+EXTRA_TOKENS = PROBES["long"].prompt - PROBES["lone"].prompt
+EXTRA_PREFILL = EXTRA_TOKENS * 1e-5
+
+
+def probes(lone_ttft=0.00908, lone_tpot=0.0021, batched_tpot=0.0030, long_ttft=0.00908 + EXTRA_PREFILL) -> dict:
     """Each probe's median is the given value (a slower outlier beside two equal samples)."""
     return {
         "lone": [observed(lone_ttft, lone_tpot, 65)] * 2 + [observed(0.05, 0.005, 65)],
@@ -96,7 +102,7 @@ def probes(lone_ttft=0.00908, lone_tpot=0.0021, batched_tpot=0.0030, long_ttft=0
 
 def test_probe_drift_is_each_probe_after_the_trace_over_before():
     before = probes()
-    after = probes(lone_tpot=0.0042, long_ttft=0.01292 * 1.5)
+    after = probes(lone_tpot=0.0042, long_ttft=(0.00908 + EXTRA_PREFILL) * 1.5)
     drift = probe_drift(RealRun(before, after, [], 0, 0))
     assert drift["lone_tpot"] == pytest.approx(2.0) and drift["long_ttft"] == pytest.approx(1.5)
     assert drift["batched_tpot"] == pytest.approx(1.0) and drift["lone_ttft"] == pytest.approx(1.0)
@@ -106,7 +112,7 @@ def test_probe_drift_is_each_probe_after_the_trace_over_before():
 def test_serving_costs_are_what_probes_take_beyond_the_profile():
     # TOY: prefill 2 ms + 10 us per token; decode 1 ms + 0.1 ms per sequence, no context cost.
     # Decode beyond the profile: 1.0 ms alone, 1.6 ms four at once: 0.8 ms per step + 0.2 ms per sequence.
-    # Prefill: 512 vs 128 tokens took 3.84 ms more, the profile says 3.84 ms: scale 1.
+    # Prefill: the long probe took what the profile says its extra tokens cost: scale 1.
     costs = serving_costs(probes(), TOY)
     assert costs.per_seq == pytest.approx(0.0002) and costs.per_step == pytest.approx(0.0008)
     assert costs.prefill_scale == pytest.approx(1.0)
@@ -120,8 +126,8 @@ def test_serving_costs_are_what_probes_take_beyond_the_profile():
 
 
 def test_a_slower_prefill_per_token_scales_the_prompt_terms_only():
-    # 512 tokens took 7.68 ms more than 128: twice the profile's 3.84 ms.
-    costs = serving_costs(probes(long_ttft=0.00908 + 0.00768), TOY)
+    # The long probe took twice what the profile says its extra tokens cost.
+    costs = serving_costs(probes(long_ttft=0.00908 + 2 * EXTRA_PREFILL), TOY)
     assert costs.prefill_scale == pytest.approx(2.0)
     served = costs.served(TOY)
     assert served.prefill == PrefillCost(pytest.approx(0.0028), pytest.approx(2e-5), 0.0)
