@@ -69,6 +69,7 @@ class MigrationConfig:
     last_stage_blocks: int = 2
     last_stage_slack_blocks: int = 1
     handshake_timeout: float = 5.0
+    hand_over_waiting: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,11 @@ source then frees it. So the pause lasts one round trip. (A tail that outgrew th
 reserved again while paused.) Any refusal, abort, timeout, finish, preemption or dead peer ends
 the migration with every reserved block released and the request running on its source.
 
+A waiting request (queued, or preempted and re-queued) moves in one round trip: one PRE-ALLOC
+for its whole (re)computation, which the destination refuses if its own queue holds an earlier
+request; on ACK the source takes it from its queue and sends its state alone; the destination
+queues it in its place and releases the reservation, which only made sure it fits.
+
 Stage copies: by default the source fuses a stage's blocks when it sends the stage, on the
 thread that drives it. A host whose transport copies `PendingBlocks` payloads itself (see
 `deferred_copies`) gets them uncopied instead, so that its engine keeps stepping meanwhile.
@@ -64,6 +69,8 @@ class MigrationEvent:
     reason: str = ""
     # Of `blocks`, those the destination had cached: never copied, no bytes.
     reused_blocks: int = 0
+    # A waiting request's: no KV moved, no downtime (it was not running).
+    waiting: bool = False
 
 
 class _Phase(enum.Enum):
@@ -91,6 +98,8 @@ class _Outgoing:
     reused_blocks: int = 0
     state: MigrationState | None = None
     paused_at: float | None = None
+    # Taken from the waiting queue: one PreAlloc for its whole computation, no KV to copy.
+    waiting: bool = False
 
 
 @dataclass
@@ -198,26 +207,37 @@ class Llumlet:
         self.engine.check_integrity()
 
     # ------------------------------------------------------------------ source side
-    def choose_migrant(self) -> str | None:
-        """Lower execution priority first, then shorter sequence (cheapest to move, least harm)."""
+    def choose_migrant(self, take_waiting: bool = False) -> tuple[str, bool] | None:
+        """With `take_waiting` (the destination queues nothing), the head of the waiting queue
+        first: here it waits behind the load migration drains, there it starts at once, and it
+        moves without KV (Llumnix's first-come-waiting rule; a request preempted here waits too).
+        Else a running request: lower execution priority first, then shorter sequence (cheapest
+        to move, least harm). (request id, whether it waits)."""
         snap = self.engine.snapshot()
+        if take_waiting and snap.waiting:
+            head = snap.waiting[0]
+            if head.migratable and head.request_id not in self._outgoing_by_request:
+                return head.request_id, True
         candidates = [
             r for r in snap.running if r.migratable and r.request_id not in self._outgoing_by_request
         ]
         if not candidates:
             return None
         best = min(candidates, key=lambda r: (int(r.execution_priority), r.num_tokens, r.request_id))
-        return best.request_id
+        return best.request_id, False
 
-    def migrate_out(self, destination: str, request_id: str | None = None) -> str | None:
-        """Start migrating one running request; None when nothing can move now."""
+    def migrate_out(self, destination: str, request_id: str | None = None, *, take_waiting: bool = False) -> str | None:
+        """Start migrating one request (`choose_migrant`'s, or the running `request_id`); None when
+        nothing can move now."""
         if destination == self.instance_id or len(self._outgoing) >= self._migration.max_concurrent:
             return None
+        waiting = False
         if request_id is None:
-            request_id = self.choose_migrant()
+            chosen = self.choose_migrant(take_waiting)
+            if chosen is None:
+                return None
+            request_id, waiting = chosen
         elif request_id in self._outgoing_by_request or not self._is_migratable(request_id):
-            return None
-        if request_id is None:
             return None
         now = self._clock()
         request = self.engine.get_request(request_id)
@@ -230,11 +250,18 @@ class Llumlet:
             started=now,
             preemptions_at_start=request.timing.preemptions,
             deadline=now + self._migration.handshake_timeout,
+            waiting=waiting,
         )
         self._outgoing[migration_id] = out
         self._outgoing_by_request[request_id] = migration_id
         self._emit(MigrationEventKind.STARTED, out)
-        self._next_stage(out)
+        if out.waiting:
+            # Room for its whole (re)computation, the check that it fits there now.
+            out.last = True
+            out.stage_blocks = blocks_for(request.num_tokens, self.engine.block_size)
+            self._prealloc(out, out.stage_blocks, queue_key=request.queue_key())
+        else:
+            self._next_stage(out)
         return migration_id
 
     def _next_stage(self, out: _Outgoing) -> None:
@@ -255,13 +282,14 @@ class Llumlet:
             prefix = tuple(request.prompt_token_ids + request.output_token_ids)[: completed * self.engine.block_size]
         self._prealloc(out, remaining, prefix)
 
-    def _prealloc(self, out: _Outgoing, num_blocks: int, prefix_tokens: tuple[int, ...] = ()) -> None:
+    def _prealloc(self, out: _Outgoing, num_blocks: int, prefix_tokens: tuple[int, ...] = (),
+                  queue_key: tuple[int, float, str] | None = None) -> None:
         out.phase = _Phase.AWAIT_PREALLOC
         out.deadline = self._clock() + self._migration.handshake_timeout
         self._send(
             out.destination,
             PreAlloc(out.migration_id, self.instance_id, out.destination, out.request_id, out.stage, num_blocks,
-                     prefix_tokens),
+                     prefix_tokens, queue_key),
         )
 
     def _pause_for_last_stage(self, out: _Outgoing) -> bool:
@@ -294,6 +322,9 @@ class Llumlet:
             if reason:
                 self._abort_outgoing(out, reason, notify=True)
                 return
+            if out.waiting:
+                self._hand_over_waiting(out)
+                return
             if out.last and not self._pause_for_last_stage(out):
                 return
         start, end = out.sent_blocks, out.sent_blocks + out.stage_blocks
@@ -303,6 +334,18 @@ class Llumlet:
         out.phase = _Phase.AWAIT_COMMIT if out.state is not None else _Phase.AWAIT_STAGE_ACK
         out.deadline = self._clock() + self._migration.handshake_timeout
         self._send(out.destination, StageData(out.migration_id, out.stage, start, end, payload, out.state))
+
+    def _hand_over_waiting(self, out: _Outgoing) -> None:
+        """Room is reserved there: take the request out of the queue and send its state alone."""
+        try:
+            out.state = self.engine.pause(out.request_id, waiting=True)
+        except MigrationRefused as exc:
+            self._abort_outgoing(out, f"source cannot hand it over: {exc}", notify=True)
+            return
+        out.stage_blocks = 0  # the reservation only made sure it fits there
+        out.phase = _Phase.AWAIT_COMMIT
+        out.deadline = self._clock() + self._migration.handshake_timeout
+        self._send(out.destination, StageData(out.migration_id, out.stage, 0, 0, None, out.state))
 
     def _on_stage_ack(self, out: _Outgoing, ack: StageAck) -> None:
         out.sent_blocks += out.stage_blocks
@@ -325,6 +368,8 @@ class Llumlet:
         request = self.engine.get_request(out.request_id)
         if request is None or request.status.is_done:
             return "request finished"
+        if out.waiting:  # whether it still waits is checked as it is taken from the queue
+            return ""
         if request.status is not RequestStatus.RUNNING or request.timing.preemptions != out.preemptions_at_start:
             return "request preempted"
         return ""
@@ -349,7 +394,7 @@ class Llumlet:
     def _on_prealloc(self, sender: str, msg: PreAlloc) -> None:
         inc = self._incoming.get(msg.migration_id)
         if inc is None:
-            refusal = self._refuse_new_migrant()
+            refusal = self._refuse_new_migrant() or self._refuse_to_queue(msg.queue_key)
             if refusal:
                 self._send(sender, PreAllocReply(msg.migration_id, msg.stage, False, refusal))
                 return
@@ -371,13 +416,27 @@ class Llumlet:
             return "destination at max concurrent migrations"
         return ""
 
+    def _refuse_to_queue(self, queue_key: tuple[int, float, str] | None) -> str:
+        """Why a waiting migrant would gain nothing here ("" when it would): it would queue behind
+        a request of this queue."""
+        if queue_key is None:
+            return ""
+        waiting = self.engine.snapshot().waiting
+        if not waiting:
+            return ""
+        head = self.engine.get_request(waiting[0].request_id)
+        if head is not None and head.queue_key() < queue_key:
+            return "destination queues earlier requests"
+        return ""
+
     def _on_stage_data(self, sender: str, msg: StageData) -> None:
         inc = self._incoming.get(msg.migration_id)
         if inc is None:
             self._send(sender, Abort(msg.migration_id, "unknown migration at destination"))
             return
         try:
-            self.engine.import_blocks(msg.migration_id, msg.start_block, msg.payload)
+            if msg.payload is not None:
+                self.engine.import_blocks(msg.migration_id, msg.start_block, msg.payload)
             if msg.state is not None:
                 self.engine.resume(msg.migration_id, msg.state)
         except MigrationRefused as exc:
@@ -472,5 +531,6 @@ class Llumlet:
                 downtime=downtime,
                 reason=reason,
                 reused_blocks=out.reused_blocks,
+                waiting=out.waiting,
             )
         )

@@ -25,6 +25,9 @@ class PreAlloc:
     # First PreAlloc only: the migrant's tokens of whole computed blocks, so that the
     # destination reuses the blocks of them it caches (`Engine.reserve_cached`) instead of copies.
     prefix_tokens: tuple[int, ...] = ()
+    # A waiting migrant (its one PreAlloc reserves room for its whole computation): its place in
+    # a queue (`Request.queue_key`); the destination takes it only ahead of its own queue.
+    queue_key: tuple[int, float, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,15 @@ INSTANCE_GAUGES: tuple[tuple[str, str, Callable[[InstanceView], float]], ...] = 
 )
 
 
+# The outcome of a committed migration of a waiting request: counted apart from live migrations,
+# whose downtime it would dilute.
+HANDED_OVER = "handed_over"
+
 # (name, help, label, the SchedulerMetrics count it reads)
 COUNTERS = (
     ("dispatches", "Dispatch decisions, by outcome (placed or refused)", "outcome", "dispatches"),
-    ("migrations", "Live migrations started, committed and aborted", "outcome", "migrations"),
+    ("migrations", "Migrations started, committed (running requests, their KV moved live), handed over "
+                   "(waiting requests, nothing to move) and aborted", "outcome", "migrations"),
     ("migrations_aborted", "Aborted live migrations, by reason", "reason", "aborted"),
     ("scaling_events", "Scaling actions (terminate, add, remove)", "action", "scaling"),
 )
@@ -53,7 +58,7 @@ class SchedulerMetrics:
     def __init__(self, instances: Callable[[], Iterable[InstanceView]]) -> None:
         self._instances = instances
         self.dispatches: Counter[str] = Counter()  # by outcome: placed, refused
-        self.migrations: Counter[str] = Counter()  # by event kind: started, committed, aborted
+        self.migrations: Counter[str] = Counter()  # started, committed, handed_over, aborted
         self.aborted: Counter[str] = Counter()  # by reason
         self.scaling: Counter[str] = Counter()  # by action: terminate, add, remove
         self.migration_bytes = 0
@@ -67,6 +72,9 @@ class SchedulerMetrics:
 
     def on_migration_event(self, event: Mapping[str, Any]) -> None:
         kind = str(event.get("kind"))
+        if kind == MigrationEventKind.COMMITTED.value and event.get("waiting"):
+            self.migrations[HANDED_OVER] += 1
+            return
         self.migrations[kind] += 1
         if kind == MigrationEventKind.COMMITTED.value:
             self.migration_bytes += int(event.get("bytes", 0))

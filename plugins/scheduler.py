@@ -349,7 +349,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         pairs = scheduler.pair_migrations(time.time()) if self.config.migration.enabled else []
         self._last_pairs = {p.source: p.destination for p in pairs}
         for p in pairs:
-            self._send(p.source, {"op": Op.MIGRATE_TO, "destination": p.destination})
+            self._send(p.source, {"op": Op.MIGRATE_TO, "destination": p.destination, "take_waiting": p.take_waiting})
 
     # ------------------------------------------------------------------ helpers
     def _scheduler(self) -> GlobalScheduler:

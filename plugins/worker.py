@@ -32,6 +32,7 @@ Stream ops from the scheduler: llumnix_migrate_to, llumnix_set_terminating, llum
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing
 import time
@@ -336,8 +337,8 @@ class LlumletHost:
         }
 
     # ------------------------------------------------------------------ stream handlers (from the scheduler)
-    def migrate_to(self, destination: str) -> None:
-        self._submit(self._llumlet().migrate_out, destination)
+    def migrate_to(self, destination: str, take_waiting: bool = False) -> None:
+        self._submit(functools.partial(self._llumlet().migrate_out, destination, take_waiting=take_waiting))
 
     def set_terminating(self, flag: bool) -> None:
         self._submit(self._llumlet().set_terminating, flag)

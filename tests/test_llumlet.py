@@ -213,7 +213,7 @@ def test_choose_migrant_prefers_normal_priority_then_shorter():
     llumlet.add_request(make_request("long", 40, 30))
     llumlet.add_request(make_request("short", 8, 30))
     cluster.step_all()
-    assert llumlet.choose_migrant() == "short"
+    assert llumlet.choose_migrant() == ("short", False)
 
 
 def test_load_report_follows_algorithm_inputs():

@@ -1,4 +1,5 @@
-"""Random interleavings of steps, arrivals, deliveries, migrations, timeouts, aborts and a peer failure.
+"""Random interleavings of steps, arrivals, deliveries, migrations (of running and of waiting
+requests), timeouts, aborts and a peer failure.
 
 Invariants: every engine's block accounting holds after every rule; at the end no block is leaked
 or reserved, every surviving request finished, and its tokens equal the ones it produces alone.
@@ -60,11 +61,11 @@ class MigrationMachine(RuleBasedStateMachine):
         if pairs:
             self.cluster.transport.deliver_one(data.draw(st.sampled_from(sorted(pairs))))
 
-    @rule(data=st.data(), destination=st.sampled_from(INSTANCES))
-    def migrate(self, data, destination):
-        busy = [l for l in self.cluster.live() if l.engine.snapshot().running]
+    @rule(data=st.data(), destination=st.sampled_from(INSTANCES), take_waiting=st.booleans())
+    def migrate(self, data, destination, take_waiting):
+        busy = [l for l in self.cluster.live() if l.engine.snapshot().running or l.engine.snapshot().waiting]
         if busy:
-            data.draw(st.sampled_from(busy)).migrate_out(destination)
+            data.draw(st.sampled_from(busy)).migrate_out(destination, take_waiting=take_waiting)
 
     @rule(seconds=st.sampled_from([0.01, 0.02, 0.04, 0.15]))
     def advance_clock(self, seconds):
@@ -102,6 +103,7 @@ class MigrationMachine(RuleBasedStateMachine):
         self.cluster.run_until_idle()
         self.cluster.assert_no_leaks()
         event(f"migrations committed: {min(len(self.cluster.committed()), 3)}+")
+        event(f"waiting requests handed over: {min(sum(e.waiting for e in self.cluster.committed()), 2)}+")
         for aborted in self.cluster.aborted():
             event(f"aborted: {aborted.reason.split(':')[0]}")
         event(f"started: {min(sum(e.kind.value == 'started' for e in self.cluster.events), 3)}+")

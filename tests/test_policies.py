@@ -406,10 +406,29 @@ def test_max_concurrent_from_the_reports():
     assert pairs([busy_source, busy_dest], two) == [("s", "d")]
 
 
-def test_a_source_needs_a_running_request_to_give():
+def test_a_source_needs_a_request_to_give_and_a_queued_one_counts():
     queued_only = view("q", total=100, head=99, queued=99, running=0)
     assert queued_only.freeness < MIGRATION.low_threshold
-    assert pairs([queued_only, with_freeness("d", 100)]) == []
+    assert pairs([queued_only, with_freeness("d", 100)]) == [("q", "d")]
+
+
+
+def test_a_queue_is_handed_over_first_when_draining_or_where_asked_and_the_destination_queues_nothing():
+    def take(source, destination, config=MIGRATION) -> bool:
+        (pair,) = pair_migrations([source, destination], config)
+        return pair.take_waiting
+
+    queued = view("q", total=100, head=99, queued=99, running=0)
+    retiring = view("r", total=100, used=10, head=5, queued=5, terminating=True)
+    idle, queueing = with_freeness("d", 100), view("dq", total=1000, used=10, queued=5, head=5)
+    assert queueing.freeness > MIGRATION.high_threshold
+    asked = replace(MIGRATION, hand_over_waiting=True)
+    assert not take(queued, idle) and take(queued, idle, asked) and not take(queued, queueing, asked)
+    assert take(retiring, idle) and not take(retiring, queueing)
+    assert not take(with_freeness("s", 0), idle, asked)  # nothing waits at the source
+    nothing = view("n", total=100, used=100, running=0)
+    assert nothing.freeness < MIGRATION.low_threshold
+    assert pairs([nothing, with_freeness("d", 100)]) == []
 
 
 def test_a_source_whose_running_requests_are_all_pinned_has_none_to_give():

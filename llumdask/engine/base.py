@@ -208,13 +208,16 @@ class MigrationState:
     timing: RequestTiming | None = None
     # Engine-specific continuation (RNG state, counters); opaque to the llumlet.
     engine_state: dict[str, Any] = field(default_factory=dict)
+    # Taken from the waiting queue: no KV came along, the destination queues it to compute.
+    waiting: bool = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @classmethod
-    def capture(cls, request: Request, engine_state: dict[str, Any] | None = None) -> "MigrationState":
+    def capture(cls, request: Request, engine_state: dict[str, Any] | None = None, *,
+                waiting: bool = False) -> "MigrationState":
         """The source side: a copy of the request's continuation (nothing shared with the original)."""
         return cls(
             request_id=request.request_id,
@@ -226,10 +229,12 @@ class MigrationState:
             arrival_time=request.arrival_time,
             timing=dataclasses.replace(request.timing),
             engine_state=engine_state or {},
+            waiting=waiting,
         )
 
     def to_request(self) -> Request:
-        """The destination side: the running request this state continues, its timing carried over."""
+        """The destination side: the request this state continues (waiting or running as it left),
+        its timing carried over."""
         request = Request(
             request_id=self.request_id,
             prompt_token_ids=list(self.prompt_token_ids),
@@ -238,7 +243,7 @@ class MigrationState:
             execution_priority=self.execution_priority,
             arrival_time=self.arrival_time,
             output_token_ids=list(self.output_token_ids),
-            status=RequestStatus.RUNNING,
+            status=RequestStatus.WAITING if self.waiting else RequestStatus.RUNNING,
         )
         if self.timing is not None:
             request.timing = dataclasses.replace(self.timing)
@@ -318,14 +323,15 @@ class Engine(Protocol):
     def export_later(self, request_id: str, start: int, end: int) -> PendingBlocks:
         """`export_blocks` checked now, copied when the result's `copy()` runs (any thread)."""
 
-    def pause(self, request_id: str) -> MigrationState:
-        """Take a running request out of the batch (blocks kept) and return its continuation state."""
+    def pause(self, request_id: str, *, waiting: bool = False) -> MigrationState:
+        """Take a running request out of the batch (blocks kept), or with `waiting` one out of the
+        waiting queue (holding nothing), and return its continuation state."""
 
     def unpause(self, request_id: str) -> None:
-        """Rollback: put a paused request back into the running batch, as if nothing happened."""
+        """Rollback: put a paused request back where it was taken from, as if nothing happened."""
 
     def free_migrated(self, request_id: str) -> None:
-        """After COMMIT: forget a paused request and free its blocks."""
+        """After COMMIT: forget a paused request and free its blocks (a waiting one held none)."""
 
     # ------------------------------------------------------------------ migration, destination side
     def reserve_cached(self, migration_id: str, tokens: Sequence[int]) -> int:
@@ -343,4 +349,5 @@ class Engine(Protocol):
         """Write a fused buffer into the migration's blocks, starting at block index `start`."""
 
     def resume(self, migration_id: str, state: MigrationState) -> None:
-        """COMMIT: turn the migration's blocks into a running request continuing from `state`."""
+        """COMMIT: turn the migration's blocks into a running request continuing from `state`; a
+        waiting `state` instead joins the queue in its place and its reservation is released."""

@@ -253,6 +253,8 @@ class SimEngine:
         self._running: list[_Seq] = []
         # Out of the batch for the last stage of a migration; blocks kept.
         self._paused: dict[str, _Seq] = {}
+        # Out of the queue for a migration of a waiting request: nothing computed, nothing held.
+        self._handed: dict[str, _Seq] = {}
         self._num_preemptions = 0
         self._snapshot: EngineSnapshot | None = None
         # The load totals, kept current by the few methods that move blocks or queue entries
@@ -303,6 +305,8 @@ class SimEngine:
             return
         if request_id in self._paused:
             del self._paused[request_id]
+        elif request_id in self._handed:
+            del self._handed[request_id]
         elif seq.request.status is RequestStatus.RUNNING:
             self._running.remove(seq)
         else:
@@ -345,7 +349,7 @@ class SimEngine:
                 timing.preemption_loss += end - timing.preempted_at
                 timing.preempted_at = None
         # Requests that finished this step have left _seqs but are still in the batch list.
-        if len(self._seqs) < len(self._running) + len(self._waiting) + len(self._paused):
+        if len(self._seqs) < len(self._running) + len(self._waiting) + len(self._paused) + len(self._handed):
             self._running = [s for s in self._running if s.request_id in self._seqs]
         if self._real_time and duration > 0:
             time.sleep(duration)
@@ -393,7 +397,8 @@ class SimEngine:
         self._blocks.check_integrity()
         holders = self._running + list(self._paused.values())
         name = self._name
-        assert len(self._seqs) == len(holders) + len(self._waiting), f"{name}: a request is in two places or none"
+        assert len(self._seqs) == len(holders) + len(self._waiting) + len(self._handed), (
+            f"{name}: a request is in two places or none")
         assert self._blocks.owners() == {s.request_id for s in holders}, f"{name}: a request not running holds blocks"
         for seq in self._seqs.values():
             assert seq.num_tokens == seq.request.num_tokens, f"{name}: request {seq.request_id!r} changed outside the engine"
@@ -450,8 +455,17 @@ class SimEngine:
         buffer[: len(held)] = self._kv[held]
         return buffer
 
-    def pause(self, request_id: str) -> MigrationState:
+    def pause(self, request_id: str, *, waiting: bool = False) -> MigrationState:
+        """A decoding request leaves the batch with its blocks; with `waiting`, a waiting one the queue."""
         seq = self._seq(request_id)
+        rng_state = None if seq.rng is None else {"rng_state": seq.rng.bit_generator.state}
+        if waiting:
+            if request_id in self._handed or seq.request.status is not RequestStatus.WAITING:
+                raise MigrationRefused(f"{self._name}: request {request_id!r} is not in the waiting queue")
+            self._dequeue(self._waiting.index(seq))
+            self._handed[request_id] = seq
+            self._snapshot = None
+            return MigrationState.capture(seq.request, rng_state, waiting=True)
         if request_id in self._paused or seq.request.status is not RequestStatus.RUNNING:
             raise MigrationRefused(f"{self._name}: request {request_id!r} is not in the running batch")
         if not _decoding(seq):
@@ -459,10 +473,16 @@ class SimEngine:
         self._running.remove(seq)
         self._paused[request_id] = seq
         self._snapshot = None
-        return MigrationState.capture(seq.request, None if seq.rng is None else {"rng_state": seq.rng.bit_generator.state})
+        return MigrationState.capture(seq.request, rng_state)
 
     def unpause(self, request_id: str) -> None:
-        """Back into the batch (at its end, as a request vLLM re-adds); an id aborted meanwhile is ignored."""
+        """Back into the batch (at its end, as a request vLLM re-adds) or the queue (in its place);
+        an id aborted meanwhile is ignored."""
+        handed = self._handed.pop(request_id, None)
+        if handed is not None:
+            self._enqueue(handed)
+            self._snapshot = None
+            return
         seq = self._paused.pop(request_id, None)
         if seq is None:
             self._require_absent(request_id, "unpause")
@@ -472,6 +492,10 @@ class SimEngine:
 
     def free_migrated(self, request_id: str) -> None:
         """The request now lives on its destination; an id aborted meanwhile is ignored."""
+        if self._handed.pop(request_id, None) is not None:
+            del self._seqs[request_id]
+            self._snapshot = None
+            return
         seq = self._paused.pop(request_id, None)
         if seq is None:
             self._require_absent(request_id, "free")
@@ -518,11 +542,21 @@ class SimEngine:
         rid = state.request_id
         if rid in self._seqs:
             raise MigrationRefused(f"{self._name}: request {rid!r} is already here")
-        if not state.output_token_ids:
-            raise MigrationRefused(f"{self._name}: request {rid!r} has no output yet; only running requests migrate")
         capacity = self.total_blocks * self.block_size
         if len(state.prompt_token_ids) + state.sampling.max_tokens > capacity:
             raise MigrationRefused(f"{self._name}: request {rid!r} can never finish within {capacity} tokens")
+        if state.waiting:
+            # Nothing computed came along: it queues here in its place to be (re)computed, and the
+            # blocks reserved to know it fits go back.
+            self._blocks.release(migration_id)
+            request = state.to_request()
+            seq = _new_seq(request, state.engine_state.get("rng_state"))
+            self._seqs[rid] = seq
+            self._enqueue(seq)
+            self._snapshot = None
+            return
+        if not state.output_token_ids:
+            raise MigrationRefused(f"{self._name}: request {rid!r} has no output yet; only running requests migrate")
         needed = blocks_for(state.num_tokens - 1, self.block_size)
         reserved = len(self._blocks.reservation(migration_id))
         if reserved < needed:

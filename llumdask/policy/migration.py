@@ -25,10 +25,12 @@ from llumdask.load import InstanceLoad
 
 @dataclass(frozen=True)
 class MigrationPair:
-    """Ask `source`'s llumlet to migrate one running request to `destination`."""
+    """Ask `source`'s llumlet to migrate one request to `destination`."""
 
     source: str
     destination: str
+    # The source hands over the head of its waiting queue first (`_pair` says when).
+    take_waiting: bool = False
 
 
 class PairingView(Protocol):
@@ -50,8 +52,8 @@ def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig,
                     shared: Callable[[str, str], int] | None = None) -> list[MigrationPair]:
     """This round's pairs; none when migration is disabled.
 
-    A source needs a running request it can give away (only running requests migrate, and
-    pinned ones never) and fewer than `max_concurrent` migrations out; a destination fewer than
+    A source needs a request it can give away (a waiting one, or a running one that is not
+    pinned) and fewer than `max_concurrent` migrations out; a destination fewer than
     `max_concurrent` in, both as of its last report. `shared(source, destination)`: how much
     cached prefix the two have in common (None: prefixes play no part).
     """
@@ -63,7 +65,7 @@ def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig,
     for view in instances:
         load = view.load
         if view.terminating or view.freeness < config.low_threshold:
-            if load.num_running > load.num_pinned and load.num_migrating_out < limit:
+            if (load.num_running > load.num_pinned or load.num_waiting) and load.num_migrating_out < limit:
                 sources.append(view)
         elif view.freeness > config.high_threshold and load.num_migrating_in < limit:
             destinations.append(view)
@@ -71,12 +73,21 @@ def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig,
     sources.sort(key=by_key)
     destinations.sort(key=by_key, reverse=True)
     if shared is None:
-        return [MigrationPair(s.instance_id, d.instance_id) for s, d in zip(sources, destinations)]
+        return [_pair(s, d, config) for s, d in zip(sources, destinations)]
     free = destinations[: len(sources)]
     pairs = []
     for source in sources[: len(free)]:
         window = free[:PREFIX_CHOICES]
         # max keeps the first of equals: the freest.
         taken = max(range(len(window)), key=lambda k: shared(source.instance_id, window[k].instance_id))
-        pairs.append(MigrationPair(source.instance_id, free.pop(taken).instance_id))
+        pairs.append(_pair(source, free.pop(taken), config))
     return pairs
+
+
+def _pair(source: PairingView, destination: PairingView, config: MigrationConfig) -> MigrationPair:
+    """Where the destination queues nothing (a request handed over starts there at once, and no
+    earlier request there makes it refuse), a terminating source hands over its queue first
+    (nothing of it should start where it is), and with `hand_over_waiting` any source does."""
+    take = bool(source.load.num_waiting) and not destination.load.num_waiting
+    return MigrationPair(source.instance_id, destination.instance_id,
+                         take_waiting=take and (source.terminating or config.hand_over_waiting))

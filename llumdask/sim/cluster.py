@@ -262,7 +262,7 @@ class SimCluster:
                 inst.llumlet.tick()
         for pair in self.scheduler.pair_migrations(self.events.now):
             source = self.instances[pair.source]
-            if source.alive and source.llumlet.migrate_out(pair.destination):
+            if source.alive and source.llumlet.migrate_out(pair.destination, take_waiting=pair.take_waiting):
                 self._wake(source)
         self._repeat(self.config.migration.interval, self._pairing_loop)
 

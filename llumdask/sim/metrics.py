@@ -207,13 +207,15 @@ def _migration_stats(events: Iterable[MigrationEvent]) -> dict[str, float]:
     repeated, returned = churn(events)
     return {
         "migrations": len(committed),
+        # Of them, waiting requests handed over (no KV moved, nothing paused).
+        "migrations_waiting": sum(e.waiting for e in committed),
         "migrations_aborted": sum(e.kind is MigrationEventKind.ABORTED for e in outcomes),
         # Bytes that crossed the network, aborted migrations' partial copies included.
         "migration_bytes": sum(e.bytes for e in outcomes),
         # Of the blocks committed migrations moved, the share the destination held already.
         "migration_reused_share": (sum(e.reused_blocks for e in committed) / moved
                                    if (moved := sum(e.blocks for e in committed)) else _NAN),
-        "migration_downtime_mean": _mean(e.downtime for e in committed),
+        "migration_downtime_mean": _mean(e.downtime for e in committed if not e.waiting),
         "churn": repeated,
         "churn_returns": returned,
     }

@@ -105,7 +105,7 @@ def test_pairing_tells_the_overloaded_source_where_to_migrate():
         plugin.on_load(load("a", free_blocks=0, num_running=4, running_blocks={0: 100}, running_count={0: 4}))
         plugin.on_load(load("b"))
         plugin.pair()
-        assert scheduler.stream_comms["a"].sent == [{"op": "llumnix_migrate_to", "destination": "b"}]
+        assert scheduler.stream_comms["a"].sent == [{"op": "llumnix_migrate_to", "destination": "b", "take_waiting": False}]
         states = {row["instance"]: row["state"] for row in plugin.status()["instances"]}
         assert states == {"a": "source", "b": "destination"}
 

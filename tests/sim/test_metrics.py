@@ -35,8 +35,8 @@ def instance(iid, total, free, hol=0, migrating=False):
     return InstanceSample(iid, total, free, head_of_line_demand=hol, num_waiting=int(hol > 0), migrating=migrating)
 
 
-def event(kind, mid, rid, source, destination, time, nbytes=0, downtime=0.0):
-    return MigrationEvent(kind, mid, rid, source, destination, time, bytes=nbytes, downtime=downtime)
+def event(kind, mid, rid, source, destination, time, nbytes=0, downtime=0.0, waiting=False):
+    return MigrationEvent(kind, mid, rid, source, destination, time, bytes=nbytes, downtime=downtime, waiting=waiting)
 
 
 # ------------------------------------------------------------------------------ percentiles
@@ -180,9 +180,11 @@ def test_migration_counts_bytes_downtime_and_churn_by_hand():
         event(STARTED, "m4", "r3", "A", "B", 3.0),
         event(COMMITTED, "m4", "r3", "A", "B", 3.5, nbytes=300, downtime=0.03),
         event(STARTED, "m5", "r4", "C", "D", 6.0),  # still in flight when the run ended
+        event(STARTED, "m6", "r5", "C", "D", 2.0),
+        event(COMMITTED, "m6", "r5", "C", "D", 2.1, waiting=True),  # handed over from a queue
     ]
     result = summarize([], [], events, duration=6.0)
-    assert result["migrations"] == 3
+    assert result["migrations"] == 4 and result["migrations_waiting"] == 1
     assert result["migrations_aborted"] == 1
     assert result["migration_bytes"] == 2000
     assert result["migration_downtime_mean"] == pytest.approx(0.03)
@@ -207,7 +209,8 @@ def test_empty_run_gives_nan_statistics_and_zero_counts():
         "migration_downtime_mean",
     ):
         assert math.isnan(result[key]), key
-    for key in ("requests", "preemption_count", "migrations", "migrations_aborted", "migration_bytes", "churn", "churn_returns"):
+    for key in ("requests", "preemption_count", "migrations", "migrations_waiting", "migrations_aborted", "migration_bytes",
+                "churn", "churn_returns"):
         assert result[key] == 0, key
 
 

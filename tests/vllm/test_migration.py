@@ -393,3 +393,51 @@ def test_a_released_reservation_gives_back_the_cached_blocks_it_reused(peer_engi
     assert peer_engine.snapshot().free_blocks == free
     assert peer_engine.reserve_cached("m-release-again", tokens) == 2  # still cached
     peer_engine.release_reservation("m-release-again")
+
+
+def test_a_waiting_request_moves_without_kv_and_its_tokens_stay_exact(vllm_engine, peer_engine, reference):
+    """A request still in vLLM's waiting queue leaves it holding nothing, queues on the
+    destination and computes there; a running one cannot be taken as waiting."""
+    free = (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks)
+    streams = ({}, {})
+    vllm_engine.add_request(make_request("queued", 100, 300))
+    (load,) = vllm_engine.snapshot().waiting
+    assert load.request_id == "queued" and load.migratable and load.num_blocks == 0
+    state = vllm_engine.pause("queued", waiting=True)
+    assert state.waiting and not state.output_token_ids
+    assert vllm_engine.snapshot().waiting == ()
+    vllm_engine.check_integrity()
+    assert peer_engine.reserve_blocks("m-queued", blocks_for(state.num_tokens, peer_engine.block_size))
+    peer_engine.resume("m-queued", state)
+    vllm_engine.free_migrated("queued")
+    drain(vllm_engine, streams[0])  # vLLM forgets an aborted request at its next step
+    assert "queued" not in streams[0]
+    assert peer_engine.snapshot().reserved_blocks == 0 and [w.request_id for w in peer_engine.snapshot().waiting] == ["queued"]
+    drain(peer_engine, streams[1])
+    assert received_tokens(list(streams), "queued") == reference[(100, 300)]
+    vllm_engine.add_request(make_request("running", 100, 300))
+    step(vllm_engine, streams[0])
+    with pytest.raises(MigrationRefused, match="not waiting"):
+        vllm_engine.pause("running", waiting=True)
+    vllm_engine.abort_request("running")
+    drain(vllm_engine, streams[0])
+    assert (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks) == free
+
+
+def test_a_waiting_request_handed_back_is_queued_again(vllm_engine, reference):
+    free = vllm_engine.snapshot().free_blocks
+    streams: dict[str, list[TokenOutput]] = {}
+    vllm_engine.add_request(make_request("back", 100, 300))
+    vllm_engine.pause("back", waiting=True)
+    vllm_engine.unpause("back")
+    assert [w.request_id for w in vllm_engine.snapshot().waiting] == ["back"]
+    drain(vllm_engine, streams)
+    assert received_tokens([streams], "back") == reference[(100, 300)]
+    vllm_engine.add_request(make_request("dropped", 100, 300))
+    vllm_engine.pause("dropped", waiting=True)
+    vllm_engine.abort_request("dropped")
+    assert vllm_engine.get_request("dropped") is None
+    drain(vllm_engine, streams)
+    assert "dropped" not in streams
+    vllm_engine.check_integrity()
+    assert vllm_engine.snapshot().free_blocks == free

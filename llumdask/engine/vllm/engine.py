@@ -185,6 +185,8 @@ class VllmEngine:
         self._num_preemptions = 0
         # Source side: paused request -> the internal id whose blocks the connector holds.
         self._paused: dict[str, str] = {}
+        # Source side: waiting requests taken from vLLM's queue for a migration (holding nothing).
+        self._handed: set[str] = set()
         # Destination side: migration id -> reserved blocks (vLLM KVCacheBlock objects), the
         # cached ones it reuses first (how many: `_reused`).
         self._reservations: dict[str, list[Any]] = {}
@@ -264,6 +266,8 @@ class VllmEngine:
         internal_id = self._internal_ids.pop(request_id)
         if request_id in self._paused:
             self._connector.release(self._paused.pop(request_id))
+        elif request_id in self._handed:
+            self._handed.discard(request_id)
         else:
             self._finish_loading_of(internal_id)
             self._llm.abort_request([request_id])
@@ -297,11 +301,12 @@ class VllmEngine:
             free_blocks=self._pool.get_num_free_blocks(),
             reserved_blocks=self._num_reserved(),
             running=tuple(
-                self._load(request, blocks, running=True, paused=paused) for request, blocks, paused in self._holders()
+                self._load(request, blocks, running=True, can_move=not paused) for request, blocks, paused in self._holders()
             ),
             waiting=tuple(
-                self._load(self._requests[_our_id(r)], self._num_blocks(r), running=False)
+                self._load(self._requests[_our_id(r)], blocks, running=False, can_move=not blocks)
                 for r in internals.waiting_requests(self._scheduler)
+                for blocks in (self._num_blocks(r),)
             ),
             num_preemptions=self._num_preemptions,
         )
@@ -385,9 +390,12 @@ class VllmEngine:
             return PendingBlocks(nbytes, lambda: buffer)
         return PendingBlocks(nbytes, gather)
 
-    def pause(self, request_id: str) -> MigrationState:
-        """Abort the request in vLLM while the connector keeps its blocks (vLLM cannot pause one)."""
+    def pause(self, request_id: str, *, waiting: bool = False) -> MigrationState:
+        """Abort the request in vLLM while the connector keeps its blocks (vLLM cannot pause one);
+        with `waiting`, a request of vLLM's waiting queue holding no blocks, which keeps nothing."""
         request = self._known(request_id)
+        if waiting:
+            return self._hand_over(request)
         if request_id in self._paused or self._running_vllm_request(request_id) is None:
             raise MigrationRefused(f"request {request_id!r} is not in the running batch")
         refusal = migration_refusal(request)
@@ -399,8 +407,31 @@ class VllmEngine:
         self._paused[request_id] = internal_id
         return MigrationState.capture(request)
 
+    def _hand_over(self, request: Request) -> MigrationState:
+        request_id = request.request_id
+        if request_id in self._handed or not self._waits_holding_nothing(request_id):
+            raise MigrationRefused(f"request {request_id!r} is not waiting without blocks")
+        refusal = migration_refusal(request)
+        if refusal:
+            raise MigrationRefused(f"request {request_id!r}: {refusal}")
+        self._llm.abort_request([request_id])
+        self._handed.add(request_id)
+        return MigrationState.capture(request, waiting=True)
+
+    def _waits_holding_nothing(self, request_id: str) -> bool:
+        """In vLLM's waiting queue (not one loading KV) and holding no blocks."""
+        internal_id = self._internal_ids.get(request_id)
+        vllm_request = self._scheduler.requests.get(internal_id) if internal_id is not None else None
+        return vllm_request is not None and vllm_request in internals.waiting_requests(self._scheduler) \
+            and not self._num_blocks(vllm_request) and request_id not in self._paused
+
     def unpause(self, request_id: str) -> None:
-        """Rollback: re-add the request, its KV loaded from its own held blocks."""
+        """Rollback: re-add the request, its KV loaded from its own held blocks (a waiting one
+        re-queued in its place)."""
+        if request_id in self._handed:
+            self._handed.discard(request_id)
+            self._submit(self._requests[request_id])
+            return
         internal_id = self._paused.pop(request_id, None)
         if internal_id is None:
             return
@@ -414,6 +445,11 @@ class VllmEngine:
 
     def free_migrated(self, request_id: str) -> None:
         """After COMMIT: forget the request; its blocks are freed at the next step."""
+        if request_id in self._handed:
+            self._handed.discard(request_id)
+            del self._requests[request_id]
+            del self._internal_ids[request_id]
+            return
         internal_id = self._paused.pop(request_id, None)
         if internal_id is None:
             raise MigrationRefused(f"request {request_id!r} is not paused here")
@@ -474,10 +510,16 @@ class VllmEngine:
         rid = state.request_id
         if rid in self._requests:
             raise MigrationRefused(f"request {rid!r} is already here")
-        if not state.output_token_ids:
-            raise MigrationRefused(f"request {rid!r} has no output yet; only running requests migrate")
         if len(state.prompt_token_ids) + state.sampling.max_tokens > self._max_model_len:
             raise MigrationRefused(f"request {rid!r} can never finish within max_model_len {self._max_model_len}")
+        if state.waiting:
+            # Queued in its place to compute everything (as vLLM recomputes a preempted request);
+            # the reservation only made sure it fits.
+            self.release_reservation(migration_id)
+            self._submit(state.to_request())
+            return
+        if not state.output_token_ids:
+            raise MigrationRefused(f"request {rid!r} has no output yet; only running requests migrate")
         reserved = self._reservations.get(migration_id, [])
         needed = blocks_for(state.num_tokens - 1, self.block_size)
         if len(reserved) < needed:
@@ -641,7 +683,7 @@ class VllmEngine:
         return len(internals.request_block_ids(self._scheduler, vllm_request.request_id))
 
     @staticmethod
-    def _load(request: Request, num_blocks: int, *, running: bool, paused: bool = False) -> RequestLoad:
+    def _load(request: Request, num_blocks: int, *, running: bool, can_move: bool) -> RequestLoad:
         pinned = bool(migration_refusal(request))
         return RequestLoad(
             request_id=request.request_id,
@@ -651,7 +693,7 @@ class VllmEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             execution_priority=request.execution_priority,
             scheduling_priority=request.scheduling_priority,
-            migratable=not paused and not pinned,
+            migratable=can_move and not pinned,
             pinned=pinned,
         )
 
