@@ -364,8 +364,7 @@ class GlobalScheduler:
 
     def pair_migrations(self, now: float) -> list[MigrationPair]:
         """This round's migration pairs among ready instances (the host calls it every interval)."""
-        shared = self.prefix.shared if self._config.dispatch.prefix_aware and self.prefix else None
-        return pair_migrations((i for i in self._instances.values() if i.ready), self._config.migration, shared)
+        return pair_migrations((i for i in self._instances.values() if i.ready), self._config.migration)
 
     def scale(self, now: float) -> ScaleDecision:
         """Scaling decision at `now`; instances to terminate are marked terminating here already,

@@ -140,9 +140,6 @@ class PrefixChangeLog:
         return events
 
 
-_NONE: frozenset[int] = frozenset()
-
-
 class PrefixIndex:
     """The global scheduler's view of every instance's prefix cache, fed by their `PrefixEvents`.
 
@@ -166,10 +163,6 @@ class PrefixIndex:
     def __len__(self) -> int:
         """Entries (hash, instance) held."""
         return sum(len(h) for h in self._held.values())
-
-    def __bool__(self) -> bool:
-        """Whether any instance caches anything, as far as the index knows (without counting)."""
-        return bool(self._masks)
 
     @property
     def width(self) -> int:
@@ -217,11 +210,6 @@ class PrefixIndex:
         """How many anchors the instance caches, as far as the index knows (each stands for a
         stride of blocks)."""
         return len(self._held.get(instance_id, ()))
-
-    def shared(self, a: str, b: str) -> int:
-        """How many anchors instances `a` and `b` both cache, as far as the index knows."""
-        held = self._held
-        return len(held.get(a, _NONE) & held.get(b, _NONE))
 
     def lengths(self, hashes: Sequence[int]) -> np.ndarray | None:
         """Per slot, the length (in anchors) of the longest prefix of anchor `hashes` the instance

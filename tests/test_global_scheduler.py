@@ -306,21 +306,6 @@ def test_pairs_the_least_free_with_the_freest_ready_instances():
     assert gs.pair_migrations(0.0) == [MigrationPair("i1", "i3"), MigrationPair("i0", "i2")]
 
 
-def test_pairing_matches_sources_to_destinations_by_what_they_cache_when_prefix_aware():
-    def cluster(prefix_aware: bool) -> GlobalScheduler:
-        gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(prefix_aware=prefix_aware)))
-        for k in range(4):
-            gs.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
-            gs.mark_ready(f"i{k}", 0.0)
-        gs.report(load("i0", used=100, running=2, head=10), 0.0, PrefixEvents(stored=(7, 8)))  # least free
-        gs.report(load("i1", used=99, running=1), 0.0)
-        gs.report(load("i2", used=50, running=1), 0.0, PrefixEvents(stored=(7, 8, 9)))  # F = 50
-        return gs  # i3 is empty: the freest
-
-    assert cluster(False).pair_migrations(0.0) == [MigrationPair("i0", "i3"), MigrationPair("i1", "i2")]
-    assert cluster(True).pair_migrations(0.0) == [MigrationPair("i0", "i2"), MigrationPair("i1", "i3")]
-
-
 def test_pending_demand_counts_when_pairing():
     gs = scheduler(2)
     gs.report(load("i0", used=100, running=2), 0.0)

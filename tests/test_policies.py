@@ -30,7 +30,7 @@ from llumdask.policy.dispatch import (
     make_dispatch_policy,
 )
 from llumdask.prefix import PrefixEvents, PrefixIndex
-from llumdask.policy.migration import PREFIX_CHOICES, MigrationPair, pair_migrations
+from llumdask.policy.migration import MigrationPair, pair_migrations
 from llumdask.policy.scaling import ScaleAction, ScaleDecision, ScalingPolicy
 from llumdask.request import Priority
 
@@ -352,8 +352,8 @@ def test_dispatch_info_checks_block_hashes():
 MIGRATION = MigrationConfig(low_threshold=2.0, high_threshold=16.0, max_concurrent=1)
 
 
-def pairs(views, config=MIGRATION, shared=None) -> list[tuple[str, str]]:
-    return [(p.source, p.destination) for p in pair_migrations(views, config, shared)]
+def pairs(views, config=MIGRATION) -> list[tuple[str, str]]:
+    return [(p.source, p.destination) for p in pair_migrations(views, config)]
 
 
 def test_pairs_lowest_with_highest():
@@ -363,18 +363,6 @@ def test_pairs_lowest_with_highest():
     ]
     assert pairs(cluster) == [("s2", "d2"), ("s1", "d3"), ("s3", "d1")]
     assert all(isinstance(p, MigrationPair) for p in pair_migrations(cluster, MIGRATION))
-
-
-def test_a_source_goes_to_the_destination_sharing_most_prefix_among_those_the_round_uses():
-    cluster = [with_freeness("s1", -5), with_freeness("s2", 0), with_freeness("d1", 100), with_freeness("d2", 50),
-               with_freeness("d3", 30)]
-    common = {("s1", "d2"): 3, ("s1", "d3"): 9, ("s2", "d1"): 1}
-    shared = lambda a, b: common.get((a, b), 0)  # noqa: E731
-    assert pairs(cluster) == [("s1", "d1"), ("s2", "d2")]
-    # d3 shares most with s1, but the round uses the two freest destinations, as without prefixes.
-    assert pairs(cluster, shared=shared) == [("s1", "d2"), ("s2", "d1")]
-    # Nothing shared: the paper's pairs.
-    assert pairs(cluster, shared=lambda a, b: 0) == pairs(cluster)
 
 
 def test_thresholds_are_strict():
@@ -468,24 +456,6 @@ def test_pairing_properties(spec, max_concurrent):
     # No unpaired eligible source is less free than a paired one.
     if result:
         assert all(v.key >= sources[-1].key for v in eligible_sources if v not in sources)
-
-
-@given(st.lists(freeness_values, max_size=20), st.dictionaries(st.tuples(st.integers(0, 19), st.integers(0, 19)),
-                                                                 st.integers(0, 5)))
-def test_shared_prefixes_change_who_goes_where_not_who_takes_part(spec, common):
-    """With prefixes in play a round pairs the same sources and the same destinations, only
-    matched differently; each source's destination shares at least as much with it as any of the
-    destinations left to it then among its window."""
-    cluster = [with_freeness(f"i{k:02d}", f) for k, f in enumerate(spec)]
-    shared = lambda a, b: common.get((int(a[1:]), int(b[1:])), 0)  # noqa: E731
-    plain, matched = pairs(cluster), pairs(cluster, shared=shared)
-    assert [s for s, _ in matched] == [s for s, _ in plain]
-    assert sorted(d for _, d in matched) == sorted(d for _, d in plain)
-    left = [d for _, d in plain]
-    for source, destination in matched:
-        window = left[:PREFIX_CHOICES]
-        assert shared(source, destination) == max(shared(source, d) for d in window)
-        left.remove(destination)
 
 
 # ---------------------------------------------------------------- scaling hysteresis

@@ -80,18 +80,6 @@ def test_the_index_finds_each_instances_longest_prefix_and_forgets_what_is_evict
     assert index.matches((1,)) == {} and index.held_anchors("a") == 0 and len(index) == 3
 
 
-def test_the_index_counts_what_two_instances_both_cache():
-    index = PrefixIndex()
-    index.apply("a", PrefixEvents(stored=(1, 2, 3)))
-    index.apply("b", PrefixEvents(stored=(2, 3, 4)))
-    assert index.shared("a", "b") == index.shared("b", "a") == 2
-    assert index.shared("a", "unknown") == 0
-    index.apply("b", PrefixEvents(removed=(3,)))
-    assert index.shared("a", "b") == 1
-    index.drop("a")
-    assert index.shared("a", "b") == 0
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     events=st.lists(st.tuples(st.sampled_from("abc"), st.lists(st.integers(0, 5), max_size=4),

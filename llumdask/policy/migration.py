@@ -4,20 +4,17 @@ Each round the sources are the instances below the low freeness threshold (termi
 F = -inf, first), the destinations those above the high threshold; the least free source is
 paired with the freest destination, and so on. The thresholds are apart (low < high), so an
 instance is never both, and each appears at most once per round. Which request moves is the
-source llumlet's choice, not the scheduler's.
-
-Where instances cache prefixes, the destinations a round uses stay those the paper's rule uses
-(the freest, one per source), but which source goes to which of them follows what they cache: a
-source, least free first, takes the one among them that shares the most cached prefix with it
-(ties: the freest), so that a migrant with a common prefix (a system prompt) more likely finds its
-blocks already at the destination and fewer are copied.
+source llumlet's choice, not the scheduler's. What the two instances cache plays no part: a
+migration leaves the migrant's blocks cached on both, so an affinity by common cache would send
+a source's next migrants after its last one rather than to the freest (measured in
+benchmarks/README.md, "Migration pairing by shared prefix, withdrawn").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable, Iterable, Protocol
+from typing import Iterable, Protocol
 
 from llumdask.config import MigrationConfig
 from llumdask.load import InstanceLoad
@@ -43,19 +40,12 @@ class PairingView(Protocol):
     key: tuple[float, str]
 
 
-# How many of the destinations still free in a round a source weighs by shared prefix: bounds a
-# round's prefix comparisons to this many per source at any cluster size.
-PREFIX_CHOICES = 4
-
-
-def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig,
-                    shared: Callable[[str, str], int] | None = None) -> list[MigrationPair]:
+def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig) -> list[MigrationPair]:
     """This round's pairs; none when migration is disabled.
 
     A source needs a request it can give away (a waiting one, or a running one that is not
     pinned) and fewer than `max_concurrent` migrations out; a destination fewer than
-    `max_concurrent` in, both as of its last report. `shared(source, destination)`: how much
-    cached prefix the two have in common (None: prefixes play no part).
+    `max_concurrent` in, both as of its last report.
     """
     if not config.enabled:
         return []
@@ -72,16 +62,7 @@ def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig,
     by_key = attrgetter("key")
     sources.sort(key=by_key)
     destinations.sort(key=by_key, reverse=True)
-    if shared is None:
-        return [_pair(s, d, config) for s, d in zip(sources, destinations)]
-    free = destinations[: len(sources)]
-    pairs = []
-    for source in sources[: len(free)]:
-        window = free[:PREFIX_CHOICES]
-        # max keeps the first of equals: the freest.
-        taken = max(range(len(window)), key=lambda k: shared(source.instance_id, window[k].instance_id))
-        pairs.append(_pair(source, free.pop(taken), config))
-    return pairs
+    return [_pair(s, d, config) for s, d in zip(sources, destinations)]
 
 
 def _pair(source: PairingView, destination: PairingView, config: MigrationConfig) -> MigrationPair:
