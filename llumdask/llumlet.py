@@ -256,10 +256,8 @@ class Llumlet:
         self._outgoing_by_request[request_id] = migration_id
         self._emit(MigrationEventKind.STARTED, out)
         if out.waiting:
-            # Room for its whole (re)computation, the check that it fits there now.
-            out.last = True
-            out.stage_blocks = blocks_for(request.num_tokens, self.engine.block_size)
-            self._prealloc(out, out.stage_blocks, queue_key=request.queue_key())
+            # Room for its whole (re)computation: the check that it fits there now; nothing is copied.
+            self._prealloc(out, blocks_for(request.num_tokens, self.engine.block_size), queue_key=request.queue_key())
         else:
             self._next_stage(out)
         return migration_id
@@ -342,7 +340,6 @@ class Llumlet:
         except MigrationRefused as exc:
             self._abort_outgoing(out, f"source cannot hand it over: {exc}", notify=True)
             return
-        out.stage_blocks = 0  # the reservation only made sure it fits there
         out.phase = _Phase.AWAIT_COMMIT
         out.deadline = self._clock() + self._migration.handshake_timeout
         self._send(out.destination, StageData(out.migration_id, out.stage, 0, 0, None, out.state))

@@ -349,7 +349,7 @@ class SimEngine:
                 timing.preemption_loss += end - timing.preempted_at
                 timing.preempted_at = None
         # Requests that finished this step have left _seqs but are still in the batch list.
-        if len(self._seqs) < len(self._running) + len(self._waiting) + len(self._paused) + len(self._handed):
+        if any(output.finished for output in outputs):
             self._running = [s for s in self._running if s.request_id in self._seqs]
         if self._real_time and duration > 0:
             time.sleep(duration)

@@ -423,7 +423,7 @@ class VllmEngine:
         internal_id = self._internal_ids.get(request_id)
         vllm_request = self._scheduler.requests.get(internal_id) if internal_id is not None else None
         return vllm_request is not None and vllm_request in internals.waiting_requests(self._scheduler) \
-            and not self._num_blocks(vllm_request) and request_id not in self._paused
+            and not self._num_blocks(vllm_request)
 
     def unpause(self, request_id: str) -> None:
         """Rollback: re-add the request, its KV loaded from its own held blocks (a waiting one
