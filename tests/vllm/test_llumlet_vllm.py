@@ -173,3 +173,27 @@ def test_source_preemption_mid_stage_aborts_and_the_request_completes(small_engi
     pair.run()
     assert len(pair.sequence("r")) == 60 and len(pair.sequence("old")) == 60
     pair.assert_no_leaks()
+
+
+def test_a_preempted_request_is_handed_over_and_keeps_its_tokens(small_engine, vllm_engine, reference):
+    # As above, "old" outgrows the source's three blocks and vLLM preempts "r", which then waits
+    # to recompute its prompt and output; taken as waiting it moves without KV and recomputes on
+    # the destination.
+    expected = reference(make_request("r", 200, 60))
+    pair = Pair(small_engine, vllm_engine)
+    pair.llumlets["src"].add_request(make_request("old", 127, 60, arrival=0.0))
+    pair.llumlets["src"].add_request(make_request("r", 200, 60, arrival=1.0))
+    for _ in range(40):
+        pair.step()
+        if small_engine.get_request("r").timing.preemptions:
+            break
+    generated = len(small_engine.get_request("r").output_token_ids)
+    assert generated > 0 and [w.request_id for w in small_engine.snapshot().waiting] == ["r"]
+    assert pair.llumlets["src"].migrate_out("dst", take_waiting=True) is not None
+    pair.run()
+    assert pair.kinds() == [MigrationEventKind.STARTED, MigrationEventKind.COMMITTED]
+    handed = pair.events[-1]
+    assert handed.waiting and handed.request_id == "r" and handed.blocks == 0 and handed.bytes == 0
+    assert pair.sequence("r") == expected and len(pair.sequence("old")) == 60
+    assert vllm_engine.get_request("r") is None and small_engine.get_request("r") is None
+    pair.assert_no_leaks()
