@@ -1,0 +1,116 @@
+"""Serving verdicts over many seeds: Llumnix against each simpler router, seed by seed.
+
+`llumdask bench paper` reads its serving goals on three seeds. Near and past a trace's capacity
+one seed's P99 can move 2x on a small change anywhere, so three seeds can call a loss that more do
+not show, or miss one they do. This reruns chosen serving settings of the paper plan (same rates:
+a load fraction of each seed's own ideal capacity, same cluster and policies) over more seeds and
+reports, per setting and metric, the median of Llumnix's per-seed ratios to the router it compares
+worst with, in how many seeds Llumnix was the better, and the median over the first three seeds
+alone (the sweep's reading). Seeds 0-2 reproduce the sweep's runs exactly (the simulator is
+deterministic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+from llumdask.benchmarks.common import parser, report
+from llumdask.benchmarks.paper import BASELINES, SERVING, Case, PaperPlan, Replay, replay_capacity, run_cases
+from llumdask.benchmarks.paper_report import finite_median, paired_ratio, ratio, seed_pairs
+from llumdask.sim.run import write_json
+
+# The goals' metrics, then what the same runs say of the trade behind them.
+METRICS = ("prefill_p99", "prefill_mean", "decode_p99", "e2e_mean", "preemption_count")
+SEEDS_OF_THE_SWEEP = 3
+
+
+def setting(text: str) -> tuple[str, float]:
+    """"L-L:1" -> ("L-L", 1.0): a trace and a load fraction of its ideal capacity."""
+    trace, sep, load = text.partition(":")
+    try:
+        value = float(load)
+    except ValueError:
+        value = float("nan")
+    if not sep or not trace or not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected TRACE:LOAD with a load > 0, e.g. L-L:1, got {text!r}")
+    return trace, value
+
+
+def seed_range(text: str) -> list[int]:
+    """"0-9" or "0,3,5" -> the seeds."""
+    try:
+        if "-" in text:
+            first, last = (int(part) for part in text.split("-", 1))
+            seeds = list(range(first, last + 1))
+        else:
+            seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"expected FIRST-LAST or distinct comma-separated seeds >= 0, got {text!r}")
+    return seeds
+
+
+def cases(plan: PaperPlan, settings: list[tuple[str, float]], seeds: list[int]) -> list[Case]:
+    """Every baseline and Llumnix, for each setting and seed, at the sweep's rate for that seed."""
+    out = []
+    for trace, load in settings:
+        for seed in seeds:
+            rate = load * replay_capacity(Replay(trace, plan.requests, seed), plan.instances, plan.profile)
+            out += [Case(SERVING, trace, load, rate, policy, plan.requests, plan.instances, plan.profile, seed)
+                    for policy in (*BASELINES, "llumnix")]
+    return out
+
+
+def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setting and metric: the router Llumnix compares worst with (highest median of per-seed
+    ratios), that median, the per-seed ratios in seed order, how many are below 1, and the median
+    of the first three seeds' ratios."""
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["trace"], run["load"]), []).append(run)
+    rows = []
+    for (trace, load), group in groups.items():
+        for metric in METRICS:
+            against = {b: paired_ratio(group, b, metric) for b in BASELINES}
+            worst = max(BASELINES, key=lambda b: -math.inf if math.isnan(against[b]) else against[b])
+            pairs = sorted(seed_pairs(group, "llumnix", worst), key=lambda pair: pair[0]["seed"])
+            per_seed = [ratio(mine[metric], theirs[metric]) for mine, theirs in pairs]
+            rows.append({
+                "trace": trace, "load": load, "metric": metric, "router": worst, "median": against[worst],
+                "better": sum(r < 1 for r in per_seed), "seeds": len(per_seed),
+                "first_seeds_median": finite_median(per_seed[:SEEDS_OF_THE_SWEEP]),
+                "per_seed": " ".join(f"{r:.2f}" for r in per_seed),
+            })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--setting", type=setting, action="append", required=True, dest="settings",
+                   help="TRACE:LOAD, a serving setting of the paper plan (repeat for several)")
+    p.add_argument("--seeds", type=seed_range, default=seed_range("0-9"), help="FIRST-LAST or a list (default 0-9)")
+    p.add_argument("--jobs", type=int, default=2, help="simulations at once (default %(default)s)")
+    args = p.parse_args(argv)
+    plan = PaperPlan()
+    if args.quick:
+        plan = plan.with_requests(500)
+    started = time.perf_counter()
+    runs = run_cases(cases(plan, args.settings, args.seeds), args.jobs, print)
+    write_json(args.out / "seed_verdicts_runs.json", {"runs": runs})
+    columns = [("trace", "trace", "{}"), ("load", "load", "{:g}"), ("metric", "metric", "{}"),
+               ("router", "worst router", "{}"), ("median", "median ratio", "{:.2f}"),
+               ("better", "Llumnix better in", "{}"), ("seeds", "of", "{}"),
+               ("first_seeds_median", "first 3 seeds median", "{:.2f}"), ("per_seed", "per seed", "{}")]
+    facts = {"requests": plan.requests, "instances": plan.instances, "profile": plan.profile, "seeds": args.seeds,
+             "wall_seconds": round(time.perf_counter() - started, 1)}
+    report("seed_verdicts", args.out, verdicts(runs), columns, facts,
+           ["ratio: Llumnix / the router, per seed on the same requests; < 1 is Llumnix better"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
