@@ -48,15 +48,15 @@ def test_requests_arrive_on_schedule_however_slow_the_server(backend, tokenizer)
         runs = [asyncio.run(level.run(url, work, seconds=seconds, settle=settle, first_number=7)) for _ in range(2)]
     # The requests go out at the times their numbers drew (the same in both runs), not when an
     # earlier one was answered: answered one after another, the 0.4 s answers would put most of them
-    # seconds behind. The median leaves a loaded machine's event-loop stalls (up to 0.45 s seen in a
-    # full suite) their room.
+    # seconds behind. The median, and the last send's bound, leave a loaded machine's event-loop
+    # stalls (up to 0.45 s seen in a full suite) their room.
     drawn = arrivals_within(np.random.default_rng(7), level.rate, settle + seconds)
     for run in runs:
         assert not run.errors
         sent = sorted(s.start - (run.window[0] - settle) for s in run.samples)
         # About 30 arrivals in 1.5 s at 20/s; the server's 0.4 s answers do not space them out.
         assert 15 <= len(sent) <= 50
-        assert max(sent) < settle + seconds + 0.1
+        assert max(sent) < settle + seconds + 1.0
         assert all(s.end - s.start >= 0.35 for s in run.samples)
         assert len(sent) == len(drawn)
         assert float(np.median([abs(a - b) for a, b in zip(sent, drawn)])) < 0.1
