@@ -382,10 +382,23 @@ def paired_ratio(runs: Sequence[dict[str, Any]], policy: str, metric: str, ours:
 
 def serving_groups(results: PaperResults) -> dict[tuple[str, float], list[dict[str, Any]]]:
     """Every serving run (all seeds, all policies) by its (trace, load), in plan order."""
+    return by_setting(results.select(SERVING))
+
+
+def by_setting(runs: Iterable[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
+    """Runs by their (trace, load), in the order the settings first appear."""
     groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
-    for run in results.select(SERVING):
+    for run in runs:
         groups.setdefault((run["trace"], run["load"]), []).append(run)
     return groups
+
+
+def against_worst_router(runs: Sequence[dict[str, Any]], metric: str, routers: Sequence[str]) -> tuple[float, str]:
+    """Llumnix's `metric` over the router of `routers` it compares worst with (the highest median of
+    paired per-seed ratios; routers without a finite one skipped), and that router."""
+    against = {b: paired_ratio(runs, b, metric) for b in routers}
+    worst = max(routers, key=lambda b: against[b] if _finite(against[b]) else -math.inf)
+    return against[worst], worst
 
 
 def serving_goal_rows(results: PaperResults) -> list[dict[str, Any]]:
@@ -399,9 +412,7 @@ def serving_goal_rows(results: PaperResults) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"trace": trace, "load": load}
         for metric, _ in GOAL_METRICS:
-            against = {b: paired_ratio(runs, b, metric) for b in baselines}
-            worst = max(baselines, key=lambda b: against[b] if _finite(against[b]) else -math.inf)
-            row[metric] = (against[worst], worst)
+            row[metric] = against_worst_router(runs, metric, baselines)
         if ORACLE in present:
             row["oracle_prefill_p99"] = paired_ratio(runs, ORACLE, "prefill_p99")
         rows.append(row)

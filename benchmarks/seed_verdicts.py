@@ -19,12 +19,11 @@ from typing import Any
 
 from llumdask.benchmarks.common import parser, report
 from llumdask.benchmarks.paper import BASELINES, SERVING, Case, PaperPlan, Replay, replay_capacity, run_cases
-from llumdask.benchmarks.paper_report import finite_median, paired_ratio, ratio, seed_pairs
+from llumdask.benchmarks.paper_report import against_worst_router, by_setting, finite_median, ratio, seed_pairs
 from llumdask.sim.run import write_json
 
 # The goals' metrics, then what the same runs say of the trade behind them.
 METRICS = ("prefill_p99", "prefill_mean", "decode_p99", "e2e_mean", "preemption_count")
-SEEDS_OF_THE_SWEEP = 3
 
 
 def setting(text: str) -> tuple[str, float]:
@@ -66,23 +65,20 @@ def cases(plan: PaperPlan, settings: list[tuple[str, float]], seeds: list[int]) 
 
 
 def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per setting and metric: the router Llumnix compares worst with (highest median of per-seed
-    ratios), that median, the per-seed ratios in seed order, how many are below 1, and the median
-    of the first three seeds' ratios."""
-    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
-    for run in runs:
-        groups.setdefault((run["trace"], run["load"]), []).append(run)
+    """Per setting and metric: the router Llumnix compares worst with, that median ratio, the
+    per-seed ratios in seed order, how many are below 1, and the median of the first seeds'
+    ratios, as many as the paper plan runs."""
+    first = len(PaperPlan().seeds)
     rows = []
-    for (trace, load), group in groups.items():
+    for (trace, load), group in by_setting(runs).items():
         for metric in METRICS:
-            against = {b: paired_ratio(group, b, metric) for b in BASELINES}
-            worst = max(BASELINES, key=lambda b: -math.inf if math.isnan(against[b]) else against[b])
+            median, worst = against_worst_router(group, metric, BASELINES)
             pairs = sorted(seed_pairs(group, "llumnix", worst), key=lambda pair: pair[0]["seed"])
             per_seed = [ratio(mine[metric], theirs[metric]) for mine, theirs in pairs]
             rows.append({
-                "trace": trace, "load": load, "metric": metric, "router": worst, "median": against[worst],
+                "trace": trace, "load": load, "metric": metric, "router": worst, "median": median,
                 "better": sum(r < 1 for r in per_seed), "seeds": len(per_seed),
-                "first_seeds_median": finite_median(per_seed[:SEEDS_OF_THE_SWEEP]),
+                "first_seeds_median": finite_median(per_seed[:first]),
                 "per_seed": " ".join(f"{r:.2f}" for r in per_seed),
             })
     return rows
@@ -104,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     columns = [("trace", "trace", "{}"), ("load", "load", "{:g}"), ("metric", "metric", "{}"),
                ("router", "worst router", "{}"), ("median", "median ratio", "{:.2f}"),
                ("better", "Llumnix better in", "{}"), ("seeds", "of", "{}"),
-               ("first_seeds_median", "first 3 seeds median", "{:.2f}"), ("per_seed", "per seed", "{}")]
+               ("first_seeds_median", f"first {len(PaperPlan().seeds)} seeds median", "{:.2f}"), ("per_seed", "per seed", "{}")]
     facts = {"requests": plan.requests, "instances": plan.instances, "profile": plan.profile, "seeds": args.seeds,
              "wall_seconds": round(time.perf_counter() - started, 1)}
     report("seed_verdicts", args.out, verdicts(runs), columns, facts,
