@@ -110,6 +110,8 @@ class InstanceTable(_Table):
 
     rows: tuple[dict[str, Any], ...]
     migrations: dict[str, Any] = field(default_factory=dict)
+    # Requests the scheduler holds for room: how many, and the longest wait so far (s).
+    held: dict[str, Any] = field(default_factory=dict)
 
     COLUMNS = ("instance", "state", "freeness", "free_blocks", "total_blocks", "num_running",
                "num_waiting", "num_pending", "num_migrating_out", "num_migrating_in", "num_preemptions",
@@ -487,7 +489,8 @@ class LlumdaskClient:
 
     async def _instances(self) -> InstanceTable:
         reply = await self.requester.status()
-        return InstanceTable(tuple(dict(row) for row in reply["instances"]), dict(reply["migrations"]))
+        return InstanceTable(tuple(dict(row) for row in reply["instances"]), dict(reply["migrations"]),
+                             dict(reply.get("held", {})))
 
     async def _migrations(self, limit: int) -> MigrationTable:
         events = await call(self._client.scheduler, Op.MIGRATIONS, limit=limit)

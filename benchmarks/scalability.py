@@ -137,11 +137,15 @@ def measure(
         for load in [_synthetic_load(rng, i, handed[i]) for i in ids]:
             events = caches.events(load.instance_id) if caches else None
             _timed(lambda load=load, now=now, events=events: scheduler.report(load, now, events), report_ns)
+        for _, target in scheduler.release(now):  # requests held for room, as a host places them
+            handed[target] += 1
         prompts = rng.integers(16, 512, size=dispatches_per_round)
         for k, prompt in enumerate(prompts):
             hashes = caches.prompt(int(prompt)) if caches else ()
             info = DispatchInfo(f"r{round_index}-{k}", int(prompt) + len(hashes) * _BLOCK_SIZE, 256, block_hashes=hashes)
-            handed[_timed(lambda info=info, now=now: scheduler.dispatch(info, now), dispatch_ns)] += 1
+            target = _timed(lambda info=info, now=now: scheduler.dispatch(info, now), dispatch_ns)
+            if target is not None:  # else held: placed by a later round's release
+                handed[target] += 1
         pairs += len(_timed(lambda now=now: scheduler.pair_migrations(now), pairing_ns))
     return ScalabilityResult(
         instances=instances,

@@ -54,6 +54,7 @@ class DispatchConfig:
     seed: int = 0
     interference_freeness: float | None = 16.0
     admission_freeness: float | None = None
+    hold_freeness: float | None = 1.0
     prefix_aware: bool = True
     priority_pool_instances: int = 0
 

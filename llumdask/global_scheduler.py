@@ -21,12 +21,18 @@ removed instance must not bring it back.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from llumdask.admission import DepartureRate, RetryQueue, departures
 from llumdask.config import LlumdaskConfig
+from llumdask.holding import HeldRequests
 from llumdask.load import (
     InstanceLoad,
     PooledLoad,
@@ -240,6 +246,8 @@ class GlobalScheduler:
         self.requested = 0
         # Every instance's prefix cache as its reports tell (empty where engines report none).
         self.prefix = PrefixIndex()
+        # Requests waiting here for an instance with room (`dispatch.hold-freeness`).
+        self._held = HeldRequests()
 
     # ------------------------------------------------------------------ instance table
 
@@ -336,31 +344,67 @@ class GlobalScheduler:
 
     # ------------------------------------------------------------------ decisions
 
-    def dispatch(self, info: DispatchInfo, now: float) -> str:
+    def dispatch(self, info: DispatchInfo, now: float) -> str | None:
         """Choose the instance for a new request (and the `info.count` - 1 placed with it) and count
-        them as pending demand there."""
-        candidates = self._candidates
-        if candidates is None:
-            candidates = self._candidates = CandidateTable(
-                [i for i in self._instances.values() if i.ready and not i.terminating], self.prefix)
-        if not candidates:
-            raise NoInstanceAvailable(f"no ready, non-terminating instance among {len(self._instances)} registered")
+        them as pending demand there; None when it is held (`dispatch.hold-freeness`,
+        `llumdask.holding`): `release` places it once an instance has room, `withdraw` forgets it."""
+        candidates = self._table()
         limit = self._config.dispatch.admission_freeness
         if limit is not None and not info.admitted:
-            cached = candidates.cached_blocks(info.block_hashes) if self._config.dispatch.prefix_aware else None
-            freest = float(candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, cached).max())
+            freest = float(self._freeness_of(candidates, info).max())
             if freest < limit:
                 raise ClusterOverloaded(f"every instance would queue request {info.request_id}: the freest would keep "
                                         f"a dispatch freeness of {freest:.1f} with it, below {limit:g}",
                                         self._retry.slot(now, self._departures.per_second(now)))
-        chosen = self._dispatch_policy.choose(candidates, info)
-        instance = self._instances.get(chosen)
-        if instance is None or not instance.ready or instance.terminating:
-            raise RuntimeError(f"dispatch policy {type(self._dispatch_policy).__name__} chose {chosen!r}, not a candidate")
-        for _ in range(info.count):
-            instance.add_pending(info)
-        candidates.update(instance)
-        return chosen
+        if self._config.dispatch.hold_freeness is None or info.admitted:
+            return self._place(candidates, info, self._dispatch_policy.choose(candidates, info))
+        # In line with the held requests: first if it outranks them, else only where it delays
+        # none of them (every other change of state was followed by a `release`).
+        self._held.add(info, now)
+        first = self._held.first.info
+        if first is info:
+            target = self._place_held(candidates, info)
+        else:
+            with self._reserved_for(candidates, first):
+                target = self._place_held(candidates, info)
+        if target is not None:
+            self._held.remove(info.request_id)
+        return target
+
+    def release(self, now: float) -> list[tuple[DispatchInfo, str]]:
+        """Place the held requests that have room now, in order (`llumdask.holding`); the host
+        calls it after every report and hands each placed request to its instance."""
+        placed: list[tuple[DispatchInfo, str]] = []
+        held = self._held
+        while held and self._has_candidates():
+            candidates = self._table()
+            chosen = held.first
+            target = self._place_held(candidates, chosen.info)
+            if target is None:
+                with self._reserved_for(candidates, chosen.info):
+                    room = candidates.most_room_tokens()
+                    # Most reports change nothing for the queue: one comparison tells.
+                    if held.smallest_prompt() <= room:
+                        for later in itertools.islice(held, 1, None):
+                            if later.info.num_prompt_tokens <= room:
+                                target = self._place_held(candidates, later.info)
+                                if target is not None:
+                                    chosen = later
+                                    break
+            if target is None:
+                break
+            held.remove(chosen.info.request_id)
+            placed.append((chosen.info, target))
+        return placed
+
+    def withdraw(self, request_id: str) -> bool:
+        """Forget a held request (its client gave up); False if it is not held."""
+        return self._held.remove(request_id) is not None
+
+    @property
+    def held(self) -> HeldRequests:
+        """The requests held for room, in the order they leave (read-only for hosts)."""
+        return self._held
 
     def pair_migrations(self, now: float) -> list[MigrationPair]:
         """This round's migration pairs among ready instances (the host calls it every interval)."""
@@ -410,11 +454,70 @@ class GlobalScheduler:
 
     def pooled_load(self) -> PooledLoad:
         """The cluster as one instance, what scaling keeps in its band: live instances and those
-        still starting (capacity on its way, nothing on it yet); draining ones are leaving."""
+        still starting (capacity on its way, nothing on it yet); draining ones are leaving. The
+        requests held here count as queued demand: room for them is what scaling out adds."""
         counted = [i for i in self._instances.values() if not i.terminating]
-        return PooledLoad.of((i.load, i.pending_blocks, i.num_pending) for i in counted)
+        pool = PooledLoad.of((i.load, i.pending_blocks, i.num_pending) for i in counted)
+        if not self._held:
+            return pool
+        size = self.block_size or self._config.block_size
+        blocks = sum(blocks_for(h.info.num_prompt_tokens, size) * h.info.count for h in self._held)
+        return replace(pool, surplus=pool.surplus - blocks, requests=pool.requests + sum(h.info.count for h in self._held))
 
     # ------------------------------------------------------------------ helpers
+
+    def _has_candidates(self) -> bool:
+        return any(i.ready and not i.terminating for i in self._instances.values())
+
+    def _table(self) -> CandidateTable:
+        """The ready, non-terminating instances (rebuilt only after membership changed)."""
+        candidates = self._candidates
+        if candidates is None:
+            candidates = self._candidates = CandidateTable(
+                [i for i in self._instances.values() if i.ready and not i.terminating], self.prefix)
+        if not candidates:
+            raise NoInstanceAvailable(f"no ready, non-terminating instance among {len(self._instances)} registered")
+        return candidates
+
+    def _freeness_of(self, candidates: CandidateTable, info: DispatchInfo) -> np.ndarray:
+        """Each candidate's dispatch freeness with this request, its cached prefix counted."""
+        cached = candidates.cached_blocks(info.block_hashes) if self._config.dispatch.prefix_aware else None
+        return candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, cached)
+
+    def _place(self, candidates: CandidateTable, info: DispatchInfo, chosen: str) -> str:
+        """Put the request (and those placed with it) on the policy's choice, counted as pending there."""
+        instance = self._instances.get(chosen)
+        if instance is None or not instance.ready or instance.terminating:
+            raise RuntimeError(f"dispatch policy {type(self._dispatch_policy).__name__} chose {chosen!r}, not a candidate")
+        for _ in range(info.count):
+            instance.add_pending(info)
+        candidates.update(instance)
+        return chosen
+
+    def _place_held(self, candidates: CandidateTable, info: DispatchInfo) -> str | None:
+        """Place a held request on the policy's choice where its whole prompt leaves hold-freeness;
+        None while there is no such room (or the policy would put it elsewhere). Cached prefixes do
+        not count towards the room: a conservative test, cheap enough to run over the queue after
+        every report."""
+        hold = self._config.dispatch.hold_freeness
+        assert hold is not None, "requests are held only while hold-freeness is set"
+        if float(candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority).max()) < hold:
+            return None
+        chosen = self._dispatch_policy.choose(candidates, info)
+        slot = candidates.slot(chosen)
+        if slot is None or float(self._freeness_of(candidates, info)[slot]) < hold:
+            return None
+        return self._place(candidates, info, chosen)
+
+    @contextlib.contextmanager
+    def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo) -> Iterator[None]:
+        """Keep for the first held request the instance where it is closest to fitting."""
+        freeness = candidates.dispatch_freeness(first.num_prompt_tokens, first.execution_priority)
+        candidates.reserve(int(np.argmax(freeness)))
+        try:
+            yield
+        finally:
+            candidates.reserve(None)
 
     def _membership_changed(self) -> None:
         self._candidates = None

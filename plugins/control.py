@@ -110,7 +110,10 @@ class Removed:
 
 @dataclass(frozen=True)
 class Placed:
-    instance: str
+    """The instance a request goes to; None while the scheduler holds it for room
+    (`dispatch.hold-freeness`): the requester asks again with the same id and keeps its place."""
+
+    instance: str | None
 
 
 @dataclass(frozen=True)

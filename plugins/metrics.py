@@ -43,7 +43,8 @@ HANDED_OVER = "handed_over"
 
 # (name, help, label, the SchedulerMetrics count it reads)
 COUNTERS = (
-    ("dispatches", "Dispatch decisions, by outcome (placed or refused)", "outcome", "dispatches"),
+    ("dispatches", "Dispatch decisions, by outcome (placed, held for room before being placed, or refused)",
+     "outcome", "dispatches"),
     ("migrations", "Migrations started, committed (running requests, their KV moved live), handed over "
                    "(waiting requests, nothing to move) and aborted", "outcome", "migrations"),
     ("migrations_aborted", "Aborted live migrations, by reason", "reason", "aborted"),
@@ -55,9 +56,10 @@ class SchedulerMetrics:
     """The scheduler plugin's counts, kept once: its status, the dashboard's history and /metrics
     all read them here. `install` puts them on the process's /metrics."""
 
-    def __init__(self, instances: Callable[[], Iterable[InstanceView]]) -> None:
+    def __init__(self, instances: Callable[[], Iterable[InstanceView]], held: Callable[[], int] = lambda: 0) -> None:
         self._instances = instances
-        self.dispatches: Counter[str] = Counter()  # by outcome: placed, refused
+        self._held = held
+        self.dispatches: Counter[str] = Counter()  # by outcome: placed, held, refused
         self.migrations: Counter[str] = Counter()  # started, committed, handed_over, aborted
         self.aborted: Counter[str] = Counter()  # by reason
         self.scaling: Counter[str] = Counter()  # by action: terminate, add, remove
@@ -97,6 +99,8 @@ class SchedulerMetrics:
         yield CounterMetricFamily("llumdask_migration_bytes", "KV bytes moved by committed migrations",
                                   value=self.migration_bytes)
         yield from self._registry.collect()
+        yield GaugeMetricFamily("llumdask_held_requests", "Requests held at the scheduler for an instance with room",
+                                value=self._held())
         views = list(self._instances())
         for name, text, value in INSTANCE_GAUGES:
             family = GaugeMetricFamily(f"llumdask_instance_{name}", text, labels=["instance"])

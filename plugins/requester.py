@@ -3,8 +3,9 @@
 Placement: the scheduler's `llumnix_dispatch` names an instance (a few numbers go to the
 scheduler, never the prompt), then the request goes straight to that instance's worker; the
 choices of one completion go together (`submit_together`: one dispatch, one hand-over to one
-instance, where they share the prompt's KV). If the
-scheduler does not answer within `dispatch_timeout`, the requester enters bypass mode for
+instance, where they share the prompt's KV). Past capacity the scheduler may hold a request
+for room (`dispatch.hold-freeness`): it answers "held" and the requester asks again, for as long as
+it is held. If the scheduler does not answer within `dispatch_timeout`, the requester enters bypass mode for
 `bypass_period`: it hands requests to known instances itself, in turn (no migration, no load
 balance beyond rotation), and tries the scheduler again afterwards, or as soon as no known
 instance is left (they died with a killed scheduler). Transient failures (no
@@ -204,7 +205,7 @@ class Requester:
         # scheduler can place it: ask it again rather than wait out the bypass period.
         if loop.time() >= self._bypass_until or not self._known:
             try:
-                return await asyncio.wait_for(self._dispatch(request, admitted, count), self._config.dispatch_timeout)
+                return await self._dispatch(request, admitted, count)
             except (OSError, asyncio.TimeoutError):
                 logger.warning("the scheduler does not answer: dispatching directly for %s s", self._config.bypass_period)
                 self._bypass_until = loop.time() + self._config.bypass_period
@@ -214,19 +215,25 @@ class Requester:
         return self._known[next(self._rotation) % len(self._known)]
 
     async def _dispatch(self, request: Request, admitted: bool, count: int) -> str:
-        reply = await call(
-            self._client.scheduler, Op.DISPATCH,
-            request_id=request.request_id,
-            num_prompt_tokens=request.num_tokens,
-            max_tokens=request.remaining_tokens,
-            execution_priority=int(request.execution_priority),
-            admitted=admitted,
-            count=count,
-            # The scheduler sees block hashes, never tokens: enough to find a cached prefix.
-            block_hashes=anchors(block_hashes(request.prompt_token_ids + request.output_token_ids, self._block_size),
-                                 self._block_size),
-        )
-        return reply.instance
+        """The scheduler's placement. Each answer comes within `dispatch_timeout` or the scheduler
+        counts as silent; one that holds the request for room is asked again (it keeps its place
+        in the scheduler's queue) for as long as it holds it, like a queue on an instance."""
+        # The scheduler sees block hashes, never tokens: enough to find a cached prefix.
+        hashes = anchors(block_hashes(request.prompt_token_ids + request.output_token_ids, self._block_size),
+                         self._block_size)
+        while True:
+            reply = await asyncio.wait_for(call(
+                self._client.scheduler, Op.DISPATCH,
+                request_id=request.request_id,
+                num_prompt_tokens=request.num_tokens,
+                max_tokens=request.remaining_tokens,
+                execution_priority=int(request.execution_priority),
+                admitted=admitted,
+                count=count,
+                block_hashes=hashes,
+            ), self._config.dispatch_timeout)
+            if reply.instance is not None:
+                return reply.instance
 
     async def _hand_over(self, requests: Sequence[Request], instance: str, resubmission: bool) -> None:
         """In one call, all or none (the instance adds them between the same two steps).

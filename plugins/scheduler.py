@@ -10,8 +10,10 @@ RPC handlers (`plugins/control.py` names them; a refusal, in brackets, is raised
     llumnix_ready(instance)                              -> {"ready": bool}
     llumnix_unregister(instance)                         -> {"removed": bool}
     llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, execution_priority,
-                     admitted=False)                     -> {"instance": str} [NoInstanceAvailable,
+                     admitted=False)                     -> {"instance": str | None} [NoInstanceAvailable,
                                                                                ClusterOverloaded]
+        (None: held for room; asked again with the same id it answers once placed, waiting up
+        to HOLD_ANSWER s each time; a held request not asked about for HOLD_LEASE s is withdrawn)
     llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
     llumnix_members(epoch=None)                          -> {"epoch": str, "alive": [id, ...] | None,
                                                              "placeable": [id, ...] | None} (None: unchanged)
@@ -29,10 +31,12 @@ llumnix_peer_lost(peer).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from distributed.core import CommClosedError
@@ -73,6 +77,19 @@ from llumdask.plugins.metrics import SchedulerMetrics
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "llumdask"
+# How long a dispatch of a held request waits for its placement before answering "held" (well
+# within a requester's dispatch timeout, so a held request never looks like a silent scheduler),
+# and how long a held request is kept without being asked about (its requester is gone).
+HOLD_ANSWER = 1.0
+HOLD_LEASE = 5.0
+
+
+@dataclass
+class _Waiting:
+    """A held request's placement to come, and until when its requester is taken to be there."""
+
+    placement: asyncio.Future
+    lease: float
 
 
 def instance_row(view: InstanceView, state: InstanceState) -> dict[str, Any]:
@@ -118,6 +135,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self.metrics: SchedulerMetrics | None = None  # made at start: a registered plugin is pickled first
         # Epochs of a restarted scheduler must not match the ones a requester saw before.
         self._incarnation = uuid.uuid4().hex[:12]
+        self._waiting: dict[str, _Waiting] = {}  # held requests, by id
         self.history = ClusterHistory()
 
     # ------------------------------------------------------------------ plugin hooks
@@ -147,7 +165,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self._periodic = PeriodicCallback(self.tick, self.config.migration.interval * 1000)
         self._periodic.start()
         self.dashboard_page = add_page(scheduler, self)
-        self.metrics = SchedulerMetrics(self.global_scheduler.instances)
+        self.metrics = SchedulerMetrics(self.global_scheduler.instances, lambda: len(self._scheduler().held))
         self.metrics.install()
 
     async def close(self) -> None:
@@ -186,7 +204,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
     def unregister(self, instance: str) -> dict:
         return reply(Removed(self._forget(instance)))
 
-    def dispatch(
+    async def dispatch(
         self,
         request_id: str,
         num_prompt_tokens: int,
@@ -196,15 +214,44 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         block_hashes: Sequence[int] = (),
         count: int = 1,
     ) -> dict:
-        info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, execution_priority, admitted,
-                            tuple(block_hashes), count)
+        waiting = self._waiting.get(request_id)
+        if waiting is None:
+            info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, execution_priority, admitted,
+                                tuple(block_hashes), count)
+            try:
+                instance = self._scheduler().dispatch(info, time.time())
+            except (NoInstanceAvailable, ClusterOverloaded) as exc:
+                self._metrics().dispatches["refused"] += count
+                return refusal(exc)
+            if instance is not None:
+                self._metrics().dispatches["placed"] += count
+                return reply(Placed(instance))
+            self._metrics().dispatches["held"] += count
+            waiting = self._waiting[request_id] = _Waiting(asyncio.get_running_loop().create_future(), 0.0)
+        waiting.lease = time.monotonic() + HOLD_LEASE
         try:
-            instance = self._scheduler().dispatch(info, time.time())
-        except (NoInstanceAvailable, ClusterOverloaded) as exc:
-            self._metrics().dispatches["refused"] += count
-            return refusal(exc)
-        self._metrics().dispatches["placed"] += count
+            instance = await asyncio.wait_for(asyncio.shield(waiting.placement), HOLD_ANSWER)
+        except asyncio.TimeoutError:
+            return reply(Placed(None))
+        self._waiting.pop(request_id, None)
         return reply(Placed(instance))
+
+    def release(self) -> None:
+        """Held requests that have room now go where the scheduler puts them."""
+        for info, instance in self._scheduler().release(time.time()):
+            self._metrics().dispatches["placed"] += info.count
+            waiting = self._waiting.get(info.request_id)
+            if waiting is not None and not waiting.placement.done():
+                waiting.placement.set_result(instance)
+
+    def expire_held(self) -> None:
+        """Withdraw held requests whose requester stopped asking (and forget answered ones it never fetched)."""
+        now = time.monotonic()
+        for request_id, waiting in list(self._waiting.items()):
+            if waiting.lease < now:
+                del self._waiting[request_id]
+                if self._scheduler().withdraw(request_id):
+                    waiting.placement.cancel()
 
     def status(self) -> dict:
         metrics = self._metrics()
@@ -216,6 +263,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                            "downtime": metrics.downtime},
             "scaling": {"adds_wanted": self._scheduler().requested, "drained": sorted(self._scheduler().drained()),
                         "log": list(self.scaling_log)},
+            "held": {"requests": len(self._scheduler().held), "oldest_s": self._scheduler().held.oldest(time.time())},
         }
 
     def members(self, epoch: str | None = None) -> dict:
@@ -293,6 +341,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             prefix = load.pop("prefix", None)
             self._scheduler().report(InstanceLoad.from_dict(load), time.time(),
                                      None if prefix is None else PrefixEvents.from_dict(prefix))
+            self.release()
         except UnknownInstance:
             logger.debug("load report from unregistered instance %s ignored", load.get("instance_id"))
         except (KeyError, TypeError, ValueError):
@@ -307,6 +356,8 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
     def tick(self) -> None:
         self.pair()
         self.scale()
+        self.expire_held()
+        self.release()  # after instances joined or left
         now = time.time()
         if self.history.due(now):
             self.history.record(self.sample(now))

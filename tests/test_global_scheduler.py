@@ -30,8 +30,9 @@ SCALING = ScalingConfig(enabled=True, band=(10.0, 60.0), scale_out_period=30.0, 
 
 def scheduler(n: int = 0, *, policy: str = "llumnix", interference_freeness: float | None = None, **config) -> GlobalScheduler:
     """A scheduler with `n` ready, empty instances i0..i{n-1} of BLOCKS blocks; Llumnix dispatch
-    by memory alone unless `interference_freeness` is given."""
-    dispatch = DispatchConfig(policy=policy, interference_freeness=interference_freeness)
+    by memory alone unless `interference_freeness` is given, placing at once (holding past
+    capacity is tests/test_holding.py's)."""
+    dispatch = DispatchConfig(policy=policy, interference_freeness=interference_freeness, hold_freeness=None)
     gs = GlobalScheduler(LlumdaskConfig(dispatch=dispatch, **config))
     for k in range(n):
         gs.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
@@ -59,7 +60,7 @@ def info(k: int | str = 0, tokens: int = 16 * 5) -> DispatchInfo:
 
 @pytest.mark.parametrize("policy", ["llumnix", "infaas", "round_robin"])
 def test_admission_refuses_what_every_instance_would_queue_but_never_a_resubmission(policy):
-    gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(policy=policy, admission_freeness=0.0)))
+    gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(policy=policy, admission_freeness=0.0, hold_freeness=None)))
     for k in range(2):
         gs.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
         gs.mark_ready(f"i{k}", 0.0)
@@ -75,7 +76,7 @@ def test_admission_refuses_what_every_instance_would_queue_but_never_a_resubmiss
 
 
 def test_a_refusal_for_load_says_when_to_come_back_from_the_pace_requests_leave():
-    gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(admission_freeness=0.0)))
+    gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(admission_freeness=0.0, hold_freeness=None)))
     gs.register_instance("i0", BLOCKS, BLOCK_SIZE, 0.0)
     gs.mark_ready("i0", 0.0)
     gs.report(load("i0", used=100, running=20, received=20), 0.0)

@@ -74,6 +74,8 @@ class CandidateTable(Sequence[Candidate]):
         # The last `dispatch_freeness` asked, until a candidate changes: admission and the policy
         # of one dispatch ask the same.
         self._last_freeness: tuple[int, Priority, np.ndarray | None, np.ndarray] | None = None
+        # A slot kept for a held request (`llumdask.holding`): no other request may go there.
+        self._reserved: int | None = None
         for candidate in self._candidates:
             self.update(candidate)
 
@@ -91,11 +93,30 @@ class CandidateTable(Sequence[Candidate]):
                 self._charged[priority] += bool(charge) - bool(column[slot])
                 column[slot] = charge
 
+    def slot(self, instance_id: str) -> int | None:
+        """The candidate's position in the table (None if it is not one)."""
+        return self._slots.get(instance_id)
+
+    def most_room_tokens(self) -> float:
+        """The most prompt tokens any candidate not reserved could take without queueing (an upper
+        bound: headroom for an absent class and cached prefixes not counted)."""
+        room = self._surplus * self._block_size
+        if self._reserved is not None:
+            room[self._reserved] = -np.inf
+        return float(room.max())
+
+    def reserve(self, slot: int | None) -> None:
+        """Keep the candidate at `slot` for a held request (None: for none): its dispatch freeness
+        reads -inf for every other request until then."""
+        if slot != self._reserved:
+            self._reserved = slot
+            self._last_freeness = None
+
     def dispatch_freeness(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None = None) -> np.ndarray:
         """Each candidate's dispatch freeness with this request added (its prompt blocks as demand,
         less the `cached` blocks each holds already; one more request; its class's headroom where
-        absent), aligned with the table's order. Callers must not change the array (the next
-        identical question gets it again)."""
+        absent; -inf where reserved), aligned with the table's order. Callers must not change the
+        array (the next identical question gets it again)."""
         last = self._last_freeness
         if last is not None and last[0] == prompt_tokens and last[1] is priority and last[2] is cached:
             return last[3]
@@ -110,6 +131,8 @@ class CandidateTable(Sequence[Candidate]):
         freeness = surplus / self._shared_by
         # A deficit is multiplied by the requests instead (`load.per_request`).
         np.multiply(surplus, self._shared_by, out=freeness, where=surplus < 0)
+        if self._reserved is not None:
+            freeness[self._reserved] = -np.inf
         self._last_freeness = (prompt_tokens, priority, cached, freeness)
         return freeness
 

@@ -32,7 +32,7 @@ from llumdask.llumlet import Llumlet, MigrationEvent
 from llumdask.load import InstanceLoad
 from llumdask.prefix import PrefixEvents, anchors, block_hashes
 from llumdask.protocol import MigrationMessage, StageData
-from llumdask.request import Request, SamplingParams
+from llumdask.request import Request, SamplingParams, blocks_for
 from llumdask.sim.metrics import ClusterSample
 from llumdask.sim.oracle import ClairvoyantDispatch, Holdings
 from llumdask.sim.workload import TraceRequest, prompt_tokens
@@ -156,6 +156,7 @@ class SimCluster:
         self._loads: dict[str, InstanceLoad] = {}
         self._unfinished = 0
         self._in_transit: dict[str, list[Request]] = {}  # dispatched, not yet handed over (dispatch_delay)
+        self._held: dict[str, Request] = {}  # waiting at the scheduler for an instance with room
         self._names = itertools.count()
         self._on_finish = on_finish
         # The workload being run, each conversation turn's follower, each request's index in it.
@@ -246,6 +247,8 @@ class SimCluster:
         inst = self.instances.get(load.instance_id)
         if inst is not None and inst.alive:
             self.scheduler.report(load, self.events.now, prefix)
+            for info, target in self.scheduler.release(self.events.now):
+                self._send(self._held.pop(info.request_id), target)
 
     def _report_loop(self) -> None:
         """Instances between steps (idle ones, or waiting on a reservation) report on the interval;
@@ -279,9 +282,11 @@ class SimCluster:
         self._repeat(self.settings.scale_interval, self._scaling_loop)
 
     def _sample_loop(self) -> None:
-        self.samples.append(ClusterSample.from_loads(self.events.now, list(self._loads.values())))
+        held = self.scheduler.held
+        held_demand = blocks_for(held.first.info.num_prompt_tokens, self.config.block_size) if held else 0
+        self.samples.append(ClusterSample.from_loads(self.events.now, list(self._loads.values()), held_demand))
         idle = all(not i.llumlet.engine.has_work() and not i.llumlet.migrations_in_flight() for i in self.instances.values() if i.alive)
-        waiting_for_nothing = self._pending_arrivals == 0 and not any(self._in_transit.values())
+        waiting_for_nothing = self._pending_arrivals == 0 and not any(self._in_transit.values()) and not self._held
         if idle and self._unfinished > 0 and waiting_for_nothing and self.scheduler_has_ready():
             raise RuntimeError(f"simulation stalled at t={self.events.now:.1f}s: {self._unfinished} requests never finished")
         self._repeat(self.settings.sample_interval, self._sample_loop)
@@ -332,10 +337,16 @@ class SimCluster:
             self._pending_arrivals += 1
             self.events.at(self.events.now + _IDLE_POLL * 10, lambda: self._arrive(trace, index, history))
             return
-        request.timing.dispatched = self.events.now
         self.requests[request_id] = request
         self._index[request_id] = index
         self._unfinished += 1
+        if target is None:
+            self._held[request_id] = request  # the scheduler places it when an instance has room
+        else:
+            self._send(request, target)
+
+    def _send(self, request: Request, target: str) -> None:
+        request.timing.dispatched = self.events.now
         self._in_transit.setdefault(target, []).append(request)
         self.events.at(self.events.now + self.settings.dispatch_delay, lambda: self._admit(target, request))
 

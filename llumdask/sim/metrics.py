@@ -68,10 +68,13 @@ class ClusterSample:
 
     time: float
     instances: tuple[InstanceSample, ...] = ()
+    # Blocks the first request held at the scheduler needs (0: none is held); it waits like an
+    # instance's head of line and counts as blocked.
+    held_demand: int = 0
 
     @classmethod
-    def from_loads(cls, time: float, loads: Iterable[InstanceLoad]) -> "ClusterSample":
-        return cls(time, tuple(InstanceSample.from_load(load) for load in loads))
+    def from_loads(cls, time: float, loads: Iterable[InstanceLoad], held_demand: int = 0) -> "ClusterSample":
+        return cls(time, tuple(InstanceSample.from_load(load) for load in loads), held_demand)
 
     @property
     def total_blocks(self) -> int:
@@ -85,15 +88,18 @@ class ClusterSample:
         """Free blocks that would serve queued requests if the free memory were one pool.
 
         A head-of-line request is blocked when its instance has fewer free blocks than its
-        prompt needs. Pool the cluster's free blocks F and admit the blocked demands smallest
-        first while they fit: the blocks so admitted are fragmented, free memory that queued
-        requests could use but that lies on other instances, scattered. A single instance never
-        fragments. Counting the admitted demand rather than all of F keeps one small blocked
-        request from marking a whole idle cluster's memory as fragmented.
+        prompt needs; the first request held at the scheduler is blocked whatever the free
+        blocks (it waits for room to spare, which counts against it here). Pool the cluster's
+        free blocks F and admit the blocked demands smallest first while they fit: the blocks so
+        admitted are fragmented, free memory that queued requests could use but that lies
+        elsewhere, scattered. A single instance never fragments. Counting the admitted demand
+        rather than all of F keeps one small blocked request from marking a whole idle cluster's
+        memory as fragmented.
         """
         budget = self.free_blocks
         used = 0
-        for demand in sorted(i.head_of_line_demand for i in self.instances if i.memory_blocked):
+        blocked = [i.head_of_line_demand for i in self.instances if i.memory_blocked]
+        for demand in sorted(blocked + [self.held_demand] if self.held_demand else blocked):
             if used + demand > budget:
                 break
             used += demand

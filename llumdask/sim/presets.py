@@ -1,7 +1,9 @@
 """Named scheduling setups compared in benchmarks: the paper's baselines, Llumnix, and 2026 peers.
 
 A preset is only a view of the configuration (dispatch policy, migration on/off, priorities
-on/off), so every preset runs the same production code paths.
+on/off, holding on/off), so every preset runs the same production code paths. The routers place
+every request at once, as their published rules do; only Llumnix's setups hold requests at the
+scheduler past capacity (`dispatch.hold-freeness`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Preset:
     priorities: bool
     description: str
     prefix_aware: bool = True
+    holds: bool = False
 
     @property
     def clairvoyant(self) -> bool:
@@ -32,7 +35,8 @@ class Preset:
         return replace(
             config,
             headroom_tokens=headroom,
-            dispatch=replace(dispatch, prefix_aware=self.prefix_aware),
+            dispatch=replace(dispatch, prefix_aware=self.prefix_aware,
+                             hold_freeness=dispatch.hold_freeness if self.holds else None),
             migration=replace(config.migration, enabled=self.migration),
         )
 
@@ -51,9 +55,11 @@ PRESETS: dict[str, Preset] = {
                "SGLang's cache-aware router: best prefix match over 30% unless load is imbalanced, no migration"),
         Preset("priority_pools", "priority_pools", False, False,
                "instances kept for high-priority requests (dispatch.priority-pool-instances), the freest of its pool, no migration"),
-        Preset("llumnix_no_prefix", "llumnix", True, True, "Llumnix with prefix-aware dispatch off", prefix_aware=False),
-        Preset("llumnix_base", "llumnix", True, False, "Llumnix without priorities (no headroom)"),
-        Preset("llumnix", "llumnix", True, True, "Llumnix: freeness dispatch, live migration, priority headroom"),
+        Preset("llumnix_no_prefix", "llumnix", True, True, "Llumnix with prefix-aware dispatch off", prefix_aware=False,
+               holds=True),
+        Preset("llumnix_base", "llumnix", True, False, "Llumnix without priorities (no headroom)", holds=True),
+        Preset("llumnix", "llumnix", True, True,
+               "Llumnix: freeness dispatch, live migration, priority headroom, holding past capacity", holds=True),
         Preset("oracle", None, False, False,
                "simulator only: knows every output length, places where projected peak usage is lowest; no migration"),
     )

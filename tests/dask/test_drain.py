@@ -47,8 +47,9 @@ def test_drained_instance_hands_its_requests_over_by_live_migration():
 def test_a_draining_instance_hands_its_queue_over_to_an_instance_that_joins():
     """One instance runs a long request with another queued behind it and is drained; a new
     instance joins with nothing queued, and the queued request moves to it without KV (the
-    first-come-waiting rule a terminating source follows) and computes there."""
-    overrides = {"sim-engine": {"total-blocks": 64}}
+    first-come-waiting rule a terminating source follows) and computes there. Holding is off, so
+    the request queues on the instance."""
+    overrides = {"sim-engine": {"total-blocks": 64}, "dispatch": {"hold-freeness": None}}
     config = load_config(overrides)
     long_prompt, queued_prompt = prompt_of(1, 600), prompt_of(2, 500)  # 38 + 32 blocks of 64
     with local_cluster(1, config_overrides=overrides) as cluster, connect(cluster) as llum, \

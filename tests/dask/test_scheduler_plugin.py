@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 from llumdask.load import InstanceLoad
+from llumdask.plugins import scheduler as scheduler_plugin
 from llumdask.plugins.scheduler import LlumnixSchedulerPlugin
 
 
@@ -57,14 +58,14 @@ def test_handlers_are_installed_under_llumnix_names():
 
 def test_only_ready_instances_are_dispatched_to_and_a_burst_spreads():
     async def check(plugin, scheduler):
-        assert plugin.dispatch("r0", 10, 10)["error"] == "no-instance"
+        assert (await plugin.dispatch("r0", 10, 10))["error"] == "no-instance"
         plugin.register("a", 100, 16)
         plugin.register("b", 100, 16)
-        refused = plugin.dispatch("r0", 10, 10)  # registered, not ready
+        refused = await plugin.dispatch("r0", 10, 10)  # registered, not ready
         assert refused["error"] == "no-instance" and "no ready" in refused["message"]
         plugin.ready("a")
         plugin.ready("b")
-        chosen = [plugin.dispatch(f"r{k}", 64, 10)["instance"] for k in range(6)]
+        chosen = [(await plugin.dispatch(f"r{k}", 64, 10))["instance"] for k in range(6)]
         assert chosen.count("a") == chosen.count("b") == 3
         rows = plugin.status()["instances"]
         assert [row["num_pending"] for row in rows] == [3, 3]
@@ -183,5 +184,35 @@ def test_members_answer_lists_only_when_membership_changed():
         assert plugin.members(epoch=ready["epoch"])["placeable"] == ()
         plugin.unregister("a")
         assert plugin.members(epoch=ready["epoch"])["alive"] == ()
+
+    run_plugin(check)
+
+
+def test_a_held_request_is_answered_once_a_report_makes_room_and_withdrawn_when_nobody_asks(monkeypatch):
+    monkeypatch.setattr(scheduler_plugin, "HOLD_ANSWER", 0.05)
+    full = dict(free_blocks=2, num_running=4, running_blocks={0: 98}, running_count={0: 4})
+
+    async def check(plugin, scheduler):
+        plugin.register("a", 100, 16)
+        plugin.ready("a")
+        plugin.on_load(load("a", **full))
+        assert (await plugin.dispatch("r", 64, 10))["instance"] is None  # held: asked again later
+        assert plugin.status()["held"]["requests"] == 1
+        asking = asyncio.ensure_future(plugin.dispatch("r", 64, 10))  # keeps its place in line
+        await asyncio.sleep(0.01)
+        plugin.on_load(load("a", free_blocks=80, num_running=1, running_blocks={0: 20}, running_count={0: 1}))
+        assert (await asking)["instance"] == "a"
+        assert dict(plugin.metrics.dispatches) == {"held": 1, "placed": 1}
+        assert plugin.status()["held"]["requests"] == 0 and plugin.status()["instances"][0]["num_pending"] == 1
+
+        plugin.on_load(load("a", **full))
+        assert (await plugin.dispatch("gone", 64, 10))["instance"] is None
+        plugin.expire_held()  # asked about within the lease: kept
+        assert "gone" in plugin.global_scheduler.held
+        plugin._waiting["gone"].lease = 0.0  # its requester stopped asking
+        plugin.expire_held()
+        assert "gone" not in plugin.global_scheduler.held and not plugin._waiting
+        plugin.on_load(load("a", free_blocks=80, num_running=1, running_blocks={0: 20}, running_count={0: 1}))
+        assert plugin.status()["instances"][0]["num_pending"] == 1  # the withdrawn one never placed
 
     run_plugin(check)

@@ -135,7 +135,8 @@ def test_tiny_trace_worked_out_by_hand(tmp_path):
     t=0.055  B's fourth token (preemption loss 0.055 - 0.032) and C's only token.
     """
     profile = hand_profile(tmp_path, capacity_tokens=16, kv_bytes_per_token=1)
-    config = load_config({"block-size": 4, "migration": {"enabled": False}})
+    # The engine's own queue at work: nothing held at the scheduler.
+    config = load_config({"block-size": 4, "migration": {"enabled": False}, "dispatch": {"hold-freeness": None}})
     config = replace(config, sim_engine=replace(config.sim_engine, profile=str(profile), total_blocks=4, kv_bytes_per_token=0,
                                                 prefix_caching=False))
     cluster = SimCluster(config, load_profile(str(profile)), 1)

@@ -1,0 +1,88 @@
+"""Requests held at the global scheduler until an instance has room for them (late binding).
+
+Past capacity every instance queues. A request queued at one instance waits for that instance
+even when another frees memory first, and an engine admits from its queue as soon as a prompt
+fits, so memory fills to the last block and running requests are preempted as they grow. With
+`dispatch.hold-freeness` the scheduler places a request only where it leaves at least that
+dispatch freeness (free blocks per request: each request's room to grow), and holds it
+otherwise, so that it goes to the first instance that has room.
+
+Held requests leave in order: execution priority, then arrival. The first is reserved the
+instance where it is closest to fitting; a later one may pass it, but only on another instance
+(EASY backfilling), so small requests never starve a large one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from llumdask.policy.dispatch import DispatchInfo
+
+
+@dataclass(frozen=True, order=True)
+class Held:
+    """One held request; ordered by (higher execution priority first, then arrival)."""
+
+    rank: tuple[int, int]
+    info: DispatchInfo = field(compare=False)
+    since: float = field(compare=False)
+
+
+class HeldRequests:
+    """The held queue, in leaving order; a request is found by id to withdraw it."""
+
+    def __init__(self) -> None:
+        self._queue: list[Held] = []
+        self._by_id: dict[str, Held] = {}
+        self._arrivals = itertools.count()
+        # (prompt tokens, rank) of every request held, and of some gone (dropped when on top).
+        self._sizes: list[tuple[int, tuple[int, int]]] = []
+
+    def add(self, info: DispatchInfo, now: float) -> None:
+        if info.request_id in self._by_id:
+            raise ValueError(f"request {info.request_id} is held already")
+        held = Held((-int(info.execution_priority), next(self._arrivals)), info, now)
+        bisect.insort(self._queue, held)
+        self._by_id[info.request_id] = held
+        heapq.heappush(self._sizes, (info.num_prompt_tokens, held.rank))
+
+    def remove(self, request_id: str) -> Held | None:
+        """Take a request out (placed, or withdrawn by its client); None if it is not held."""
+        held = self._by_id.pop(request_id, None)
+        if held is not None:
+            del self._queue[bisect.bisect_left(self._queue, held)]
+        return held
+
+    @property
+    def first(self) -> Held:
+        """The request that leaves next (the queue must not be empty)."""
+        return self._queue[0]
+
+    def smallest_prompt(self) -> float:
+        """The fewest prompt tokens of any held request (inf when none is)."""
+        sizes = self._sizes
+        while sizes and not self._is_held(sizes[0][1]):
+            heapq.heappop(sizes)
+        return sizes[0][0] if sizes else math.inf
+
+    def _is_held(self, rank: tuple[int, int]) -> bool:
+        index = bisect.bisect_left(self._queue, Held(rank, None, 0.0))  # type: ignore[arg-type]
+        return index < len(self._queue) and self._queue[index].rank == rank
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Held]:
+        return iter(self._queue)
+
+    def oldest(self, now: float) -> float:
+        """Seconds the longest-held request has waited (0 when none is held)."""
+        return max((now - h.since for h in self._queue), default=0.0)

@@ -1,0 +1,176 @@
+"""Holding requests at the global scheduler past capacity (`dispatch.hold-freeness`, llumdask/holding.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llumdask.config import ConfigError, DispatchConfig, LlumdaskConfig, ScalingConfig, load_config
+from llumdask.global_scheduler import DispatchInfo, GlobalScheduler
+from llumdask.holding import HeldRequests
+from llumdask.load import InstanceLoad
+from llumdask.request import Priority
+
+BLOCKS, BLOCK_SIZE = 100, 16
+
+
+def scheduler(n: int, hold: float | None = 1.0, policy: str = "llumnix") -> GlobalScheduler:
+    gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(policy=policy, interference_freeness=None,
+                                                                hold_freeness=hold)))
+    for k in range(n):
+        gs.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
+        gs.mark_ready(f"i{k}", 0.0)
+    return gs
+
+
+def load(instance_id: str, used: int, running: int, received: int = 0) -> InstanceLoad:
+    return InstanceLoad(instance_id, BLOCKS, BLOCK_SIZE, BLOCKS - used, running, 0,
+                        running_blocks={Priority.NORMAL: used}, running_count={Priority.NORMAL: running},
+                        num_received=received)
+
+
+def req(name: str, blocks: int, priority: Priority = Priority.NORMAL, **kw) -> DispatchInfo:
+    return DispatchInfo(name, blocks * BLOCK_SIZE, 10, priority, **kw)
+
+
+def test_a_request_without_room_to_spare_waits_for_the_first_instance_that_has_it():
+    gs = scheduler(2)
+    gs.report(load("i0", used=90, running=5), 0.0)
+    gs.report(load("i1", used=92, running=4), 0.0)
+    # i0 would keep (100 - 90 - 5) / 6 = 0.8 free blocks per request with it: under 1.
+    assert gs.dispatch(req("r", 5), 1.0) is None
+    assert "r" in gs.held and gs.held.oldest(3.0) == 2.0
+    assert gs.release(1.5) == []  # nothing changed
+    gs.report(load("i1", used=70, running=3), 2.0)  # i1 frees memory first
+    placed = gs.release(2.0)
+    assert [(i.request_id, target) for i, target in placed] == [("r", "i1")]
+    assert not gs.held and gs.instances()[1].num_pending == 1  # counted where it went
+    assert gs.release(2.5) == []
+
+
+def test_with_room_to_spare_a_request_is_placed_at_once_and_off_it_queues():
+    gs = scheduler(1)
+    gs.report(load("i0", used=50, running=5), 0.0)
+    assert gs.dispatch(req("r", 5), 1.0) == "i0"  # (100 - 50 - 5) / 6 = 7.5 >= 1
+    off = scheduler(1, hold=None)
+    off.report(load("i0", used=99, running=5), 0.0)
+    assert off.dispatch(req("r", 50), 1.0) == "i0"  # queues on the instance
+
+
+def test_a_resubmitted_request_is_never_held():
+    gs = scheduler(1)
+    gs.report(load("i0", used=99, running=5), 0.0)
+    assert gs.dispatch(req("r", 5, admitted=True), 1.0) == "i0"
+
+
+def test_held_requests_leave_by_priority_then_arrival():
+    gs = scheduler(1)
+    gs.report(load("i0", used=99, running=4), 0.0)
+    for name, priority in (("a", Priority.NORMAL), ("b", Priority.NORMAL), ("h", Priority.HIGH)):
+        assert gs.dispatch(req(name, 2, priority), 1.0) is None
+    assert [h.info.request_id for h in gs.held] == ["h", "a", "b"]
+    gs.report(load("i0", used=10, running=1), 2.0)  # room for all three
+    assert [i.request_id for i, _ in gs.release(2.0)] == ["h", "a", "b"]
+
+
+def test_a_later_request_passes_the_first_only_on_another_instance():
+    gs = scheduler(2)
+    gs.report(load("i0", used=60, running=2), 0.0)  # closest to fitting the large one
+    gs.report(load("i1", used=80, running=2), 0.0)
+    assert gs.dispatch(req("large", 50), 1.0) is None  # fits nowhere
+    # A small one would fit on both; i0 is kept for "large", so it goes to i1.
+    assert gs.dispatch(req("small", 5), 1.0) == "i1"
+    gs.report(load("i1", used=97, running=3, received=1), 2.0)
+    # Another small one fits only on i0: it waits rather than delay "large".
+    assert gs.dispatch(req("small2", 5), 2.0) is None
+    assert [h.info.request_id for h in gs.held] == ["large", "small2"]
+    gs.report(load("i0", used=20, running=1), 3.0)  # room for both on i0, the first first
+    assert [(i.request_id, t) for i, t in gs.release(3.0)] == [("large", "i0"), ("small2", "i0")]
+
+
+def test_small_requests_cannot_starve_a_large_one():
+    gs = scheduler(2)
+    gs.report(load("i0", used=60, running=2), 0.0)
+    gs.report(load("i1", used=60, running=2), 0.0)
+    assert gs.dispatch(req("large", 50), 0.0) is None
+    received = 0
+    for t in range(1, 20):  # i1 keeps finishing work and taking small requests; i0 drains
+        received += 1
+        gs.report(load("i1", used=60, running=2, received=received - 1), float(t))
+        assert gs.dispatch(req(f"s{t}", 5), float(t)) == "i1"
+        gs.report(load("i0", used=60 - 3 * t, running=2), float(t))
+        placed = gs.release(float(t))
+        if placed:
+            assert [(i.request_id, target) for i, target in placed] == [("large", "i0")]
+            break
+    assert not gs.held
+
+
+def test_choices_placed_together_are_held_and_placed_together():
+    gs = scheduler(1)
+    gs.report(load("i0", used=99, running=1), 0.0)
+    assert gs.dispatch(req("n3", 2, count=3), 1.0) is None
+    gs.report(load("i0", used=10, running=1), 2.0)
+    assert [(i.request_id, t) for i, t in gs.release(2.0)] == [("n3", "i0")]
+    assert gs.instances()[0].num_pending == 3
+
+
+def test_a_withdrawn_request_is_never_placed():
+    gs = scheduler(1)
+    gs.report(load("i0", used=99, running=4), 0.0)
+    assert gs.dispatch(req("gone", 2), 1.0) is None
+    assert gs.withdraw("gone") and not gs.withdraw("gone") and not gs.withdraw("never")
+    gs.report(load("i0", used=10, running=1), 2.0)
+    assert gs.release(2.0) == []
+
+
+def test_a_request_cannot_be_held_twice():
+    gs = scheduler(1)
+    gs.report(load("i0", used=99, running=4), 0.0)
+    assert gs.dispatch(req("r", 2), 1.0) is None
+    with pytest.raises(ValueError, match="held already"):
+        gs.dispatch(req("r", 2), 1.0)
+
+
+def test_held_requests_wait_while_no_instance_is_ready_then_go_to_one_that_joins():
+    gs = scheduler(1)
+    gs.report(load("i0", used=99, running=4), 0.0)
+    assert gs.dispatch(req("r", 2), 1.0) is None
+    gs.set_terminating("i0", 2.0)
+    assert gs.release(2.0) == []  # no candidate: still held
+    gs.register_instance("i1", BLOCKS, BLOCK_SIZE, 3.0)
+    gs.mark_ready("i1", 3.0)
+    assert [(i.request_id, t) for i, t in gs.release(3.0)] == [("r", "i1")]
+
+
+def test_the_queue_keeps_order_and_knows_its_smallest_prompt():
+    held = HeldRequests()
+    assert held.smallest_prompt() == float("inf") and held.oldest(5.0) == 0.0
+    for name, blocks, at in (("a", 9, 0.0), ("b", 3, 1.0), ("c", 5, 2.0)):
+        held.add(req(name, blocks), at)
+    assert held.smallest_prompt() == 3 * BLOCK_SIZE and held.oldest(5.0) == 5.0
+    assert held.remove("b").info.request_id == "b" and held.remove("b") is None
+    assert held.smallest_prompt() == 5 * BLOCK_SIZE
+    assert [h.info.request_id for h in held] == ["a", "c"] and held.first.info.request_id == "a"
+
+
+def test_hold_freeness_is_on_by_default_and_must_not_be_negative():
+    assert load_config().dispatch.hold_freeness == 1.0
+    assert load_config({"dispatch": {"hold-freeness": None}}).dispatch.hold_freeness is None
+    with pytest.raises(ConfigError, match="hold-freeness"):
+        load_config({"dispatch": {"hold-freeness": -1}})
+
+
+def test_scaling_counts_held_requests_as_demand():
+    config = LlumdaskConfig(dispatch=DispatchConfig(hold_freeness=1.0),
+                            scaling=ScalingConfig(enabled=True, band=(10.0, 60.0), scale_out_period=5.0,
+                                                  scale_in_period=30.0, min_instances=1, max_instances=4))
+    gs = GlobalScheduler(config)
+    gs.register_instance("i0", BLOCKS, BLOCK_SIZE, 0.0)
+    gs.mark_ready("i0", 0.0)
+    gs.report(load("i0", used=95, running=4), 0.0)
+    before = gs.pooled_load()
+    for k in range(3):
+        assert gs.dispatch(req(f"r{k}", 10, count=2 if k == 0 else 1), 0.0) is None
+    after = gs.pooled_load()
+    assert after.surplus == before.surplus - 40 and after.requests == before.requests + 4
+    assert gs.scale(0.0).add == 0 and gs.scale(5.0).add >= 1  # below the band for a period: out
