@@ -75,6 +75,16 @@ def _seeds(text: str) -> tuple[int, ...]:
     return seeds
 
 
+def _policies(text: str) -> frozenset[str]:
+    from llumdask.sim.presets import PRESETS
+
+    names = frozenset(p.strip() for p in text.split(",") if p.strip())
+    unknown = sorted(names - set(PRESETS))
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"policies must be comma-separated names of {', '.join(PRESETS)}, got {text!r}")
+    return names
+
+
 def _positive(kind):
     def parse(text: str):
         value = kind(text)
@@ -146,7 +156,12 @@ def paper_main(argv: Sequence[str]) -> int:
                         help="comma-separated workload seeds, each setting run once per seed (default: the plan's, 0,1,2)")
     parser.add_argument("--render-only", action="store_true",
                         help="simulate nothing: write report.md and the PNGs again from DIR/results.json")
+    parser.add_argument("--rerun", type=_policies, default=None, metavar="POLICY,...",
+                        help="run only these policies' simulations again, keeping the others from DIR/results.json "
+                             "(after a change to those policies alone; the simulator is deterministic)")
     args = parser.parse_args(argv)
+    if args.rerun is not None and (args.render_only or args.quick or args.seeds is not None or args.requests is not None):
+        parser.error("--rerun keeps the plan of DIR/results.json: it takes no --render-only, --quick, --seeds or --requests")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
     # Imported here: matplotlib and the experiment plan are only needed by this subcommand.
@@ -158,14 +173,17 @@ def paper_main(argv: Sequence[str]) -> int:
             raise
         parser.error("the paper's figures need matplotlib: pip install 'llumdask[bench]'")
 
-    if args.render_only:
+    if args.render_only or args.rerun is not None:
         source = args.out / "results.json"
         if not source.is_file():
-            parser.error(f"--render-only needs {source}, written by an earlier run")
+            parser.error(f"--{'render-only' if args.render_only else 'rerun'} needs {source}, written by an earlier run")
         try:
             results = PaperResults.from_dict(json.loads(source.read_text()))
         except ValueError as exc:
             parser.error(f"{source}: {exc}")
+        if args.rerun is not None:
+            results = replace(run_paper(results.plan, jobs=args.jobs, keep=results, policies=args.rerun),
+                              command=shlex.join(["llumdask", "bench", "paper", *argv]))
     else:
         plan = PaperPlan.quick() if args.quick else PaperPlan.full()
         if args.seeds is not None:

@@ -463,6 +463,11 @@ class PaperResults:
         }
 
 
+def _case_key(run: dict[str, Any]) -> tuple:
+    """What identifies a run's case (its fields but the timeline flag)."""
+    return tuple(run.get(name) for name in sorted(_CASE_FIELDS - {"timeline"}))
+
+
 def run_cases(cases: Sequence[Case], jobs: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     """Run every case, `jobs` at a time, costliest first; results in the order of `cases`."""
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
@@ -506,8 +511,13 @@ def _labelled(run: Callable[[Case], dict[str, Any]], case: Case) -> dict[str, An
         raise CaseFailed(f"simulation '{case.label}' (seed {case.seed}, {case.requests} requests) failed: {exc!r}") from exc
 
 
-def run_paper(plan: PaperPlan, *, jobs: int = 2, progress: Callable[[str], None] = print) -> PaperResults:
-    """Run every experiment of the plan (simulations in a pool of `jobs` processes)."""
+def run_paper(plan: PaperPlan, *, jobs: int = 2, progress: Callable[[str], None] = print,
+              keep: PaperResults | None = None, policies: frozenset[str] = frozenset()) -> PaperResults:
+    """Run every experiment of the plan (simulations in a pool of `jobs` processes); with `keep`
+    (earlier results of the same plan), only the cases of `policies`, the other runs kept from
+    it (the simulator is deterministic: a policy whose code did not change gives the same runs)."""
+    if keep is not None and keep.plan != plan:
+        raise ValueError("the kept results are of another plan: run them all again")
     started = time.perf_counter()
     capacity = capacities(plan)
     for replay, value in capacity.items():
@@ -517,8 +527,15 @@ def run_paper(plan: PaperPlan, *, jobs: int = 2, progress: Callable[[str], None]
     progress(f"priority headroom {headroom.tokens:,} tokens (near-ideal load {headroom.near_ideal_tokens:,} tokens for "
              f"sequences of {headroom.sequence_tokens}; ceiling {headroom.ceiling:.2f}x)")
     cases = plan_cases(plan, capacity, headroom)
+    if keep is not None:
+        cases = [c for c in cases if c.policy in policies]
     progress(f"{len(cases)} simulations, {jobs} at a time")
     runs = run_cases(cases, jobs, progress)
+    if keep is not None:
+        fresh = {_case_key(run): run for run in runs}
+        runs = [fresh.pop(_case_key(r)) if r["policy"] in policies else r for r in keep.runs]
+        if fresh:
+            raise ValueError(f"{len(fresh)} of the new runs have no counterpart in the kept results")
     progress(f"scheduler scalability at {', '.join(map(str, plan.scalability_sizes))} instances")
     scalability = [measure(n, rounds=plan.scalability_rounds, seed=plan.seeds[0]).to_dict() for n in plan.scalability_sizes]
     return PaperResults(plan, capacity, runs, scalability, headroom, time.perf_counter() - started, jobs)

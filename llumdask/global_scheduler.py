@@ -356,7 +356,11 @@ class GlobalScheduler:
                 raise ClusterOverloaded(f"every instance would queue request {info.request_id}: the freest would keep "
                                         f"a dispatch freeness of {freest:.1f} with it, below {limit:g}",
                                         self._retry.slot(now, self._departures.per_second(now)))
-        if self._config.dispatch.hold_freeness is None or info.admitted:
+        if (self._config.dispatch.hold_freeness is None or info.admitted or info.execution_priority is not Priority.NORMAL
+                or not self._could_ever_leave_room(candidates, info)):
+            # A high-priority request goes at once: its headroom, which migration then clears on
+            # its instance, is the room kept for it. One that no instance could take with room
+            # to spare even empty queues there (or is refused by the engine) rather than wait forever.
             return self._place(candidates, info, self._dispatch_policy.choose(candidates, info))
         # In line with the held requests: first if it outranks them, else only where it delays
         # none of them (every other change of state was followed by a `release`).
@@ -508,6 +512,12 @@ class GlobalScheduler:
         if slot is None or float(self._freeness_of(candidates, info)[slot]) < hold:
             return None
         return self._place(candidates, info, chosen)
+
+    def _could_ever_leave_room(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
+        """Whether an empty candidate would keep hold-freeness with the request (its only one)."""
+        hold = self._config.dispatch.hold_freeness
+        assert hold is not None
+        return any(c.load.total_blocks - blocks_for(info.num_prompt_tokens, c.block_size) >= hold for c in candidates)
 
     @contextlib.contextmanager
     def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo) -> Iterator[None]:

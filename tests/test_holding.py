@@ -62,14 +62,20 @@ def test_a_resubmitted_request_is_never_held():
     assert gs.dispatch(req("r", 5, admitted=True), 1.0) == "i0"
 
 
-def test_held_requests_leave_by_priority_then_arrival():
+def test_held_requests_leave_in_arrival_order():
     gs = scheduler(1)
     gs.report(load("i0", used=99, running=4), 0.0)
-    for name, priority in (("a", Priority.NORMAL), ("b", Priority.NORMAL), ("h", Priority.HIGH)):
-        assert gs.dispatch(req(name, 2, priority), 1.0) is None
-    assert [h.info.request_id for h in gs.held] == ["h", "a", "b"]
+    for name in "abc":
+        assert gs.dispatch(req(name, 2), 1.0) is None
     gs.report(load("i0", used=10, running=1), 2.0)  # room for all three
-    assert [i.request_id for i, _ in gs.release(2.0)] == ["h", "a", "b"]
+    assert [i.request_id for i, _ in gs.release(2.0)] == ["a", "b", "c"]
+
+
+def test_the_queue_puts_a_higher_priority_first():
+    held = HeldRequests()
+    for name, priority in (("a", Priority.NORMAL), ("b", Priority.NORMAL), ("h", Priority.HIGH)):
+        held.add(req(name, 2, priority), 0.0)
+    assert [h.info.request_id for h in held] == ["h", "a", "b"]
 
 
 def test_a_later_request_passes_the_first_only_on_another_instance():
@@ -174,3 +180,11 @@ def test_scaling_counts_held_requests_as_demand():
     after = gs.pooled_load()
     assert after.surplus == before.surplus - 40 and after.requests == before.requests + 4
     assert gs.scale(0.0).add == 0 and gs.scale(5.0).add >= 1  # below the band for a period: out
+
+
+def test_high_priority_requests_and_ones_no_instance_could_ever_take_are_not_held():
+    gs = scheduler(1)
+    gs.report(load("i0", used=99, running=4), 0.0)
+    assert gs.dispatch(req("high", 2, Priority.HIGH), 1.0) == "i0"  # its headroom is its room
+    assert gs.dispatch(req("huge", BLOCKS), 1.0) == "i0"  # even an empty instance keeps no block to spare
+    assert gs.dispatch(req("fits-later", BLOCKS - 2), 1.0) is None

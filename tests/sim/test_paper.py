@@ -400,3 +400,23 @@ def test_cli_rejects_a_file_as_out(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_main(["paper", "--out", str(target)])
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_rerun_runs_one_policy_again_and_keeps_the_others(tiny_results, tmp_path, capsys):
+    write_paper(tiny_results, tmp_path)
+    before = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert bench_main(["paper", "--out", str(tmp_path), "--rerun", "round_robin"]) == 0
+    after = json.loads((tmp_path / "results.json").read_text())
+    assert after["command"] == f"llumdask bench paper --out {tmp_path} --rerun round_robin"
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert ran and all("round_robin" in line for line in ran)
+    without_wall = [[{k: v for k, v in r.items() if k != "wall_seconds"} for r in runs] for runs in (before, after["runs"])]
+    assert without_wall[0] == without_wall[1]  # deterministic: the same runs again, in place
+
+
+@pytest.mark.parametrize(("argv", "message"), [(["--rerun", "nope"], "policies must be"),
+                                               (["--rerun", "llumnix", "--quick"], "--rerun keeps the plan")])
+def test_rerun_rejects_bad_arguments(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_main(["paper", "--out", str(tmp_path), *argv])
+    assert message in capsys.readouterr().err
