@@ -75,16 +75,6 @@ def _seeds(text: str) -> tuple[int, ...]:
     return seeds
 
 
-def _policies(text: str) -> frozenset[str]:
-    from llumdask.sim.presets import PRESETS
-
-    names = frozenset(p.strip() for p in text.split(",") if p.strip())
-    unknown = sorted(names - set(PRESETS))
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"policies must be comma-separated names of {', '.join(PRESETS)}, got {text!r}")
-    return names
-
-
 def _positive(kind):
     def parse(text: str):
         value = kind(text)
@@ -182,7 +172,7 @@ def paper_main(argv: Sequence[str]) -> int:
         except ValueError as exc:
             parser.error(f"{source}: {exc}")
         if args.rerun is not None:
-            results = replace(run_paper(results.plan, jobs=args.jobs, keep=results, policies=args.rerun),
+            results = replace(run_paper(results.plan, jobs=args.jobs, keep=results, policies=frozenset(args.rerun)),
                               command=shlex.join(["llumdask", "bench", "paper", *argv]))
     else:
         plan = PaperPlan.quick() if args.quick else PaperPlan.full()

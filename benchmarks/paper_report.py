@@ -794,9 +794,10 @@ def render(results: PaperResults, figures: dict[str, str]) -> str:
         for trace in plan.traces
     )
     minutes = results.wall_seconds / 60
+    kept = " (the simulations it names; every other run kept from the earlier results.json)" if "--rerun" in results.command else ""
     return f"""# Llumnix paper evaluation on the simulated cluster
 
-Produced by `{results.command}` in {minutes:.1f} minutes ({results.jobs} processes, {results.cpus} CPUs).
+Produced by `{results.command}` in {minutes:.1f} minutes{kept} ({results.jobs} processes, {results.cpus} CPUs).
 Every number below comes from the simulator (`llumdask/sim/`), which runs the production global
 scheduler, llumlets, migration protocol and sim engines on a virtual clock, with the latency
 profile `{plan.profile}` (coefficients derived from published A10 and LLaMA-7B figures; see its

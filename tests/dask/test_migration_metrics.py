@@ -16,3 +16,12 @@ def test_a_handed_over_waiting_request_is_counted_apart_and_adds_no_downtime():
     families = {f.name: f for f in metrics.collect()}
     outcomes = {s.labels["outcome"]: s.value for s in families["llumdask_migrations"].samples}
     assert outcomes == {"started": 2, "committed": 1, HANDED_OVER: 1}
+
+
+def test_the_held_requests_are_a_gauge_read_when_scraped():
+    held = [3]
+    metrics = SchedulerMetrics(lambda: [], lambda: held[0])
+    read = lambda: {f.name: f for f in metrics.collect()}["llumdask_held_requests"].samples[0].value  # noqa: E731
+    assert read() == 3
+    held[0] = 0
+    assert read() == 0

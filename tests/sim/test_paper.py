@@ -412,9 +412,10 @@ def test_rerun_runs_one_policy_again_and_keeps_the_others(tiny_results, tmp_path
     assert ran and all("round_robin" in line for line in ran)
     without_wall = [[{k: v for k, v in r.items() if k != "wall_seconds"} for r in runs] for runs in (before, after["runs"])]
     assert without_wall[0] == without_wall[1]  # deterministic: the same runs again, in place
+    assert "every other run kept from the earlier results.json" in (tmp_path / "report.md").read_text()
 
 
-@pytest.mark.parametrize(("argv", "message"), [(["--rerun", "nope"], "policies must be"),
+@pytest.mark.parametrize(("argv", "message"), [(["--rerun", "nope"], "unknown policy"),
                                                (["--rerun", "llumnix", "--quick"], "--rerun keeps the plan")])
 def test_rerun_rejects_bad_arguments(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit):
