@@ -7,7 +7,8 @@ fits, so memory fills to the last block and running requests are preempted as th
 dispatch freeness (free blocks per request: each request's room to grow), and holds it
 otherwise, so that it goes to the first instance that has room.
 
-Held requests leave in order: execution priority, then arrival. The first is reserved the
+Held requests leave in order (execution priority, then arrival; the scheduler holds normal-priority
+requests only: a high-priority one's headroom is the room kept for it). The first is reserved the
 instance where it is closest to fitting; a later one may pass it, but only on another instance
 (EASY backfilling), so small requests never starve a large one.
 """

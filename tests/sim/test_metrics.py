@@ -117,6 +117,13 @@ def test_fragmentation_by_hand(instances, fragmented):
     assert sample.fragmentation() == (fragmented / total if total else 0.0)
 
 
+def test_the_first_request_held_at_the_scheduler_counts_as_blocked_whatever_the_free_blocks():
+    free = (instance("a", 100, 30), instance("b", 100, 25))  # each could take 20 blocks
+    assert ClusterSample(0.0, free).fragmented_blocks() == 0
+    assert ClusterSample(0.0, free, held_demand=20).fragmented_blocks() == 20
+    assert ClusterSample(0.0, free, held_demand=80).fragmented_blocks() == 0  # not even the pool holds it
+
+
 @given(
     st.lists(
         st.tuples(st.integers(1, 500), st.integers(0, 500), st.integers(0, 600)).map(

@@ -63,6 +63,22 @@ def test_admission_by_load_refuses_requests_past_capacity_and_serves_the_rest():
     assert worst_wait < max(r.timing.first_token - r.arrival_time for r in unrefused.requests)
 
 
+def test_past_capacity_requests_wait_at_the_scheduler_and_every_one_finishes():
+    spec = make_spec("llumnix", 2)
+    workload = make_workload("L-L", rate=20.0, num_requests=120, seed=2)  # several times what 2 instances serve
+    cluster = SimCluster(spec.config, spec.profile, spec.instances)
+    outcome = cluster.run(workload)
+    assert len(outcome.requests) == len(workload) and not outcome.rejected and not cluster.scheduler.held
+    assert all(r.status.is_done for r in outcome.requests)
+    waited = [r for r in outcome.requests if r.timing.dispatched - r.arrival_time > 1.0]
+    assert waited  # held, then placed: their first token counts from arrival
+    assert all(r.timing.first_token - r.arrival_time > r.timing.dispatched - r.arrival_time for r in waited)
+    assert any(s.held_demand for s in outcome.samples)
+    off = make_spec("llumnix", 2, base=load_config({"dispatch": {"hold-freeness": None}}))
+    queued = SimCluster(off.config, off.profile, off.instances).run(workload)
+    assert all(r.timing.dispatched == r.arrival_time for r in queued.requests)
+
+
 def test_migrated_requests_count_once_and_finish():
     summary = small_run("llumnix")
     assert summary["requests"] == 120
