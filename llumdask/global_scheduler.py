@@ -61,6 +61,13 @@ __all__ = [
 ]
 
 
+# A request dispatched this long ago that an instance's reports never showed received never
+# reached it (its requester died on the way, or the instance refused it as malformed or too long
+# ever to fit): it stops counting as demand there. Hand-overs take at most the requester's
+# rpc-timeout (10 s).
+PENDING_EXPIRY = 30.0
+
+
 class NoInstanceAvailable(RuntimeError):
     """No ready, non-terminating instance to dispatch to."""
 
@@ -126,9 +133,10 @@ class _Instance:
         self.load = InstanceLoad(instance_id, total_blocks, block_size, free_blocks=total_blocks, num_running=0, num_waiting=0)
         self.last_report_at: float | None = None
         # `handed`: requests the instance has received or is about to, as far as we know. Each
-        # pending entry is (its position in that count, prompt blocks, prompt tokens, execution priority).
+        # pending entry is (its position in that count, prompt blocks, prompt tokens, execution
+        # priority, when it was dispatched).
         self.handed = 0
-        self.pending: deque[tuple[int, int, int, Priority]] = deque()
+        self.pending: deque[tuple[int, int, int, Priority, float]] = deque()
         self.num_pending = 0
         self.pending_blocks = 0
         self.pending_prompt_tokens = 0
@@ -160,10 +168,10 @@ class _Instance:
             return 0
         return self.headroom.get(priority, 0)
 
-    def add_pending(self, info: DispatchInfo) -> None:
+    def add_pending(self, info: DispatchInfo, now: float) -> None:
         blocks = blocks_for(info.num_prompt_tokens, self.block_size)
         priority = info.execution_priority
-        self.pending.append((self.handed, blocks, info.num_prompt_tokens, priority))
+        self.pending.append((self.handed, blocks, info.num_prompt_tokens, priority, now))
         self.handed += 1
         self.num_pending += 1
         self.pending_blocks += blocks
@@ -171,8 +179,9 @@ class _Instance:
         self.pending_classes[priority] = self.pending_classes.get(priority, 0) + 1
         self.refresh()
 
-    def absorb(self, load: InstanceLoad) -> None:
-        """Take a new report; drop the pending requests it shows the instance has received."""
+    def absorb(self, load: InstanceLoad, now: float) -> None:
+        """Take a new report; drop the pending requests it shows the instance has received, and
+        those dispatched more than PENDING_EXPIRY ago that it never received."""
         received = load.num_received
         if received < self.load.num_received:
             raise ValueError(
@@ -180,8 +189,8 @@ class _Instance:
                 "a restarted instance must be removed and registered again"
             )
         pending = self.pending
-        while pending and pending[0][0] < received:
-            _, blocks, tokens, priority = pending.popleft()
+        while pending and (pending[0][0] < received or pending[0][4] < now - PENDING_EXPIRY):
+            _, blocks, tokens, priority, _ = pending.popleft()
             self.num_pending -= 1
             self.pending_blocks -= blocks
             self.pending_prompt_tokens -= tokens
@@ -310,7 +319,7 @@ class GlobalScheduler:
         was_terminating = instance.terminating
         if instance.last_report_at is not None:  # a first report is no baseline (a restarted scheduler)
             self._departures.add(departures(instance.load, load), now)
-        instance.absorb(load)
+        instance.absorb(load, now)
         if prefix:
             self.prefix.apply(load.instance_id, prefix)
         instance.last_report_at = now
@@ -361,16 +370,16 @@ class GlobalScheduler:
             # A high-priority request goes at once: its headroom, which migration then clears on
             # its instance, is the room kept for it. One that no instance could take with room
             # to spare even empty queues there (or is refused by the engine) rather than wait forever.
-            return self._place(candidates, info, self._dispatch_policy.choose(candidates, info))
+            return self._place(candidates, info, self._dispatch_policy.choose(candidates, info), now)
         # In line with the held requests: first if it outranks them, else only where it delays
         # none of them (every other change of state was followed by a `release`).
         self._held.add(info, now)
         first = self._held.first.info
         if first is info:
-            target = self._place_held(candidates, info)
+            target = self._place_held(candidates, info, now)
         else:
             with self._reserved_for(candidates, first):
-                target = self._place_held(candidates, info)
+                target = self._place_held(candidates, info, now)
         if target is not None:
             self._held.remove(info.request_id)
         return target
@@ -383,7 +392,7 @@ class GlobalScheduler:
         while held and self._has_candidates():
             candidates = self._table()
             chosen = held.first
-            target = self._place_held(candidates, chosen.info)
+            target = self._place_held(candidates, chosen.info, now)
             if target is None:
                 with self._reserved_for(candidates, chosen.info):
                     room = candidates.most_room_tokens()
@@ -391,7 +400,7 @@ class GlobalScheduler:
                     if held.smallest_prompt() <= room:
                         for later in itertools.islice(held, 1, None):
                             if later.info.num_prompt_tokens <= room:
-                                target = self._place_held(candidates, later.info)
+                                target = self._place_held(candidates, later.info, now)
                                 if target is not None:
                                     chosen = later
                                     break
@@ -488,17 +497,17 @@ class GlobalScheduler:
         cached = candidates.cached_blocks(info.block_hashes) if self._config.dispatch.prefix_aware else None
         return candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, cached)
 
-    def _place(self, candidates: CandidateTable, info: DispatchInfo, chosen: str) -> str:
+    def _place(self, candidates: CandidateTable, info: DispatchInfo, chosen: str, now: float) -> str:
         """Put the request (and those placed with it) on the policy's choice, counted as pending there."""
         instance = self._instances.get(chosen)
         if instance is None or not instance.ready or instance.terminating:
             raise RuntimeError(f"dispatch policy {type(self._dispatch_policy).__name__} chose {chosen!r}, not a candidate")
         for _ in range(info.count):
-            instance.add_pending(info)
+            instance.add_pending(info, now)
         candidates.update(instance)
         return chosen
 
-    def _place_held(self, candidates: CandidateTable, info: DispatchInfo) -> str | None:
+    def _place_held(self, candidates: CandidateTable, info: DispatchInfo, now: float) -> str | None:
         """Place a held request on the policy's choice where its whole prompt leaves hold-freeness;
         None while there is no such room (or the policy would put it elsewhere). Cached prefixes do
         not count towards the room: a conservative test, cheap enough to run over the queue after
@@ -511,7 +520,7 @@ class GlobalScheduler:
         slot = candidates.slot(chosen)
         if slot is None or float(self._freeness_of(candidates, info)[slot]) < hold:
             return None
-        return self._place(candidates, info, chosen)
+        return self._place(candidates, info, chosen, now)
 
     def _could_ever_leave_room(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
         """Whether an empty candidate would keep hold-freeness with the request (its only one)."""

@@ -151,9 +151,16 @@ class Llumlet:
 
     # ------------------------------------------------------------------ serving
     def add_request(self, request: Request) -> None:
-        """Accept a dispatched request (the engine validates that it can ever fit)."""
-        self.engine.add_request(request)
-        self._received += 1
+        """Accept a dispatched request (the engine validates that it can ever fit). Received
+        whether the engine takes it or not: the scheduler stops counting it as on its way."""
+        try:
+            self.engine.add_request(request)
+        finally:
+            self._received += 1
+
+    def refuse(self, count: int) -> None:
+        """Requests handed over and refused unseen (with another of their call): received too."""
+        self._received += count
 
     def abort_request(self, request_id: str) -> None:
         migration_id = self._outgoing_by_request.get(request_id)

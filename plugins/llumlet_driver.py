@@ -211,16 +211,17 @@ class LlumletDriver:
         knows is an error."""
         llumlet = self._llumlet()
         added: list[str] = []
-        try:
-            for request in requests:
+        for index, request in enumerate(requests):
+            try:
                 if not (resubmission and llumlet.engine.get_request(request.request_id) is not None):
                     llumlet.add_request(request)
                     added.append(request.request_id)
-                self.routes.owned[request.request_id] = reply_to
-        except ValueError:
-            for request_id in added:
-                self.abort(request_id)
-            raise
+            except ValueError:
+                for request_id in added:
+                    self.abort(request_id)
+                llumlet.refuse(len(requests) - index - 1)
+                raise
+            self.routes.owned[request.request_id] = reply_to
 
     def abort(self, request_id: str) -> bool:
         """Abort a request here; whether this instance knew it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llumdask.config import ConfigError, DispatchConfig, LlumdaskConfig, ScalingConfig, load_config
-from llumdask.global_scheduler import DispatchInfo, GlobalScheduler
+from llumdask.global_scheduler import PENDING_EXPIRY, DispatchInfo, GlobalScheduler
 from llumdask.holding import HeldRequests
 from llumdask.load import InstanceLoad
 from llumdask.request import Priority
@@ -188,3 +188,15 @@ def test_high_priority_requests_and_ones_no_instance_could_ever_take_are_not_hel
     assert gs.dispatch(req("high", 2, Priority.HIGH), 1.0) == "i0"  # its headroom is its room
     assert gs.dispatch(req("huge", BLOCKS), 1.0) == "i0"  # even an empty instance keeps no block to spare
     assert gs.dispatch(req("fits-later", BLOCKS - 2), 1.0) is None
+
+
+def test_a_request_dispatched_but_never_received_stops_counting_after_a_while():
+    """Refused by the instance, or its requester died on the way: without expiry its demand would
+    stay pending there, and holding would keep every later request off an empty instance."""
+    gs = scheduler(1)
+    gs.report(load("i0", used=0, running=0), 0.0)
+    assert gs.dispatch(req("lost", 90), 0.0) == "i0"
+    gs.report(load("i0", used=0, running=0), 1.0)  # never received
+    assert gs.dispatch(req("next", 20), 1.0) is None  # the lost one's 90 blocks still count
+    gs.report(load("i0", used=0, running=0), 1.0 + PENDING_EXPIRY)
+    assert [(i.request_id, t) for i, t in gs.release(1.0 + PENDING_EXPIRY)] == [("next", "i0")]

@@ -232,6 +232,12 @@ def test_load_report_follows_algorithm_inputs():
     assert report.running_blocks[Priority.NORMAL] == 12 // 4
     assert report.num_waiting == 1 and report.head_of_line_demand == 5
     assert report.used_blocks == sum(report.running_blocks.values())
+    # Handed over but refused (it could never fit), or refused unseen with it: received all the
+    # same, so the scheduler stops counting them as on their way.
+    with pytest.raises(ValueError):
+        llumlet.add_request(make_request("huge", 4 * llumlet.engine.total_blocks + 1, 1))
+    llumlet.refuse(2)
+    assert llumlet.load_report().num_received == 6
 
 
 def test_stale_and_foreign_messages_are_dropped():
