@@ -6,8 +6,8 @@ the instances; the clock is passed in; decisions are returned as plain data and 
 the host (the Dask scheduler plugin, or the simulator), never performed here.
 
 Dispatch-time accounting: a dispatched request counts as demand (blocks for its prompt) in its
-instance's loads until a report's `num_received` shows the instance has it; migrations do not
-count as received. Each instance's two freeness values (`llumdask.load`: the dispatch load that
+instance's loads until a report's `num_received` shows the instance has it (or, never received,
+for PENDING_EXPIRY); migrations do not count as received. Each instance's two freeness values (`llumdask.load`: the dispatch load that
 places requests, the migration load that pairs instances), pending demand included, are cached
 and recomputed only when its report, its pending requests or its state change.
 

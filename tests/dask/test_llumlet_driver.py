@@ -48,11 +48,15 @@ class FakeLlumlet:
         self.aborted: list[str] = []
         self.added: list[str] = []
         self.refused: set[str] = set()
+        self.unseen = 0  # refused without being tried (after one refused in the same call)
         self.engine = SimpleNamespace(has_work=lambda: self.left > 0,
                                       get_request=lambda request_id: SimpleNamespace(num_output_tokens=self.index))
 
     def abort_request(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def refuse(self, count: int) -> None:
+        self.unseen += count
 
     def add_request(self, request) -> None:
         if request.request_id in self.refused:
@@ -261,8 +265,12 @@ def test_requests_handed_over_together_are_added_all_or_none(driver):
     llumlet.refused = {"c"}
     with pytest.raises(ValueError, match="c can never fit"):
         driver.add([Request("a", [1, 2]), Request("b", [1, 2]), Request("c", [1, 2])], "tcp://gateway:2")
-    assert llumlet.added == ["a", "b"] and llumlet.aborted == ["a", "b"]
+    assert llumlet.added == ["a", "b"] and llumlet.aborted == ["a", "b"] and llumlet.unseen == 0
     assert not {"a", "b", "c"} & set(driver.routes.owned)
+    llumlet.refused = {"x"}
+    with pytest.raises(ValueError, match="x can never fit"):  # y is never tried: received all the same
+        driver.add([Request("x", [1, 2]), Request("y", [1, 2])], "tcp://gateway:2")
+    assert llumlet.added == ["a", "b"] and llumlet.unseen == 1
     driver.add([Request("d", [1, 2]), Request("e", [1, 2])], "tcp://gateway:2")
     assert llumlet.added[2:] == ["d", "e"] and driver.routes.owned["e"] == "tcp://gateway:2"
 
