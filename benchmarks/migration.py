@@ -13,14 +13,20 @@ migration event), stages, blocks and bytes sent, total migration time (started t
 the source), and the longest gap between two tokens arriving here after the migrate call (what a
 user sees: it also counts decoding stalled on the source while it copies a stage out).
 
-    python -m llumdask.benchmarks.migration --out DIR [--lengths 256,...,8192] [--repeats 3]
+Each migrated request's tokens are checked against the same request left unmigrated ("exact").
+With `--gpus` both deployments are `llumdask.clusters.cuda.cuda_cluster`s of sim engines whose KV
+lives on the GPU, so stages leave and arrive through `llumdask.engine.cuda_staging`.
+
+    python -m llumdask.benchmarks.migration --out DIR [--lengths 256,...,8192] [--repeats 3] [--gpus 0]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -57,9 +63,11 @@ async def migrate_once(llum: LlumdaskClient, instances: list[str], prompt: list[
     """Stream a request, migrate it after `before` tokens, abort it `after` tokens past the switch."""
     stream = llum.stream(prompt, max_tokens=max_tokens)
     arrivals: list[tuple[float, str | None]] = []
+    tokens: list[int] = []
     migration_id = source = destination = None
     migrated_at = 0.0
-    async for _ in stream:
+    async for token in stream:
+        tokens.append(token)
         arrivals.append((time.perf_counter(), stream.instance))
         if migration_id is None and len(arrivals) == before:
             source = stream.instance
@@ -81,7 +89,20 @@ async def migrate_once(llum: LlumdaskClient, instances: list[str], prompt: list[
         "total_ms": (event["time"] - event["started"]) * 1e3,
         "gap_ms": float(gaps[max(first_after - 1, 0):].max()) * 1e3,
         "normal_gap_ms": float(np.median(gaps[: max(first_after - 1, 1)])) * 1e3,
+        "exact": tokens == await tokens_unmigrated(llum, prompt, max_tokens, len(tokens)),
     }
+
+
+async def tokens_unmigrated(llum: LlumdaskClient, prompt: list[int], max_tokens: int, count: int) -> list[int]:
+    """The first `count` tokens of the same request left where it is placed."""
+    stream = llum.stream(prompt, max_tokens=max_tokens)
+    tokens: list[int] = []
+    async for token in stream:
+        tokens.append(token)
+        if len(tokens) == count:
+            break
+    await llum.requester.abort(stream.request_id)
+    return tokens
 
 
 async def _final_event(client: Client, source: str, migration_id: str, timeout: float = 60.0) -> dict:
@@ -115,7 +136,8 @@ async def measure(addresses: dict[str, str], lengths: list[int], repeats: int, k
                                              max_tokens=256, before=8, after=8)
                     runs.setdefault((length, mode), []).append(run)
                     print(f"  {length} tokens {mode}: {run['kind']} downtime {run['downtime_ms']:.1f} ms, "
-                          f"{run['stages']} stages, max gap {run['gap_ms']:.0f} ms", flush=True)
+                          f"{run['stages']} stages, max gap {run['gap_ms']:.0f} ms, "
+                          f"{'exact' if run['exact'] else 'TOKENS DIFFER'}", flush=True)
     return [_row(length, kv_bytes, {mode: runs[(length, mode)] for mode in MODES}) for length in lengths]
 
 
@@ -127,6 +149,7 @@ def _row(length: int, kv_bytes: int, by_mode: dict[str, list[dict]]) -> dict[str
             row[f"{mode}_{key}"] = summarize(r[key] for r in committed)["p50"]
         row[f"{mode}_bytes"] = max((r["bytes"] for r in committed), default=None)
         row[f"{mode}_aborted"] = [r["reason"] for r in runs if r["kind"] != "committed"]
+        row[f"{mode}_exact"] = all(r["exact"] for r in runs)
         row[f"{mode}_runs"] = runs
     row["normal_gap_ms"] = summarize(r["normal_gap_ms"] for runs in by_mode.values() for r in runs)["p50"]
     row["blocking_over_staged"] = ratio(row["blocking_downtime_ms"], row["staged_downtime_ms"])
@@ -138,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int_list, default=int_list("256,512,1024,2048,4096,8192"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-bytes-per-token", type=int, default=32 * 1024)
+    p.add_argument("--gpus", type=lambda text: [int(g) for g in text.split(",")], default=None,
+                   help="run each deployment on these GPUs (dask-cuda), KV on the device, e.g. 0")
+    p.add_argument("--instances-per-gpu", type=int, default=None,
+                   help="with --gpus: instances on each GPU (default: two instances in all)")
     args = p.parse_args(argv)
     lengths, repeats = ([256, 2048], 1) if args.quick else (sorted(args.lengths), args.repeats)
     total_blocks = -(-(max(lengths) + 256) // BLOCK_SIZE) + 8
@@ -145,12 +172,14 @@ def main(argv: list[str] | None = None) -> int:
             "sim-engine": {"kv-bytes-per-token": args.kv_bytes_per_token, "total-blocks": total_blocks}}
     with contextlib.ExitStack() as stack:
         addresses = {
-            mode: stack.enter_context(process_cluster(2, {**base, "migration": {"enabled": False, **extra}}))
+            mode: stack.enter_context(deployment(args, {**base, "migration": {"enabled": False, **extra}}))
             for mode, extra in MODES.items()
         }
         rows = asyncio.run(measure(addresses, lengths, repeats, args.kv_bytes_per_token))
     flat = {mode: ratio(rows[-1][f"{mode}_downtime_ms"], rows[0][f"{mode}_downtime_ms"]) for mode in MODES}
     facts = {"kv_bytes_per_token": args.kv_bytes_per_token, "repeats": repeats,
+             "kv_device": "cuda" if args.gpus else "cpu",
+             "exact": all(row[f"{mode}_exact"] for row in rows for mode in MODES),
              "length_ratio": lengths[-1] / lengths[0],
              "staged_downtime_longest_over_shortest": flat["staged"],
              "blocking_downtime_longest_over_shortest": flat["blocking"]}
@@ -162,6 +191,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def deployment(args: argparse.Namespace, overrides: dict[str, Any]) -> Iterator[str]:
+    """Two instances, each in its worker process: on this machine's CPU, or with `--gpus` a
+    `cuda_cluster` of sim engines keeping their KV on the GPU; yields the scheduler address."""
+    if not args.gpus:
+        with process_cluster(2, overrides) as address:
+            yield address
+        return
+    from llumdask.clusters.cuda import cuda_cluster
+
+    per_gpu = args.instances_per_gpu or max(1, -(-2 // len(args.gpus)))
+    cluster = cuda_cluster(args.gpus, {**overrides, "engine": "sim"}, instances_per_gpu=per_gpu,
+                           adaptive=False, timeout=300.0, dashboard_address=":0")
+    try:
+        yield cluster.scheduler_address
+    finally:
+        cluster.close()
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ class SimEngineConfig:
     profile: str = "llama-7b-a10"
     total_blocks: int | None = None
     kv_bytes_per_token: int = 64
+    kv_device: str = "cpu"
     vocab_size: int = 32000
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192

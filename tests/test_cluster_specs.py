@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from llumdask.clusters.cuda import cuda_cluster_options
+from llumdask.clusters.cuda import cuda_cluster_options, cuda_overrides
 from llumdask.clusters.slurm import slurm_job_options
 
 
@@ -38,3 +38,26 @@ def test_a_slurm_job_asks_per_instance_for_cpus_gpus_and_memory():
 def test_slurm_counts_must_be_positive(field):
     with pytest.raises(ValueError, match=field):
         slurm_job_options(**{field: 0})
+
+
+def test_gpu_instances_run_vllm_unless_told_and_a_sim_engine_keeps_its_kv_on_its_gpu():
+    assert cuda_overrides(None)["engine"] == "vllm"
+    sim = cuda_overrides({"engine": "sim"})
+    assert sim["sim-engine"]["kv-device"] == "cuda"
+    assert cuda_overrides({"engine": "sim", "sim-engine": {"kv-device": "cuda:1"}})["sim-engine"]["kv-device"] == "cuda:1"
+
+
+def test_instances_sharing_a_gpu_divide_vllms_default_memory_share_only():
+    assert cuda_overrides(None, 3)["vllm-engine"]["gpu-memory-utilization"] == 0.3
+    assert "vllm-engine" not in cuda_overrides(None, 1)
+    mine = {"vllm-engine": {"gpu-memory-utilization": 0.4}}
+    assert cuda_overrides(mine, 2)["vllm-engine"]["gpu-memory-utilization"] == 0.4
+
+
+@pytest.mark.parametrize("overrides, per_gpu, match", [
+    (None, 0, "instances_per_gpu"), (None, 1.5, "instances_per_gpu"),
+    ({"engine": "sim", "sim-engine": {"kv-device": "gpu"}}, 1, "kv-device"),
+])
+def test_bad_gpu_cluster_settings_fail_before_any_worker_starts(overrides, per_gpu, match):
+    with pytest.raises(ValueError, match=match):
+        cuda_overrides(overrides, per_gpu)

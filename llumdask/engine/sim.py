@@ -65,6 +65,7 @@ from llumdask.engine.base import (
     physical_split,
 )
 from llumdask.engine.block_manager import BlockManager
+from llumdask.engine.kv_slots import kv_slots
 from llumdask.engine.latency import LatencyProfile, load_profile
 from llumdask.prefix import ROOT_HASH, PrefixEvents, block_hashes, is_anchor, mix, mix_int
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
@@ -239,7 +240,10 @@ class SimEngine:
         self._vocab = _U64(config.vocab_size)
         self._max_num_seqs = config.max_num_seqs
         self._max_batched_tokens = config.max_num_batched_tokens
-        self._kv = np.zeros((total, block_size, config.kv_bytes_per_token), dtype=np.uint8)
+        try:
+            self._kv = kv_slots(total, block_size, config.kv_bytes_per_token, config.kv_device)
+        except ValueError as exc:
+            raise ValueError(f"{self._name}: sim_engine.kv_device: {exc}") from None
         constants = np.random.default_rng(_CONSTANTS_SEED)
         # Byte j of a slot is the top byte of h * spread[j]; a slot's digest is sum(byte_j * weight_j).
         # Odd weights make the digest change whenever any single byte does.
@@ -444,16 +448,8 @@ class SimEngine:
         if not 0 <= start <= end <= limit:
             raise ValueError(f"{self._name}: request {request_id!r}: cannot export blocks [{start}, {end}); {limit} can be")
         held = list(self._blocks.table(request_id)[start:end])
-        shape = (end - start,) + self._kv.shape[1:]
-        return PendingBlocks(int(np.prod(shape)), lambda: self._fuse(held, shape))
-
-    def _fuse(self, held: list[int], shape: tuple[int, ...]) -> np.ndarray:
-        """The held blocks' KV in one new buffer of `shape`, zeros past them."""
-        if len(held) == shape[0]:
-            return self._kv[held]
-        buffer = np.zeros(shape, dtype=np.uint8)
-        buffer[: len(held)] = self._kv[held]
-        return buffer
+        nbytes = (end - start) * int(np.prod(self._kv.shape[1:]))
+        return PendingBlocks(nbytes, self._kv.export(held, end - start))
 
     def pause(self, request_id: str, *, waiting: bool = False) -> MigrationState:
         """A decoding request leaves the batch with its blocks; with `waiting`, a waiting one the queue."""
@@ -535,7 +531,7 @@ class SimEngine:
             raise MigrationRefused(
                 f"{self._name}: migration {migration_id!r}: blocks [{start}, {end}) outside the {len(reserved)} reserved"
             )
-        self._kv[reserved[start:end]] = buffer
+        self._kv.load(reserved[start:end], buffer)
 
     def resume(self, migration_id: str, state: MigrationState) -> None:
         """The reserved blocks become the request's block table (spare ones beyond its tokens are freed)."""
@@ -753,9 +749,9 @@ class SimEngine:
             hashes.append(parents[position // size - first])
             blocks.append(np.asarray(self._blocks.table(seq.request_id), dtype=np.int64)[position // size])
         position = np.concatenate(positions)
-        self._kv[np.concatenate(blocks), position % size] = self._slot_bytes(
+        self._kv.write(np.concatenate(blocks), position % size, self._slot_bytes(
             np.concatenate(tokens), position.astype(_U64), np.concatenate(hashes)
-        )
+        ))
 
     def _read_kv(self, sampling: list[_Chunk], n: np.ndarray, hashes: np.ndarray) -> np.ndarray:
         size = self.block_size
@@ -766,7 +762,7 @@ class SimEngine:
         slots = picks.astype(np.int64)
         tables = [self._blocks.table(c.seq.request_id) for c in sampling]
         read_blocks = [[table[p // size] for p in row] for table, row in zip(tables, slots.tolist())]
-        digests = self._kv[np.array(read_blocks, dtype=np.int64), slots % size].astype(_U64) @ self._weights
+        digests = self._kv.read(np.array(read_blocks, dtype=np.int64), slots % size).astype(_U64) @ self._weights
         return mix((digests * self._combine).sum(axis=1) ^ n)
 
     def _slot_bytes(self, tokens: np.ndarray, positions: np.ndarray, hashes: np.ndarray) -> np.ndarray:

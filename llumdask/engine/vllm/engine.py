@@ -194,9 +194,9 @@ class VllmEngine:
         # Re-added requests (resumed or unpaused) whose KV loads at their first step: migration id
         # -> held source-side internal id to release afterwards (None on a destination).
         self._loading: dict[str, str | None] = {}
-        from llumdask.engine.vllm.kv_blocks import block_bytes
+        from llumdask.engine.vllm.kv_blocks import prepare_stages
 
-        ranks = self._llm.collective_rpc(block_bytes)
+        ranks = self._llm.collective_rpc(prepare_stages)
         self._fused_shape: tuple[int, int, int] = (len(ranks), *ranks[0])
 
     # ------------------------------------------------------------------ shape
