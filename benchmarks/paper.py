@@ -468,6 +468,16 @@ def _case_key(run: dict[str, Any]) -> tuple:
     return tuple(run.get(name) for name in sorted(_CASE_FIELDS - {"timeline"}))
 
 
+def replace_runs(kept: Sequence[dict[str, Any]], fresh: Sequence[dict[str, Any]],
+                 policies: frozenset[str]) -> list[dict[str, Any]]:
+    """The kept runs, those of `policies` replaced by the fresh runs of the same cases."""
+    by_case = {_case_key(run): run for run in fresh}
+    runs = [by_case.pop(_case_key(r)) if r["policy"] in policies else r for r in kept]
+    if by_case:
+        raise ValueError(f"{len(by_case)} of the new runs have no counterpart in the kept results")
+    return runs
+
+
 def run_cases(cases: Sequence[Case], jobs: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     """Run every case, `jobs` at a time, costliest first; results in the order of `cases`."""
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
@@ -532,10 +542,7 @@ def run_paper(plan: PaperPlan, *, jobs: int = 2, progress: Callable[[str], None]
     progress(f"{len(cases)} simulations, {jobs} at a time")
     runs = run_cases(cases, jobs, progress)
     if keep is not None:
-        fresh = {_case_key(run): run for run in runs}
-        runs = [fresh.pop(_case_key(r)) if r["policy"] in policies else r for r in keep.runs]
-        if fresh:
-            raise ValueError(f"{len(fresh)} of the new runs have no counterpart in the kept results")
+        runs = replace_runs(keep.runs, runs, policies)
     progress(f"scheduler scalability at {', '.join(map(str, plan.scalability_sizes))} instances")
     scalability = [measure(n, rounds=plan.scalability_rounds, seed=plan.seeds[0]).to_dict() for n in plan.scalability_sizes]
     return PaperResults(plan, capacity, runs, scalability, headroom, time.perf_counter() - started, jobs)

@@ -13,12 +13,16 @@ deterministic).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 from llumdask.benchmarks.common import parser, report
-from llumdask.benchmarks.paper import BASELINES, SERVING, Case, PaperPlan, Replay, replay_capacity, run_cases
+from llumdask.benchmarks.paper import (BASELINES, SERVING, Case, PaperPlan, Replay, replace_runs, replay_capacity,
+                                       run_cases)
 from llumdask.benchmarks.paper_report import against_worst_router, by_setting, finite_median, ratio, seed_pairs
 from llumdask.sim.run import write_json
 
@@ -64,6 +68,30 @@ def cases(plan: PaperPlan, settings: list[tuple[str, float]], seeds: list[int]) 
     return out
 
 
+def policy_set(text: str) -> frozenset[str]:
+    """"llumnix,llumnix_base" -> the policies, each one the settings run."""
+    policies = frozenset(p.strip() for p in text.split(",") if p.strip())
+    unknown = sorted(policies - {*BASELINES, "llumnix"})
+    if not policies or unknown:
+        raise argparse.ArgumentTypeError(f"expected policies among {', '.join((*BASELINES, 'llumnix'))}, got {text!r}")
+    return policies
+
+
+def rerun(wanted: list[Case], runs_file: Path, policies: frozenset[str], jobs: int) -> list[dict[str, Any]]:
+    """The runs of `wanted`: those of `policies` simulated again, the others read from `runs_file`."""
+    if not runs_file.is_file():
+        raise SystemExit(f"--rerun needs {runs_file}, written by an earlier run")
+    kept = [run for run in json.loads(runs_file.read_text())["runs"]
+            if any(_same_case(run, case) for case in wanted)]
+    if len(kept) != len(wanted):
+        raise SystemExit(f"{runs_file} holds {len(kept)} of the {len(wanted)} runs asked for: run them all again")
+    return replace_runs(kept, run_cases([c for c in wanted if c.policy in policies], jobs, print), policies)
+
+
+def _same_case(run: dict[str, Any], case: Case) -> bool:
+    return all(run.get(name) == value for name, value in dataclasses.asdict(case).items() if name != "timeline")
+
+
 def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per setting and metric: the router Llumnix compares worst with, that median ratio, the
     per-seed ratios in seed order, how many are below 1, and the median of the first seeds'
@@ -90,13 +118,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="TRACE:LOAD, a serving setting of the paper plan (repeat for several)")
     p.add_argument("--seeds", type=seed_range, default=seed_range("0-9"), help="FIRST-LAST or a list (default 0-9)")
     p.add_argument("--jobs", type=int, default=2, help="simulations at once (default %(default)s)")
+    p.add_argument("--rerun", type=policy_set, default=None, metavar="POLICY,...",
+                   help="run only these policies again, keeping the others from OUT/seed_verdicts_runs.json "
+                        "(after a change to those policies alone; the simulator is deterministic)")
     args = p.parse_args(argv)
     plan = PaperPlan()
     if args.quick:
         plan = plan.with_requests(500)
     started = time.perf_counter()
-    runs = run_cases(cases(plan, args.settings, args.seeds), args.jobs, print)
-    write_json(args.out / "seed_verdicts_runs.json", {"runs": runs})
+    wanted = cases(plan, args.settings, args.seeds)
+    runs_file = args.out / "seed_verdicts_runs.json"
+    if args.rerun is None:
+        runs = run_cases(wanted, args.jobs, print)
+    else:
+        runs = rerun(wanted, runs_file, args.rerun, args.jobs)
+    write_json(runs_file, {"runs": runs})
     columns = [("trace", "trace", "{}"), ("load", "load", "{:g}"), ("metric", "metric", "{}"),
                ("router", "worst router", "{}"), ("median", "median ratio", "{:.2f}"),
                ("better", "Llumnix better in", "{}"), ("seeds", "of", "{}"),

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from llumdask.benchmarks.paper import BASELINES, PaperPlan, Replay, replay_capacity
-from llumdask.benchmarks.seed_verdicts import cases, seed_range, setting, verdicts
+from llumdask.benchmarks.seed_verdicts import cases, policy_set, seed_range, setting, verdicts
 
 
 def run(policy: str, seed: int, decode_p99: float, **metrics: float) -> dict:
@@ -50,6 +50,10 @@ def test_bad_settings_and_seeds_are_refused_with_the_expected_form():
     for bad in ("", "a-b", "5-3", "1,1", "-2"):
         with pytest.raises(argparse.ArgumentTypeError, match="seeds"):
             seed_range(bad)
+    assert policy_set("llumnix, infaas") == {"llumnix", "infaas"}
+    for bad in ("", ",", "llumnix,oracle"):
+        with pytest.raises(argparse.ArgumentTypeError, match="policies"):
+            policy_set(bad)
 
 
 @pytest.mark.slow
@@ -61,3 +65,13 @@ def test_a_quick_run_writes_every_run_and_a_verdict_per_metric(tmp_path):
     assert sorted(r["policy"] for r in runs) == sorted((*BASELINES, "llumnix")) and {r["seed"] for r in runs} == {1}
     rows = json.loads((tmp_path / "seed_verdicts.json").read_text())["rows"]
     assert [r["metric"] for r in rows] == list(METRICS) and all(r["seeds"] == 1 for r in rows)
+    # Llumnix again, the routers kept: the same verdicts (the simulator is deterministic); runs
+    # asked for that the file lacks are refused, not run in part.
+    assert main(["--quick", "--setting", "S-L:0.9", "--seeds", "1", "--jobs", "1", "--out", str(tmp_path),
+                 "--rerun", "llumnix"]) == 0
+    assert json.loads((tmp_path / "seed_verdicts.json").read_text())["rows"] == rows
+    again = json.loads((tmp_path / "seed_verdicts_runs.json").read_text())["runs"]
+    assert [{k: v for k, v in r.items() if k != "wall_seconds"} for r in again] == \
+        [{k: v for k, v in r.items() if k != "wall_seconds"} for r in runs]
+    with pytest.raises(SystemExit, match="holds 5 of the 10 runs"):
+        main(["--quick", "--setting", "S-L:0.9", "--seeds", "1,2", "--out", str(tmp_path), "--rerun", "llumnix"])
