@@ -480,14 +480,18 @@ class GlobalScheduler:
     # ------------------------------------------------------------------ helpers
 
     def _has_candidates(self) -> bool:
-        return any(i.ready and not i.terminating for i in self._instances.values())
+        return bool(self._candidate_table())
+
+    def _candidate_table(self) -> CandidateTable:
+        """The ready, non-terminating instances, possibly none (rebuilt only after membership changed)."""
+        if self._candidates is None:
+            self._candidates = CandidateTable(
+                [i for i in self._instances.values() if i.ready and not i.terminating], self.prefix)
+        return self._candidates
 
     def _table(self) -> CandidateTable:
-        """The ready, non-terminating instances (rebuilt only after membership changed)."""
-        candidates = self._candidates
-        if candidates is None:
-            candidates = self._candidates = CandidateTable(
-                [i for i in self._instances.values() if i.ready and not i.terminating], self.prefix)
+        """`_candidate_table`, which must not be empty."""
+        candidates = self._candidate_table()
         if not candidates:
             raise NoInstanceAvailable(f"no ready, non-terminating instance among {len(self._instances)} registered")
         return candidates
