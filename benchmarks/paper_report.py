@@ -745,8 +745,9 @@ REASONS = {
         "needs a destination with room; at the heaviest loads few instances have room."
     ),
     "fragmentation": (
-        "Fragmented memory exists only while head-of-line requests are blocked on a full instance "
-        "(metrics.ClusterSample), so its level follows how close the setting is to INFaaS++'s capacity."
+        "Fragmented memory exists only while head-of-line requests are blocked on a full instance, or "
+        "no instance has the blocks for the first request held at the scheduler (metrics.ClusterSample), so "
+        "its level follows how close the setting is to INFaaS++'s capacity."
     ),
     "rr_prefill_mean": "Round-robin's gap is largest just past round-robin's own capacity; where our rate grid falls relative to it decides how much of the gap we sample.",
     "rr_prefill_p99": "As for the mean: the gap depends on where the rate grid falls relative to round-robin's capacity.",
@@ -868,7 +869,9 @@ high-priority requests it runs exactly as Llumnix (it differs only in priority h
 
 INFaaS++ and Llumnix at {plan.timeline[0]}, load {plan.timeline[1]:g}. Fragmented memory: free blocks
 that queued head-of-line requests could use if the cluster's free memory were one pool, over total
-cluster memory (`metrics.ClusterSample.fragmented_blocks`), sampled every second.
+cluster memory (`metrics.ClusterSample.fragmented_blocks`), sampled every second. A request held at
+the scheduler (Llumnix past capacity) counts when no instance has the free blocks for its prompt;
+held while one has, it waits for room to spare there, and that memory is not scattered.
 
 {figure("fragmentation", "fragmentation over time")}
 

@@ -68,8 +68,8 @@ class ClusterSample:
 
     time: float
     instances: tuple[InstanceSample, ...] = ()
-    # Blocks the first request held at the scheduler needs (0: none is held); it waits like an
-    # instance's head of line and counts as blocked.
+    # Blocks the first request held at the scheduler needs (0: none is held); it counts as blocked
+    # when no instance has the free blocks for it (`fragmented_blocks`).
     held_demand: int = 0
 
     @classmethod
@@ -88,18 +88,21 @@ class ClusterSample:
         """Free blocks that would serve queued requests if the free memory were one pool.
 
         A head-of-line request is blocked when its instance has fewer free blocks than its
-        prompt needs; the first request held at the scheduler is blocked whatever the free
-        blocks (it waits for room to spare, which counts against it here). Pool the cluster's
-        free blocks F and admit the blocked demands smallest first while they fit: the blocks so
-        admitted are fragmented, free memory that queued requests could use but that lies
-        elsewhere, scattered. A single instance never fragments. Counting the admitted demand
-        rather than all of F keeps one small blocked request from marking a whole idle cluster's
-        memory as fragmented.
+        prompt needs. The first request held at the scheduler may go to any instance, so it is
+        blocked when none has the free blocks for its prompt; held while one has (waiting for
+        room to spare there), the free memory is not scattered: the policy waits. Pool the
+        cluster's free blocks F and admit the blocked demands smallest first while they fit: the
+        blocks so admitted are fragmented, free memory that queued requests could use but that
+        lies elsewhere, scattered. A single instance never fragments. Counting the admitted
+        demand rather than all of F keeps one small blocked request from marking a whole idle
+        cluster's memory as fragmented.
         """
         budget = self.free_blocks
         used = 0
         blocked = [i.head_of_line_demand for i in self.instances if i.memory_blocked]
-        for demand in sorted(blocked + [self.held_demand] if self.held_demand else blocked):
+        if self.held_demand > max((i.free_blocks for i in self.instances), default=0):
+            blocked.append(self.held_demand)
+        for demand in sorted(blocked):
             if used + demand > budget:
                 break
             used += demand

@@ -117,10 +117,12 @@ def test_fragmentation_by_hand(instances, fragmented):
     assert sample.fragmentation() == (fragmented / total if total else 0.0)
 
 
-def test_the_first_request_held_at_the_scheduler_counts_as_blocked_whatever_the_free_blocks():
-    free = (instance("a", 100, 30), instance("b", 100, 25))  # each could take 20 blocks
+def test_the_first_request_held_at_the_scheduler_is_blocked_only_where_no_instance_could_take_it():
+    free = (instance("a", 100, 30), instance("b", 100, 25))
     assert ClusterSample(0.0, free).fragmented_blocks() == 0
-    assert ClusterSample(0.0, free, held_demand=20).fragmented_blocks() == 20
+    assert ClusterSample(0.0, free, held_demand=20).fragmented_blocks() == 0  # a could take it: held for room to spare
+    assert ClusterSample(0.0, free, held_demand=30).fragmented_blocks() == 0
+    assert ClusterSample(0.0, free, held_demand=40).fragmented_blocks() == 40  # 55 free, scattered
     assert ClusterSample(0.0, free, held_demand=80).fragmented_blocks() == 0  # not even the pool holds it
 
 
