@@ -463,16 +463,17 @@ class PaperResults:
         }
 
 
-def _case_key(run: dict[str, Any]) -> tuple:
-    """What identifies a run's case (its fields but the timeline flag)."""
+def case_key(run: dict[str, Any]) -> tuple:
+    """What identifies a run's case (its fields but the timeline flag); of a `Case` too, through
+    `dataclasses.asdict`."""
     return tuple(run.get(name) for name in sorted(_CASE_FIELDS - {"timeline"}))
 
 
 def replace_runs(kept: Sequence[dict[str, Any]], fresh: Sequence[dict[str, Any]],
                  policies: frozenset[str]) -> list[dict[str, Any]]:
     """The kept runs, those of `policies` replaced by the fresh runs of the same cases."""
-    by_case = {_case_key(run): run for run in fresh}
-    runs = [by_case.pop(_case_key(r)) if r["policy"] in policies else r for r in kept]
+    by_case = {case_key(run): run for run in fresh}
+    runs = [by_case.pop(case_key(r)) if r["policy"] in policies else r for r in kept]
     if by_case:
         raise ValueError(f"{len(by_case)} of the new runs have no counterpart in the kept results")
     return runs

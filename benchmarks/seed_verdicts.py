@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from llumdask.benchmarks.common import parser, report
-from llumdask.benchmarks.paper import (BASELINES, SERVING, Case, PaperPlan, Replay, replace_runs, replay_capacity,
-                                       run_cases)
+from llumdask.benchmarks.paper import (BASELINES, SERVING, Case, PaperPlan, Replay, case_key, replace_runs,
+                                       replay_capacity, run_cases)
 from llumdask.benchmarks.paper_report import against_worst_router, by_setting, finite_median, ratio, seed_pairs
 from llumdask.sim.run import write_json
 
@@ -81,15 +81,11 @@ def rerun(wanted: list[Case], runs_file: Path, policies: frozenset[str], jobs: i
     """The runs of `wanted`: those of `policies` simulated again, the others read from `runs_file`."""
     if not runs_file.is_file():
         raise SystemExit(f"--rerun needs {runs_file}, written by an earlier run")
-    kept = [run for run in json.loads(runs_file.read_text())["runs"]
-            if any(_same_case(run, case) for case in wanted)]
+    keys = {case_key(dataclasses.asdict(case)) for case in wanted}
+    kept = [run for run in json.loads(runs_file.read_text())["runs"] if case_key(run) in keys]
     if len(kept) != len(wanted):
         raise SystemExit(f"{runs_file} holds {len(kept)} of the {len(wanted)} runs asked for: run them all again")
     return replace_runs(kept, run_cases([c for c in wanted if c.policy in policies], jobs, print), policies)
-
-
-def _same_case(run: dict[str, Any], case: Case) -> bool:
-    return all(run.get(name) == value for name, value in dataclasses.asdict(case).items() if name != "timeline")
 
 
 def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -530,7 +530,7 @@ class GlobalScheduler:
         """Whether an empty candidate would keep hold-freeness with the request (its only one)."""
         hold = self._config.dispatch.hold_freeness
         assert hold is not None
-        return any(c.load.total_blocks - blocks_for(info.num_prompt_tokens, c.block_size) >= hold for c in candidates)
+        return candidates.empty_room_blocks(info.num_prompt_tokens) >= hold
 
     @contextlib.contextmanager
     def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo) -> Iterator[None]:

@@ -61,6 +61,7 @@ class CandidateTable(Sequence[Candidate]):
         self._prefill_tokens = np.empty(n)
         self._stalled = np.empty(n)
         self._block_size = np.fromiter((c.block_size for c in self._candidates), dtype=np.int64, count=n)
+        self._total_blocks = np.fromiter((c.load.total_blocks for c in self._candidates), dtype=np.int64, count=n)
         # One block size for all (the usual case): block arithmetic on a scalar, not a column.
         sizes = set(self._block_size.tolist())
         self._uniform_block_size: int | None = sizes.pop() if len(sizes) == 1 else None
@@ -104,6 +105,12 @@ class CandidateTable(Sequence[Candidate]):
         if self._reserved is not None:
             room[self._reserved] = -np.inf
         return float(room.max())
+
+    def empty_room_blocks(self, prompt_tokens: int) -> int:
+        """The most blocks any candidate would have to spare with this prompt alone on it (its
+        whole memory less the prompt's blocks): what it could ever offer the request."""
+        size = self._uniform_block_size if self._uniform_block_size else self._block_size
+        return int((self._total_blocks - -(-prompt_tokens // size)).max())
 
     def reserve(self, slot: int | None) -> None:
         """Keep the candidate at `slot` for a held request (None: for none): its dispatch freeness
