@@ -55,6 +55,9 @@ class CudaSlots:
     side stream, the export enqueued at once and ordered after the step that wrote its blocks."""
 
     def __init__(self, blocks: int, block_size: int, width: int, device: str) -> None:
+        from llumdask.engine.pinned_memory import register_in_place
+
+        register_in_place()  # before this process first touches the device
         import torch
 
         self._torch = torch
