@@ -393,10 +393,11 @@ def by_setting(runs: Iterable[dict[str, Any]]) -> dict[tuple[str, float], list[d
     return groups
 
 
-def against_worst_router(runs: Sequence[dict[str, Any]], metric: str, routers: Sequence[str]) -> tuple[float, str]:
-    """Llumnix's `metric` over the router of `routers` it compares worst with (the highest median of
+def against_worst_router(runs: Sequence[dict[str, Any]], metric: str, routers: Sequence[str],
+                         ours: str = "llumnix") -> tuple[float, str]:
+    """`ours`'s `metric` over the router of `routers` it compares worst with (the highest median of
     paired per-seed ratios; routers without a finite one skipped), and that router."""
-    against = {b: paired_ratio(runs, b, metric) for b in routers}
+    against = {b: paired_ratio(runs, b, metric, ours) for b in routers}
     worst = max(routers, key=lambda b: against[b] if _finite(against[b]) else -math.inf)
     return against[worst], worst
 

@@ -7,7 +7,8 @@ a load fraction of each seed's own ideal capacity, same cluster and policies) ov
 reports, per setting and metric, the median of Llumnix's per-seed ratios to the router it compares
 worst with, in how many seeds Llumnix was the better, and the median over the first three seeds
 alone (the sweep's reading). Seeds 0-2 reproduce the sweep's runs exactly (the simulator is
-deterministic).
+deterministic). `--policy` judges another setup of Llumnix's instead (`llumnix_no_migration`:
+what migration adds); `--cv` draws bursty arrivals (Gamma) instead of the sweep's Poisson ones.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from llumdask.benchmarks.common import parser, report
-from llumdask.benchmarks.paper import (BASELINES, SERVING, Case, PaperPlan, Replay, case_key, replace_runs,
-                                       replay_capacity, run_cases)
+from llumdask.benchmarks.paper import BASELINES, SERVING, Case, PaperPlan, Replay, case_key, replay_capacity, run_cases
 from llumdask.benchmarks.paper_report import against_worst_router, by_setting, finite_median, ratio, seed_pairs
+from llumdask.sim.presets import PRESETS
 from llumdask.sim.run import write_json
 
 # The goals' metrics, then what the same runs say of the trade behind them.
@@ -57,47 +58,70 @@ def seed_range(text: str) -> list[int]:
     return seeds
 
 
-def cases(plan: PaperPlan, settings: list[tuple[str, float]], seeds: list[int]) -> list[Case]:
-    """Every baseline and Llumnix, for each setting and seed, at the sweep's rate for that seed."""
+def cases(plan: PaperPlan, settings: list[tuple[str, float]], seeds: list[int], ours: str = "llumnix",
+          cv: float | None = None) -> list[Case]:
+    """Every baseline and `ours`, for each setting and seed, at the sweep's rate for that seed."""
     out = []
     for trace, load in settings:
         for seed in seeds:
             rate = load * replay_capacity(Replay(trace, plan.requests, seed), plan.instances, plan.profile)
-            out += [Case(SERVING, trace, load, rate, policy, plan.requests, plan.instances, plan.profile, seed)
-                    for policy in (*BASELINES, "llumnix")]
+            out += [Case(SERVING, trace, load, rate, policy, plan.requests, plan.instances, plan.profile, seed, cv=cv)
+                    for policy in (*BASELINES, ours)]
     return out
 
 
+def judged(text: str) -> str:
+    """A setup of Llumnix's (a preset that migrates or holds), judged against the routers."""
+    preset = PRESETS.get(text)
+    if preset is None or text in BASELINES or not (preset.migration or preset.holds):
+        choices = [name for name, p in PRESETS.items() if name not in BASELINES and (p.migration or p.holds)]
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+    return text
+
+
+def gamma_cv(text: str) -> float:
+    """The coefficient of variation of the arrival gaps, > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a coefficient of variation > 0, got {text!r}")
+    return value
+
+
 def policy_set(text: str) -> frozenset[str]:
-    """"llumnix,llumnix_base" -> the policies, each one the settings run."""
+    """"llumnix,infaas" -> the policies to simulate again (the routers' or a setup of Llumnix's)."""
     policies = frozenset(p.strip() for p in text.split(",") if p.strip())
-    unknown = sorted(policies - {*BASELINES, "llumnix"})
+    unknown = sorted(p for p in policies if p not in PRESETS)
     if not policies or unknown:
-        raise argparse.ArgumentTypeError(f"expected policies among {', '.join((*BASELINES, 'llumnix'))}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected policies among {', '.join(PRESETS)}, got {text!r}")
     return policies
 
 
 def rerun(wanted: list[Case], runs_file: Path, policies: frozenset[str], jobs: int) -> list[dict[str, Any]]:
-    """The runs of `wanted`: those of `policies` simulated again, the others read from `runs_file`."""
+    """The runs of `wanted`: those of `policies` simulated (again), the others read from `runs_file`."""
     if not runs_file.is_file():
         raise SystemExit(f"--rerun needs {runs_file}, written by an earlier run")
-    keys = {case_key(dataclasses.asdict(case)) for case in wanted}
+    keys = {case_key(dataclasses.asdict(case)) for case in wanted if case.policy not in policies}
     kept = [run for run in json.loads(runs_file.read_text())["runs"] if case_key(run) in keys]
-    if len(kept) != len(wanted):
-        raise SystemExit(f"{runs_file} holds {len(kept)} of the {len(wanted)} runs asked for: run them all again")
-    return replace_runs(kept, run_cases([c for c in wanted if c.policy in policies], jobs, print), policies)
+    if len(kept) != len(keys):
+        raise SystemExit(f"{runs_file} holds {len(kept)} of the {len(keys)} runs to keep: run them all again")
+    fresh = run_cases([c for c in wanted if c.policy in policies], jobs, print)
+    by_case = {case_key(run): run for run in (*kept, *fresh)}
+    return [by_case[case_key(dataclasses.asdict(case))] for case in wanted]
 
 
-def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per setting and metric: the router Llumnix compares worst with, that median ratio, the
+def verdicts(runs: list[dict[str, Any]], ours: str = "llumnix") -> list[dict[str, Any]]:
+    """Per setting and metric: the router `ours` compares worst with, that median ratio, the
     per-seed ratios in seed order, how many are below 1, and the median of the first seeds'
     ratios, as many as the paper plan runs."""
     first = len(PaperPlan().seeds)
     rows = []
     for (trace, load), group in by_setting(runs).items():
         for metric in METRICS:
-            median, worst = against_worst_router(group, metric, BASELINES)
-            pairs = sorted(seed_pairs(group, "llumnix", worst), key=lambda pair: pair[0]["seed"])
+            median, worst = against_worst_router(group, metric, BASELINES, ours)
+            pairs = sorted(seed_pairs(group, ours, worst), key=lambda pair: pair[0]["seed"])
             per_seed = [ratio(mine[metric], theirs[metric]) for mine, theirs in pairs]
             rows.append({
                 "trace": trace, "load": load, "metric": metric, "router": worst, "median": median,
@@ -117,12 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rerun", type=policy_set, default=None, metavar="POLICY,...",
                    help="run only these policies again, keeping the others from OUT/seed_verdicts_runs.json "
                         "(after a change to those policies alone; the simulator is deterministic)")
+    p.add_argument("--policy", type=judged, default="llumnix",
+                   help="the setup judged against the routers (default %(default)s)")
+    p.add_argument("--cv", type=gamma_cv, default=None,
+                   help="Gamma arrivals with this coefficient of variation (default: Poisson, as the sweep)")
     args = p.parse_args(argv)
+    if args.rerun is not None and not args.rerun <= {*BASELINES, args.policy}:
+        p.error(f"--rerun: policies among {', '.join((*BASELINES, args.policy))}")
     plan = PaperPlan()
     if args.quick:
         plan = plan.with_requests(500)
     started = time.perf_counter()
-    wanted = cases(plan, args.settings, args.seeds)
+    wanted = cases(plan, args.settings, args.seeds, args.policy, args.cv)
     runs_file = args.out / "seed_verdicts_runs.json"
     if args.rerun is None:
         runs = run_cases(wanted, args.jobs, print)
@@ -131,12 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     write_json(runs_file, {"runs": runs})
     columns = [("trace", "trace", "{}"), ("load", "load", "{:g}"), ("metric", "metric", "{}"),
                ("router", "worst router", "{}"), ("median", "median ratio", "{:.2f}"),
-               ("better", "Llumnix better in", "{}"), ("seeds", "of", "{}"),
+               ("better", f"{args.policy} better in", "{}"), ("seeds", "of", "{}"),
                ("first_seeds_median", f"first {len(PaperPlan().seeds)} seeds median", "{:.2f}"), ("per_seed", "per seed", "{}")]
     facts = {"requests": plan.requests, "instances": plan.instances, "profile": plan.profile, "seeds": args.seeds,
+             "policy": args.policy, "arrivals": "Poisson" if args.cv is None else f"Gamma, CV {args.cv:g}",
              "wall_seconds": round(time.perf_counter() - started, 1)}
-    report("seed_verdicts", args.out, verdicts(runs), columns, facts,
-           ["ratio: Llumnix / the router, per seed on the same requests; < 1 is Llumnix better"])
+    report("seed_verdicts", args.out, verdicts(runs, args.policy), columns, facts,
+           [f"ratio: {args.policy} / the router, per seed on the same requests; < 1 is {args.policy} better"])
     return 0
 
 

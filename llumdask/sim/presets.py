@@ -58,6 +58,8 @@ PRESETS: dict[str, Preset] = {
         Preset("llumnix_no_prefix", "llumnix", True, True, "Llumnix with prefix-aware dispatch off", prefix_aware=False,
                holds=True),
         Preset("llumnix_base", "llumnix", True, False, "Llumnix without priorities (no headroom)", holds=True),
+        Preset("llumnix_no_migration", "llumnix", False, True,
+               "Llumnix's dispatch, headroom and holding without migration: what migration adds", holds=True),
         Preset("llumnix", "llumnix", True, True,
                "Llumnix: freeness dispatch, live migration, priority headroom, holding past capacity", holds=True),
         Preset("oracle", None, False, False,

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from llumdask.benchmarks.paper import BASELINES, PaperPlan, Replay, replay_capacity
-from llumdask.benchmarks.seed_verdicts import cases, policy_set, seed_range, setting, verdicts
+from llumdask.benchmarks.seed_verdicts import cases, gamma_cv, judged, policy_set, seed_range, setting, verdicts
 
 
 def run(policy: str, seed: int, decode_p99: float, **metrics: float) -> dict:
@@ -29,6 +29,10 @@ def test_each_metric_is_read_against_the_router_llumnix_compares_worst_with_seed
     assert (decode["better"], decode["seeds"]) == (1, 4)
     # Routers that never preempt give no finite ratio: the worst finite one is named.
     assert rows["preemption_count"]["router"] == "infaas" and rows["preemption_count"]["median"] == 1.0
+    # Another setup of Llumnix's is judged the same way, by its own runs.
+    others = [{**r, "policy": "llumnix_no_migration", "decode_p99": 0.5} for r in runs if r["policy"] == "llumnix"]
+    mine = {r["metric"]: r for r in verdicts([*runs, *others], "llumnix_no_migration")}
+    assert mine["decode_p99"]["router"] == "infaas" and mine["decode_p99"]["per_seed"] == "0.50 0.50 0.50 0.50"
 
 
 def test_cases_run_every_router_and_llumnix_at_each_seeds_own_rate():
@@ -39,6 +43,9 @@ def test_cases_run_every_router_and_llumnix_at_each_seeds_own_rate():
     for c in todo:
         assert c.rate == 0.9 * replay_capacity(Replay("S-L", plan.requests, c.seed), plan.instances, plan.profile)
     assert len({c.rate for c in todo}) == 2
+    assert all(c.cv is None for c in todo)  # Poisson, as the sweep
+    bursty = cases(plan, [("S-L", 0.9)], [0], "llumnix_no_migration", 4.0)
+    assert {c.policy for c in bursty} == {*BASELINES, "llumnix_no_migration"} and {c.cv for c in bursty} == {4.0}
 
 
 def test_bad_settings_and_seeds_are_refused_with_the_expected_form():
@@ -51,9 +58,17 @@ def test_bad_settings_and_seeds_are_refused_with_the_expected_form():
         with pytest.raises(argparse.ArgumentTypeError, match="seeds"):
             seed_range(bad)
     assert policy_set("llumnix, infaas") == {"llumnix", "infaas"}
-    for bad in ("", ",", "llumnix,oracle"):
+    for bad in ("", ",", "llumnix,nonesuch"):
         with pytest.raises(argparse.ArgumentTypeError, match="policies"):
             policy_set(bad)
+    assert judged("llumnix_no_migration") == "llumnix_no_migration"
+    for bad in ("infaas", "oracle", "nonesuch"):  # a router, the oracle: nothing of Llumnix's to judge
+        with pytest.raises(argparse.ArgumentTypeError, match="llumnix_no_migration"):
+            judged(bad)
+    assert gamma_cv("4") == 4.0
+    for bad in ("0", "-1", "x", "nan", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match="coefficient of variation"):
+            gamma_cv(bad)
 
 
 @pytest.mark.slow
@@ -73,5 +88,12 @@ def test_a_quick_run_writes_every_run_and_a_verdict_per_metric(tmp_path):
     again = json.loads((tmp_path / "seed_verdicts_runs.json").read_text())["runs"]
     assert [{k: v for k, v in r.items() if k != "wall_seconds"} for r in again] == \
         [{k: v for k, v in r.items() if k != "wall_seconds"} for r in runs]
-    with pytest.raises(SystemExit, match="holds 5 of the 10 runs"):
+    with pytest.raises(SystemExit, match="holds 4 of the 8 runs to keep"):
         main(["--quick", "--setting", "S-L:0.9", "--seeds", "1,2", "--out", str(tmp_path), "--rerun", "llumnix"])
+    # A setup the file has no runs of is run beside the routers' kept runs.
+    assert main(["--quick", "--setting", "S-L:0.9", "--seeds", "1", "--jobs", "1", "--out", str(tmp_path),
+                 "--policy", "llumnix_no_migration", "--rerun", "llumnix_no_migration"]) == 0
+    beside = json.loads((tmp_path / "seed_verdicts_runs.json").read_text())["runs"]
+    assert sorted(r["policy"] for r in beside) == sorted((*BASELINES, "llumnix_no_migration"))
+    assert [r for r in beside if r["policy"] in BASELINES] == [r for r in again if r["policy"] in BASELINES]
+    assert all(r["migrations"] == 0 for r in beside)

@@ -36,7 +36,14 @@ def test_same_seed_same_results():
     assert small_run("llumnix", seed=4)["e2e_mean"] != first["e2e_mean"]
 
 
-@pytest.mark.parametrize("preset", ["round_robin", "infaas", "llumnix", "lmetric", "power_of_two", "llumnix_base"])
+def test_llumnix_without_migration_is_llumnix_but_for_migration():
+    ours, ablated = make_spec("llumnix", 2).config, make_spec("llumnix_no_migration", 2).config
+    assert ours.migration.enabled and not ablated.migration.enabled
+    assert replace(ablated, migration=ours.migration) == ours
+
+
+@pytest.mark.parametrize("preset", ["round_robin", "infaas", "llumnix", "lmetric", "power_of_two", "llumnix_base",
+                                    "llumnix_no_migration"])
 def test_every_request_finishes_and_no_block_leaks(preset):
     spec = make_spec(preset, 3)
     cluster = SimCluster(spec.config, spec.profile, spec.instances)
