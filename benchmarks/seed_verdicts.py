@@ -31,14 +31,20 @@ from llumdask.sim.run import write_json
 METRICS = ("prefill_p99", "prefill_mean", "decode_p99", "e2e_mean", "preemption_count")
 
 
+def positive(text: str) -> float | None:
+    """The number `text` spells if it is finite and above 0, else None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
 def setting(text: str) -> tuple[str, float]:
     """"L-L:1" -> ("L-L", 1.0): a trace and a load fraction of its ideal capacity."""
     trace, sep, load = text.partition(":")
-    try:
-        value = float(load)
-    except ValueError:
-        value = float("nan")
-    if not sep or not trace or not (math.isfinite(value) and value > 0):
+    value = positive(load)
+    if not sep or not trace or value is None:
         raise argparse.ArgumentTypeError(f"expected TRACE:LOAD with a load > 0, e.g. L-L:1, got {text!r}")
     return trace, value
 
@@ -81,11 +87,8 @@ def judged(text: str) -> str:
 
 def gamma_cv(text: str) -> float:
     """The coefficient of variation of the arrival gaps, > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
+    value = positive(text)
+    if value is None:
         raise argparse.ArgumentTypeError(f"expected a coefficient of variation > 0, got {text!r}")
     return value
 

@@ -10,7 +10,11 @@ several threads, which holds the process far less (49 ms in the same run; benchm
 "Page-locked memory registered in place"). Blocks once cached are reused either way.
 
 The setting is process-wide and read when PyTorch first initialises its CUDA allocators, so an
-engine applies it before it touches the device; a setting the user made is kept.
+engine applies it before it touches the device; a setting the user made is kept. Sim engines with
+their KV on a GPU apply it; the vLLM engine does not yet: vLLM's GPU runner maps some of its own
+page-locked buffers into the device's address space, which registered memory has not been shown
+to allow here (no vLLM has run on a GPU in these tests), so vLLM users opt in through
+`PYTORCH_CUDA_ALLOC_CONF` (README, "Running a real model on GPUs").
 """
 
 from __future__ import annotations

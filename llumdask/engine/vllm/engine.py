@@ -167,14 +167,9 @@ class VllmEngine:
         engine_args: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        from vllm.platforms import current_platform
-
-        from llumdask.engine.pinned_memory import register_in_place
         from llumdask.engine.vllm.malloc import keep_freed_memory_for_reuse
 
         keep_freed_memory_for_reuse()  # before the engine allocates anything
-        if current_platform.is_cuda():
-            register_in_place()  # before the engine (and its worker processes) start CUDA
         self._llm = internals.create_llm_engine(engine_args_for(model, engine_args))
         self._scheduler = internals.scheduler_of(self._llm)
         self._pool = internals.block_pool_of(self._llm)
