@@ -9,7 +9,8 @@ For each prompt length a request streams to this process; after a few tokens it 
 the other instance (the operator `migrate` call), and a few tokens after the switch it is aborted.
 
 Measured per migration: downtime (the source llumlet's pause-to-Committed time, from its
-migration event), stages, blocks and bytes sent, total migration time (started to committed on
+migration event) and its parts (at the source: pause to the last stage handed to the transport;
+at the destination: that stage received to the request resumed; the rest: the transport), stages, blocks and bytes sent, total migration time (started to committed on
 the source), and the longest gap between two tokens arriving here after the migrate call (what a
 user sees: it also counts decoding stalled on the source while it copies a stage out).
 
@@ -45,6 +46,9 @@ COLUMNS = (
     ("staged_downtime_ms", "staged down ms", "{:.1f}"),
     ("blocking_downtime_ms", "blocking down ms", "{:.1f}"),
     ("blocking_over_staged", "block/staged", "{:.1f}"),
+    ("staged_source_ms", "staged src ms", "{:.2f}"),
+    ("staged_transport_ms", "staged transport ms", "{:.2f}"),
+    ("staged_destination_ms", "staged dst ms", "{:.2f}"),
     ("staged_stages", "stages", "{:.0f}"),
     ("staged_total_ms", "staged total ms", "{:.0f}"),
     ("blocking_total_ms", "block total ms", "{:.0f}"),
@@ -85,6 +89,8 @@ async def migrate_once(llum: LlumdaskClient, instances: list[str], prompt: list[
     first_after = int(np.searchsorted(times, migrated_at))
     return {
         "kind": event["kind"], "reason": event["reason"], "downtime_ms": event["downtime"] * 1e3,
+        "source_ms": event["downtime_source"] * 1e3, "destination_ms": event["downtime_destination"] * 1e3,
+        "transport_ms": (event["downtime"] - event["downtime_source"] - event["downtime_destination"]) * 1e3,
         "stages": event["stages"], "blocks": event["blocks"], "bytes": event["bytes"],
         "total_ms": (event["time"] - event["started"]) * 1e3,
         "gap_ms": float(gaps[max(first_after - 1, 0):].max()) * 1e3,
@@ -145,7 +151,7 @@ def _row(length: int, kv_bytes: int, by_mode: dict[str, list[dict]]) -> dict[str
     row: dict[str, Any] = {"length": length, "mib": length * kv_bytes / (1 << 20)}
     for mode, runs in by_mode.items():
         committed = [r for r in runs if r["kind"] == "committed"]
-        for key in ("downtime_ms", "total_ms", "gap_ms", "stages"):
+        for key in ("downtime_ms", "source_ms", "transport_ms", "destination_ms", "total_ms", "gap_ms", "stages"):
             row[f"{mode}_{key}"] = summarize(r[key] for r in committed)["p50"]
         row[f"{mode}_bytes"] = max((r["bytes"] for r in committed), default=None)
         row[f"{mode}_aborted"] = [r["reason"] for r in runs if r["kind"] != "committed"]

@@ -66,6 +66,11 @@ class MigrationEvent:
     blocks: int = 0
     bytes: int = 0
     downtime: float = 0.0
+    # Of the downtime: the source's part (pause to the last stage handed to the transport) and
+    # the destination's (that stage received to the request resumed); the rest is the transport,
+    # both ways. Where an O(n) part of a downtime lives.
+    downtime_source: float = 0.0
+    downtime_destination: float = 0.0
     reason: str = ""
     # Of `blocks`, those the destination had cached: never copied, no bytes.
     reused_blocks: int = 0
@@ -98,6 +103,8 @@ class _Outgoing:
     reused_blocks: int = 0
     state: MigrationState | None = None
     paused_at: float | None = None
+    # When the last stage (with the request's state) went to the transport.
+    handed_at: float | None = None
     # Taken from the waiting queue: one PreAlloc for its whole computation, no KV to copy.
     waiting: bool = False
 
@@ -339,6 +346,8 @@ class Llumlet:
         out.phase = _Phase.AWAIT_COMMIT if out.state is not None else _Phase.AWAIT_STAGE_ACK
         out.deadline = self._clock() + self._migration.handshake_timeout
         self._send(out.destination, StageData(out.migration_id, out.stage, start, end, payload, out.state))
+        if out.state is not None:
+            out.handed_at = self._clock()
 
     def _hand_over_waiting(self, out: _Outgoing) -> None:
         """Room is reserved there: take the request out of the queue and send its state alone."""
@@ -360,12 +369,16 @@ class Llumlet:
             return
         self._next_stage(out)
 
-    def _on_committed(self, out: _Outgoing) -> None:
+    def _on_committed(self, out: _Outgoing, msg: Committed) -> None:
         self.engine.free_migrated(out.request_id)
         self._forget_outgoing(out)
         now = self._clock()
-        downtime = now - out.paused_at if out.paused_at is not None else 0.0
-        self._emit(MigrationEventKind.COMMITTED, out, downtime=downtime)
+        if out.paused_at is None:  # a waiting request: it was not running, no downtime
+            self._emit(MigrationEventKind.COMMITTED, out)
+            return
+        handed = out.handed_at if out.handed_at is not None else now
+        self._emit(MigrationEventKind.COMMITTED, out, downtime=now - out.paused_at,
+                   downtime_source=handed - out.paused_at, downtime_destination=msg.taken_over)
 
     def _source_lost_reason(self, out: _Outgoing) -> str:
         """Why a migration can no longer go on from the source ("" when it can)."""
@@ -434,6 +447,7 @@ class Llumlet:
         return ""
 
     def _on_stage_data(self, sender: str, msg: StageData) -> None:
+        received = self._clock()
         inc = self._incoming.get(msg.migration_id)
         if inc is None:
             self._send(sender, Abort(msg.migration_id, "unknown migration at destination"))
@@ -453,7 +467,7 @@ class Llumlet:
             return
         del self._incoming[msg.migration_id]
         self._remember_committed(msg.migration_id, msg.state.request_id)
-        self._send(sender, Committed(msg.migration_id, msg.state.request_id))
+        self._send(sender, Committed(msg.migration_id, msg.state.request_id, self._clock() - received))
 
     def _on_abort_at_destination(self, msg: Abort) -> None:
         inc = self._incoming.get(msg.migration_id)
@@ -491,7 +505,7 @@ class Llumlet:
             elif isinstance(message, StageAck) and out.phase is _Phase.AWAIT_STAGE_ACK:
                 self._on_stage_ack(out, message)
             elif isinstance(message, Committed) and out.phase is _Phase.AWAIT_COMMIT:
-                self._on_committed(out)
+                self._on_committed(out, message)
         elif isinstance(message, Abort):
             out = self._outgoing.get(message.migration_id)
             if out is not None and out.destination == sender:
@@ -520,7 +534,8 @@ class Llumlet:
     def _send(self, receiver: str, message: MigrationMessage) -> None:
         self._transport.send(self.instance_id, receiver, message)
 
-    def _emit(self, kind: MigrationEventKind, out: _Outgoing, *, downtime: float = 0.0, reason: str = "") -> None:
+    def _emit(self, kind: MigrationEventKind, out: _Outgoing, *, downtime: float = 0.0, downtime_source: float = 0.0,
+              downtime_destination: float = 0.0, reason: str = "") -> None:
         self._on_event(
             MigrationEvent(
                 kind=kind,
@@ -533,6 +548,8 @@ class Llumlet:
                 blocks=out.sent_blocks + (out.stage_blocks if kind is MigrationEventKind.COMMITTED else 0),
                 bytes=out.bytes,
                 downtime=downtime,
+                downtime_source=downtime_source,
+                downtime_destination=downtime_destination,
                 reason=reason,
                 reused_blocks=out.reused_blocks,
                 waiting=out.waiting,

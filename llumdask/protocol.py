@@ -65,6 +65,9 @@ class StageAck:
 class Committed:
     migration_id: str
     request_id: str
+    # Seconds the destination took over the request: the last stage imported and the request
+    # resumed, on the destination's own clock (the source's part of the downtime is its own).
+    taken_over: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,9 @@ MIGRATION_COLUMNS = (
     ("stages", "stages"),
     ("blocks", "blocks"),
     ("downtime_ms", "downtime ms"),
+    # The downtime's parts on each side; the rest of it is the transport, both ways.
+    ("source_ms", "at source ms"),
+    ("destination_ms", "at destination ms"),
     ("reason", "reason"),
 )
 
@@ -85,6 +88,8 @@ def migration_columns(events: Sequence[Mapping[str, Any]]) -> dict[str, list]:
         columns["stages"].append(int(e.get("stages", 0)))
         columns["blocks"].append(int(e.get("blocks", 0)))
         columns["downtime_ms"].append(round(1000.0 * float(e.get("downtime", 0.0)), 1))
+        columns["source_ms"].append(round(1000.0 * float(e.get("downtime_source", 0.0)), 1))
+        columns["destination_ms"].append(round(1000.0 * float(e.get("downtime_destination", 0.0)), 1))
         columns["reason"].append(e.get("reason", ""))
     return columns
 

@@ -10,8 +10,8 @@ the new instance recomputes prompt + output and continues from there.
 
 A migration event goes from the source's worker to the scheduler as
     {"kind": "started" | "committed" | "aborted", "migration_id", "request_id", "source",
-     "destination", "time", "stages", "blocks", "bytes", "downtime", "reason", "reused_blocks",
-     "waiting"}
+     "destination", "time", "stages", "blocks", "bytes", "downtime", "downtime_source",
+     "downtime_destination", "reason", "reused_blocks", "waiting"}
 (`waiting`: a queued request handed over, no KV moved and no downtime.)
 """
 

@@ -49,6 +49,33 @@ def test_long_prompt_takes_several_stages_and_short_downtime():
     cluster.assert_no_leaks()
 
 
+def test_downtime_splits_into_the_source_the_destination_and_the_transport():
+    cluster = InProcessCluster(2)
+    source, destination = cluster["i0"].engine, cluster["i1"].engine
+    export_later, resume = source.export_later, destination.resume
+
+    def slow_export(*args, **kwargs):  # each stage's export takes 2 ms of the source's clock
+        cluster.clock.advance(0.002)
+        return export_later(*args, **kwargs)
+
+    def slow_resume(*args, **kwargs):  # resuming takes 5 ms of the destination's
+        cluster.clock.advance(0.005)
+        return resume(*args, **kwargs)
+
+    source.export_later, destination.resume = slow_export, slow_resume
+    cluster["i0"].add_request(make_request("r", 120, 60))
+    for _ in range(3):
+        cluster.step_all()
+    assert cluster["i0"].migrate_out("i1", "r") is not None
+    cluster.run_until_idle()
+    (event,) = cluster.committed()
+    assert event.downtime_source == pytest.approx(0.002)  # the last stage's export, after the pause
+    assert event.downtime_destination == pytest.approx(0.005)
+    assert event.downtime >= event.downtime_source + event.downtime_destination - 1e-12
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 120, 60))
+    cluster.assert_no_leaks()
+
+
 def test_destination_out_of_blocks_refuses_and_request_completes_at_source():
     config = small_config(total_blocks=8)
     cluster = InProcessCluster(2, config)

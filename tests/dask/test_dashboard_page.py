@@ -27,7 +27,8 @@ def row(instance: str, state: str = "normal", free: int = 60, freeness: float = 
 
 def event(kind: str, t: float, request_id: str = "r1", downtime: float = 0.012) -> dict:
     return {"kind": kind, "time": t, "request_id": request_id, "source": "a", "destination": "b", "stages": 3,
-            "blocks": 40, "downtime": downtime, "reason": "" if kind == "committed" else "destination refused"}
+            "blocks": 40, "downtime": downtime, "downtime_source": downtime / 6, "downtime_destination": downtime / 4,
+            "reason": "" if kind == "committed" else "destination refused"}
 
 
 def status(rows: list[dict], committed: int = 1, aborted: int = 1, started: int = 3, downtime: float = 0.012) -> dict:
@@ -46,6 +47,7 @@ def test_instance_columns_show_memory_roles_and_queues():
 def test_migration_columns_are_newest_first_in_milliseconds():
     data = migration_columns([event("aborted", 100.0, "old", 0.0), event("committed", 200.0, "new")])
     assert data["request_id"] == ["new", "old"] and data["downtime_ms"] == [12.0, 0.0]
+    assert data["source_ms"] == [2.0, 0.0] and data["destination_ms"] == [3.0, 0.0]  # the downtime's parts
     assert data["reason"] == ["", "destination refused"]
 
 
