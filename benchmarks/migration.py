@@ -10,8 +10,9 @@ the other instance (the operator `migrate` call), and a few tokens after the swi
 
 Measured per migration: downtime (the source llumlet's pause-to-Committed time, from its
 migration event) and its parts (at the source: pause to the last stage handed to the transport;
-at the destination: that stage received to the request resumed; the rest: the transport), stages, blocks and bytes sent, total migration time (started to committed on
-the source), and the longest gap between two tokens arriving here after the migrate call (what a
+at the destination: that stage received to the request resumed; the rest: the transport),
+stages, blocks and bytes sent, total migration time (started to committed on the source), and
+the longest gap between two tokens arriving here after the migrate call (what a
 user sees: it also counts decoding stalled on the source while it copies a stage out).
 
 Each migrated request's tokens are checked against the same request left unmigrated ("exact").

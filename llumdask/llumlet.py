@@ -376,9 +376,9 @@ class Llumlet:
         if out.paused_at is None:  # a waiting request: it was not running, no downtime
             self._emit(MigrationEventKind.COMMITTED, out)
             return
-        handed = out.handed_at if out.handed_at is not None else now
+        assert out.handed_at is not None, "Committed answers the last stage, which set handed_at"
         self._emit(MigrationEventKind.COMMITTED, out, downtime=now - out.paused_at,
-                   downtime_source=handed - out.paused_at, downtime_destination=msg.taken_over)
+                   downtime_source=out.handed_at - out.paused_at, downtime_destination=msg.taken_over)
 
     def _source_lost_reason(self, out: _Outgoing) -> str:
         """Why a migration can no longer go on from the source ("" when it can)."""
