@@ -199,8 +199,8 @@ class RequestTiming:
     preemptions: int = 0
     preemption_loss: float = 0.0
     preempted_at: float | None = None
+    # Times the request moved to another instance (its KV, or its place in a queue).
     migrations: int = 0
-    migration_downtime: float = 0.0
     # Prompt tokens found in the engine's prefix cache when first scheduled (None: not reported).
     cached_tokens: int | None = None
 

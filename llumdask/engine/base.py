@@ -234,7 +234,7 @@ class MigrationState:
 
     def to_request(self) -> Request:
         """The destination side: the request this state continues (waiting or running as it left),
-        its timing carried over."""
+        its timing carried over and its migrations counted one more."""
         request = Request(
             request_id=self.request_id,
             prompt_token_ids=list(self.prompt_token_ids),
@@ -247,6 +247,7 @@ class MigrationState:
         )
         if self.timing is not None:
             request.timing = dataclasses.replace(self.timing)
+        request.timing.migrations += 1
         return request
 
 

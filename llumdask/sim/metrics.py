@@ -254,6 +254,7 @@ def summarize(
     result["makespan"] = max((r.timing.finished for r in finished), default=math.nan)
     result["preemption_count"] = sum(r.timing.preemptions for r in finished)
     result["preemption_loss_mean"] = _mean(r.timing.preemption_loss for r in finished)
+    result["migrated_requests"] = sum(r.timing.migrations > 0 for r in finished)
     result["prefix_hit_rate"] = prefix_hit_rate(finished)
     result.update(_sample_stats(samples, duration))
     result.update(_migration_stats(migrations))
