@@ -194,12 +194,15 @@ class Case:
     autoscale_startup_delay: float | None = None
     # The freeness band scaling keeps (autoscaling experiment only).
     band: tuple[float, float] | None = None
+    # Seconds above the band before an instance is drained (None: the configuration's).
+    scale_in_period: float | None = None
     timeline: bool = False
 
     @property
     def label(self) -> str:
         cv = f" cv {self.cv:g}" if self.cv is not None else ""
         band = f" band [{self.band[0]:g}, {self.band[1]:g}]" if self.band is not None else ""
+        band += f" in {self.scale_in_period:g}s" if self.scale_in_period is not None else ""
         pool = f" pool {self.pool_instances}" if self.pool_instances is not None else ""
         return (f"{self.experiment} {self.trace} load {self.load:g}{cv}{band} ({self.rate:.2f} req/s) {self.policy}{pool} "
                 f"seed {self.seed}")
@@ -327,15 +330,23 @@ def plan_cases(plan: PaperPlan, capacity: dict[Replay, float], headroom: Headroo
             for policy in PRIORITY_POLICIES
         ]
         cases += [
-            Case(AUTOSCALING, plan.autoscale_trace, load,
-                 load * capacity[Replay(plan.autoscale_trace, plan.autoscale_requests, seed)], policy,
-                 plan.autoscale_requests, autoscale_startup_delay=plan.autoscale_startup_delay, band=band, timeline=first,
-                 **(common | {"instances": plan.autoscale_initial_instances}))
+            autoscaling_case(plan, capacity, seed, load, band, policy, timeline=first)
             for load in plan.autoscale_loads
             for band in plan.autoscale_bands
             for policy in AUTOSCALING_POLICIES
         ]
     return cases
+
+
+def autoscaling_case(plan: PaperPlan, capacity: dict[Replay, float], seed: int, load: float,
+                     band: tuple[float, float], policy: str, *, timeline: bool = False,
+                     scale_in_period: float | None = None) -> Case:
+    """One run of the auto-scaling experiment: the plan's trace at `load`, scaling in `band`."""
+    return Case(AUTOSCALING, plan.autoscale_trace, load,
+                load * capacity[Replay(plan.autoscale_trace, plan.autoscale_requests, seed)], policy,
+                plan.autoscale_requests, plan.autoscale_initial_instances, plan.profile, seed,
+                autoscale_startup_delay=plan.autoscale_startup_delay, band=band, scale_in_period=scale_in_period,
+                timeline=timeline)
 
 
 def case_config(case: Case) -> LlumdaskConfig:
@@ -350,7 +361,9 @@ def case_config(case: Case) -> LlumdaskConfig:
     return replace(
         config,
         scaling=replace(config.scaling, enabled=True, band=case.band, min_instances=1,
-                        max_instances=AUTOSCALE_MAX_INSTANCES, startup_delay=case.autoscale_startup_delay or 0.0),
+                        max_instances=AUTOSCALE_MAX_INSTANCES, startup_delay=case.autoscale_startup_delay or 0.0,
+                        scale_in_period=(config.scaling.scale_in_period if case.scale_in_period is None
+                                         else case.scale_in_period)),
     )
 
 
