@@ -98,6 +98,9 @@ def test_migrated_request_continues_with_identical_tokens(
     stages, first = migrate(vllm_engine, peer_engine, "mig", f"m-{prompt_len}-{decode_before}", decode_between, streams)
     # The destination computed one token (the last sampled one); the rest of the KV was copied.
     assert first.num_prefill_tokens == 1 and first.batch_size == 1
+    # The request counts the move (it may have finished in that first step at the destination).
+    moved = peer_engine.get_request("mig") or next(r for r in first.finished if r.request_id == "mig")
+    assert (moved.timing.migrations, request.timing.migrations) == (1, 0)
     assert vllm_engine.get_request("mig") is None
     drain(peer_engine, streams[1])
     drain(vllm_engine, streams[0])
