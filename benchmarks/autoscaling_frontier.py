@@ -24,6 +24,7 @@ from llumdask.benchmarks.paper import (
     run_cases,
 )
 from llumdask.benchmarks.paper_report import equal_p99_savings
+from llumdask.benchmarks.plots import autoscaling_frontier_figure
 from llumdask.sim.run import write_json
 
 PERIODS = (10.0, 30.0, 60.0)
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     data["savings"] = {name: [dict(zip(("load", "p99_target", "infaas", "llumnix", "saving"), row)) for row in rows]
                        for name, rows in every.items()}
     write_json(path, data)
+    print(f"wrote {autoscaling_frontier_figure(medians, args.out / 'autoscaling_frontier.png')}")
     return 0
 
 

@@ -6,6 +6,7 @@ PNGs rendered by Agg, so plotting is safe inside a server process or a test.
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -143,6 +144,31 @@ def autoscaling_figure(results: PaperResults, path: Path) -> Path:
     _style_axes(over_time, title, "time (s)", False)
     for ax in (curves, over_time):
         ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def autoscaling_frontier_figure(results: PaperResults, path: Path) -> Path:
+    """Every (band, scale-in period) setting as a point of cost against P99 prefill, one panel per
+    load, and each policy's frontier: its cheapest setting meeting each P99 (the step line), which
+    the saving at equal P99 is read between."""
+    runs = [r for r in results.select(AUTOSCALING) if _finite(r.get("prefill_p99"))]
+    loads = sorted(dict.fromkeys(r["load"] for r in runs))
+    periods = sorted(dict.fromkeys(r["scale_in_period"] for r in runs))
+    fig = Figure(figsize=(5.5 * max(len(loads), 1), 3.8), layout="constrained")
+    for ax, load in zip(fig.subplots(1, max(len(loads), 1), squeeze=False)[0], loads):
+        for policy in dict.fromkeys(r["policy"] for r in runs):
+            color, _ = STYLE.get(policy, ("black", "."))
+            mine = sorted((r["prefill_p99"], r["instances_serving_mean"], r["scale_in_period"]) for r in runs
+                          if r["policy"] == policy and r["load"] == load)
+            for period, marker in zip(periods, "osD^v"):
+                ax.scatter([p for p, _, q in mine if q == period], [c for _, c, q in mine if q == period], color=color,
+                           marker=marker, s=18, label=f"{policy}, in after {period:g} s")
+            cheapest = list(itertools.accumulate((c for _, c, _ in mine), min))
+            ax.step([p for p, _, _ in mine], cheapest, where="post", color=color, linewidth=1.0)
+        _style_axes(ax, f"load {load:g}: cost vs P99 prefill, bands x scale-in periods", "prefill P99 (s)", False)
+        ax.set_xscale("log")
+        ax.set_ylabel("mean instances", fontsize=8)
+        ax.legend(fontsize=6)
     return _save(fig, path)
 
 

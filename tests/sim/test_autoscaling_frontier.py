@@ -65,6 +65,7 @@ def test_quick_run_writes_every_setting_and_the_savings(tmp_path, capsys):
     assert len(data["rows"]) == 2 * 2 * 2 and {r["scale_in_period"] for r in data["rows"]} == {10.0, 30.0}
     assert [n.split(":")[0] for n in data["notes"]] == ["both at 10 s", "both at 30 s", "each its cheapest"]
     assert data["facts"]["periods"] == [10.0, 30.0]
+    assert (tmp_path / "autoscaling_frontier.png").read_bytes().startswith(b"\x89PNG")
     runs = json.loads((tmp_path / "autoscaling_frontier_runs.json").read_text())
     assert len(runs) == len(data["rows"]) and {r["seed"] for r in runs} == {0}
     assert set(data["savings"]) == {"both at 10 s", "both at 30 s", "each its cheapest"}
