@@ -14,11 +14,10 @@ period is the operator's choice).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 
-from llumdask.benchmarks.common import float_list, parser, report
+from llumdask.benchmarks.common import float_list, parser, report, seed_range
 from llumdask.benchmarks.paper import (
     AUTOSCALING, AUTOSCALING_POLICIES, Case, PaperPlan, PaperResults, Replay, autoscaling_case, replay_capacity,
     run_cases,
@@ -32,9 +31,8 @@ PERIODS = (10.0, 30.0, 60.0)
 
 def cases(plan: PaperPlan, periods: list[float]) -> list[Case]:
     """Both policies over every load, band and scale-in period of the sweep, for every seed."""
-    capacity = {Replay(plan.autoscale_trace, plan.autoscale_requests, seed):
-                replay_capacity(Replay(plan.autoscale_trace, plan.autoscale_requests, seed), plan.instances, plan.profile)
-                for seed in plan.seeds}
+    replays = (Replay(plan.autoscale_trace, plan.autoscale_requests, seed) for seed in plan.seeds)
+    capacity = {replay: replay_capacity(replay, plan.instances, plan.profile) for replay in replays}
     return [autoscaling_case(plan, capacity, seed, load, band, policy, scale_in_period=period)
             for seed in plan.seeds for load in plan.autoscale_loads for band in plan.autoscale_bands
             for period in periods for policy in AUTOSCALING_POLICIES]
@@ -57,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--periods", type=float_list, default=list(PERIODS),
                    help="scale-in periods to sweep, seconds (default %(default)s)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated workload seeds (default %(default)s)")
+    p.add_argument("--seeds", type=seed_range, default=[0, 1, 2], help="FIRST-LAST or a list (default 0-2)")
     p.add_argument("--jobs", type=int, default=2, help="simulations at once (default %(default)s)")
     args = p.parse_args(argv)
-    plan = replace(PaperPlan(), seeds=tuple(int(s) for s in args.seeds.split(",")))
+    plan = replace(PaperPlan(), seeds=tuple(args.seeds))
     if args.quick:
         plan = replace(plan, seeds=plan.seeds[:1], autoscale_loads=(0.5,), autoscale_bands=((10.0, 60.0), (40.0, 240.0)),
                        autoscale_requests=500)
@@ -88,12 +86,10 @@ def main(argv: list[str] | None = None) -> int:
              "profile": plan.profile, "seeds": list(plan.seeds), "periods": periods,
              "wall_seconds": round(time.perf_counter() - started, 1)}
     table = [{k: r.get(k) for k, _, _ in columns} | {"band": f"[{r['band'][0]:g}, {r['band'][1]:g}]"} for r in rows]
-    path = report("autoscaling_frontier", args.out, table, columns, facts, notes)
-    # Every target's reading beside the best, for plots and later reading (too long to print).
-    data = json.loads(path.read_text())
-    data["savings"] = {name: [dict(zip(("load", "p99_target", "infaas", "llumnix", "saving"), row)) for row in rows]
-                       for name, rows in every.items()}
-    write_json(path, data)
+    # Every target's reading beside the best (too long to print).
+    every_target = {name: [dict(zip(("load", "p99_target", "infaas", "llumnix", "saving"), row)) for row in rows]
+                    for name, rows in every.items()}
+    report("autoscaling_frontier", args.out, table, columns, facts, notes, extra={"savings": every_target})
     print(f"wrote {autoscaling_frontier_figure(medians, args.out / 'autoscaling_frontier.png')}")
     return 0
 

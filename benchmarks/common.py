@@ -101,6 +101,21 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def seed_range(text: str) -> list[int]:
+    """"0-9" or "0,3,5" -> the seeds."""
+    try:
+        if "-" in text:
+            first, last = (int(part) for part in text.split("-", 1))
+            seeds = list(range(first, last + 1))
+        else:
+            seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"expected FIRST-LAST or distinct comma-separated seeds >= 0, got {text!r}")
+    return seeds
+
+
 def times(value: float | None) -> str:
     """A ratio for a sentence: 1.23x, or - when undefined."""
     return "-" if value is None else f"{value:.2f}x"
@@ -116,15 +131,16 @@ def tokens_alone(engine: Engine, request: Request) -> list[int]:
 
 
 def report(name: str, out: Path, rows: Sequence[dict[str, Any]], columns: Sequence[Column],
-           facts: dict[str, Any], notes: Sequence[str] = ()) -> Path:
-    """Print the facts, the table and the notes; write out/NAME.json with all of them."""
+           facts: dict[str, Any], notes: Sequence[str] = (), extra: dict[str, Any] | None = None) -> Path:
+    """Print the facts, the table and the notes; write out/NAME.json with all of them, and with
+    `extra` (data too long to print) beside them."""
     print(f"== {name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()))
     print(format_table(rows, columns))
     for note in notes:
         print(note)
     path = out / f"{name}.json"
     write_json(path, {"benchmark": name, "facts": facts, "rows": list(rows), "notes": list(notes),
-                      "machine": machine()})
+                      "machine": machine(), **(extra or {})})
     print(f"wrote {path}")
     return path
 

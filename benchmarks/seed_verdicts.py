@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llumdask.benchmarks.common import parser, report
+from llumdask.benchmarks.common import parser, report, seed_range
 from llumdask.benchmarks.paper import BASELINES, SERVING, Case, PaperPlan, Replay, case_key, replay_capacity, run_cases
 from llumdask.benchmarks.paper_report import against_worst_router, by_setting, finite_median, ratio, seed_pairs
 from llumdask.sim.presets import PRESETS
@@ -47,21 +47,6 @@ def setting(text: str) -> tuple[str, float]:
     if not sep or not trace or value is None:
         raise argparse.ArgumentTypeError(f"expected TRACE:LOAD with a load > 0, e.g. L-L:1, got {text!r}")
     return trace, value
-
-
-def seed_range(text: str) -> list[int]:
-    """"0-9" or "0,3,5" -> the seeds."""
-    try:
-        if "-" in text:
-            first, last = (int(part) for part in text.split("-", 1))
-            seeds = list(range(first, last + 1))
-        else:
-            seeds = [int(part) for part in text.split(",")]
-    except ValueError:
-        seeds = []
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-        raise argparse.ArgumentTypeError(f"expected FIRST-LAST or distinct comma-separated seeds >= 0, got {text!r}")
-    return seeds
 
 
 def cases(plan: PaperPlan, settings: list[tuple[str, float]], seeds: list[int], ours: str = "llumnix",

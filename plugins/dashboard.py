@@ -87,9 +87,9 @@ def migration_columns(events: Sequence[Mapping[str, Any]]) -> dict[str, list]:
         columns["destination"].append(e["destination"])
         columns["stages"].append(int(e.get("stages", 0)))
         columns["blocks"].append(int(e.get("blocks", 0)))
-        columns["downtime_ms"].append(round(1000.0 * float(e.get("downtime", 0.0)), 1))
-        columns["source_ms"].append(round(1000.0 * float(e.get("downtime_source", 0.0)), 1))
-        columns["destination_ms"].append(round(1000.0 * float(e.get("downtime_destination", 0.0)), 1))
+        for name, key in (("downtime_ms", "downtime"), ("source_ms", "downtime_source"),
+                          ("destination_ms", "downtime_destination")):
+            columns[name].append(round(1000.0 * float(e.get(key, 0.0)), 1))
         columns["reason"].append(e.get("reason", ""))
     return columns
 

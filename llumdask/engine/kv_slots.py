@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from llumdask.engine.pinned_memory import register_in_place
+
 if TYPE_CHECKING:
     import torch
 
@@ -55,8 +57,6 @@ class CudaSlots:
     side stream, the export enqueued at once and ordered after the step that wrote its blocks."""
 
     def __init__(self, blocks: int, block_size: int, width: int, device: str) -> None:
-        from llumdask.engine.pinned_memory import register_in_place
-
         register_in_place()  # before this process first touches the device
         import torch
 
