@@ -456,9 +456,11 @@ class GlobalScheduler:
             self.requested += add
             return ScaleDecision(add=add, remove=tuple(remove))
         if action is ScaleAction.TERMINATE:
-            victim = _fewest_running(settled)
-            self.set_terminating(victim, now)
-            return ScaleDecision(terminate=(victim,), remove=tuple(remove))
+            count = min(len(settled), len(live) - scaling.min_instances, max(1, pool.instances_spare(scaling.band[1])))
+            victims = _cheapest_to_drain(settled, count)
+            for victim in victims:
+                self.set_terminating(victim, now)
+            return ScaleDecision(terminate=victims, remove=tuple(remove))
         return ScaleDecision(remove=tuple(remove))
 
     def drained(self) -> list[str]:
@@ -553,7 +555,9 @@ class GlobalScheduler:
             raise UnknownInstance(f"unknown instance {instance_id!r}: never registered, or already removed") from None
 
 
-def _fewest_running(instances: list[_Instance]) -> str:
-    """The instance cheapest to drain: fewest running requests, then the freest (one total order)."""
-    fewest = min(i.load.num_running + i.num_pending for i in instances)
-    return max((i for i in instances if i.load.num_running + i.num_pending == fewest), key=lambda i: i.key).instance_id
+def _cheapest_to_drain(instances: list[_Instance], count: int) -> tuple[str, ...]:
+    """The `count` instances cheapest to drain: fewest running requests, then the freest (one
+    total order)."""
+    freest_first = sorted(instances, key=lambda i: i.key, reverse=True)
+    ordered = sorted(freest_first, key=lambda i: i.load.num_running + i.num_pending)
+    return tuple(i.instance_id for i in ordered[:count])

@@ -237,6 +237,16 @@ class PooledLoad:
         missing = low * max(self.requests, 1) - self.surplus
         return max(0, math.ceil(missing / capacity)) if missing > 0 else 0
 
+    def instances_spare(self, high: float) -> int:
+        """Instances of the mean capacity that can leave with the pooled freeness still at least
+        `high` (their requests move to the rest): scaling in by the surplus, the mirror of
+        `instances_short`. 0 if none (or no instance)."""
+        if self.instances == 0:
+            return 0
+        capacity = self.total_blocks / self.instances
+        spare = self.surplus - high * max(self.requests, 1)
+        return max(0, math.floor(spare / capacity))
+
 
 @functools.lru_cache(maxsize=65536)
 def instance_order(instance_id: str) -> tuple[tuple[tuple[str, int], ...], str]:

@@ -417,7 +417,24 @@ def test_scale_out_is_quick_and_scale_in_slow():
     assert run_scale(busy_cluster, 5.0) == [(5.0, ScaleDecision(add=2))]
     idle_cluster = scheduler(3, scaling=default)
     assert run_scale(idle_cluster, 29.0) == []
-    assert run_scale(idle_cluster, 30.0, start=30.0) == [(30.0, ScaleDecision(terminate=("i2",)))]
+    # Idle, one instance is enough: the two others go at once, the last registered first in a tie.
+    assert run_scale(idle_cluster, 30.0, start=30.0) == [(30.0, ScaleDecision(terminate=("i2", "i1")))]
+
+
+def test_scale_in_drains_as_many_as_the_surplus_allows():
+    gs = scheduler(5, scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), max_instances=8))
+    for k, running in enumerate((2, 1, 3, 1, 3)):
+        gs.report(load(f"i{k}", used=4 * running, running=running), 0.0)
+    pool = gs.pooled_load()  # 500 - 40 free blocks for 10 requests: F = 46, above the band
+    assert (pool.freeness, pool.instances_spare(40.0)) == (46.0, 0)  # one fewer would leave F = 36
+    gs.report(load("i4", used=4, running=1), 0.0)
+    pool = gs.pooled_load()  # 500 - 24 for 8: F = 59.5; two fewer leave 276 / 8 = 34.5, one fewer 47
+    assert pool.instances_spare(40.0) == 1
+    gs.report(load("i2", used=2, running=1), 0.0)  # 500 - 14 for 6: three fewer leave 186 / 6 = 31
+    assert gs.pooled_load().instances_spare(40.0) == 2
+    # Fewest running first (i1, i2, i3, i4 run one each), the freest of those first.
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i2", "i4")))]
+    assert [i.instance_id for i in gs.instances() if i.terminating] == ["i2", "i4"]
 
 
 def test_sustained_high_terminates_the_instance_with_fewest_running_requests():

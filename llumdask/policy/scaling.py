@@ -2,7 +2,8 @@
 
 Pooled F (`llumdask.load.PooledLoad`: the cluster summed as one instance) below the band for
 `scale-out-period` -> add as many instances as the deficit needs (the scheduler sizes it); above
-it for `scale-in-period` -> drain one. Out is quick and in is slow, as autoscalers usually are: a
+it for `scale-in-period` -> drain as many as the surplus above the band allows (at least one; the
+scheduler sizes it too). Out is quick and in is slow, as autoscalers usually are: a
 deficit is requests queueing now, a surplus only cost, and a drained instance takes a start-up
 to come back. Hysteresis keeps a load step or a load oscillating around a band edge from flapping
 the cluster: the timer restarts whenever the condition breaks, and after a decision the same
