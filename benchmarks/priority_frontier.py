@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from llumdask.benchmarks.common import float_list, int_list, parser, report
+from llumdask.benchmarks.common import float_list, int_list, parser, report, seed_range
 from llumdask.benchmarks.paper_report import priority_gain
 from llumdask.engine.headroom import derive_headroom
 from llumdask.engine.latency import load_profile
@@ -89,11 +89,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="headroom tolerances to sweep (default %(default)s)")
     p.add_argument("--pools", type=int_list, default=list(POOLS),
                    help="instances kept for high-priority requests by priority_pools, swept (default %(default)s)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated workload seeds (default %(default)s)")
+    p.add_argument("--seeds", type=seed_range, default=[0, 1, 2], metavar="FIRST-LAST|S,S,...",
+                   help="workload seeds (default 0-2)")
     p.add_argument("--jobs", type=int, default=2, help="simulations at once (default %(default)s)")
     args = p.parse_args(argv)
     plan = PaperPlan()
-    plan = replace(plan, seeds=tuple(int(s) for s in args.seeds.split(",")))
+    plan = replace(plan, seeds=tuple(args.seeds))
     if args.quick:
         plan = replace(plan, seeds=plan.seeds[:1], priority_cvs=(1.0,), priority_requests=1_000)
     started = time.perf_counter()

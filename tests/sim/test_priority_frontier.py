@@ -44,3 +44,12 @@ def test_quick_plan_cases_cover_base_every_tolerance_and_every_pool():
     assert sorted(headrooms) == [0.1, 0.2]
     assert {c.pool_instances for c in todo if c.policy == "priority_pools"} == {2, 4}
     assert all(c.pool_instances is None for c in todo if c.policy != "priority_pools")
+
+
+@pytest.mark.parametrize("seeds", ["x", "2-1", "0,0", "-1"])
+def test_bad_seeds_are_refused_before_anything_runs(seeds, capsys):
+    from llumdask.benchmarks.priority_frontier import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--seeds", seeds])
+    assert exit_.value.code == 2 and "--seeds" in capsys.readouterr().err
