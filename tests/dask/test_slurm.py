@@ -119,7 +119,7 @@ def test_a_slurm_cluster_scales_out_by_a_job_and_back_in_without_losing_a_reques
             results = [r.result() for r in running]
         assert seen == {"jobs": 2, "instances": 2}  # a second job came and its instance joined
         assert results == [reference_tokens(config, p, 200) for p in prompts]  # nothing lost, nothing changed
-        # Idle: the band drains one instance, then its job is cancelled.
+        # Idle: the band drains the second instance, then its job is cancelled.
         plugin = cluster.scheduler.plugins["llumdask"]
         wait_for(lambda: len(jobs_queued()) == 1 and len(llum.instances().rows) == 1, 60,
                  lambda: f"the scale-in: jobs {jobs_queued()}, scaling {list(plugin.scaling_log)}")
