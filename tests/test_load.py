@@ -282,7 +282,11 @@ def test_pooled_load_sums_instances_without_headroom():
     assert pool.instances_spare(8.0) == 1
 
 
-@given(st.integers(1, 64), st.integers(1, 1000), st.floats(-5e4, 5e4), st.integers(0, 500), st.floats(0, 100))
+# Halves of blocks: exact in binary, so the property is not at the mercy of rounding at the edge.
+_halves = st.integers(-100_000, 100_000).map(lambda n: n / 2)
+
+
+@given(st.integers(1, 64), st.integers(1, 1000), _halves, st.integers(0, 500), st.integers(0, 200).map(lambda n: n / 2))
 def test_instances_spare_is_the_most_that_keeps_the_pool_at_the_high_edge(count, capacity, surplus, requests, high):
     pool = PooledLoad(count * capacity, surplus, requests, count)
     spare = pool.instances_spare(high)
