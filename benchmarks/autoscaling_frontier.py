@@ -1,7 +1,7 @@
-"""Auto-scaling's cost at equal P99 prefill, with how soon an instance is drained swept beside the band.
+"""Auto-scaling's cost at equal P99 prefill, with how soon instances are drained swept beside the band.
 
 `llumdask bench paper` sweeps the freeness band with one scale-in period (30 s) for both policies.
-How long the pooled freeness must stay above the band before an instance drains is a setting
+How long the pooled freeness must stay above the band before instances drain is a setting
 whose best value depends on how an instance drains: Llumnix migrates its requests out within
 seconds, INFaaS++ waits for them to finish (minutes of decoding on L-L), so draining sooner costs
 INFaaS++ instances that serve nothing while they drain and a scale-out when the load comes back.

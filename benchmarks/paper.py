@@ -194,7 +194,7 @@ class Case:
     autoscale_startup_delay: float | None = None
     # The freeness band scaling keeps (autoscaling experiment only).
     band: tuple[float, float] | None = None
-    # Seconds above the band before an instance is drained (None: the configuration's).
+    # Seconds above the band before instances are drained (None: the configuration's).
     scale_in_period: float | None = None
     timeline: bool = False
 

@@ -456,8 +456,7 @@ class GlobalScheduler:
             self.requested += add
             return ScaleDecision(add=add, remove=tuple(remove))
         if action is ScaleAction.TERMINATE:
-            count = min(len(settled), len(live) - scaling.min_instances, max(1, pool.instances_spare(scaling.band[1])))
-            victims = _cheapest_to_drain(settled, count)
+            victims = _to_drain(settled, pool, scaling.band[1], len(live) - scaling.min_instances)
             for victim in victims:
                 self.set_terminating(victim, now)
             return ScaleDecision(terminate=victims, remove=tuple(remove))
@@ -555,9 +554,16 @@ class GlobalScheduler:
             raise UnknownInstance(f"unknown instance {instance_id!r}: never registered, or already removed") from None
 
 
-def _cheapest_to_drain(instances: list[_Instance], count: int) -> tuple[str, ...]:
-    """The `count` instances cheapest to drain: fewest running requests, then the freest (one
-    total order)."""
-    freest_first = sorted(instances, key=lambda i: i.key, reverse=True)
-    ordered = sorted(freest_first, key=lambda i: i.load.num_running + i.num_pending)
-    return tuple(i.instance_id for i in ordered[:count])
+def _to_drain(settled: list[_Instance], pool: PooledLoad, high: float, most: int) -> tuple[str, ...]:
+    """Instances to drain, the cheapest first (fewest running requests, then the freest: one total
+    order): at least one, then as many more as leave the pooled freeness at least `high`, each
+    counted with its own capacity; never more than `most`."""
+    freest_first = sorted(settled, key=lambda i: i.key, reverse=True)
+    ordered = sorted(freest_first, key=lambda i: i.load.num_running + i.num_pending)[:most]
+    victims, leaving = [ordered[0]], ordered[0].total_blocks
+    for instance in ordered[1:]:
+        leaving += instance.total_blocks
+        if not pool.keeps(high, leaving):
+            break
+        victims.append(instance)
+    return tuple(i.instance_id for i in victims)

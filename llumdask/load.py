@@ -237,15 +237,11 @@ class PooledLoad:
         missing = low * max(self.requests, 1) - self.surplus
         return max(0, math.ceil(missing / capacity)) if missing > 0 else 0
 
-    def instances_spare(self, high: float) -> int:
-        """Instances of the mean capacity that can leave with the pooled freeness still at least
-        `high` (their requests move to the rest): scaling in by the surplus, the mirror of
-        `instances_short`. 0 if none (or no instance)."""
-        if self.instances == 0:
-            return 0
-        capacity = self.total_blocks / self.instances
-        spare = self.surplus - high * max(self.requests, 1)
-        return max(0, math.floor(spare / capacity))
+    def keeps(self, high: float, leaving_blocks: int) -> bool:
+        """Whether the pooled freeness stays at least `high` once instances of `leaving_blocks`
+        in all leave (their requests moving to the rest): how far scaling in by the surplus, the
+        mirror of `instances_short`, may go."""
+        return per_request(self.surplus - leaving_blocks, self.requests) >= high
 
 
 @functools.lru_cache(maxsize=65536)

@@ -417,7 +417,7 @@ def test_scale_out_is_quick_and_scale_in_slow():
     assert run_scale(busy_cluster, 5.0) == [(5.0, ScaleDecision(add=2))]
     idle_cluster = scheduler(3, scaling=default)
     assert run_scale(idle_cluster, 29.0) == []
-    # Idle, one instance is enough: the two others go at once, the last registered first in a tie.
+    # Idle, one instance is enough: the two others go at once, the last in natural id order first in a tie.
     assert run_scale(idle_cluster, 30.0, start=30.0) == [(30.0, ScaleDecision(terminate=("i2", "i1")))]
 
 
@@ -426,15 +426,36 @@ def test_scale_in_drains_as_many_as_the_surplus_allows():
     for k, running in enumerate((2, 1, 3, 1, 3)):
         gs.report(load(f"i{k}", used=4 * running, running=running), 0.0)
     pool = gs.pooled_load()  # 500 - 40 free blocks for 10 requests: F = 46, above the band
-    assert (pool.freeness, pool.instances_spare(40.0)) == (46.0, 0)  # one fewer would leave F = 36
+    assert pool.freeness == 46.0 and not pool.keeps(40.0, 100)  # one fewer would leave F = 36
     gs.report(load("i4", used=4, running=1), 0.0)
-    pool = gs.pooled_load()  # 500 - 24 for 8: F = 59.5; two fewer leave 276 / 8 = 34.5, one fewer 47
-    assert pool.instances_spare(40.0) == 1
-    gs.report(load("i2", used=2, running=1), 0.0)  # 500 - 14 for 6: three fewer leave 186 / 6 = 31
-    assert gs.pooled_load().instances_spare(40.0) == 2
-    # Fewest running first (i1, i2, i3, i4 run one each), the freest of those first.
+    pool = gs.pooled_load()  # 500 - 32 for 8: F = 58.5; one fewer leaves 368 / 8 = 46, two 268 / 8
+    assert pool.keeps(40.0, 100) and not pool.keeps(40.0, 200)
+    gs.report(load("i2", used=2, running=1), 0.0)  # 500 - 22 for 6: two fewer leave 278 / 6, three 178 / 6
+    assert gs.pooled_load().keeps(40.0, 200) and not gs.pooled_load().keeps(40.0, 300)
+    # Fewest running first (i1 .. i4 run one each), then the freest: i2 (F = 98), then i1, i3 and
+    # i4 (F = 96 each), the last in natural id order first.
     assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i2", "i4")))]
     assert [i.instance_id for i in gs.instances() if i.terminating] == ["i2", "i4"]
+
+
+def test_scale_in_counts_each_victims_own_capacity():
+    def cluster(used: dict[str, tuple[int, int]]) -> GlobalScheduler:
+        """i0 and i1 of 100 blocks, i2 of 400 (the mean 200), with `used` (blocks, requests)."""
+        gs = GlobalScheduler(LlumdaskConfig(scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), max_instances=8)))
+        for instance_id, blocks in (("i0", 100), ("i1", 100), ("i2", 400)):
+            gs.register_instance(instance_id, blocks, BLOCK_SIZE, 0.0)
+            gs.mark_ready(instance_id, 0.0)
+            n, running = used.get(instance_id, (0, 0))
+            gs.report(InstanceLoad(instance_id, blocks, BLOCK_SIZE, blocks - n, running, 0,
+                                   running_blocks={Priority.NORMAL: n}, running_count={Priority.NORMAL: running}), 0.0)
+        return gs
+
+    # 600 - 124 free blocks for 4 requests: 316 may leave with F >= 40. The two small idle
+    # instances (200) may both go, where instances of the mean capacity would let one.
+    assert run_scale(cluster({"i2": (124, 4)}), 30.0) == [(30.0, ScaleDecision(terminate=("i1", "i0")))]
+    # 600 - 16 for 4: 424 may leave. The large idle one goes first (fewest running), and one more
+    # would make 500: it goes alone, where the mean capacity would let two.
+    assert run_scale(cluster({"i0": (8, 2), "i1": (8, 2)}), 30.0) == [(30.0, ScaleDecision(terminate=("i2",)))]
 
 
 def test_sustained_high_terminates_the_instance_with_fewest_running_requests():

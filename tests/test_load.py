@@ -20,7 +20,6 @@ from llumdask.load import (
     freeness_key,
     headroom_blocks,
     instance_order,
-    per_request,
     virtual_usage,
 )
 from llumdask.load import migration_freeness as freeness
@@ -278,21 +277,15 @@ def test_pooled_load_sums_instances_without_headroom():
     assert pool.freeness == pytest.approx(135 / 4)
     assert pool.instances_short(10.0) == 0
     assert pool.instances_short(60.0) == 2  # 240 free blocks needed, 105 missing: two of 100
-    assert pool.instances_spare(10.0) == 0  # one fewer: 35 free blocks for 4 requests, below 10
-    assert pool.instances_spare(8.0) == 1
+    assert not pool.keeps(10.0, 100)  # one instance fewer: 35 free blocks for 4 requests
+    assert pool.keeps(8.0, 103) and not pool.keeps(8.0, 104)  # 32 / 4 = 8, 31 / 4 below
 
 
-# Halves of blocks: exact in binary, so the property is not at the mercy of rounding at the edge.
-_halves = st.integers(-100_000, 100_000).map(lambda n: n / 2)
-
-
-@given(st.integers(1, 64), st.integers(1, 1000), _halves, st.integers(0, 500), st.integers(0, 200).map(lambda n: n / 2))
-def test_instances_spare_is_the_most_that_keeps_the_pool_at_the_high_edge(count, capacity, surplus, requests, high):
-    pool = PooledLoad(count * capacity, surplus, requests, count)
-    spare = pool.instances_spare(high)
-    leaves = lambda k: per_request(surplus - k * capacity, requests) >= high  # noqa: E731
-    assert spare >= 0 and not leaves(spare + 1)
-    assert spare == 0 or leaves(spare)
+@given(st.integers(-10_000, 10_000), st.integers(0, 500), st.floats(0, 100), st.integers(0, 5_000), st.integers(0, 5_000))
+def test_more_capacity_leaving_never_keeps_more(surplus, requests, high, fewer, more):
+    pool = PooledLoad(10_000, float(surplus), requests, 10)
+    fewer, more = sorted((fewer, more))
+    assert pool.keeps(high, more) <= pool.keeps(high, fewer)
 
 
 @given(instances(), instances(), st.text(min_size=1, max_size=3), st.text(min_size=1, max_size=3))
