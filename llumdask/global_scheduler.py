@@ -113,7 +113,7 @@ class _Instance:
 
     __slots__ = (
         "instance_id", "order", "total_blocks", "block_size", "headroom", "ready", "joined_at", "terminating",
-        "reported_since_terminating", "removal_decided", "load", "last_report_at", "handed", "pending",
+        "reported_since_terminating", "removal_decided", "scaled_in", "resuming", "load", "last_report_at", "handed", "pending",
         "num_pending", "pending_blocks", "pending_prompt_tokens", "pending_classes", "freeness", "key",
         "dispatch_freeness", "dispatch_surplus",
     )
@@ -129,6 +129,10 @@ class _Instance:
         self.terminating = False
         self.reported_since_terminating = False
         self.removal_decided = False
+        # Draining because scaling chose it (so scaling may take it back; an operator's drain it
+        # never does), and taken back with reports still saying it drains until one says otherwise.
+        self.scaled_in = False
+        self.resuming = False
         # Until its first report an instance is known to be empty.
         self.load = InstanceLoad(instance_id, total_blocks, block_size, free_blocks=total_blocks, num_running=0, num_waiting=0)
         self.last_report_at: float | None = None
@@ -201,6 +205,10 @@ class _Instance:
                 del self.pending_classes[priority]
         # Requests handed to it by someone else (e.g. before this scheduler started) move the count on.
         self.handed = max(self.handed, received)
+        if self.resuming:
+            # Made before the instance heard it was taken back: the flag is stale, the rest is not.
+            self.resuming = load.terminating
+            load = replace(load, terminating=False)
         self.load = load
         if load.terminating and not self.terminating:
             self.terminating = True
@@ -302,6 +310,7 @@ class GlobalScheduler:
     def set_terminating(self, instance_id: str, now: float) -> None:
         """Drain an instance: F = -inf, no new requests, everything migrates out. Idempotent."""
         instance = self._get(instance_id)
+        instance.scaled_in = instance.resuming = False
         if not instance.terminating:
             instance.terminating = True
             instance.reported_since_terminating = False
@@ -430,6 +439,7 @@ class GlobalScheduler:
         Drained terminating instances are listed in `remove` once each (and in `drained()` until
         they are gone); the host closes them and calls `remove_instance`. With scaling disabled
         only `remove` is ever filled. No instance is added while requested ones are on their way.
+        Instances taken back (`resume`) are live again here already; the host tells each one.
         """
         remove = []
         for instance in self._instances.values():
@@ -445,20 +455,28 @@ class GlobalScheduler:
         settled = [i for i in live if i.joined_at is not None and now - i.joined_at >= scaling.scale_in_period]
         # Draining instances hold resources until removed; requested ones will.
         room = scaling.max_instances - len(self._instances) - self.requested
+        # Draining by a scale-in and not yet found drained: coming back costs no start-up.
+        returnable = [i for i in self._instances.values() if i.scaled_in and not i.removal_decided]
         action = self._scaling_policy.observe(
             now,
             pool.freeness if live else None,
-            can_add=room > 0 and not self.requested,
+            can_add=(room > 0 and not self.requested) or bool(returnable),
             can_terminate=len(live) > scaling.min_instances and bool(settled),
         )
         if action is ScaleAction.ADD:
-            add = min(room, max(1, pool.instances_short(scaling.band[0])))
+            low = scaling.band[0]
+            taken, pool = _to_take_back(returnable, pool, low)
+            for instance in taken:
+                self._resume(instance)
+            short = pool.instances_short(low)
+            add = 0 if self.requested else max(0, min(room, short if taken else max(1, short)))
             self.requested += add
-            return ScaleDecision(add=add, remove=tuple(remove))
+            return ScaleDecision(add=add, remove=tuple(remove), resume=tuple(i.instance_id for i in taken))
         if action is ScaleAction.TERMINATE:
             victims = _to_drain(settled, pool, scaling.band[1], len(live) - scaling.min_instances)
             for victim in victims:
                 self.set_terminating(victim, now)
+                self._instances[victim].scaled_in = True
             return ScaleDecision(terminate=victims, remove=tuple(remove))
         return ScaleDecision(remove=tuple(remove))
 
@@ -543,6 +561,14 @@ class GlobalScheduler:
         finally:
             candidates.reserve(None)
 
+    def _resume(self, instance: _Instance) -> None:
+        """Live again: placeable, counted in the pool, no longer a migration source."""
+        instance.terminating = instance.scaled_in = False
+        instance.resuming = True
+        instance.load = replace(instance.load, terminating=False)
+        instance.refresh()
+        self._membership_changed()
+
     def _membership_changed(self) -> None:
         self._candidates = None
         self.epoch += 1
@@ -552,6 +578,20 @@ class GlobalScheduler:
             return self._instances[instance_id]
         except KeyError:
             raise UnknownInstance(f"unknown instance {instance_id!r}: never registered, or already removed") from None
+
+
+def _to_take_back(returnable: list[_Instance], pool: PooledLoad, low: float) -> tuple[list[_Instance], PooledLoad]:
+    """Instances a scale-in is draining to take back, those holding the most requests first (the
+    most left to move, and the least yet moved): at least one, then more while the pooled freeness
+    with them counted stays below `low`; and the pool with them."""
+    ordered = sorted(returnable, key=lambda i: (-(i.load.num_running + i.load.num_waiting + i.num_pending), i.order))
+    taken: list[_Instance] = []
+    for instance in ordered:
+        if taken and pool.freeness >= low:
+            break
+        taken.append(instance)
+        pool += PooledLoad.of([(replace(instance.load, terminating=False), instance.pending_blocks, instance.num_pending)])
+    return taken, pool
 
 
 def _to_drain(settled: list[_Instance], pool: PooledLoad, high: float, most: int) -> tuple[str, ...]:

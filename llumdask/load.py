@@ -225,6 +225,10 @@ class PooledLoad:
             count += 1
         return cls(total, surplus, requests, count)
 
+    def __add__(self, other: "PooledLoad") -> "PooledLoad":
+        return PooledLoad(self.total_blocks + other.total_blocks, self.surplus + other.surplus,
+                          self.requests + other.requests, self.instances + other.instances)
+
     @property
     def freeness(self) -> float:
         return per_request(self.surplus, self.requests)

@@ -48,7 +48,7 @@ COUNTERS = (
     ("migrations", "Migrations started, committed (running requests, their KV moved live), handed over "
                    "(waiting requests, nothing to move) and aborted", "outcome", "migrations"),
     ("migrations_aborted", "Aborted live migrations, by reason", "reason", "aborted"),
-    ("scaling_events", "Scaling actions (terminate, add, remove)", "action", "scaling"),
+    ("scaling_events", "Scaling actions (terminate, resume, add, remove)", "action", "scaling"),
 )
 
 
@@ -62,7 +62,7 @@ class SchedulerMetrics:
         self.dispatches: Counter[str] = Counter()  # by outcome: placed, held, refused
         self.migrations: Counter[str] = Counter()  # started, committed, handed_over, aborted
         self.aborted: Counter[str] = Counter()  # by reason
-        self.scaling: Counter[str] = Counter()  # by action: terminate, add, remove
+        self.scaling: Counter[str] = Counter()  # by action: terminate, resume, add, remove
         self.migration_bytes = 0
         self.downtime = 0.0  # seconds, summed over committed migrations
         # The downtime histogram's buckets are the one thing the counts above cannot give.

@@ -378,13 +378,17 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         )
 
     def scale(self) -> None:
-        """Act on the scaling decision: drain victims; instances asked for and drained ones are
-        the global scheduler's to count, and Dask's adaptive deployment acts on them."""
+        """Act on the scaling decision: drain victims and take back draining ones (each told
+        over its stream); instances asked for and drained ones are the global scheduler's to
+        count, and Dask's adaptive deployment acts on them."""
         now = time.time()
         decision = self._scheduler().scale(now)
         for victim in decision.terminate:
             self._send(victim, {"op": Op.SET_TERMINATING, "flag": True})
             self._log_scaling(now, "terminate", victim)
+        for instance in decision.resume:
+            self._send(instance, {"op": Op.SET_TERMINATING, "flag": False})
+            self._log_scaling(now, "resume", instance)
         if decision.add:
             self._log_scaling(now, "add", None)
         for instance in decision.remove:

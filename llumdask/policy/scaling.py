@@ -1,10 +1,11 @@
 """Scaling (paper section 4.4.3): keep the cluster's pooled freeness inside a band.
 
 Pooled F (`llumdask.load.PooledLoad`: the cluster summed as one instance) below the band for
-`scale-out-period` -> add as many instances as the deficit needs (the scheduler sizes it); above
-it for `scale-in-period` -> drain as many as the surplus above the band allows (at least one; the
-scheduler sizes it too). Out is quick and in is slow, as autoscalers usually are: a
-deficit is requests queueing now, a surplus only cost, and a drained instance takes a start-up
+`scale-out-period` -> take back instances a scale-in is still draining (up and loaded, no
+start-up), then add as many new ones as the rest of the deficit needs (the scheduler sizes both);
+above it for `scale-in-period` -> drain as many as the surplus above the band allows (at least
+one; the scheduler sizes it too). Out is quick and in is slow, as autoscalers usually are: a
+deficit is requests queueing now, a surplus only cost, and a closed instance takes a start-up
 to come back. Hysteresis keeps a load step or a load oscillating around a band edge from flapping
 the cluster: the timer restarts whenever the condition breaks, and after a decision the same
 condition must hold for another full period before the next one.
@@ -20,15 +21,17 @@ from llumdask.config import ScalingConfig
 
 @dataclass(frozen=True)
 class ScaleDecision:
-    """`add` new instances; `terminate`: mark draining (F = -inf, everything migrates out);
-    `remove`: terminating instances now drained and empty, to close now."""
+    """`add` new instances; `resume`: instances a scale-in was draining, taken back before any new
+    one is asked for (up and loaded already, no start-up); `terminate`: mark draining (F = -inf,
+    everything migrates out); `remove`: terminating instances now drained and empty, to close now."""
 
     add: int = 0
     terminate: tuple[str, ...] = ()
     remove: tuple[str, ...] = ()
+    resume: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.add or self.terminate or self.remove)
+        return bool(self.add or self.terminate or self.remove or self.resume)
 
 
 class ScaleAction(enum.Enum):

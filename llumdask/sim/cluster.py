@@ -275,6 +275,8 @@ class SimCluster:
             self._start_instance(ready_at=self.events.now + self.config.scaling.startup_delay)
         for instance_id in decision.terminate:
             self.instances[instance_id].llumlet.set_terminating(True)
+        for instance_id in decision.resume:
+            self.instances[instance_id].llumlet.set_terminating(False)
         for instance_id in decision.remove:
             self.instances[instance_id].alive = False
             self.scheduler.remove_instance(instance_id)

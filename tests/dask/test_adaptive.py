@@ -80,3 +80,51 @@ def test_only_whole_drained_jobs_close():
     assert whole_jobs(["plain", "job-a-1", "job-a-0"], spec, 2) == ["plain"]
     assert whole_jobs(["job-a-1", "job-a-0", "plain"], spec, 3) == ["job-a-0", "job-a-1", "plain"]
     assert whole_jobs(["w1", "w2"], {}, 1) == ["w1"]
+
+
+def test_a_burst_takes_back_an_instance_that_is_still_draining():
+    """Without migration a drained instance keeps its requests until they finish; a burst meanwhile
+    takes it back (no start-up, within the maximum) rather than waiting for a new one."""
+    overrides = {
+        "sim-engine": {"total-blocks": 256, "real-time": True},
+        "migration": {"enabled": False},
+        "scaling": {"enabled": True, "band": [10.0, 60.0], "scale-out-period": 0.5, "scale-in-period": 2.0,
+                    "min-instances": 1, "max-instances": 2},
+    }
+    # The references need the same engine, not its pace.
+    config = load_config({**overrides, "sim-engine": {"total-blocks": 256}})
+    with local_cluster(2, config_overrides=overrides) as cluster, connect(cluster) as llum:
+        requests: list[tuple[list[int], int]] = []
+        streams, results, readers = [], [], []
+
+        def send(prompt: list[int], max_tokens: int) -> None:
+            stream = llum.stream(prompt, max_tokens=max_tokens)
+            got = [next(stream)]
+            reader = threading.Thread(target=lambda: got.extend(stream))
+            reader.start()
+            requests.append((prompt, max_tokens))
+            streams.append(stream)
+            results.append(got)
+            readers.append(reader)
+
+        for k in range(2):  # one long request on each instance: neither can be drained empty
+            send(prompt_of(90 + k, 40), 400)
+        assert {s.instance for s in streams} == set(llum.dask_client.scheduler_info()["workers"])
+        # Idle enough for one instance: a drain, which waits for the victim's request to finish.
+        wait_until(lambda: "terminate" in actions(llum), 30, what="a scale-in")
+        log = llum.dask_client.sync(llum.dask_client.scheduler.llumnix_status)["scaling"]["log"]
+        victim = next(entry["instance"] for entry in log if entry["action"] == "terminate")
+        for k in range(24):  # the one instance left would queue: the victim comes back
+            send(prompt_of(100 + k, 80), 60)
+        wait_until(lambda: "resume" in actions(llum), 30, what="the draining instance taken back")
+        later = len(streams)
+        for k in range(8):
+            send(prompt_of(200 + k, 40), 20)
+        assert victim in {s.instance for s in streams[later:]}  # placeable again
+        assert n_workers(llum) == 2 and "add" not in actions(llum)
+        for reader in readers:
+            reader.join(120)
+        for got, (prompt, max_tokens) in zip(results, requests):
+            assert got == reference_tokens(config, prompt, max_tokens)
+        assert actions(llum)[:2] == ["terminate", "resume"]
+        assert_workers_clean(llum.dask_client)
