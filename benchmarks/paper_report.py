@@ -772,11 +772,13 @@ REASONS = {
         "other processes held the CPU, while the median is the cost of the call itself."
     ),
     "autoscale_cost": (
-        "Both policies scale on the same rule (pooled freeness in a band, out by the deficit, in by the surplus); "
-        "the saving is read between their cost-vs-P99 curves over the band sweep, each policy's cheapest "
-        "band meeting a P99 target. Llumnix drains an instance by migrating its requests out, INFaaS++ by letting "
-        "them finish, so Llumnix can retire an instance sooner; what it saves depends on how often the load "
-        "lets an instance go."
+        "Both policies scale on the same rules (pooled freeness in a band, out by the deficit, first taking back "
+        "instances still draining, in by the surplus); the saving is read between their cost-vs-P99 curves over "
+        "the band sweep, each policy's cheapest band meeting a P99 target. Llumnix drains an instance by migrating "
+        "its requests out, INFaaS++ by letting them finish, so Llumnix can retire an instance sooner; what it saves "
+        "depends on how often the load lets an instance go. The other side of slow drains: a burst finds "
+        "INFaaS++'s draining instances still up and takes them back without a start-up, where Llumnix's have "
+        "closed."
     ),
 }
 
