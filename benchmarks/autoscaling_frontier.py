@@ -4,7 +4,7 @@
 How long the pooled freeness must stay above the band before instances drain is a setting
 whose best value depends on how an instance drains: Llumnix migrates its requests out within
 seconds, INFaaS++ waits for them to finish (minutes of decoding on L-L), so draining sooner costs
-INFaaS++ instances that serve nothing while they drain and a scale-out when the load comes back.
+INFaaS++ instances that serve little while they drain, which a scale-out then takes back.
 This runs the paper's auto-scaling experiment over bands x scale-in periods for both policies on
 the same requests (every seed) and reads the saving at equal P99 prefill the way the report does
 (each policy's cheapest setting whose median P99 prefill meets a target): with both policies at
