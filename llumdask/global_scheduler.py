@@ -455,8 +455,10 @@ class GlobalScheduler:
         settled = [i for i in live if i.joined_at is not None and now - i.joined_at >= scaling.scale_in_period]
         # Draining instances hold resources until removed; requested ones will.
         room = scaling.max_instances - len(self._instances) - self.requested
-        # Draining by a scale-in and not yet found drained: coming back costs no start-up.
-        returnable = [i for i in self._instances.values() if i.scaled_in and not i.removal_decided]
+        # Draining by a scale-in, seen so by a report (so every report older than the drain is in)
+        # and not yet found drained: coming back costs no start-up.
+        returnable = [i for i in self._instances.values()
+                      if i.scaled_in and i.reported_since_terminating and not i.removal_decided]
         action = self._scaling_policy.observe(
             now,
             pool.freeness if live else None,

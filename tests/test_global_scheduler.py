@@ -535,7 +535,7 @@ def test_a_due_scale_out_takes_back_an_instance_a_scale_in_is_draining(max_insta
                                             max_instances=max_instances))
     gs.report(load("i0", used=4, running=2), 0.0)
     gs.report(load("i1", used=2, running=1), 0.0)
-    gs.report(load("i2", used=2, running=1), 0.0)  # pooled F = 292 / 4 = 73; without one, 92 / 4
+    gs.report(load("i2", used=2, running=1), 0.0)  # pooled F = 292 / 4 = 73; without one 192 / 4, two 92 / 4
     assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i2",)))]
     gs.report(load("i2", used=2, running=1, terminating=True), 31.0)  # its request cannot move
     busy(gs, "i0")
@@ -553,7 +553,7 @@ def test_a_due_scale_out_takes_back_an_instance_a_scale_in_is_draining(max_insta
 
 def test_take_back_only_what_scaling_drained_and_only_as_much_as_the_deficit_needs():
     gs = scheduler(5, scaling=ScalingConfig(enabled=True, band=(10.0, 20.0), scale_out_period=5.0, scale_in_period=30.0,
-                                            max_instances=5))
+                                            max_instances=8))
     for instance_id, running in (("i0", 3), ("i1", 3), ("i2", 3), ("i3", 1), ("i4", 2)):
         gs.report(load(instance_id, used=2 * running, running=running), 0.0)
     # Pooled 476 / 12 = 39.7; without two instances, 276 / 12 = 23: i3 (fewest running), then i4.
@@ -564,7 +564,7 @@ def test_take_back_only_what_scaling_drained_and_only_as_much_as_the_deficit_nee
     gs.report(load("i2", used=6, running=3, terminating=True), 31.0)
     for instance_id in ("i0", "i1"):
         gs.report(load(instance_id, used=80, running=5), 31.0)  # pooled 40 / 10
-    # i4 back makes 136 / 12, inside the band: nothing more, and no room to add anyway.
+    # i4 back makes 136 / 12, inside the band: nothing more, and no new instance though there is room.
     assert run_scale(gs, 36.0, start=31.0) == [(31.0, ScaleDecision(remove=("i3",))), (36.0, ScaleDecision(resume=("i4",)))]
     assert gs.members()[1] == ["i0", "i1", "i4"]
 
