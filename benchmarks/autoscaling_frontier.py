@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = replace(PaperPlan(), seeds=tuple(args.seeds))
     if args.quick:
         plan = replace(plan, seeds=plan.seeds[:1], autoscale_loads=(0.5,), autoscale_bands=((10.0, 60.0), (40.0, 240.0)),
-                       autoscale_requests=500)
+                       autoscale_requests=250)
     started = time.perf_counter()
     periods = sorted(args.periods)
     runs = run_cases(cases(plan, periods), args.jobs, print)

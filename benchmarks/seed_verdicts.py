@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rerun: policies among {', '.join((*BASELINES, args.policy))}")
     plan = PaperPlan()
     if args.quick:
-        plan = plan.with_requests(500)
+        plan = plan.with_requests(250)
     started = time.perf_counter()
     wanted = cases(plan, args.settings, args.seeds, args.policy, args.cv)
     runs_file = args.out / "seed_verdicts_runs.json"

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.quick:
-        args.seconds, args.probe_seconds = 60.0, 10.0
+        args.seconds, args.probe_seconds = 30.0, 10.0
     overrides = {"engine": "sim", "sim-engine": {"total-blocks": TOTAL_BLOCKS}}
     logs = args.logs / "soak"
     with deployment(args.instances, overrides, timeout=300) as running:

@@ -113,7 +113,7 @@ class _Instance:
 
     __slots__ = (
         "instance_id", "order", "total_blocks", "block_size", "headroom", "ready", "joined_at", "terminating",
-        "reported_since_terminating", "removal_decided", "scaled_in", "resuming", "load", "last_report_at", "handed", "pending",
+        "drain_order", "heard", "removal_decided", "scaled_in", "load", "last_report_at", "handed", "pending",
         "num_pending", "pending_blocks", "pending_prompt_tokens", "pending_classes", "freeness", "key",
         "dispatch_freeness", "dispatch_surplus",
     )
@@ -127,12 +127,14 @@ class _Instance:
         self.ready = False
         self.joined_at: float | None = None
         self.terminating = False
-        self.reported_since_terminating = False
+        # Drain orders (drain, take back) given so far, and whether the last report was made
+        # knowing the latest: one made before it reached the instance (in flight, or made just
+        # before) carries a stale `terminating`, and may show it empty while a migration comes in.
+        self.drain_order = 0
+        self.heard = False
         self.removal_decided = False
-        # Draining because scaling chose it (so scaling may take it back; an operator's drain it
-        # never does), and taken back with reports still saying it drains until one says otherwise.
+        # Draining because scaling chose it: scaling may take it back (an operator's drain never).
         self.scaled_in = False
-        self.resuming = False
         # Until its first report an instance is known to be empty.
         self.load = InstanceLoad(instance_id, total_blocks, block_size, free_blocks=total_blocks, num_running=0, num_waiting=0)
         self.last_report_at: float | None = None
@@ -205,18 +207,43 @@ class _Instance:
                 del self.pending_classes[priority]
         # Requests handed to it by someone else (e.g. before this scheduler started) move the count on.
         self.handed = max(self.handed, received)
-        if self.resuming:
-            # Made before the instance heard it was taken back: the flag is stale, the rest is not.
-            self.resuming = load.terminating
-            load = replace(load, terminating=False)
+        if self.drain_order == 0 < load.drain_order:
+            self.drain_order = load.drain_order  # this scheduler restarted: earlier orders stand
+        self.heard = load.drain_order == self.drain_order
+        if not self.heard:
+            if load.terminating != self.terminating:  # stale; the rest of the report is not
+                load = replace(load, terminating=self.terminating)
+        elif load.terminating:
+            self.terminating = True  # drained by an order this scheduler did not give
         self.load = load
-        if load.terminating and not self.terminating:
-            self.terminating = True
-        # Only a report the instance made knowing it drains: one sent before the flag reached it
-        # (in flight, or made just before) may show it empty while a migration comes in.
-        if self.terminating and load.terminating:
-            self.reported_since_terminating = True
         self.refresh()
+
+    def drain(self, by_scaling: bool) -> bool:
+        """Mark it terminating (a new order, unless it already was); `by_scaling`: a scale-in's
+        drain, which scaling may take back. Whether that changed its membership."""
+        self.scaled_in = by_scaling
+        if self.terminating:
+            return False
+        self.terminating = True
+        self._new_order()
+        return True
+
+    def resume(self) -> None:
+        """Taken back from a scale-in's drain: live again, placeable, counted in the pool, no
+        longer a migration source."""
+        self.terminating = self.scaled_in = False
+        self.load = replace(self.load, terminating=False)
+        self._new_order()
+
+    def _new_order(self) -> None:
+        self.drain_order += 1
+        self.heard = False
+        self.refresh()
+
+    @property
+    def pooled(self) -> tuple[InstanceLoad, int, int]:
+        """What the pooled load counts of it (`PooledLoad.of`)."""
+        return self.load, self.pending_blocks, self.num_pending
 
     @property
     def drained(self) -> bool:
@@ -224,7 +251,7 @@ class _Instance:
         load = self.load
         return (
             self.terminating
-            and self.reported_since_terminating
+            and self.heard
             and self.num_pending == 0
             and load.num_running == 0
             and load.num_waiting == 0
@@ -308,14 +335,16 @@ class GlobalScheduler:
         self._membership_changed()
 
     def set_terminating(self, instance_id: str, now: float) -> None:
-        """Drain an instance: F = -inf, no new requests, everything migrates out. Idempotent."""
-        instance = self._get(instance_id)
-        instance.scaled_in = instance.resuming = False
-        if not instance.terminating:
-            instance.terminating = True
-            instance.reported_since_terminating = False
-            instance.refresh()
+        """Drain an instance: F = -inf, no new requests, everything migrates out. Idempotent.
+        An operator's drain: scaling never takes it back."""
+        if self._get(instance_id).drain(by_scaling=False):
             self._membership_changed()
+
+    def drain_order(self, instance_id: str) -> tuple[bool, int]:
+        """What to tell the instance after it was drained or taken back: whether it drains, and
+        the order's number, which it echoes in its reports (`InstanceLoad.drain_order`)."""
+        instance = self._get(instance_id)
+        return instance.terminating, instance.drain_order
 
     def report(self, load: InstanceLoad, now: float, prefix: PrefixEvents | None = None) -> None:
         """Replace an instance's last load report; `prefix`: its prefix-cache changes since the last."""
@@ -455,10 +484,10 @@ class GlobalScheduler:
         settled = [i for i in live if i.joined_at is not None and now - i.joined_at >= scaling.scale_in_period]
         # Draining instances hold resources until removed; requested ones will.
         room = scaling.max_instances - len(self._instances) - self.requested
-        # Draining by a scale-in, seen so by a report (so every report older than the drain is in)
-        # and not yet found drained: coming back costs no start-up.
+        # Draining by a scale-in, seen so by a report made knowing it (so every report older than
+        # the drain is in) and not yet found drained: coming back costs no start-up.
         returnable = [i for i in self._instances.values()
-                      if i.scaled_in and i.reported_since_terminating and not i.removal_decided]
+                      if i.scaled_in and i.heard and not i.removal_decided]
         action = self._scaling_policy.observe(
             now,
             pool.freeness if live else None,
@@ -467,9 +496,7 @@ class GlobalScheduler:
         )
         if action is ScaleAction.ADD:
             low = scaling.band[0]
-            taken, pool = _to_take_back(returnable, pool, low)
-            for instance in taken:
-                self._resume(instance)
+            taken, pool = self._take_back(returnable, pool, low)
             short = pool.instances_short(low)
             add = 0 if self.requested else max(0, min(room, short if taken else max(1, short)))
             self.requested += add
@@ -477,9 +504,9 @@ class GlobalScheduler:
         if action is ScaleAction.TERMINATE:
             victims = _to_drain(settled, pool, scaling.band[1], len(live) - scaling.min_instances)
             for victim in victims:
-                self.set_terminating(victim, now)
-                self._instances[victim].scaled_in = True
-            return ScaleDecision(terminate=victims, remove=tuple(remove))
+                victim.drain(by_scaling=True)
+            self._membership_changed()
+            return ScaleDecision(terminate=tuple(i.instance_id for i in victims), remove=tuple(remove))
         return ScaleDecision(remove=tuple(remove))
 
     def drained(self) -> list[str]:
@@ -491,7 +518,7 @@ class GlobalScheduler:
         still starting (capacity on its way, nothing on it yet); draining ones are leaving. The
         requests held here count as queued demand: room for them is what scaling out adds."""
         counted = [i for i in self._instances.values() if not i.terminating]
-        pool = PooledLoad.of((i.load, i.pending_blocks, i.num_pending) for i in counted)
+        pool = PooledLoad.of(i.pooled for i in counted)
         if not self._held:
             return pool
         size = self.block_size or self._config.block_size
@@ -563,13 +590,21 @@ class GlobalScheduler:
         finally:
             candidates.reserve(None)
 
-    def _resume(self, instance: _Instance) -> None:
-        """Live again: placeable, counted in the pool, no longer a migration source."""
-        instance.terminating = instance.scaled_in = False
-        instance.resuming = True
-        instance.load = replace(instance.load, terminating=False)
-        instance.refresh()
-        self._membership_changed()
+    def _take_back(self, returnable: list[_Instance], pool: PooledLoad, low: float) -> tuple[list[_Instance], PooledLoad]:
+        """Take back instances a scale-in is draining, those holding the most requests first (the
+        most left to move, and the least yet moved): at least one, then more while the pooled
+        freeness with them counted stays below `low`; and the pool with them."""
+        ordered = sorted(returnable, key=lambda i: (-(i.load.num_running + i.load.num_waiting + i.num_pending), i.order))
+        taken: list[_Instance] = []
+        for instance in ordered:
+            if taken and pool.freeness >= low:
+                break
+            instance.resume()
+            taken.append(instance)
+            pool += PooledLoad.of([instance.pooled])
+        if taken:
+            self._membership_changed()
+        return taken, pool
 
     def _membership_changed(self) -> None:
         self._candidates = None
@@ -582,21 +617,7 @@ class GlobalScheduler:
             raise UnknownInstance(f"unknown instance {instance_id!r}: never registered, or already removed") from None
 
 
-def _to_take_back(returnable: list[_Instance], pool: PooledLoad, low: float) -> tuple[list[_Instance], PooledLoad]:
-    """Instances a scale-in is draining to take back, those holding the most requests first (the
-    most left to move, and the least yet moved): at least one, then more while the pooled freeness
-    with them counted stays below `low`; and the pool with them."""
-    ordered = sorted(returnable, key=lambda i: (-(i.load.num_running + i.load.num_waiting + i.num_pending), i.order))
-    taken: list[_Instance] = []
-    for instance in ordered:
-        if taken and pool.freeness >= low:
-            break
-        taken.append(instance)
-        pool += PooledLoad.of([(replace(instance.load, terminating=False), instance.pending_blocks, instance.num_pending)])
-    return taken, pool
-
-
-def _to_drain(settled: list[_Instance], pool: PooledLoad, high: float, most: int) -> tuple[str, ...]:
+def _to_drain(settled: list[_Instance], pool: PooledLoad, high: float, most: int) -> list[_Instance]:
     """Instances to drain, the cheapest first (fewest running requests, then the freest: one total
     order): at least one, then as many more as leave the pooled freeness at least `high`, each
     counted with its own capacity; never more than `most`."""
@@ -608,4 +629,4 @@ def _to_drain(settled: list[_Instance], pool: PooledLoad, high: float, most: int
         if not pool.keeps(high, leaving):
             break
         victims.append(instance)
-    return tuple(i.instance_id for i in victims)
+    return victims

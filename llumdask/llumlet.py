@@ -151,6 +151,7 @@ class Llumlet:
         self._received = 0
         self._migration_numbers = itertools.count()
         self._terminating = False
+        self._drain_order = 0
         self._outgoing: dict[str, _Outgoing] = {}
         self._outgoing_by_request: dict[str, str] = {}
         self._incoming: dict[str, _Incoming] = {}
@@ -187,9 +188,11 @@ class Llumlet:
                     self._abort_outgoing(out, reason, notify=True)
         return result
 
-    def set_terminating(self, flag: bool) -> None:
-        """A terminating instance reports infinite usage (drained by migration) and takes no migrants."""
+    def set_terminating(self, flag: bool, order: int = 0) -> None:
+        """A terminating instance reports infinite usage (drained by migration) and takes no migrants.
+        `order`: the scheduler's number for this drain order, echoed in every report from now on."""
         self._terminating = flag
+        self._drain_order = order
 
     @property
     def terminating(self) -> bool:
@@ -206,6 +209,7 @@ class Llumlet:
             num_migrating_in=len(self._incoming),
             num_received=self._received,
             terminating=self._terminating,
+            drain_order=self._drain_order,
             timestamp=self._clock(),
             **vars(totals),
         )

@@ -41,6 +41,7 @@ _DIGITS = re.compile(r"(\d+)")
 _COUNTS = (
     "num_running", "num_waiting", "head_of_line_demand", "waiting_demand", "pending_prefill_tokens",
     "reserved_blocks", "num_migrating_out", "num_migrating_in", "num_preemptions", "num_received", "num_pinned",
+    "drain_order",
 )
 
 
@@ -72,6 +73,9 @@ class InstanceLoad:
     # Running requests that never migrate (their sampling cannot move exactly).
     num_pinned: int = 0
     terminating: bool = False
+    # The number of the last drain order (drain or take back) the instance had heard when it made
+    # the report: a report made before the latest one reached it carries a stale `terminating`.
+    drain_order: int = 0
     timestamp: float = 0.0
 
     def __post_init__(self) -> None:

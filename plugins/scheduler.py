@@ -25,7 +25,7 @@ With `scaling.enabled` the plugin also answers Dask's own `adaptive_target` (an 
 autoscalers that take no Adaptive class (the Kubernetes operator); `valid_workers_downscaling`
 offers only drained instances to any retirement, so scale-in never drops a request.
 Stream ops from workers: llumnix_load(load), llumnix_event(event).
-Stream ops to workers: llumnix_migrate_to(destination), llumnix_set_terminating(flag),
+Stream ops to workers: llumnix_migrate_to(destination), llumnix_set_terminating(flag, order),
 llumnix_peer_lost(peer).
 """
 
@@ -287,7 +287,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             self._scheduler().set_terminating(instance, time.time())
         except UnknownInstance as exc:
             return refusal(exc)
-        self._send(instance, {"op": Op.SET_TERMINATING, "flag": True})
+        self._tell_drain_order(instance)
         return reply(Draining(True))
 
     async def migrate(self, request_id: str, destination: str, source: str | None = None) -> dict:
@@ -384,15 +384,19 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         now = time.time()
         decision = self._scheduler().scale(now)
         for victim in decision.terminate:
-            self._send(victim, {"op": Op.SET_TERMINATING, "flag": True})
+            self._tell_drain_order(victim)
             self._log_scaling(now, "terminate", victim)
         for instance in decision.resume:
-            self._send(instance, {"op": Op.SET_TERMINATING, "flag": False})
+            self._tell_drain_order(instance)
             self._log_scaling(now, "resume", instance)
         if decision.add:
             self._log_scaling(now, "add", None)
         for instance in decision.remove:
             self._log_scaling(now, "remove", instance)
+
+    def _tell_drain_order(self, instance: str) -> None:
+        flag, order = self._scheduler().drain_order(instance)
+        self._send(instance, {"op": Op.SET_TERMINATING, "flag": flag, "order": order})
 
     def _log_scaling(self, now: float, action: str, instance: str | None) -> None:
         self.scaling_log.append({"time": now, "action": action, "instance": instance})

@@ -340,8 +340,8 @@ class LlumletHost:
     def migrate_to(self, destination: str, take_waiting: bool = False) -> None:
         self._submit(functools.partial(self._llumlet().migrate_out, destination, take_waiting=take_waiting))
 
-    def set_terminating(self, flag: bool) -> None:
-        self._submit(self._llumlet().set_terminating, flag)
+    def set_terminating(self, flag: bool, order: int = 0) -> None:
+        self._submit(self._llumlet().set_terminating, flag, order)
 
     def peer_lost(self, peer: str) -> None:
         self._peer_lost(peer)

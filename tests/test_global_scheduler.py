@@ -41,13 +41,14 @@ def scheduler(n: int = 0, *, policy: str = "llumnix", interference_freeness: flo
 
 
 def load(instance_id: str, *, used: int = 0, running: int | None = None, waiting: int = 0, head: int = 0,
-         received: int = 0, out: int = 0, into: int = 0, terminating: bool = False) -> InstanceLoad:
+         received: int = 0, out: int = 0, into: int = 0, terminating: bool = False, order: int = 0) -> InstanceLoad:
+    """`order`: the drain order the instance had heard (the first drain is order 1, a take-back after it 2)."""
     running = (1 if used else 0) if running is None else running
     return InstanceLoad(
         instance_id, BLOCKS, BLOCK_SIZE, BLOCKS - used, running, waiting,
         running_blocks={Priority.NORMAL: used}, running_count={Priority.NORMAL: running},
         head_of_line_demand=head, waiting_demand=head, num_received=received,
-        num_migrating_out=out, num_migrating_in=into, terminating=terminating,
+        num_migrating_out=out, num_migrating_in=into, terminating=terminating, drain_order=order,
     )
 
 
@@ -537,7 +538,7 @@ def test_a_due_scale_out_takes_back_an_instance_a_scale_in_is_draining(max_insta
     gs.report(load("i1", used=2, running=1), 0.0)
     gs.report(load("i2", used=2, running=1), 0.0)  # pooled F = 292 / 4 = 73; without one 192 / 4, two 92 / 4
     assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i2",)))]
-    gs.report(load("i2", used=2, running=1, terminating=True), 31.0)  # its request cannot move
+    gs.report(load("i2", used=2, running=1, terminating=True, order=1), 31.0)  # its request cannot move
     busy(gs, "i0")
     busy(gs, "i1")  # pooled 20 free blocks for 20 requests
     # With i2 back, 118 / 21 is still short of 10 by 92 blocks: one instance of the mean 100,
@@ -545,9 +546,9 @@ def test_a_due_scale_out_takes_back_an_instance_a_scale_in_is_draining(max_insta
     assert run_scale(gs, 36.0, start=31.0) == [(36.0, ScaleDecision(add=add, resume=("i2",)))]
     assert gs.members()[1] == ["i0", "i1", "i2"] and gs.freeness("i2") == 98
     # A report made before the instance heard it was taken back still says it drains: stale.
-    gs.report(load("i2", used=2, running=1, terminating=True), 36.1)
+    gs.report(load("i2", used=2, running=1, terminating=True, order=1), 36.1)
     assert gs.freeness("i2") == 98 and gs.dispatch(info(), 36.1) == "i2"
-    gs.report(load("i2", used=2, running=1), 36.2)
+    gs.report(load("i2", used=2, running=1, order=2), 36.2)
     assert not gs.instances()[2].terminating and gs.drained() == []
 
 
@@ -558,10 +559,10 @@ def test_take_back_only_what_scaling_drained_and_only_as_much_as_the_deficit_nee
         gs.report(load(instance_id, used=2 * running, running=running), 0.0)
     # Pooled 476 / 12 = 39.7; without two instances, 276 / 12 = 23: i3 (fewest running), then i4.
     assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i3", "i4")))]
-    gs.report(load("i3", terminating=True), 31.0)  # drained: it closes
-    gs.report(load("i4", used=4, running=2, terminating=True), 31.0)
+    gs.report(load("i3", terminating=True, order=1), 31.0)  # drained: it closes
+    gs.report(load("i4", used=4, running=2, terminating=True, order=1), 31.0)
     gs.set_terminating("i2", 31.0)  # an operator's drain is the operator's
-    gs.report(load("i2", used=6, running=3, terminating=True), 31.0)
+    gs.report(load("i2", used=6, running=3, terminating=True, order=1), 31.0)
     for instance_id in ("i0", "i1"):
         gs.report(load(instance_id, used=80, running=5), 31.0)  # pooled 40 / 10
     # i4 back makes 136 / 12, inside the band: nothing more, and no new instance though there is room.
@@ -569,16 +570,34 @@ def test_take_back_only_what_scaling_drained_and_only_as_much_as_the_deficit_nee
     assert gs.members()[1] == ["i0", "i1", "i4"]
 
 
+@pytest.mark.parametrize(("busy_used", "taken"), [(80, ("i3",)), (90, ("i3", "i2"))])
+def test_take_back_the_instance_holding_the_most_requests_first_and_stop_at_the_deficit(busy_used, taken):
+    gs = scheduler(4, scaling=ScalingConfig(enabled=True, band=(10.0, 20.0), scale_out_period=5.0, scale_in_period=30.0,
+                                            max_instances=8))
+    for instance_id, running in (("i0", 3), ("i1", 3), ("i2", 1), ("i3", 2)):
+        gs.report(load(instance_id, used=running, running=running), 0.0)
+    # Pooled 391 / 9; without i2 291 / 9, without i3 too 191 / 9 >= 20, without i0 too 91 / 9.
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i2", "i3")))]
+    gs.report(load("i2", used=1, running=1, terminating=True, order=1), 31.0)
+    gs.report(load("i3", used=2, running=2, terminating=True, order=1), 31.0)
+    for instance_id in ("i0", "i1"):
+        gs.report(load(instance_id, used=busy_used, running=5), 31.0)
+    # i3 (two requests) comes back before i2 (one). 80 used: 40 / 10, with i3 138 / 12, in the band.
+    # 90 used: 20 / 10, with i3 118 / 12 still short, with i2 too 217 / 13; no new instance either way.
+    assert run_scale(gs, 36.0, start=31.0) == [(36.0, ScaleDecision(resume=taken))]
+    assert sorted(gs.members()[1]) == sorted(("i0", "i1") + taken)
+
+
 def test_drained_terminating_instances_are_removed_once():
     gs = scheduler(2)  # scaling disabled: removal still happens
     gs.report(load("i1", used=10, running=1), 0.0)
     gs.set_terminating("i1", 1.0)
     assert gs.scale(1.0) == ScaleDecision()  # no report since it was marked
-    gs.report(load("i1", used=10, running=1, out=1, terminating=True), 2.0)
+    gs.report(load("i1", used=10, running=1, out=1, terminating=True, order=1), 2.0)
     assert gs.scale(2.0) == ScaleDecision()  # still migrating its request out
-    gs.report(load("i1", into=1, terminating=True), 3.0)
+    gs.report(load("i1", into=1, terminating=True, order=1), 3.0)
     assert gs.scale(3.0) == ScaleDecision()  # something still on its way in
-    gs.report(load("i1", terminating=True), 4.0)
+    gs.report(load("i1", terminating=True, order=1), 4.0)
     assert gs.scale(4.0) == ScaleDecision(remove=("i1",))
     assert gs.scale(5.0) == ScaleDecision()
     assert gs.drained() == ["i1"]  # until its host has closed it
@@ -590,9 +609,9 @@ def test_a_terminating_instance_with_unreported_requests_is_not_drained():
     gs = scheduler(1)
     gs.dispatch(info(), 0.0)
     gs.set_terminating("i0", 0.0)
-    gs.report(load("i0", terminating=True), 1.0)  # the request has not arrived yet
+    gs.report(load("i0", terminating=True, order=1), 1.0)  # the request has not arrived yet
     assert gs.scale(1.0) == ScaleDecision()
-    gs.report(load("i0", received=1, terminating=True), 2.0)
+    gs.report(load("i0", received=1, terminating=True, order=1), 2.0)
     assert gs.scale(2.0) == ScaleDecision(remove=("i0",))
 
 
@@ -603,10 +622,41 @@ def test_only_a_report_made_knowing_it_drains_can_show_an_instance_drained():
     gs.set_terminating("i1", 1.0)
     gs.report(load("i1"), 1.1)  # empty, but made before it knew
     assert gs.scale(1.1) == ScaleDecision() and gs.drained() == []
-    gs.report(load("i1", into=1, terminating=True), 1.2)  # the migration had started meanwhile
+    gs.report(load("i1", into=1, terminating=True, order=1), 1.2)  # the migration had started meanwhile
     assert gs.scale(1.2) == ScaleDecision()
-    gs.report(load("i1", terminating=True), 1.3)
+    gs.report(load("i1", terminating=True, order=1), 1.3)
     assert gs.scale(1.3) == ScaleDecision(remove=("i1",))
+
+
+def test_a_drain_right_after_a_take_back_is_not_ended_by_a_report_older_than_it():
+    """Each drain and take-back is an order with a number the instance echoes: an operator's drain
+    right after a take-back cannot be shown drained by a report from the first drain."""
+    gs = scheduler(2, scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), scale_out_period=5.0, scale_in_period=30.0,
+                                            max_instances=2))
+    gs.report(load("i0", used=2, running=1), 0.0)
+    gs.report(load("i1", used=2, running=1), 0.0)
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i1",)))]
+    assert gs.drain_order("i1") == (True, 1)
+    gs.report(load("i1", used=2, running=1, terminating=True, order=1), 31.0)
+    busy(gs, "i0")
+    assert run_scale(gs, 36.0, start=31.0) == [(36.0, ScaleDecision(resume=("i1",)))]
+    assert gs.drain_order("i1") == (False, 2)
+    gs.set_terminating("i1", 36.0)
+    assert gs.drain_order("i1") == (True, 3)
+    gs.report(load("i1", terminating=True, order=1), 36.1)  # empty, but older than both orders
+    gs.report(load("i1", order=2), 36.2)  # made before it heard of the drain: still live there
+    assert gs.scale(36.2).remove == () and gs.instances()[1].terminating
+    gs.report(load("i1", terminating=True, order=3), 36.3)
+    assert gs.scale(36.3).remove == ("i1",)
+
+
+def test_a_restarted_scheduler_takes_the_orders_its_instances_heard_before():
+    gs = scheduler(2)
+    gs.report(load("i1", terminating=True, order=5), 0.0)  # drained by the scheduler before this one
+    assert gs.instances()[1].terminating and gs.scale(0.0).remove == ("i1",)
+    gs.report(load("i0", order=4), 0.0)  # taken back before
+    gs.set_terminating("i0", 1.0)
+    assert gs.drain_order("i0") == (True, 5)
 
 
 def test_scaling_disabled_never_adds_or_terminates():

@@ -273,10 +273,10 @@ class SimCluster:
         decision = self.scheduler.scale(self.events.now)
         for _ in range(decision.add):
             self._start_instance(ready_at=self.events.now + self.config.scaling.startup_delay)
-        for instance_id in decision.terminate:
-            self.instances[instance_id].llumlet.set_terminating(True)
-        for instance_id in decision.resume:
-            self.instances[instance_id].llumlet.set_terminating(False)
+        for instance_id in (*decision.terminate, *decision.resume):
+            self.instances[instance_id].llumlet.set_terminating(*self.scheduler.drain_order(instance_id))
+        for instance_id in decision.resume:  # its held requests placed on it at once
+            self._report(self.instances[instance_id])
         for instance_id in decision.remove:
             self.instances[instance_id].alive = False
             self.scheduler.remove_instance(instance_id)

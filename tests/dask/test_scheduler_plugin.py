@@ -119,12 +119,12 @@ def test_drained_instances_are_the_only_ones_offered_for_downscaling():
             plugin.register(w, 100, 16)
             plugin.ready(w)
         assert plugin.drain("a") == {"draining": True}
-        assert scheduler.stream_comms["a"].sent == [{"op": "llumnix_set_terminating", "flag": True}]
+        assert scheduler.stream_comms["a"].sent == [{"op": "llumnix_set_terminating", "flag": True, "order": 1}]
         assert plugin.drain("zzz")["error"] == "unknown-instance"
         workers = list(scheduler.workers.values())
         plugin.scale()
         assert plugin.valid_workers_downscaling(scheduler, workers) == []  # not seen drained yet
-        plugin.on_load(load("a", terminating=True))
+        plugin.on_load(load("a", terminating=True, drain_order=1))  # made knowing it drains
         plugin.scale()
         assert [ws.address for ws in plugin.valid_workers_downscaling(scheduler, workers)] == ["a"]
         assert plugin.adaptive_target() == {"target": 1, "drained": ("name-a",)}

@@ -1,4 +1,4 @@
-"""The soak benchmark at its smallest (`--quick`: a minute): real scheduler, worker and gateway
+"""The soak benchmark at its smallest (`--quick`: half a minute): real scheduler, worker and gateway
 processes at about 80% of measured capacity, requests migrated while they stream, one worker added
 and one drained and retired meanwhile. Behaviour: no request fails or stalls (the capacity probe's
 streams, started together right after the gateway comes up, included), no block leaks, no process
@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_a_minute_of_load_through_a_scale_cycle_loses_nothing(tmp_path):
+def test_half_a_minute_of_load_through_a_scale_cycle_loses_nothing(tmp_path):
     from llumdask.benchmarks.soak import main
 
     assert main(["--quick", "--out", str(tmp_path / "out"), "--logs", str(tmp_path / "logs")]) == 0
