@@ -31,7 +31,7 @@ from llumdask.api.gateway.detok import IncrementalText, check_stop
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer, model_location, stop_token_ids
 from llumdask.config import load_config
 from llumdask.engine.base import TokenLogprob
-from llumdask.plugins.control import MigrationNotStarted, NoLlumdaskScheduler, Op, RequestRejected, call
+from llumdask.plugins.control import MigrationNotStarted, MigrationPinned, NoLlumdaskScheduler, Op, RequestRejected, call
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import dask.bag
     import dask.dataframe
 
-__all__ = ["Generation", "InstanceTable", "LlumdaskClient", "MigrationNotStarted", "MigrationTable",
+__all__ = ["Generation", "InstanceTable", "LlumdaskClient", "MigrationNotStarted", "MigrationPinned", "MigrationTable",
            "NoLlumdaskScheduler", "RequestRejected", "TextIterator", "TokenIterator", "connect"]
 
 T = TypeVar("T")
@@ -419,7 +419,9 @@ class LlumdaskClient:
 
         `source` defaults to the instance streaming the request to this client; for a request
         this client did not submit (one served by the gateway: its response id is
-        `cmpl-<request id>`) the scheduler finds the instance running it.
+        `cmpl-<request id>`) the scheduler finds the instance running it. Refused with
+        `MigrationPinned` for a request whose sampling options cannot move exactly, with
+        `MigrationNotStarted` otherwise.
         """
         return self._sync(self._migrate, request_id, to, source)
 

@@ -407,6 +407,10 @@ class Llumlet:
         del self._outgoing[out.migration_id]
         del self._outgoing_by_request[out.request_id]
 
+    def pinned(self, request_id: str) -> bool:
+        """Running here and pinned: its sampling options cannot move exactly."""
+        return any(r.request_id == request_id and r.pinned for r in self.engine.snapshot().running)
+
     def _is_migratable(self, request_id: str) -> bool:
         """Running, and able to move now (not pinned by its sampling, not paused)."""
         return any(r.request_id == request_id and r.migratable for r in self.engine.snapshot().running)

@@ -36,12 +36,17 @@ class MigrationNotStarted(RuntimeError):
     """An operator migration was refused; the message says why."""
 
 
+class MigrationPinned(MigrationNotStarted):
+    """Refused because the request is pinned: its sampling options cannot move exactly."""
+
+
 # Every refusal a handler may answer, by the name it travels under.
 REFUSALS: dict[str, type[Exception]] = {
     "no-instance": NoInstanceAvailable,
     "overloaded": ClusterOverloaded,
     "unknown-instance": UnknownInstance,
     "rejected": RequestRejected,
+    "migration-pinned": MigrationPinned,  # before its base class: the first match names it
     "migration-not-started": MigrationNotStarted,
 }
 

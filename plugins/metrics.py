@@ -48,6 +48,8 @@ COUNTERS = (
     ("migrations", "Migrations started, committed (running requests, their KV moved live), handed over "
                    "(waiting requests, nothing to move) and aborted", "outcome", "migrations"),
     ("migrations_aborted", "Aborted live migrations, by reason", "reason", "aborted"),
+    ("migrations_refused", "Operator migrations refused, by reason (pinned: the request's sampling options "
+                           "cannot move exactly; not_started: any other)", "reason", "refused"),
     ("scaling_events", "Scaling actions (terminate, resume, add, remove)", "action", "scaling"),
 )
 
@@ -62,6 +64,7 @@ class SchedulerMetrics:
         self.dispatches: Counter[str] = Counter()  # by outcome: placed, held, refused
         self.migrations: Counter[str] = Counter()  # started, committed, handed_over, aborted
         self.aborted: Counter[str] = Counter()  # by reason
+        self.refused: Counter[str] = Counter()  # operator migrations, by reason: pinned, not_started
         self.scaling: Counter[str] = Counter()  # by action: terminate, resume, add, remove
         self.migration_bytes = 0
         self.downtime = 0.0  # seconds, summed over committed migrations

@@ -61,6 +61,7 @@ from llumdask.plugins.control import (
     InstanceState,
     Members,
     MigrationNotStarted,
+    MigrationPinned,
     Op,
     Placed,
     Ready,
@@ -260,7 +261,8 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             "migrations": {"committed": metrics.migrations["committed"],
                            "aborted": metrics.migrations["aborted"],
                            "started": metrics.migrations["started"],
-                           "downtime": metrics.downtime},
+                           "downtime": metrics.downtime,
+                           "refused": dict(metrics.refused)},
             "scaling": {"adds_wanted": self._scheduler().requested, "drained": sorted(self._scheduler().drained()),
                         "log": list(self.scaling_log)},
             "held": {"requests": len(self._scheduler().held), "oldest_s": self._scheduler().held.oldest(time.time())},
@@ -300,21 +302,29 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         roles = (("destination", destination),) if source is None else (("source", source), ("destination", destination))
         for role, instance in roles:
             if instance not in known or not known[instance].ready:
-                return refusal(MigrationNotStarted(f"{role} {instance!r} is not a ready instance"))
+                return self._refuse(MigrationNotStarted(f"{role} {instance!r} is not a ready instance"))
         if source == destination:
-            return refusal(MigrationNotStarted("source and destination are the same instance"))
+            return self._refuse(MigrationNotStarted("source and destination are the same instance"))
         if known[destination].terminating:
-            return refusal(MigrationNotStarted(f"destination {destination!r} is terminating"))
+            return self._refuse(MigrationNotStarted(f"destination {destination!r} is terminating"))
         sources = [source] if source is not None else [i for i, v in known.items() if v.ready and i != destination]
         refused = MigrationNotStarted(f"request {request_id!r} is not running (or cannot move now) on any other instance")
         for candidate in sources:
             try:
                 return reply(await call(self.scheduler.rpc(candidate), Op.MIGRATE_OUT, request_id=request_id,
                                         destination=destination))
+            except MigrationPinned as exc:
+                refused = exc
+                break
             except MigrationNotStarted as exc:
                 if source is not None:
                     refused = exc
-        return refusal(refused)
+        return self._refuse(refused)
+
+    def _refuse(self, exc: MigrationNotStarted) -> dict:
+        """An operator migration's refusal, counted by reason."""
+        self._metrics().refused["pinned" if isinstance(exc, MigrationPinned) else "not_started"] += 1
+        return refusal(exc)
 
     def adaptive_target(self) -> dict:
         return reply(self._adaptive_target())

@@ -53,6 +53,7 @@ from llumdask.plugins.control import (
     Aborted,
     Accepted,
     MigrationNotStarted,
+    MigrationPinned,
     MigrationStarted,
     NoLlumdaskScheduler,
     Op,
@@ -301,6 +302,9 @@ class LlumletHost:
     async def migrate_out(self, request_id: str, destination: str) -> dict:
         migration_id = await self._call(self._llumlet().migrate_out, destination, request_id)
         if migration_id is None:
+            if await self._call(self._llumlet().pinned, request_id):
+                return refusal(MigrationPinned(
+                    f"{request_id!r} is pinned to {self.instance_id}: its sampling options cannot move exactly"))
             return refusal(MigrationNotStarted(
                 f"{self.instance_id} did not start it: the request is not running here, cannot move exactly "
                 "(pinned by its sampling options), is already migrating, or migrations are at their limit"))

@@ -110,6 +110,10 @@ def test_forced_migration_keeps_the_stream_identical(clean, cluster_config):
 
 
 def test_operator_migration_of_an_unknown_request_is_refused(clean):
+    def refused() -> dict[str, int]:
+        return clean.dask_client.sync(clean.dask_client.scheduler.llumnix_status)["migrations"]["refused"]
+
+    before = refused()
     rows = clean.instances().rows
     with pytest.raises(MigrationNotStarted, match="not running here"):
         clean.migrate("no-such-request", to=rows[1]["instance"], source=rows[0]["instance"])
@@ -117,6 +121,8 @@ def test_operator_migration_of_an_unknown_request_is_refused(clean):
         clean.migrate("no-such-request", to="tcp://127.0.0.1:9", source=rows[0]["instance"])
     with pytest.raises(MigrationNotStarted, match="not running .* on any other instance"):
         clean.migrate("no-such-request", to=rows[1]["instance"])
+    after = refused()
+    assert after.get("not_started", 0) == before.get("not_started", 0) + 3 and "pinned" not in after
 
 
 def test_a_request_that_can_never_fit_is_rejected(clean):

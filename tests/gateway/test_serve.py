@@ -550,6 +550,48 @@ def test_a_migrated_stream_is_identical_to_an_unmigrated_one(server):
     assert text == server.tokenizer.decode(expected)
 
 
+def test_a_choice_of_several_migrates_exactly_with_a_stop_string_across_the_move(server):
+    """n = 2: each choice is a request of its own (choice 1 is `<id>-1`). Choice 1 moves after its
+    eighth token, inside a stop string (from its fourth token to its 200th) that completes on the
+    destination: both choices end where an unmigrated run's text meets it."""
+    from distributed import Client
+
+    from llumdask.api.client import connect
+
+    prompt = "Two choices, one of which moves while a stop string is under way"
+    tokens = reference(server, server.tokenizer.encode(prompt), LONG_STREAM, ignore_eos=True)
+    full, start = server.tokenizer.decode(tokens), len(server.tokenizer.decode(tokens[:3]))
+    stop = full[start:len(server.tokenizer.decode(tokens[:200]))]
+    assert full.find(stop) == start
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": LONG_STREAM, "temperature": 0, "n": 2, "stream": True,
+            "ignore_eos": True, "stop": [stop]}
+    texts, finish, batches = ["", ""], [None, None], [0, 0]
+    with Client(server.scheduler, timeout=30) as client, connect(client) as llum:
+        before = llum.instances().migrations["committed"]
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.auth, timeout=60) as r:
+            assert r.status_code == 200
+            moved = False
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk["choices"]:
+                    texts[choice["index"]] += choice["text"]
+                    batches[choice["index"]] += 1
+                    finish[choice["index"]] = choice["finish_reason"] or finish[choice["index"]]
+                # A chunk a step (its text held back while it may be the stop string's start):
+                # past the stop string's first token, well before its last.
+                if not moved and batches[1] == 8:
+                    assert finish == [None, None]
+                    owner = next(w for w, st in worker_statuses(client).items() if st["num_running"])
+                    destination = next(w for w in worker_statuses(client) if w != owner)
+                    llum.migrate(f"{chunk['id'].split('-', 1)[1]}-1", destination, source=owner)
+                    moved = True
+        assert moved and llum.instances().migrations["committed"] == before + 1
+        wait_until_clean(client)
+    assert texts == [full[:start]] * 2 and finish == ["stop", "stop"]
+
+
 def test_a_stream_survives_its_instance_being_killed(server):
     from distributed import Client
 

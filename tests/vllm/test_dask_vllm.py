@@ -178,14 +178,21 @@ def test_logprobs_cross_the_token_stream_and_a_migration(clean):
 
 def test_a_pinned_request_is_never_moved(clean):
     """A presence penalty counts only what vLLM generated where the request runs: it stays there."""
-    from llumdask.api.client import MigrationNotStarted
+    from llumdask.api.client import MigrationPinned
 
+    def refused() -> int:
+        return clean.dask_client.sync(clean.dask_client.scheduler.llumnix_status)["migrations"]["refused"].get("pinned", 0)
+
+    before = refused()
     stream = clean.stream(prompt_of("pinned", 40), max_tokens=60, ignore_eos=True, presence_penalty=0.5)
     tokens = [next(stream) for _ in range(5)]
     source = stream.instance
     destination = next(r["instance"] for r in clean.instances() if r["instance"] != source)
-    with pytest.raises(MigrationNotStarted, match="pinned"):
-        clean.migrate(stream.request_id, to=destination)
+    with pytest.raises(MigrationPinned, match=f"pinned to {source}"):
+        clean.migrate(stream.request_id, to=destination)  # the instance running it found by asking each
+    with pytest.raises(MigrationPinned):
+        clean.migrate(stream.request_id, to=destination, source=source)
+    assert refused() == before + 2  # counted (llumdask_migrations_refused_total{reason="pinned"})
     tokens += list(stream)
     assert len(tokens) == 60 and stream.instance == source
     events = worker_statuses(clean.dask_client)[source]["events"]
