@@ -773,7 +773,8 @@ WEATHER = {"type": "function", "function": {
 def test_a_tool_call_round_trip_through_the_openai_client_on_vllm(vllm_server):
     """required and a named function constrain the tiny model's answer into calls (whole and
     streamed); the call and its result go back as messages, and "auto" (vLLM's hermes parser)
-    returns the model's free answer as text: the same tokens as with the tools not read."""
+    returns the model's free answer as text: the same tokens as with the tools not read, streamed
+    or not, and in each of three choices."""
     client = vllm_server.openai()
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     parameters = WEATHER["function"]["parameters"]
@@ -809,6 +810,15 @@ def test_a_tool_call_round_trip_through_the_openai_client_on_vllm(vllm_server):
     # vLLM's prefix cache: reported for every request, block-aligned (128 tokens on CPU).
     cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
     assert all(c % 128 == 0 and 0 <= c < usage[0][0] for c in cached)
+    # The answer streamed, and three choices of it at once: usage counts every choice.
+    chunks = client.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER], tool_choice="auto",
+                                            max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == auto.message.content
+    three = client.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER], tool_choice="auto",
+                                           max_tokens=12, temperature=0, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert all(c.message.content == auto.message.content and c.message.tool_calls is None for c in three.choices)
+    assert (three.usage.prompt_tokens, three.usage.completion_tokens) == (usage[0][0], 3 * usage[0][1])
 
 
 @pytest.mark.vllm
