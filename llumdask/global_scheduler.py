@@ -247,7 +247,7 @@ class _Instance:
 
     @property
     def drained(self) -> bool:
-        """Terminating, seen so by a report, and nothing left on it or on its way to it."""
+        """Terminating, seen so by a report made knowing it, and nothing left on it or on its way to it."""
         load = self.load
         return (
             self.terminating

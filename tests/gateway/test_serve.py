@@ -744,6 +744,25 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
     ranked = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6, temperature=1.0, n=2,
                                        best_of=3, extra_body={"ignore_eos": True})
     assert [c.index for c in ranked.choices] == [0, 1] and ranked.usage.completion_tokens == 3 * 6
+    # Streamed, a completion's log probabilities are vLLM's too; chat's, whole, are the streamed ones.
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0, logprobs=2, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
+    assert [lp for s in streamed for lp in s.token_logprobs] == pytest.approx(
+        [own for own, _ in logprobs[4]["logprobs"]], abs=1e-4)
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[1]}], max_tokens=6,
+                                           temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    assert [e.token for e in whole.choices[0].logprobs.content] == [e.token for e in chat_entries]
+    assert [e.logprob for e in whole.choices[0].logprobs.content] == pytest.approx([e.logprob for e in chat_entries])
+    # vLLM's stop_token_ids end the answer at the first such token; its text only with include_stop_str_in_output.
+    stop = expected[0][6]
+    first = expected[0].index(stop)
+    for include in (False, True):
+        stopped = client.completions.create(
+            model=MODEL, prompt=prompts[0], max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True, "stop_token_ids": [stop], "include_stop_str_in_output": include})
+        assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == first + 1
+        assert stopped.choices[0].text == server.tokenizer.decode(expected[0][:first + include])
     # Structured outputs through vLLM's guided decoding: the answer parses and fits the schema.
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
               "additionalProperties": False}
