@@ -43,11 +43,17 @@ daemons:
 	      openssh-server openssh-client slurmctld slurmd slurm-client munge >/dev/null; } || \
 	  echo "no sshd or SLURM here (Debian's openssh-server, slurmctld, slurmd, munge): the SSH and SLURM tests will be skipped"
 
+# Test files run side by side on TEST_WORKERS processes (pytest-xdist), each file whole on one of
+# them: a file's shared engines and clusters start once. Each worker may hold a vLLM engine and a
+# local cluster at once, so raise it only with the cores and memory to match.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP) browser daemons
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not vllm"
+	$(PYTEST) -m "not slow and not vllm"
 
 serve: $(STAMP)
 	$(BIN)/llumdask serve
