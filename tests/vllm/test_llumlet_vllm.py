@@ -11,6 +11,7 @@ import pytest
 
 from llumdask.config import load_config
 from llumdask.engine.base import TokenOutput
+from llumdask.global_scheduler import GlobalScheduler
 from llumdask.llumlet import Llumlet, MigrationEvent, MigrationEventKind
 from llumdask.request import Request, SamplingParams
 from llumdask.transport import InProcessTransport
@@ -196,4 +197,53 @@ def test_a_preempted_request_is_handed_over_and_keeps_its_tokens(small_engine, v
     assert handed.waiting and handed.request_id == "r" and handed.blocks == 0 and handed.bytes == 0
     assert pair.sequence("r") == expected and len(pair.sequence("old")) == 60
     assert vllm_engine.get_request("r") is None and small_engine.get_request("r") is None
+    pair.assert_no_leaks()
+
+
+def test_a_drained_instance_hands_over_what_can_move_and_keeps_a_pinned_request_to_its_end(
+    vllm_engine, peer_engine, reference
+):
+    """The drain an operator or a scale-in orders, as the scheduler's host runs it: every round
+    the draining source is paired with a destination and asked for a migrant. A request pinned by
+    its sampling (a presence penalty counts what was generated where it runs) is never offered:
+    it ends where it is, with its own tokens, and only then is the instance drained."""
+    def pinned_request() -> Request:
+        request = make_request("pinned", 120, 60)
+        return replace(request, sampling=replace(request.sampling, presence_penalty=0.5))
+
+    expected = {"plain": reference(make_request("plain", 200, 150)), "pinned": reference(pinned_request())}
+    pair = Pair(vllm_engine, peer_engine)
+    src = pair.llumlets["src"]
+    scheduler = GlobalScheduler(load_config())
+    for name, llumlet in pair.llumlets.items():
+        load = llumlet.load_report()
+        scheduler.register_instance(name, load.total_blocks, load.block_size, 0.0)
+        scheduler.mark_ready(name, 0.0)
+    src.add_request(make_request("plain", 200, 150))
+    src.add_request(pinned_request())
+    for _ in range(5):
+        pair.step()
+    assert src.load_report().num_pinned == 1
+    scheduler.set_terminating("src", pair.clock())
+    src.set_terminating(*scheduler.drain_order("src"))
+    removed_at, pinned_ended_at, steps = None, None, 0
+    while removed_at is None:
+        now = pair.clock()
+        for llumlet in pair.llumlets.values():
+            scheduler.report(llumlet.load_report(), now)
+        if "src" in scheduler.scale(now).remove:
+            removed_at = steps
+        for migration in scheduler.pair_migrations(now):
+            assert (migration.source, migration.destination) == ("src", "dst")
+            pair.llumlets[migration.source].migrate_out(migration.destination, take_waiting=migration.take_waiting)
+        pair.step()
+        steps += 1
+        if pinned_ended_at is None and not any(r.request_id == "pinned" for r in src.engine.snapshot().running):
+            pinned_ended_at = steps
+        assert steps < 5000, "the drain did not end"
+    assert src.load_report().num_pinned == 0 and pinned_ended_at is not None and removed_at >= pinned_ended_at
+    assert [(e.kind, e.request_id) for e in pair.events] == [
+        (MigrationEventKind.STARTED, "plain"), (MigrationEventKind.COMMITTED, "plain")]
+    pair.run()  # the moved request goes on at its destination
+    assert {name: pair.sequence(name) for name in expected} == expected
     pair.assert_no_leaks()
