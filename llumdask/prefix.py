@@ -9,6 +9,7 @@ Deterministic across processes, so a requester and an engine in different proces
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -210,6 +211,26 @@ class PrefixIndex:
         """How many anchors the instance caches, as far as the index knows (each stands for a
         stride of blocks)."""
         return len(self._held.get(instance_id, ()))
+
+    def memory_bytes(self) -> int:
+        """What the index occupies: Python's own size of its containers and of every distinct
+        object in them (a hash several instances hold is one object or several, as it came)."""
+        seen: set[int] = set()
+        total = 0
+
+        def count(*objects: object) -> None:
+            nonlocal total
+            for o in objects:
+                if id(o) not in seen:
+                    seen.add(id(o))
+                    total += sys.getsizeof(o)
+
+        count(self._masks, self._held, self._slots, self._free_slots, *self._free_slots)
+        for h, bits in self._masks.items():
+            count(h, bits)
+        for instance_id, held in self._held.items():
+            count(instance_id, held, self._slots[instance_id], *held)
+        return total
 
     def lengths(self, hashes: Sequence[int]) -> np.ndarray | None:
         """Per slot, the length (in anchors) of the longest prefix of anchor `hashes` the instance

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -78,6 +80,25 @@ def test_the_index_finds_each_instances_longest_prefix_and_forgets_what_is_evict
     assert index.matches((1, 2)) == {"a": 1} and index.held_anchors("b") == 1
     index.drop("a")
     assert index.matches((1,)) == {} and index.held_anchors("a") == 0 and len(index) == 3
+
+
+def test_the_index_counts_its_bytes_as_it_grows_and_gives_them_back_when_an_instance_goes():
+    index = PrefixIndex()
+    empty = index.memory_bytes()
+    index.add("a")
+    one_instance = index.memory_bytes()
+    assert one_instance > empty
+    # 64-bit hashes beyond Python's small-int cache: every new hash is one more object.
+    hashes = tuple((1 << 63) + k for k in range(1000))
+    index.apply("a", PrefixEvents(stored=hashes))
+    full = index.memory_bytes()
+    assert full - one_instance > 1000 * sys.getsizeof(hashes[0])
+    # A second instance holding the same hash objects adds its set and its bits, not the hashes again.
+    index.apply("b", PrefixEvents(stored=hashes))
+    assert index.memory_bytes() - full < full - one_instance
+    index.drop("a")
+    index.drop("b")
+    assert index.memory_bytes() < full
 
 
 @settings(max_examples=200, deadline=None)
