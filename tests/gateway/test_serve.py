@@ -841,6 +841,41 @@ def test_a_tool_call_round_trip_through_the_openai_client_on_vllm(vllm_server):
 
 
 @pytest.mark.vllm
+def test_on_vllm_min_tokens_skip_special_tokens_suffix_and_parallel_tool_calls_do_what_they_say(vllm_server):
+    """vLLM's min_tokens and skip_special_tokens, OpenAI's suffix and parallel_tool_calls, through the
+    openai client on vLLM instances. The end-of-text token made all but certain (a logit bias)
+    shows each of the first two at once."""
+    import openai
+
+    client, tokenizer = vllm_server.openai(), vllm_server.tokenizer
+    eos = tokenizer.eos_token_id
+    ending = {"logit_bias": {str(eos): 100}}
+    # The end of text comes first; min_tokens holds it back exactly that many tokens.
+    at_once = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=20, temperature=0, **ending)
+    held = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=20, temperature=0,
+                                     extra_body={"min_tokens": 5}, **ending)
+    assert at_once.choices[0].finish_reason == held.choices[0].finish_reason == "stop"
+    assert at_once.usage.completion_tokens == 1 and at_once.choices[0].text == ""
+    assert held.usage.completion_tokens == 6 and held.choices[0].text
+    # Special tokens in the answer: left out of its text unless skip_special_tokens is false.
+    texts = [client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True, **skip}, **ending).choices[0].text
+             for skip in ({}, {"skip_special_tokens": False})]
+    assert texts == ["", tokenizer.decode([eos] * 3, skip_special_tokens=False)] and texts[1]
+    # A suffix asks for the middle: this model has no FIM tokens, so it is a 400 naming the field.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="def add(a, b):", suffix="print(add(1, 2))", max_tokens=4)
+    assert refused.value.body["param"] == "suffix" and "fill in the middle" in refused.value.body["message"]
+    # One call at most where parallel calls are off: the grammar vLLM decodes with allows one.
+    # (A random model may write whitespace within a grammar for a long while: this prompt closes in ~150 tokens.)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    single = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=300, temperature=0).choices[0]
+    assert single.finish_reason == "tool_calls" and len(single.message.tool_calls) == 1
+    jsonschema.validate(json.loads(single.message.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.vllm
 def test_on_vllm_tools_auto_migrates_exactly_and_a_pinned_request_outlives_its_instance(vllm_server):
     """Last in the module: it kills an instance. A chat stream with tools read by the hermes parser
     moves mid-stream and its text equals an unmigrated run's; a pinned request (presence penalty:
