@@ -411,7 +411,7 @@ class GlobalScheduler:
             return self._place(candidates, info, self._dispatch_policy.choose(candidates, info), now)
         # In line with the held requests: first if it outranks them, else only where it delays
         # none of them (every other change of state was followed by a `release`).
-        self._held.add(info, now)
+        self._held.add(info, now, self._uncached_tokens(candidates, info))
         first = self._held.first.info
         if first is info:
             target = self._place_held(candidates, info, now)
@@ -435,9 +435,9 @@ class GlobalScheduler:
                 with self._reserved_for(candidates, chosen.info):
                     room = candidates.most_room_tokens()
                     # Most reports change nothing for the queue: one comparison tells.
-                    if held.smallest_prompt() <= room:
+                    if held.smallest_need() <= room:
                         for later in itertools.islice(held, 1, None):
-                            if later.info.num_prompt_tokens <= room:
+                            if later.need <= room:
                                 target = self._place_held(candidates, later.info, now)
                                 if target is not None:
                                     chosen = later
@@ -560,19 +560,26 @@ class GlobalScheduler:
         return chosen
 
     def _place_held(self, candidates: CandidateTable, info: DispatchInfo, now: float) -> str | None:
-        """Place a held request on the policy's choice where its whole prompt leaves hold-freeness;
-        None while there is no such room (or the policy would put it elsewhere). Cached prefixes do
-        not count towards the room: a conservative test, cheap enough to run over the queue after
-        every report."""
+        """Place a held request on the policy's choice where it leaves hold-freeness, the prefix
+        that instance caches not charged (as dispatch charges it); None while there is no such
+        room (or the policy would put it elsewhere)."""
         hold = self._config.dispatch.hold_freeness
         assert hold is not None, "requests are held only while hold-freeness is set"
-        if float(candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority).max()) < hold:
+        freeness = self._freeness_of(candidates, info)
+        if float(freeness.max()) < hold:
             return None
         chosen = self._dispatch_policy.choose(candidates, info)
         slot = candidates.slot(chosen)
-        if slot is None or float(self._freeness_of(candidates, info)[slot]) < hold:
+        if slot is None or float(freeness[slot]) < hold:
             return None
         return self._place(candidates, info, chosen, now)
+
+    def _uncached_tokens(self, candidates: CandidateTable, info: DispatchInfo) -> int:
+        """The prompt tokens the request needs room for wherever it goes: less the longest prefix
+        a candidate caches (with prefix-aware dispatch)."""
+        if not self._config.dispatch.prefix_aware:
+            return info.num_prompt_tokens
+        return max(0, info.num_prompt_tokens - candidates.most_cached_tokens(info.block_hashes))
 
     def _could_ever_leave_room(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
         """Whether an empty candidate would keep hold-freeness with the request (its only one)."""
@@ -583,8 +590,7 @@ class GlobalScheduler:
     @contextlib.contextmanager
     def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo) -> Iterator[None]:
         """Keep for the first held request the instance where it is closest to fitting."""
-        freeness = candidates.dispatch_freeness(first.num_prompt_tokens, first.execution_priority)
-        candidates.reserve(int(np.argmax(freeness)))
+        candidates.reserve(int(np.argmax(self._freeness_of(candidates, first))))
         try:
             yield
         finally:

@@ -5,7 +5,8 @@ even when another frees memory first, and an engine admits from its queue as soo
 fits, so memory fills to the last block and running requests are preempted as they grow. With
 `dispatch.hold-freeness` the scheduler places a request only where it leaves at least that
 dispatch freeness (free blocks per request: each request's room to grow), and holds it
-otherwise, so that it goes to the first instance that has room.
+otherwise, so that it goes to the first instance that has room. Room is counted as dispatch counts
+demand: a prompt prefix an instance caches takes none there.
 
 Held requests leave in order (execution priority, then arrival; the scheduler holds normal-priority
 requests only: a high-priority one's headroom is the room kept for it). The first is reserved the
@@ -32,6 +33,8 @@ class Held:
     rank: tuple[int, int]
     info: DispatchInfo = field(compare=False)
     since: float = field(compare=False)
+    # Prompt tokens it needs room for: less the longest prefix an instance cached when it was held.
+    need: int = field(compare=False, default=0)
 
 
 class HeldRequests:
@@ -41,16 +44,18 @@ class HeldRequests:
         self._queue: list[Held] = []
         self._by_id: dict[str, Held] = {}
         self._arrivals = itertools.count()
-        # (prompt tokens, rank) of every request held, and of some gone (dropped when on top).
+        # (need, rank) of every request held, and of some gone (dropped when on top).
         self._sizes: list[tuple[int, tuple[int, int]]] = []
 
-    def add(self, info: DispatchInfo, now: float) -> None:
+    def add(self, info: DispatchInfo, now: float, need: int | None = None) -> None:
+        """Hold `info`; `need`: the prompt tokens it needs room for (default: all of them)."""
         if info.request_id in self._by_id:
             raise ValueError(f"request {info.request_id} is held already")
-        held = Held((-int(info.execution_priority), next(self._arrivals)), info, now)
+        need = info.num_prompt_tokens if need is None else need
+        held = Held((-int(info.execution_priority), next(self._arrivals)), info, now, need)
         bisect.insort(self._queue, held)
         self._by_id[info.request_id] = held
-        heapq.heappush(self._sizes, (info.num_prompt_tokens, held.rank))
+        heapq.heappush(self._sizes, (need, held.rank))
 
     def remove(self, request_id: str) -> Held | None:
         """Take a request out (placed, or withdrawn by its client); None if it is not held."""
@@ -64,8 +69,8 @@ class HeldRequests:
         """The request that leaves next (the queue must not be empty)."""
         return self._queue[0]
 
-    def smallest_prompt(self) -> float:
-        """The fewest prompt tokens of any held request (inf when none is)."""
+    def smallest_need(self) -> float:
+        """The fewest prompt tokens any held request needs room for (inf when none is held)."""
         sizes = self._sizes
         while sizes and not self._is_held(sizes[0][1]):
             heapq.heappop(sizes)

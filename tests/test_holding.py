@@ -8,6 +8,7 @@ from llumdask.config import ConfigError, DispatchConfig, LlumdaskConfig, Scaling
 from llumdask.global_scheduler import PENDING_EXPIRY, DispatchInfo, GlobalScheduler
 from llumdask.holding import HeldRequests
 from llumdask.load import InstanceLoad
+from llumdask.prefix import PrefixEvents
 from llumdask.request import Priority
 
 BLOCKS, BLOCK_SIZE = 100, 16
@@ -54,6 +55,35 @@ def test_with_room_to_spare_a_request_is_placed_at_once_and_off_it_queues():
     off = scheduler(1, hold=None)
     off.report(load("i0", used=99, running=5), 0.0)
     assert off.dispatch(req("r", 50), 1.0) == "i0"  # queues on the instance
+
+
+# A prompt of 40 blocks told by its anchors (one per 128 tokens: every 8th block of 16 tokens);
+# an instance caching its first four anchors holds its first 32 blocks.
+PROMPT_ANCHORS = (101, 102, 103, 104, 105)
+CACHED = PrefixEvents(stored=PROMPT_ANCHORS[:4])
+
+
+def test_room_for_a_held_request_is_room_for_what_the_instance_does_not_cache():
+    gs = scheduler(2)
+    gs.report(load("i0", used=90, running=5), 0.0)
+    gs.report(load("i1", used=75, running=4), 0.0, CACHED)
+    # i1 has 25 free blocks: not the prompt's 40, but the 8 it lacks, with room to spare.
+    assert gs.dispatch(req("shared", 40, block_hashes=PROMPT_ANCHORS), 1.0) == "i1"
+    # Without the prefix cached anywhere the same prompt is held.
+    assert gs.dispatch(req("unshared", 40, block_hashes=(201, 202, 203, 204, 205)), 1.0) is None
+
+
+def test_a_held_request_passes_a_larger_one_where_its_prefix_is_cached():
+    gs = scheduler(2)
+    gs.report(load("i0", used=60, running=4), 0.0)
+    gs.report(load("i1", used=95, running=4), 0.0, CACHED)
+    assert gs.dispatch(req("big", 80), 1.0) is None  # kept i0, where it comes closest to fitting
+    assert gs.dispatch(req("shared", 40, block_hashes=PROMPT_ANCHORS), 1.0) is None  # i1 is full
+    assert [h.need for h in gs.held] == [80 * BLOCK_SIZE, 8 * BLOCK_SIZE]
+    gs.report(load("i1", used=75, running=4), 2.0)
+    # 25 free blocks on i1: less than the whole prompt, room for the 8 blocks it lacks there.
+    assert [(i.request_id, target) for i, target in gs.release(2.0)] == [("shared", "i1")]
+    assert [h.info.request_id for h in gs.held] == ["big"]
 
 
 def test_a_resubmitted_request_is_never_held():
@@ -148,14 +178,14 @@ def test_held_requests_wait_while_no_instance_is_ready_then_go_to_one_that_joins
     assert [(i.request_id, t) for i, t in gs.release(3.0)] == [("r", "i1")]
 
 
-def test_the_queue_keeps_order_and_knows_its_smallest_prompt():
+def test_the_queue_keeps_order_and_knows_its_smallest_need():
     held = HeldRequests()
-    assert held.smallest_prompt() == float("inf") and held.oldest(5.0) == 0.0
+    assert held.smallest_need() == float("inf") and held.oldest(5.0) == 0.0
     for name, blocks, at in (("a", 9, 0.0), ("b", 3, 1.0), ("c", 5, 2.0)):
         held.add(req(name, blocks), at)
-    assert held.smallest_prompt() == 3 * BLOCK_SIZE and held.oldest(5.0) == 5.0
+    assert held.smallest_need() == 3 * BLOCK_SIZE and held.oldest(5.0) == 5.0
     assert held.remove("b").info.request_id == "b" and held.remove("b") is None
-    assert held.smallest_prompt() == 5 * BLOCK_SIZE
+    assert held.smallest_need() == 5 * BLOCK_SIZE
     assert [h.info.request_id for h in held] == ["a", "c"] and held.first.info.request_id == "a"
 
 
