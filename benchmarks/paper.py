@@ -385,6 +385,13 @@ def backlog(requests: Iterable[Request], at: float) -> int:
     )
 
 
+def last_arrival(workload: Sequence[TraceRequest]) -> float:
+    """When the last request arrived that came on its own: a conversation's later turns wait for
+    the earlier answers (their arrival is only nominal), so its first turn is the last that load,
+    not service, decides."""
+    return max((r.arrival for r in workload if r.after is None), default=0.0)
+
+
 def run_case(case: Case) -> dict[str, Any]:
     """Simulate one case; its summary plus what identifies it (and its timeline when asked)."""
     workload = make_workload(case.trace, rate=case.rate, num_requests=case.requests, seed=case.seed, cv=case.cv,
@@ -395,7 +402,7 @@ def run_case(case: Case) -> dict[str, Any]:
     case_fields = {k: v for k, v in asdict(case).items() if k != "timeline"}
     # summary["requests"] counts finished requests; the case's `requests` (offered) takes the key.
     result = summary | {"finished": summary["requests"]} | case_fields | {
-        "backlog_at_last_arrival": backlog(outcome.requests, workload[-1].arrival if workload else 0.0),
+        "backlog_at_last_arrival": backlog(outcome.requests, last_arrival(workload)),
         "rejected": len(outcome.rejected),
         "simulated_seconds": outcome.duration,
         "wall_seconds": wall,

@@ -3,14 +3,20 @@
 Two simulated workloads where prompts share prefixes (`llumdask.sim.workload`): system-prompt (a
 few long shared prompts, Zipf popularity, short questions and answers) and multi-turn (chat
 conversations that resend their history, sent an exponential think time after each answer).
-On 16 simulated instances, each at three request rates from comfortable to past what the
-prefix-blind routers sustain, every policy serves the same requests per seed: round-robin and
-INFaaS++ (no prefix awareness), Llumnix with prefix-aware dispatch off and on, and the prefix
-routers by their published rules at their defaults (prefix_affinity, dynamo_kv,
-sglang_cache_aware). Reported per setting: the median over seeds of P99 and mean TTFT, the
-prefix-cache hit rate (prompt tokens found cached) and throughput (requests over the span from
-first arrival to last completion), and the load imbalance (the mean over samples of the busiest
-instance's running requests over the mean's), each with Llumnix / the best prefix router.
+On 16 simulated instances, over a grid of request rates from comfortable to past what every
+prefix router sustains, every policy serves the same requests per seed: round-robin and INFaaS++
+(no prefix awareness), Llumnix with prefix-aware dispatch off and on, and the prefix routers by
+their published rules at their defaults (prefix_affinity, dynamo_kv, sglang_cache_aware).
+Reported per setting: the median over seeds of P99 and mean TTFT, the prefix-cache hit rate
+(prompt tokens found cached), throughput (requests over the span from first arrival to last
+completion), the load imbalance (the mean over samples of the busiest instance's running
+requests over the mean's), the backlog when the last request arrived that came on its own, and
+for Llumnix the share of migrated blocks the destination held already; Llumnix's P99 TTFT and
+throughput also as ratios to the best prefix router of the same seed.
+
+Each workload's knee is chosen as the paper sweep chooses its loads, against the routers this
+compares with: the highest rate of the grid that one of the prefix routers sustains (the median
+over seeds of its backlog at most 1% of the requests). The goals are judged there.
 
 A second part checks that prefix awareness costs nothing where nothing is shared: Llumnix with
 and without it on two paper traces at 0.8 of their ideal capacity, paired seed by seed.
@@ -29,23 +35,32 @@ from llumdask.sim.workload import MULTI_TURN, SYSTEM_PROMPT
 
 PREFIX_ROUTERS = ("prefix_affinity", "dynamo_kv", "sglang_cache_aware")
 POLICIES = ("round_robin", "infaas", "llumnix_no_prefix", "llumnix", *PREFIX_ROUTERS)
-# Requests per second: comfortable, busy, past the prefix-blind routers' limit (found by hand).
-RATES = {SYSTEM_PROMPT: (40.0, 55.0, 70.0), MULTI_TURN: (3.0, 4.0, 5.0)}
+# Requests per second on 16 instances, from comfortable to past what every prefix router sustains.
+RATES = {SYSTEM_PROMPT: tuple(float(r) for r in range(40, 80, 5)),
+         MULTI_TURN: tuple(r / 2 for r in range(6, 13))}
+# A rate is sustained where the backlog when the last request arrived is at most this share of
+# the requests (the paper sweep's rule for its knees).
+SUSTAINED_BACKLOG = 0.01
 REQUESTS = {SYSTEM_PROMPT: 3000, MULTI_TURN: 2000}
 # Paper traces (nothing shared) for the no-cost check, at this fraction of their ideal capacity.
 UNSHARED = ("sharegpt", "M-M")
 UNSHARED_LOAD = 0.8
 EXPERIMENT = "prefix"
-METRICS = ("prefill_p99", "prefill_mean", "prefix_hit_rate", "throughput", "imbalance")
+METRICS = ("prefill_p99", "prefill_mean", "prefix_hit_rate", "throughput", "imbalance", "backlog_at_last_arrival")
 
 
-def shared_cases(seeds: tuple[int, ...], instances: int, scale: float) -> list[Case]:
+def shared_cases(seeds: tuple[int, ...], instances: int, scale: float, rates: dict[str, tuple[float, ...]]) -> list[Case]:
     """Every policy at every rate and seed; rates scale with the instances (RATES are for 16)."""
     return [
         Case(EXPERIMENT, trace, rate, rate * instances / 16, policy, max(50, round(REQUESTS[trace] * scale)), instances,
              "llama-7b-a10", seed)
-        for trace, rates in RATES.items() for rate in rates for seed in seeds for policy in POLICIES
+        for trace, grid in rates.items() for rate in grid for seed in seeds for policy in POLICIES
     ]
+
+
+def quick_rates() -> dict[str, tuple[float, ...]]:
+    """The lowest and the highest rate of each grid."""
+    return {trace: (grid[0], grid[-1]) for trace, grid in RATES.items()}
 
 
 def unshared_cases(seeds: tuple[int, ...], instances: int, scale: float) -> list[Case]:
@@ -79,12 +94,46 @@ def setting_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"trace": trace, "rate": rate, "policy": policy, "seeds": len(mine)}
             for metric in METRICS:
                 row[metric] = float(np.median([r[metric] for r in mine]))
+            shares = [r["migration_reused_share"] for r in mine if r["migrations"]]
+            row["migrations"] = float(np.median([r["migrations"] for r in mine]))
+            row["migration_reused_share"] = float(np.median(shares)) if shares else None
             if policy == "llumnix":
                 for metric, better in (("prefill_p99", min), ("throughput", max)):
                     ratios = [by[("llumnix", s)][metric] / better(by[(p, s)][metric] for p in PREFIX_ROUTERS) for s in seeds]
                     row[f"{metric}_vs_best_router"] = float(np.median(ratios))
             rows.append(row)
     return rows
+
+
+def knees(rows: list[dict[str, Any]], requests: dict[str, int]) -> dict[str, float]:
+    """Each workload's highest rate that one of the prefix routers sustains (else its lowest)."""
+    out = {}
+    for trace in sorted({r["trace"] for r in rows}):
+        mine = [r for r in rows if r["trace"] == trace]
+        sustained = [r["rate"] for r in mine if r["policy"] in PREFIX_ROUTERS
+                     and r["backlog_at_last_arrival"] <= SUSTAINED_BACKLOG * requests[trace]]
+        out[trace] = max(sustained) if sustained else min(r["rate"] for r in mine)
+    return out
+
+
+def goal_rows(rows: list[dict[str, Any]], knee: dict[str, float]) -> list[dict[str, Any]]:
+    """The goals at each knee: Llumnix's P99 TTFT below and throughput at least the best prefix
+    router's (medians of per-seed ratios), its hit rate above round-robin's and its imbalance
+    below prefix_affinity's (medians over seeds)."""
+    out = []
+    for trace, rate in knee.items():
+        at = {r["policy"]: r for r in rows if r["trace"] == trace and r["rate"] == rate}
+        mine = at["llumnix"]
+        for goal, value, reference, met in (
+            ("P99 TTFT / best prefix router's", mine["prefill_p99_vs_best_router"], 1.0, mine["prefill_p99_vs_best_router"] < 1.0),
+            ("throughput / best prefix router's", mine["throughput_vs_best_router"], 1.0, mine["throughput_vs_best_router"] >= 1.0),
+            ("hit rate vs round_robin's", mine["prefix_hit_rate"], at["round_robin"]["prefix_hit_rate"],
+             mine["prefix_hit_rate"] > at["round_robin"]["prefix_hit_rate"]),
+            ("imbalance vs prefix_affinity's", mine["imbalance"], at["prefix_affinity"]["imbalance"],
+             mine["imbalance"] < at["prefix_affinity"]["imbalance"]),
+        ):
+            out.append({"trace": trace, "rate": rate, "goal": goal, "llumnix": value, "reference": reference, "met": bool(met)})
+    return out
 
 
 def no_cost_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -108,26 +157,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="simulations at once (default %(default)s)")
     args = p.parse_args(argv)
     seeds = tuple(int(s) for s in args.seeds.split(","))
-    scale, instances = (0.1, 4) if args.quick else (1.0, 16)
+    scale, instances, rates = (0.1, 4, quick_rates()) if args.quick else (1.0, 16, RATES)
+    requests = {k: max(50, round(v * scale)) for k, v in REQUESTS.items()}
     started = time.perf_counter()
-    shared = [with_derived(r) for r in run_cases(shared_cases(seeds, instances, scale), args.jobs, print)]
+    shared = [with_derived(r) for r in run_cases(shared_cases(seeds, instances, scale, rates), args.jobs, print)]
     unshared = run_cases(unshared_cases(seeds, instances, scale), args.jobs, print)
     rows = setting_rows(shared)
     cost = no_cost_rows(unshared)
+    knee = knees(rows, requests)
+    goals = goal_rows(rows, knee)
     notes = [f"{r['trace']} rate {r['rate']:g}: Llumnix P99 TTFT {r['prefill_p99_vs_best_router']:.2f}x, throughput "
              f"{r['throughput_vs_best_router']:.2f}x the best prefix router's (median over seeds of per-seed ratios)"
+             + (f"; migrated blocks the destination held: {r['migration_reused_share']:.1%}"
+                if r["migration_reused_share"] is not None else "")
              for r in rows if r["policy"] == "llumnix"]
+    notes += [f"knee of {trace}: {rate:g} req/s (the highest rate a prefix router sustains)" for trace, rate in knee.items()]
+    notes += [f"{g['trace']} at its knee {g['rate']:g}: {g['goal']}: {g['llumnix']:.3f} vs {g['reference']:.3f}: "
+              f"{'met' if g['met'] else 'NOT met'}" for g in goals]
     notes += [f"{r['trace']} load {r['load']:g} (nothing shared): Llumnix with / without prefix awareness: P99 TTFT "
               f"{r['prefill_p99_ratio']:.3f}x, mean TTFT {r['prefill_mean_ratio']:.3f}x, P99 TPOT {r['decode_p99_ratio']:.3f}x"
               for r in cost]
     columns = [("trace", "trace", "{}"), ("rate", "req/s", "{:g}"), ("policy", "policy", "{}"),
                ("prefill_p99", "TTFT p99 s", "{:.3f}"), ("prefill_mean", "TTFT mean s", "{:.3f}"),
                ("prefix_hit_rate", "hit rate", "{:.3f}"), ("throughput", "req/s done", "{:.2f}"),
-               ("imbalance", "imbalance", "{:.2f}")]
-    facts = {"instances": instances, "profile": "llama-7b-a10", "seeds": list(seeds),
-             "requests": {k: max(50, round(v * scale)) for k, v in REQUESTS.items()},
+               ("imbalance", "imbalance", "{:.2f}"), ("backlog_at_last_arrival", "backlog", "{:.0f}")]
+    facts = {"instances": instances, "profile": "llama-7b-a10", "seeds": list(seeds), "requests": requests,
+             "rates": {k: list(v) for k, v in rates.items()}, "knees": knee,
              "wall_seconds": round(time.perf_counter() - started, 1)}
-    report("prefix_routing" + ("_quick" if args.quick else ""), args.out, rows + cost, columns, facts, notes)
+    report("prefix_routing" + ("_quick" if args.quick else ""), args.out, rows + cost, columns, facts, notes,
+           extra={"goals": goals})
     return 0
 
 

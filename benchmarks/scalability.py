@@ -62,6 +62,8 @@ class ScalabilityResult:
     pairs_per_round: float
     # Entries (block hash, instance) in the scheduler's prefix index at the end (0 without prefix).
     index_entries: int = 0
+    # What the index occupies then, in bytes (`PrefixIndex.memory_bytes`).
+    index_bytes: int = 0
 
     @property
     def meets_goals(self) -> bool:
@@ -159,6 +161,7 @@ def measure(
         pairing_p99_ms=_percentile(pairing_ns, 99) / 1e6,
         pairs_per_round=pairs / rounds,
         index_entries=len(scheduler.prefix),
+        index_bytes=scheduler.prefix.memory_bytes(),
     )
 
 
@@ -215,11 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     columns = [("instances", "instances", "{}"), ("prefix", "prefix", "{}"),
                ("dispatch_p50_us", "dispatch p50 us", "{:.0f}"), ("dispatch_p99_us", "dispatch p99 us", "{:.0f}"),
                ("report_p50_us", "report p50 us", "{:.1f}"), ("report_p99_us", "report p99 us", "{:.1f}"),
-               ("pairing_p99_ms", "pairing p99 ms", "{:.2f}"), ("index_entries", "index entries", "{}")]
+               ("pairing_p99_ms", "pairing p99 ms", "{:.2f}"), ("index_entries", "index entries", "{}"),
+               ("index_bytes", "index bytes", "{:,}")]
     largest = [r for r in rows if r["instances"] == max(sizes)]
     notes = [f"{max(sizes)} instances: dispatch P99 {largest[1]['dispatch_p99_us']:.0f} us with the prefix index, "
              f"{largest[0]['dispatch_p99_us']:.0f} us without (goal {DISPATCH_P99_GOAL_US:.0f} us); "
-             f"{largest[1]['index_entries']:,} index entries"]
+             f"{largest[1]['index_entries']:,} index entries in {largest[1]['index_bytes'] / 1e6:.1f} MB"]
     report("scalability_prefix" + ("_quick" if args.quick else ""), args.out, rows, columns,
            {"rounds": rounds, "dispatches_per_round": 20, "chains": _CHAINS}, notes)
     return 0
