@@ -24,6 +24,7 @@ and without it on two paper traces at 0.8 of their ideal capacity, paired seed b
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -94,7 +95,8 @@ def setting_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"trace": trace, "rate": rate, "policy": policy, "seeds": len(mine)}
             for metric in METRICS:
                 row[metric] = float(np.median([r[metric] for r in mine]))
-            shares = [r["migration_reused_share"] for r in mine if r["migrations"]]
+            # Committed migrations that moved blocks (a waiting request handed over moves none).
+            shares = [r["migration_reused_share"] for r in mine if math.isfinite(r["migration_reused_share"])]
             row["migrations"] = float(np.median([r["migrations"] for r in mine]))
             row["migration_reused_share"] = float(np.median(shares)) if shares else None
             if policy == "llumnix":

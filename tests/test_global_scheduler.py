@@ -644,6 +644,7 @@ def test_a_drain_right_after_a_take_back_is_not_ended_by_a_report_older_than_it(
     gs.set_terminating("i1", 36.0)
     assert gs.drain_order("i1") == (True, 3)
     gs.report(load("i1", terminating=True, order=1), 36.1)  # empty, but older than both orders
+    assert gs.scale(36.1).remove == ()
     gs.report(load("i1", order=2), 36.2)  # made before it heard of the drain: still live there
     assert gs.scale(36.2).remove == () and gs.instances()[1].terminating
     gs.report(load("i1", terminating=True, order=3), 36.3)

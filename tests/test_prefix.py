@@ -95,7 +95,7 @@ def test_the_index_counts_its_bytes_as_it_grows_and_gives_them_back_when_an_inst
     assert full - one_instance > 1000 * sys.getsizeof(hashes[0])
     # A second instance holding the same hash objects adds its set and its bits, not the hashes again.
     index.apply("b", PrefixEvents(stored=hashes))
-    assert index.memory_bytes() - full < full - one_instance
+    assert index.memory_bytes() - full < 1000 * sys.getsizeof(hashes[0])
     index.drop("a")
     index.drop("b")
     assert index.memory_bytes() < full

@@ -862,12 +862,15 @@ def test_on_vllm_min_tokens_skip_special_tokens_suffix_and_parallel_tool_calls_d
                                        extra_body={"ignore_eos": True, **skip}, **ending).choices[0].text
              for skip in ({}, {"skip_special_tokens": False})]
     assert texts == ["", tokenizer.decode([eos] * 3, skip_special_tokens=False)] and texts[1]
-    # A suffix asks for the middle: this model has no FIM tokens, so it is a 400 naming the field.
+    # A suffix asks for the middle: this model has no FIM tokens, so the gateway answers a 400
+    # naming the field before anything reaches vLLM.
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt="def add(a, b):", suffix="print(add(1, 2))", max_tokens=4)
     assert refused.value.body["param"] == "suffix" and "fill in the middle" in refused.value.body["message"]
-    # One call at most where parallel calls are off: the grammar vLLM decodes with allows one.
-    # (A random model may write whitespace within a grammar for a long while: this prompt closes in ~150 tokens.)
+    # Parallel calls off: vLLM takes the grammar that allows one call (an array of at most one) and
+    # answers with one. (That it is at most one is the gateway's grammar, tested in test_tools.py;
+    # this model writes one call either way. A random model may write whitespace within a grammar
+    # for a long while: this prompt closes in ~150 tokens.)
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     single = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
                                             parallel_tool_calls=False, max_tokens=300, temperature=0).choices[0]
