@@ -25,6 +25,7 @@ and without it on two paper traces at 0.8 of their ideal capacity, paired seed b
 from __future__ import annotations
 
 import math
+import operator
 import time
 from typing import Any
 
@@ -50,11 +51,11 @@ EXPERIMENT = "prefix"
 METRICS = ("prefill_p99", "prefill_mean", "prefix_hit_rate", "throughput", "imbalance", "backlog_at_last_arrival")
 
 
-def shared_cases(seeds: tuple[int, ...], instances: int, scale: float, rates: dict[str, tuple[float, ...]]) -> list[Case]:
+def shared_cases(seeds: tuple[int, ...], instances: int, requests: dict[str, int],
+                 rates: dict[str, tuple[float, ...]]) -> list[Case]:
     """Every policy at every rate and seed; rates scale with the instances (RATES are for 16)."""
     return [
-        Case(EXPERIMENT, trace, rate, rate * instances / 16, policy, max(50, round(REQUESTS[trace] * scale)), instances,
-             "llama-7b-a10", seed)
+        Case(EXPERIMENT, trace, rate, rate * instances / 16, policy, requests[trace], instances, "llama-7b-a10", seed)
         for trace, grid in rates.items() for rate in grid for seed in seeds for policy in POLICIES
     ]
 
@@ -126,15 +127,14 @@ def goal_rows(rows: list[dict[str, Any]], knee: dict[str, float]) -> list[dict[s
     for trace, rate in knee.items():
         at = {r["policy"]: r for r in rows if r["trace"] == trace and r["rate"] == rate}
         mine = at["llumnix"]
-        for goal, value, reference, met in (
-            ("P99 TTFT / best prefix router's", mine["prefill_p99_vs_best_router"], 1.0, mine["prefill_p99_vs_best_router"] < 1.0),
-            ("throughput / best prefix router's", mine["throughput_vs_best_router"], 1.0, mine["throughput_vs_best_router"] >= 1.0),
-            ("hit rate vs round_robin's", mine["prefix_hit_rate"], at["round_robin"]["prefix_hit_rate"],
-             mine["prefix_hit_rate"] > at["round_robin"]["prefix_hit_rate"]),
-            ("imbalance vs prefix_affinity's", mine["imbalance"], at["prefix_affinity"]["imbalance"],
-             mine["imbalance"] < at["prefix_affinity"]["imbalance"]),
+        for goal, value, reference, holds in (
+            ("P99 TTFT / best prefix router's", mine["prefill_p99_vs_best_router"], 1.0, operator.lt),
+            ("throughput / best prefix router's", mine["throughput_vs_best_router"], 1.0, operator.ge),
+            ("hit rate vs round_robin's", mine["prefix_hit_rate"], at["round_robin"]["prefix_hit_rate"], operator.gt),
+            ("imbalance vs prefix_affinity's", mine["imbalance"], at["prefix_affinity"]["imbalance"], operator.lt),
         ):
-            out.append({"trace": trace, "rate": rate, "goal": goal, "llumnix": value, "reference": reference, "met": bool(met)})
+            out.append({"trace": trace, "rate": rate, "goal": goal, "llumnix": value, "reference": reference,
+                        "met": bool(holds(value, reference))})
     return out
 
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     scale, instances, rates = (0.1, 4, quick_rates()) if args.quick else (1.0, 16, RATES)
     requests = {k: max(50, round(v * scale)) for k, v in REQUESTS.items()}
     started = time.perf_counter()
-    shared = [with_derived(r) for r in run_cases(shared_cases(seeds, instances, scale, rates), args.jobs, print)]
+    shared = [with_derived(r) for r in run_cases(shared_cases(seeds, instances, requests, rates), args.jobs, print)]
     unshared = run_cases(unshared_cases(seeds, instances, scale), args.jobs, print)
     rows = setting_rows(shared)
     cost = no_cost_rows(unshared)
