@@ -411,15 +411,13 @@ class GlobalScheduler:
             return self._place(candidates, info, self._dispatch_policy.choose(candidates, info), now)
         # In line with the held requests: first if it outranks them, else only where it delays
         # none of them (every other change of state was followed by a `release`).
-        self._held.add(info, now, self._uncached_tokens(candidates, info))
-        first = self._held.first.info
-        if first is info:
+        if self._held.would_lead(info):
             target = self._place_held(candidates, info, now)
         else:
-            with self._reserved_for(candidates, first):
+            with self._reserved_for(candidates, self._held.first.info):
                 target = self._place_held(candidates, info, now)
-        if target is not None:
-            self._held.remove(info.request_id)
+        if target is None:
+            self._held.add(info, now, self._uncached_tokens(candidates, info))
         return target
 
     def release(self, now: float) -> list[tuple[DispatchInfo, str]]:

@@ -64,6 +64,11 @@ class HeldRequests:
             del self._queue[bisect.bisect_left(self._queue, held)]
         return held
 
+    def would_lead(self, info: DispatchInfo) -> bool:
+        """Whether `info`, held now, would leave first: nothing is held, or it outranks the first
+        (a later arrival never passes an equal priority)."""
+        return not self._queue or -int(info.execution_priority) < self._queue[0].rank[0]
+
     @property
     def first(self) -> Held:
         """The request that leaves next (the queue must not be empty)."""

@@ -103,9 +103,13 @@ def test_held_requests_leave_in_arrival_order():
 
 def test_the_queue_puts_a_higher_priority_first():
     held = HeldRequests()
-    for name, priority in (("a", Priority.NORMAL), ("b", Priority.NORMAL), ("h", Priority.HIGH)):
+    assert held.would_lead(req("n", 2))  # nothing held
+    for name, priority in (("a", Priority.NORMAL), ("b", Priority.NORMAL)):
         held.add(req(name, 2, priority), 0.0)
+    assert held.would_lead(req("h", 2, Priority.HIGH)) and not held.would_lead(req("n", 2))
+    held.add(req("h", 2, Priority.HIGH), 0.0)
     assert [h.info.request_id for h in held] == ["h", "a", "b"]
+    assert not held.would_lead(req("h2", 2, Priority.HIGH))  # an equal priority that came later
 
 
 def test_a_later_request_passes_the_first_only_on_another_instance():

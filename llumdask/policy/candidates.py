@@ -65,6 +65,8 @@ class CandidateTable(Sequence[Candidate]):
         # One block size for all (the usual case): block arithmetic on a scalar, not a column.
         sizes = set(self._block_size.tolist())
         self._uniform_block_size: int | None = sizes.pop() if len(sizes) == 1 else None
+        # The largest memory of any candidate, for a uniform block size (fixed with the membership).
+        self._most_blocks = int(self._total_blocks.max()) if self._uniform_block_size else 0
         # Blocks an anchor of the prefix index stands for.
         self._stride: float | np.ndarray = (float(anchor_stride(self._uniform_block_size)) if self._uniform_block_size
                                           else np.array([anchor_stride(int(b)) for b in self._block_size], dtype=float))
@@ -109,8 +111,9 @@ class CandidateTable(Sequence[Candidate]):
     def empty_room_blocks(self, prompt_tokens: int) -> int:
         """The most blocks any candidate would have to spare with this prompt alone on it (its
         whole memory less the prompt's blocks): what it could ever offer the request."""
-        size = self._uniform_block_size if self._uniform_block_size else self._block_size
-        return int((self._total_blocks - -(-prompt_tokens // size)).max())
+        if self._uniform_block_size:
+            return self._most_blocks - -(-prompt_tokens // self._uniform_block_size)
+        return int((self._total_blocks - -(-prompt_tokens // self._block_size)).max())
 
     def reserve(self, slot: int | None) -> None:
         """Keep the candidate at `slot` for a held request (None: for none): its dispatch freeness
