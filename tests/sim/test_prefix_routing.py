@@ -7,7 +7,7 @@ import json
 import pytest
 
 from llumdask.benchmarks.paper import last_arrival
-from llumdask.benchmarks.prefix_routing import POLICIES, PREFIX_ROUTERS, goal_rows, knees, main
+from llumdask.benchmarks.prefix_routing import POLICIES, PREFIX_ROUTERS, goal_rows, knees, main, sustained_rates
 from llumdask.sim.workload import MULTI_TURN, make_workload
 
 
@@ -28,6 +28,9 @@ def test_the_knee_is_the_highest_rate_one_prefix_router_sustains():
     assert knees(rows, {"system-prompt": 1000}) == {"system-prompt": 2.0}
     # Where no router sustains any rate, the lowest.
     assert knees([r for r in rows if r["rate"] > 2.0], {"system-prompt": 1000}) == {"system-prompt": 3.0}
+    # Each policy's own highest sustained rate; None for one that sustains none.
+    assert sustained_rates(rows, {"system-prompt": 1000}) == {"system-prompt": {
+        "dynamo_kv": 1.0, "prefix_affinity": None, "sglang_cache_aware": 2.0, "llumnix": 4.0}}
 
 
 def test_goals_compare_llumnix_with_the_best_router_round_robin_and_prefix_affinity_at_the_knee():
@@ -39,12 +42,18 @@ def test_goals_compare_llumnix_with_the_best_router_round_robin_and_prefix_affin
         # Another rate's rows are not read.
         row(3.0, "llumnix", 0, prefill_p99_vs_best_router=2.0, throughput_vs_best_router=0.5),
     ]
-    goals = {g["goal"]: g for g in goal_rows(rows, {"system-prompt": 2.0})}
+    sustained = {"system-prompt": {"llumnix": 3.0, "dynamo_kv": 2.0, "prefix_affinity": None}}
+    goals = {g["goal"]: g for g in goal_rows(rows, {"system-prompt": 2.0}, sustained)}
     assert {g["rate"] for g in goals.values()} == {2.0}
     met = {name.split(" ")[0]: g["met"] for name, g in goals.items()}
     # A hit rate equal to round-robin's is not higher.
-    assert met == {"P99": True, "throughput": True, "hit": False, "imbalance": True}
+    assert met == {"P99": True, "throughput": True, "highest": True, "hit": False, "imbalance": True}
     assert goals["imbalance vs prefix_affinity's"]["reference"] == 3.0
+    assert goals["highest rate sustained / best prefix router's"]["llumnix"] == 1.5
+    # Sustaining only what the best router sustains does not beat it.
+    sustained["system-prompt"]["llumnix"] = 2.0
+    assert not {g["goal"]: g for g in goal_rows(rows, {"system-prompt": 2.0}, sustained)}[
+        "highest rate sustained / best prefix router's"]["met"]
 
 
 def test_a_conversations_last_turn_does_not_stand_for_the_last_arrival():
@@ -65,7 +74,7 @@ def test_a_quick_run_writes_every_setting_the_knees_and_the_goals(tmp_path):
     assert all(r["seeds"] == 1 and r["backlog_at_last_arrival"] >= 0 for r in shared)
     # Only policies that migrate say what share of the moved blocks the destination held.
     assert all(r["migration_reused_share"] is None for r in shared if r["policy"] in PREFIX_ROUTERS)
-    assert set(report["facts"]["knees"]) == set(rates)
+    assert set(report["facts"]["knees"]) == set(rates) == set(report["facts"]["sustained"])
     assert all(knee in rates[trace] for trace, knee in report["facts"]["knees"].items())
-    assert len(report["goals"]) == 4 * len(rates) and all(isinstance(g["met"], bool) for g in report["goals"])
+    assert len(report["goals"]) == 5 * len(rates) and all(isinstance(g["met"], bool) for g in report["goals"])
     assert {r["trace"] for r in report["rows"] if "prefill_p99_ratio" in r} == {"sharegpt", "M-M"}
