@@ -49,8 +49,7 @@ class HeldRequests:
 
     def add(self, info: DispatchInfo, now: float, need: int | None = None) -> None:
         """Hold `info`; `need`: the prompt tokens it needs room for (default: all of them)."""
-        if info.request_id in self._by_id:
-            raise ValueError(f"request {info.request_id} is held already")
+        self._refuse_held(info.request_id)
         need = info.num_prompt_tokens if need is None else need
         held = Held((-int(info.execution_priority), next(self._arrivals)), info, now, need)
         bisect.insort(self._queue, held)
@@ -66,8 +65,13 @@ class HeldRequests:
 
     def would_lead(self, info: DispatchInfo) -> bool:
         """Whether `info`, held now, would leave first: nothing is held, or it outranks the first
-        (a later arrival never passes an equal priority)."""
+        (a later arrival never passes an equal priority). A request held already is an error."""
+        self._refuse_held(info.request_id)
         return not self._queue or -int(info.execution_priority) < self._queue[0].rank[0]
+
+    def _refuse_held(self, request_id: str) -> None:
+        if request_id in self._by_id:
+            raise ValueError(f"request {request_id} is held already")
 
     @property
     def first(self) -> Held:

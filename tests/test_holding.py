@@ -169,6 +169,15 @@ def test_a_request_cannot_be_held_twice():
     assert gs.dispatch(req("r", 2), 1.0) is None
     with pytest.raises(ValueError, match="held already"):
         gs.dispatch(req("r", 2), 1.0)
+    # Nor placed while held under the same id, even where it would fit at once.
+    gs = scheduler(2)
+    gs.report(load("i0", used=80, running=4), 0.0)
+    gs.report(load("i1", used=50, running=4), 0.0)
+    assert gs.dispatch(req("a", 60), 1.0) is None  # i1 kept for it
+    assert gs.dispatch(req("b", 2), 1.0) == "i0"
+    with pytest.raises(ValueError, match="held already"):
+        gs.dispatch(req("a", 2), 1.0)
+    assert [h.info.request_id for h in gs.held] == ["a"]
 
 
 def test_held_requests_wait_while_no_instance_is_ready_then_go_to_one_that_joins():
