@@ -113,18 +113,20 @@ def sustained_rates(rows: list[dict[str, Any]], requests: dict[str, int]) -> dic
     lowest): what a serving system's throughput is once the offered load is its own choice."""
     out: dict[str, dict[str, float | None]] = {}
     for r in rows:
-        best = out.setdefault(r["trace"], {}).setdefault(r["policy"], None)
+        rates = out.setdefault(r["trace"], {})
+        rates.setdefault(r["policy"], None)
         if r["backlog_at_last_arrival"] <= SUSTAINED_BACKLOG * requests[r["trace"]]:
-            out[r["trace"]][r["policy"]] = max(r["rate"], best or r["rate"])
+            rates[r["policy"]] = max(r["rate"], rates[r["policy"]] or 0.0)
     return out
 
 
-def knees(rows: list[dict[str, Any]], requests: dict[str, int]) -> dict[str, float]:
-    """Each workload's highest rate that one of the prefix routers sustains (else its lowest)."""
+def knees(sustained: dict[str, dict[str, float | None]], rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each workload's highest rate that one of the prefix routers sustains (`sustained_rates`),
+    else the lowest rate of its rows."""
     out = {}
-    for trace, rates in sustained_rates(rows, requests).items():
-        sustained = [rate for policy, rate in rates.items() if policy in PREFIX_ROUTERS and rate is not None]
-        out[trace] = max(sustained) if sustained else min(r["rate"] for r in rows if r["trace"] == trace)
+    for trace, rates in sustained.items():
+        routers = [rate for policy, rate in rates.items() if policy in PREFIX_ROUTERS and rate is not None]
+        out[trace] = max(routers) if routers else min(r["rate"] for r in rows if r["trace"] == trace)
     return out
 
 
@@ -183,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     unshared = run_cases(unshared_cases(seeds, instances, scale), args.jobs, print)
     rows = setting_rows(shared)
     cost = no_cost_rows(unshared)
-    knee = knees(rows, requests)
     sustained = sustained_rates(rows, requests)
+    knee = knees(sustained, rows)
     goals = goal_rows(rows, knee, sustained)
     notes = [f"{r['trace']} rate {r['rate']:g}: Llumnix P99 TTFT {r['prefill_p99_vs_best_router']:.2f}x, throughput "
              f"{r['throughput_vs_best_router']:.2f}x the best prefix router's (median over seeds of per-seed ratios)"

@@ -174,7 +174,11 @@ class CandidateTable(Sequence[Candidate]):
     def most_cached_tokens(self, hashes: tuple[int, ...]) -> int:
         """The longest prefix of the prompt any candidate caches, in tokens (0: none)."""
         hits = self.cached_blocks(hashes)
-        return 0 if hits is None else int((hits * self._block_size).max())
+        if hits is None:
+            return 0
+        if self._uniform_block_size:
+            return int(hits.max()) * self._uniform_block_size
+        return int((hits * self._block_size).max())
 
     def held_blocks(self) -> np.ndarray:
         """Block hashes each candidate caches, as far as the index knows (its cache's size)."""

@@ -25,9 +25,10 @@ def test_the_knee_is_the_highest_rate_one_prefix_router_sustains():
         # Llumnix sustaining a rate does not move the knee: it is the routers' limit.
         row(4.0, "llumnix", 0), row(4.0, "dynamo_kv", 50),
     ]
-    assert knees(rows, {"system-prompt": 1000}) == {"system-prompt": 2.0}
+    assert knees(sustained_rates(rows, {"system-prompt": 1000}), rows) == {"system-prompt": 2.0}
     # Where no router sustains any rate, the lowest.
-    assert knees([r for r in rows if r["rate"] > 2.0], {"system-prompt": 1000}) == {"system-prompt": 3.0}
+    later = [r for r in rows if r["rate"] > 2.0]
+    assert knees(sustained_rates(later, {"system-prompt": 1000}), later) == {"system-prompt": 3.0}
     # Each policy's own highest sustained rate; None for one that sustains none.
     assert sustained_rates(rows, {"system-prompt": 1000}) == {"system-prompt": {
         "dynamo_kv": 1.0, "prefix_affinity": None, "sglang_cache_aware": 2.0, "llumnix": 4.0}}
