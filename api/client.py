@@ -558,7 +558,7 @@ def connect(target: "Cluster | Client | str", *, model: str | None = None, chat_
 
     For a cluster or an address a synchronous Dask client is made (and closed by `close()`); for
     asyncio, pass an asynchronous `Client` you awaited. `model` (a directory or hub name) and
-    `chat_template` (a file or the template) are the served model's, for text prompts, as
+    `chat_template` (a file, the template, or one of the model's by name) are the served model's, for text prompts, as
     `llumdask serve` takes them. `requester_options`: see `LlumdaskClient`.
     """
     if isinstance(target, Client):

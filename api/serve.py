@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory or hub name (default: llumdask.vllm-engine.model from the config, "
                         "else the offline tiny model, built on first use)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=None,
-                   help="chat template for /v1/chat/completions, a file or the template itself "
-                        "(default: the model's chat_template.jinja or tokenizer_config.json)")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE_OR_NAME", default=None,
+                   help="chat template for /v1/chat/completions: a file, the template itself, or the name of "
+                        "one of the model's templates (default: the model's, tool_use for requests with tools "
+                        "where it has one)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length, for the gateway and the vLLM engine (default: what the model declares)")
     p.add_argument("--startup-timeout", type=float, default=600.0,

@@ -3,11 +3,15 @@
 A model directory with a ``tokenizer.json`` (every fast Hugging Face tokenizer has one) is
 loaded with the `tokenizers` library and its chat template rendered with jinja2, the way
 transformers renders it; that starts in milliseconds (transformers is an optional extra and
-takes seconds to import). The template is looked up where transformers and vLLM look:
-``chat_template.jinja`` (what ``save_pretrained`` writes today) before the ``chat_template``
-field of ``tokenizer_config.json``, then a processor's ``chat_template.json``; an operator's
-``--chat-template`` (a file or the template itself, as vLLM takes it) overrides all of them.
-Anything else (a hub name, a slow tokenizer) goes through transformers' AutoTokenizer.
+takes seconds to import). Templates are found as transformers finds them: the files first
+(``chat_template.jinja``, what ``save_pretrained`` writes today, as the default, and each
+``additional_chat_templates/NAME.jinja`` by its name), else the ``chat_template`` field of
+``tokenizer_config.json`` (one template, or a list of named ones), then a processor's
+``chat_template.json``. With several, a request offering tools renders with the one named
+``tool_use`` where there is one, any other with ``default``, as transformers and vLLM choose. An
+operator's ``--chat-template`` (a file, the template itself, or the name of one of the model's
+templates, as vLLM takes it) overrides the choice. Anything else (a hub name, a slow tokenizer)
+goes through transformers' AutoTokenizer.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def max_context_of(directory: str | Path) -> int | None:
 class FastTokenizer:
     """A ``tokenizer.json`` plus ``tokenizer_config.json`` (special tokens, chat template)."""
 
-    def __init__(self, directory: str | Path, chat_template: str | None = None) -> None:
+    def __init__(self, directory: str | Path, chat_template: str | Path | None = None) -> None:
         from tokenizers import Tokenizer as RustTokenizer
 
         directory = Path(directory)
@@ -78,8 +82,9 @@ class FastTokenizer:
         self._special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS}
         eos = self._special["eos_token"]
         self._eos_id = None if eos is None else self._tokenizer.token_to_id(eos)
-        self._template = _compile_template(chat_template if chat_template is not None
-                                           else model_chat_template(directory, config))
+        templates = chosen_template(model_chat_template(directory, config), chat_template)
+        self._templates = ({name: _compile_template(t) for name, t in templates.items()} if isinstance(templates, dict)
+                           else _compile_template(templates))
 
     @property
     def eos_token_id(self) -> int | None:
@@ -103,12 +108,11 @@ class FastTokenizer:
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: Sequence[dict[str, Any]] | None = None) -> str:
-        if self._template is None:
-            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        template = template_for(self._templates, tools)
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                          tools=list(tools) if tools else None,
                                          **{k: v or "" for k, v in self._special.items()})
         except TemplateError as exc:
@@ -118,13 +122,13 @@ class FastTokenizer:
 class TransformersTokenizer:
     """Anything AutoTokenizer can load (hub names, slow tokenizers)."""
 
-    def __init__(self, hf_tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(self, hf_tokenizer: Any, chat_template: str | Path | None = None) -> None:
         self._tokenizer = hf_tokenizer
         if chat_template is not None:
-            hf_tokenizer.chat_template = chat_template
+            hf_tokenizer.chat_template = chosen_template(hf_tokenizer.chat_template, chat_template)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, chat_template: str | None = None) -> "TransformersTokenizer":
+    def from_pretrained(cls, name_or_path: str, chat_template: str | Path | None = None) -> "TransformersTokenizer":
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(name_or_path), chat_template)
@@ -163,13 +167,13 @@ class TransformersTokenizer:
 def load_tokenizer(name_or_path: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
     """The fast path for a directory with tokenizer.json, transformers otherwise.
 
-    `chat_template` overrides the model's own: a template file, or the template text itself.
+    `chat_template` overrides the model's own: a template file, the template text itself, or the
+    name of one of the model's templates.
     """
-    template = None if chat_template is None else read_chat_template(chat_template)
     path = Path(name_or_path)
     if (path / "tokenizer.json").is_file():
-        return FastTokenizer(path, template)
-    return TransformersTokenizer.from_pretrained(str(name_or_path), template)
+        return FastTokenizer(path, chat_template)
+    return TransformersTokenizer.from_pretrained(str(name_or_path), chat_template)
 
 
 def model_location(model: str | None) -> str:
@@ -205,16 +209,46 @@ def read_chat_template(value: str | Path) -> str:
         raise ChatTemplateError(f"chat template file {str(value)!r} cannot be read") from None
 
 
-def model_chat_template(directory: Path, config: dict[str, Any]) -> str | list[dict[str, str]] | None:
-    """A model directory's chat template, found where transformers and vLLM find it."""
-    default = directory / "chat_template.jinja"
-    if default.is_file():
-        return default.read_text(encoding="utf-8")
-    if any((directory / "additional_chat_templates").glob("*.jinja")):
-        return None  # named templates and no default: transformers then ignores the config's field too
-    if config.get("chat_template") is not None:
-        return config["chat_template"]
-    return _read_json(directory / "chat_template.json").get("chat_template")
+Templates = str | dict[str, str] | None
+
+
+def model_chat_template(directory: Path, config: dict[str, Any]) -> Templates:
+    """A model directory's chat template, or its templates by name, found as transformers finds them."""
+    files = {"default": directory / "chat_template.jinja",
+             **{f.name.removesuffix(".jinja"): f for f in sorted((directory / "additional_chat_templates").glob("*.jinja"))}}
+    templates = {name: f.read_text(encoding="utf-8") for name, f in files.items() if f.is_file()}
+    if not templates:  # the files win over the config's field, as in transformers
+        found = config.get("chat_template")
+        if found is None:
+            found = _read_json(directory / "chat_template.json").get("chat_template")
+        if not isinstance(found, list):
+            return found
+        templates = {t["name"]: t["template"] for t in found}
+    return templates["default"] if list(templates) == ["default"] else templates
+
+
+def chosen_template(templates: Templates, override: str | Path | None) -> Templates:
+    """The model's `templates`, or what an operator's `--chat-template` names instead: one of
+    them by name, a template file, or the template itself (as vLLM resolves the flag)."""
+    if override is None:
+        return templates
+    if isinstance(templates, dict) and str(override) in templates:
+        return templates[str(override)]
+    return read_chat_template(override)
+
+
+def template_for(templates: Any, tools: Sequence[dict[str, Any]] | None) -> Any:
+    """The template a conversation renders with, chosen as transformers and vLLM choose: of named
+    ones, ``tool_use`` when tools are offered and it exists, else ``default``."""
+    if templates is None:
+        raise ChatTemplateError("this model has no chat template; use /v1/completions")
+    if not isinstance(templates, dict):
+        return templates
+    name = "tool_use" if tools and "tool_use" in templates else "default"
+    if name not in templates:
+        raise ChatTemplateError(f"this model's chat templates ({', '.join(sorted(templates))}) have no default; "
+                                "name one with --chat-template")
+    return templates[name]
 
 
 def _read_json(file: Path) -> dict[str, Any]:
@@ -234,8 +268,6 @@ def _token_text(value: Any) -> str | None:
 def _compile_template(source: Any):
     """Compile a chat template as transformers does: sandboxed, trim/lstrip blocks, raise_exception,
     and its `tojson` (plain JSON, not jinja's HTML-escaped one: templates render tools with it)."""
-    if isinstance(source, list):  # several named templates: use "default"
-        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
     if not isinstance(source, str):
         return None
     from jinja2.exceptions import TemplateError

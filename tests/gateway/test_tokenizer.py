@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from llumdask.api.gateway.tokenizer import (
 )
 from llumdask.tiny_model import CHAT_TEMPLATE
 
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello world"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"},
@@ -77,14 +79,40 @@ def test_chat_template_jinja_file_wins_over_the_config_field(tiny_model, tmp_pat
     assert _mark_of(load_tokenizer(model)) == "jinja"
 
 
-def test_named_templates_use_the_default_one(tiny_model, tmp_path):
+def _mark_with_tools(tokenizer) -> str:
+    return tokenizer.render_chat(CONVERSATIONS[0], tools=[TOOL]).split("]")[0].lstrip("[")
+
+
+def test_named_templates_use_tool_use_for_tools_and_default_otherwise(tiny_model, tmp_path):
     model = _model_without_template(tiny_model, tmp_path / "model")
     (model / "additional_chat_templates").mkdir()
     (model / "additional_chat_templates" / "tool_use.jinja").write_text(_marked("tools"))
-    with pytest.raises(ChatTemplateError, match="no chat template"):
+    with pytest.raises(ChatTemplateError, match=r"templates \(tool_use\) have no default"):
         load_tokenizer(model).render_chat(CONVERSATIONS[0])
+    assert _mark_with_tools(load_tokenizer(model)) == "tools"
     (model / "chat_template.jinja").write_text(_marked("default"))
-    assert _mark_of(load_tokenizer(model)) == "default"
+    assert _mark_of(load_tokenizer(model)) == "default" and _mark_with_tools(load_tokenizer(model)) == "tools"
+
+
+def test_named_templates_in_the_config_field(tiny_model, tmp_path):
+    model = _model_without_template(tiny_model, tmp_path / "model")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    named = [{"name": "default", "template": _marked("default")}, {"name": "tool_use", "template": _marked("tools")}]
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": named}))
+    assert _mark_of(load_tokenizer(model)) == "default" and _mark_with_tools(load_tokenizer(model)) == "tools"
+    # A file wins over the field, as in transformers.
+    (model / "chat_template.jinja").write_text(_marked("jinja"))
+    assert _mark_of(load_tokenizer(model)) == "jinja" and _mark_with_tools(load_tokenizer(model)) == "jinja"
+
+
+def test_the_operator_names_one_of_the_models_templates(tiny_model, tmp_path):
+    model = _model_without_template(tiny_model, tmp_path / "model")
+    (model / "chat_template.jinja").write_text(_marked("default"))
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "rag.jinja").write_text(_marked("rag"))
+    assert _mark_of(load_tokenizer(model, "rag")) == "rag" and _mark_with_tools(load_tokenizer(model, "rag")) == "rag"
+    with pytest.raises(ChatTemplateError, match="'summarise' cannot be read"):
+        load_tokenizer(model, "summarise")
 
 
 def test_processor_chat_template_json(tiny_model, tmp_path):
@@ -105,18 +133,24 @@ def test_operator_template_overrides_the_model_as_a_file_or_as_text(tiny_model, 
 
 def test_every_layout_renders_as_transformers_renders_it(tiny_model, tmp_path):
     transformers = pytest.importorskip("transformers")
+    def named_in_config(m: Path) -> None:
+        config = json.loads((m / "tokenizer_config.json").read_text())
+        named = [{"name": "default", "template": _marked("default")}, {"name": "tool_use", "template": _marked("tools")}]
+        (m / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": named}))
+
     layouts = {
         "jinja": lambda m: (m / "chat_template.jinja").write_text(_marked("jinja")),
         "named": lambda m: ((m / "chat_template.jinja").write_text(_marked("default")),
                             (m / "additional_chat_templates").mkdir(),
                             (m / "additional_chat_templates" / "tool_use.jinja").write_text(_marked("tools"))),
+        "named in the config": named_in_config,
     }
     for name, write in layouts.items():
         model = _model_without_template(tiny_model, tmp_path / name)
         write(model)
         reference = TransformersTokenizer(transformers.PreTrainedTokenizerFast.from_pretrained(str(model)))
-        for messages in CONVERSATIONS:
-            assert load_tokenizer(model).render_chat(messages) == reference.render_chat(messages), name
+        for messages, tools in itertools.product(CONVERSATIONS, (None, [TOOL])):
+            assert load_tokenizer(model).render_chat(messages, tools=tools) == reference.render_chat(messages, tools=tools), name
 
 
 @pytest.mark.slow
