@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +33,7 @@ from llumdask.api.gateway.rate_limits import ANONYMOUS, Charge, RateLimited, Rat
 from llumdask.api.gateway.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
 from llumdask.api.gateway.schemas import (
     MAX_SEED,
+    ChatRendering,
     GenerationOptions,
     parse_chat,
     parse_completion,
@@ -121,15 +123,24 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
             options = replace(options, sampling={**sampling, "json_schema": schema})
         if keep_special:
             options = replace(options, skip_special_tokens=False)
-    try:
-        text = gateway.tokenizer.render_chat(parsed.messages, tools=use.tools if use is not None else None)
-    except ChatTemplateError as exc:
-        raise InvalidRequest(str(exc), param="messages", code="invalid_value") from None
-    prompt_ids = gateway.tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = chat_prompt(gateway.tokenizer, parsed.messages, parsed.rendering, use.tools if use is not None else None)
     request_id = new_request_id()
     fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), gateway.backend.model.name)
     return await generate(request, gateway, "chat_completions", fmt, request_id, prompt_ids, options,
                           readers=readers)
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], rendering: ChatRendering,
+                tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    """A conversation's prompt ids: rendered with the model's template as `rendering` asks; a
+    template that cannot render it is the request's fault (400)."""
+    try:
+        text = tokenizer.render_chat(messages, rendering.add_generation_prompt, tools,
+                                     continue_final_message=rendering.continue_final_message,
+                                     variables=rendering.variables)
+    except ChatTemplateError as exc:
+        raise InvalidRequest(str(exc), param="messages", code="invalid_value") from None
+    return tokenizer.encode(text, add_special_tokens=rendering.add_special_tokens)
 
 
 async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseFormat, request_id: str,
@@ -388,13 +399,9 @@ async def tokenize(request: Request, gateway: Gateway) -> Response:
         check_model(gateway.backend, parsed.model)
     tokenizer = gateway.tokenizer
     if parsed.messages is not None:
-        try:
-            text = tokenizer.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt)
-        except ChatTemplateError as exc:
-            raise InvalidRequest(str(exc), param="messages", code="invalid_value") from None
+        tokens = chat_prompt(tokenizer, parsed.messages, parsed.rendering)
     else:
-        text = parsed.prompt
-    tokens = tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)
+        tokens = tokenizer.encode(parsed.prompt, add_special_tokens=parsed.rendering.add_special_tokens)
     return JSONResponse({"count": len(tokens), "max_model_len": gateway.backend.model.max_context, "tokens": tokens,
                          "token_strs": tokenizer.token_strings(tokens) if parsed.return_token_strs else None})
 

@@ -5,8 +5,10 @@ on the sim engine) is refused with a 400 rather than silently ignored: a client 
 otherwise get a different answer than it asked for. Fields not listed anywhere (``user``, ``metadata``) are ignored, as
 OpenAI-compatible servers commonly do. Extensions also accepted by vLLM's server (clients send
 them through ``extra_body``): ``stop_token_ids``, ``ignore_eos``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``;
-llumdask's own: ``priority``. The ranges of sampling
+``repetition_penalty``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+and for chat how the conversation renders (``chat_template_kwargs``, ``documents``,
+``reasoning_effort``, ``continue_final_message``, ``add_generation_prompt``,
+``add_special_tokens``); llumdask's own: ``priority``. The ranges of sampling
 options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llumdask.api.gateway.detok import check_stop
@@ -80,6 +82,29 @@ class CompletionRequest:
     suffix: str | None = None
 
 
+# Reasoning efforts a chat may ask for (OpenAI's, and vLLM's "none"); templates read the value.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+# Template variables a request sets through its own fields, not through chat_template_kwargs;
+# chat_template and tokenize are refused there as vLLM refuses them.
+_OWN_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                            "chat_template", "tokenize"})
+
+
+@dataclass(frozen=True)
+class ChatRendering:
+    """How a conversation becomes the prompt, as vLLM's chat fields ask for it."""
+
+    # The assistant's header after the messages, or the last message left open for the model to
+    # go on with (a prefilled answer); never both.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # Template variables: `chat_template_kwargs` (e.g. enable_thinking), `documents` (RAG
+    # templates), `reasoning_effort` (and enable_thinking from it, as vLLM sets it, unless given).
+    variables: Mapping[str, Any] = field(default_factory=dict)
+    # Special tokens added to the rendered prompt beyond what the template writes.
+    add_special_tokens: bool = False
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     options: GenerationOptions
@@ -88,6 +113,7 @@ class ChatRequest:
     messages: tuple[dict[str, Any], ...]
     # The tools offered, None for none.
     tools: ToolUse | None = None
+    rendering: ChatRendering = ChatRendering()
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -108,7 +134,7 @@ def parse_chat(body: Any) -> ChatRequest:
         raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
     options = _options(body, max_tokens_default=None, max_tokens_fields=("max_completion_tokens", "max_tokens"),
                        logprobs=(top or 0) if wanted else None, echo=False)
-    return ChatRequest(options, _messages(body), tools)
+    return ChatRequest(options, _messages(body), tools, _rendering(body, add_special_tokens=False))
 
 
 @dataclass(frozen=True)
@@ -118,8 +144,8 @@ class TokenizeRequest:
     model: str | None
     prompt: str | None
     messages: tuple[dict[str, Any], ...] | None
-    add_special_tokens: bool
-    add_generation_prompt: bool
+    # How messages render; its add_special_tokens is the request's for a prompt too.
+    rendering: ChatRendering
     return_token_strs: bool
 
 
@@ -136,10 +162,56 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         prompt=None if chat else _str(body, "prompt"),
         messages=_messages(body) if chat else None,
         # vLLM's defaults: a chat template adds its own special tokens, a plain prompt gets them.
-        add_special_tokens=_bool(body, "add_special_tokens", not chat),
-        add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        rendering=_rendering(body, add_special_tokens=not chat),
         return_token_strs=_bool(body, "return_token_strs", False),
     )
+
+
+def _rendering(body: Mapping[str, Any], *, add_special_tokens: bool) -> ChatRendering:
+    """vLLM's chat rendering fields. A request's own template is refused, as vLLM's server refuses
+    one unless started to trust them: the operator's `--chat-template` is the model's."""
+    if body.get("chat_template") is not None:
+        raise InvalidRequest("a request cannot bring its own chat template; the server's is set with --chat-template",
+                             param="chat_template", code="unsupported_parameter")
+    go_on = _bool(body, "continue_final_message", False)
+    header = _bool(body, "add_generation_prompt", not go_on)
+    if go_on and header:
+        raise InvalidRequest("continue_final_message leaves the last message open; it cannot be set with "
+                             "add_generation_prompt, which starts a new one", param="continue_final_message",
+                             code="invalid_value")
+    variables = dict(_template_kwargs(body.get("chat_template_kwargs")))
+    if body.get("documents") is not None:
+        variables["documents"] = _documents(body["documents"])
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise InvalidRequest(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                                 param="reasoning_effort", code="invalid_value")
+        variables["reasoning_effort"] = effort
+        variables.setdefault("enable_thinking", effort != "none")
+    return ChatRendering(header, go_on, variables, _bool(body, "add_special_tokens", add_special_tokens))
+
+
+def _template_kwargs(value: Any) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _wrong_type("chat_template_kwargs", "an object", value)
+    own = sorted(_OWN_VARIABLES & value.keys())
+    if own:
+        raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(own)}: the request's own fields do",
+                             param=f"chat_template_kwargs.{own[0]}", code="invalid_value")
+    return value
+
+
+def _documents(value: Any) -> list[dict[str, str]]:
+    """RAG documents as vLLM takes them: objects of strings (a title and a text, usually)."""
+    if not isinstance(value, list):
+        raise _wrong_type("documents", "an array of objects", value)
+    for i, document in enumerate(value):
+        if not isinstance(document, Mapping) or not all(isinstance(v, str) for v in document.values()):
+            raise _wrong_type(f"documents[{i}]", "an object of strings", document)
+    return [dict(d) for d in value]
 
 
 def parse_detokenize(body: Any) -> tuple[str | None, tuple[int, ...]]:

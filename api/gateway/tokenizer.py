@@ -17,7 +17,7 @@ goes through transformers' AutoTokenizer.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,9 +46,12 @@ class Tokenizer(Protocol):
         ...
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+                    tools: Sequence[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
+                    variables: Mapping[str, Any] | None = None) -> str:
         """The prompt text for `messages` (and the `tools` offered, OpenAI's shape), ending where
-        the assistant's reply starts (or, without the generation prompt, where the last message ends)."""
+        the assistant's reply starts (or, without the generation prompt, where the last message
+        ends; with `continue_final_message`, inside the last message, right after its text).
+        `variables`: more template variables (vLLM's chat_template_kwargs, documents)."""
         ...
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
@@ -107,16 +110,18 @@ class FastTokenizer:
         return self._tokenizer.token_to_id(text) is not None
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+                    tools: Sequence[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
+                    variables: Mapping[str, Any] | None = None) -> str:
         template = template_for(self._templates, tools)
-        from jinja2 import TemplateError
-
+        chat = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + OPEN_END}] if (
+            continue_final_message) else list(messages)
+        context = {**{k: v or "" for k, v in self._special.items()}, **(variables or {}), "messages": chat,
+                   "add_generation_prompt": add_generation_prompt, "tools": list(tools) if tools else None}
         try:
-            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         tools=list(tools) if tools else None,
-                                         **{k: v or "" for k, v in self._special.items()})
-        except TemplateError as exc:
+            rendered = template.render(context)
+        except Exception as exc:  # jinja2's errors, and a request's variables a template cannot use (TypeError)
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
+        return left_open(rendered, messages[-1]["content"]) if continue_final_message else rendered
 
 
 class TransformersTokenizer:
@@ -154,12 +159,14 @@ class TransformersTokenizer:
         return text in self._tokenizer.get_vocab()
 
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+                    tools: Sequence[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
+                    variables: Mapping[str, Any] | None = None) -> str:
         if not self._tokenizer.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
             return self._tokenizer.apply_chat_template(list(messages), tokenize=False, tools=list(tools) if tools else None,
-                                                       add_generation_prompt=add_generation_prompt)
+                                                       add_generation_prompt=add_generation_prompt,
+                                                       continue_final_message=continue_final_message, **(variables or {}))
         except Exception as exc:  # jinja2 and transformers raise several kinds for a bad conversation
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
 
@@ -249,6 +256,21 @@ def template_for(templates: Any, tools: Sequence[dict[str, Any]] | None) -> Any:
         raise ChatTemplateError(f"this model's chat templates ({', '.join(sorted(templates))}) have no default; "
                                 "name one with --chat-template")
     return templates[name]
+
+
+# Marks where the last message's text ends, so that the rendering can stop there (transformers' own mark).
+OPEN_END = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def left_open(rendered: str, final: str) -> str:
+    """`rendered` (its last message's text marked with OPEN_END) cut right after that text, as
+    transformers cuts it for continue_final_message: the model goes on with the message."""
+    mark = OPEN_END.strip()
+    if final.strip() not in rendered or mark not in rendered:
+        raise ChatTemplateError("continue_final_message: the model's chat template does not write the last "
+                                "message's text as it is, so there is nothing to continue")
+    at = rendered.rindex(mark)
+    return rendered[:at] if rendered[at:at + len(OPEN_END)] == OPEN_END else rendered[:at].rstrip()
 
 
 def _read_json(file: Path) -> dict[str, Any]:

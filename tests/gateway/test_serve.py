@@ -225,6 +225,20 @@ def test_chat_stream(server):
     assert chunks[-1].usage.completion_tokens == len(expected)
 
 
+def test_a_prefilled_answer_continues_through_the_openai_client(server):
+    """vLLM's continue_final_message and chat_template_kwargs through extra_body: the model goes on
+    with the assistant's last message, its prompt that message left open."""
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "Once upon a time"}]
+    answer = server.openai().chat.completions.create(
+        model=MODEL, messages=prefilled, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}})
+    prompt = server.tokenizer.encode(server.tokenizer.render_chat(prefilled, False, continue_final_message=True),
+                                     add_special_tokens=False)
+    assert server.tokenizer.decode(prompt).endswith("<|assistant|>\nOnce upon a time")
+    assert answer.usage.prompt_tokens == len(prompt) < len(chat_prompt(server, prefilled))
+    assert answer.choices[0].message.content == server.tokenizer.decode(reference(server, prompt, 8))
+
+
 def test_n_choices_through_the_openai_client(server):
     """Greedy choices are equal; seeded random ones differ (seed + index each) and repeat exactly."""
     greedy = server.openai().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, n=3)
