@@ -2,8 +2,9 @@
 
 What a request asks for and the model cannot do (a suffix without fill-in-the-middle tokens, tools
 on the sim engine) is refused with a 400 rather than silently ignored: a client relying on it would
-otherwise get a different answer than it asked for. Fields not listed anywhere (``user``, ``metadata``) are ignored, as
-OpenAI-compatible servers commonly do. Extensions also accepted by vLLM's server (clients send
+otherwise get a different answer than it asked for; so are vLLM's own options the gateway does not
+honour (`UNHONOURED_VLLM_OPTIONS`) unless at their defaults. Fields that ask nothing of the answer
+(``user``, ``metadata``) are ignored, as OpenAI-compatible servers commonly do. Extensions also accepted by vLLM's server (clients send
 them through ``extra_body``): ``stop_token_ids``, ``ignore_eos``, ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 and for chat how the conversation renders (``chat_template_kwargs``, ``documents``,
@@ -116,8 +117,32 @@ class ChatRequest:
     rendering: ChatRendering = ChatRendering()
 
 
+# vLLM's own request options the gateway does not honour, each with vLLM's default: a request
+# asking for something else is refused (beam search, token allow-lists, its structured outputs,
+# prompt truncation, prompt logprobs, token-id returns, cache salts, KV transfer...) rather than
+# answered as if it had not asked.
+UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": [],
+    "structured_outputs": None, "truncate_prompt_tokens": None, "prompt_logprobs": None, "logprob_token_ids": None,
+    "spaces_between_special_tokens": True, "thinking_token_budget": None, "repetition_detection": None,
+    "return_token_ids": False, "return_tokens_as_token_ids": False, "return_token_offsets": False,
+    "return_prompt_text": False, "return_mm_kwargs": False, "cache_salt": None, "kv_transfer_params": None,
+    "ec_transfer_params": None, "vllm_xargs": None, "prompt_embeds": None, "media_io_kwargs": None,
+    "mm_processor_kwargs": None, "watermarking": None,
+}
+
+
+def _refuse_unhonoured(body: Mapping[str, Any]) -> None:
+    for name, default in UNHONOURED_VLLM_OPTIONS.items():
+        value = body.get(name)
+        if value is not None and value != default:
+            raise InvalidRequest(f"{name} is a vLLM option llumdask's gateway does not honour; leave it out",
+                                 param=name, code="unsupported_parameter")
+
+
 def parse_completion(body: Any) -> CompletionRequest:
     body = _object(body)
+    _refuse_unhonoured(body)
     logprobs = _int(body, "logprobs", minimum=0, maximum=MAX_LOGPROBS) if body.get("logprobs") is not None else None
     options = _options(body, max_tokens_default=16, max_tokens_fields=("max_tokens",), logprobs=logprobs,
                        echo=_bool(body, "echo", False))
@@ -127,6 +152,7 @@ def parse_completion(body: Any) -> CompletionRequest:
 
 def parse_chat(body: Any) -> ChatRequest:
     body = _object(body)
+    _refuse_unhonoured(body)
     tools = parse_tool_use(body)
     top = _int(body, "top_logprobs", minimum=0, maximum=MAX_LOGPROBS) if body.get("top_logprobs") is not None else None
     wanted = _bool(body, "logprobs", False)
