@@ -4,13 +4,13 @@ What a request asks for and the model cannot do (a suffix without fill-in-the-mi
 on the sim engine) is refused with a 400 rather than silently ignored: a client relying on it would
 otherwise get a different answer than it asked for; so are vLLM's own options the gateway does not
 honour (`UNHONOURED_VLLM_OPTIONS`) unless at their defaults. Fields that ask nothing of the answer
-(``user``, ``metadata``) are ignored, as OpenAI-compatible servers commonly do. Extensions also accepted by vLLM's server (clients send
-them through ``extra_body``): ``stop_token_ids``, ``ignore_eos``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-and for chat how the conversation renders (``chat_template_kwargs``, ``documents``,
-``reasoning_effort``, ``continue_final_message``, ``add_generation_prompt``,
-``add_special_tokens``); llumdask's own: ``priority``. The ranges of sampling
-options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
+(``user``, ``metadata``) are ignored, as OpenAI-compatible servers commonly do. Extensions also
+accepted by vLLM's server (clients send them through ``extra_body``): ``stop_token_ids``,
+``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``include_stop_str_in_output``, ``skip_special_tokens``, and for chat how the conversation renders
+(``chat_template_kwargs``, ``documents``, ``reasoning_effort``, ``continue_final_message``,
+``add_generation_prompt``, ``add_special_tokens``); llumdask's own: ``priority``. The ranges of
+sampling options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
 """
 
 from __future__ import annotations
