@@ -348,7 +348,7 @@ class LlumdaskClient:
         in input order, a failed one as its exception in its place. `stop` strings end a text
         generation (not part of the text). `sampling` takes the `SamplingParams` fields
         (temperature, top_p, seed, stop_token_ids, ignore_eos, top_k, min_p, penalties,
-        min_tokens, logit_bias, logprobs, prompt_logprobs: the result's `.logprobs` and
+        min_tokens, logit_bias, allowed_token_ids, logprobs, prompt_logprobs: the result's `.logprobs` and
         `.prompt_logprobs`); text prompts stop at the model's
         end-of-sequence token unless `ignore_eos`. `timeout` (seconds) bounds each request; on
         expiry it is aborted and TimeoutError raised (returned, in a list).

@@ -66,7 +66,9 @@ class SamplingParams:
     The defaults change nothing: top_k 0 and min_p 0 filter no token, penalties 0 (1 for the
     multiplicative repetition penalty) and an empty `logit_bias` leave the logits as they are,
     min_tokens 0 lets a stop token end the request at once. `logit_bias` is (token id, bias)
-    pairs, sorted by token id, so that the parameters stay hashable and cross comms as lists."""
+    pairs, sorted by token id, so that the parameters stay hashable and cross comms as lists;
+    `allowed_token_ids` the only tokens that may be generated (empty: any), a mask on each step's
+    logits, so it moves exactly with the request."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -81,6 +83,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
     # Log probabilities of each generated (prompt) token and of this many alternatives; None: none.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -113,6 +116,10 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        allowed = self.allowed_token_ids
+        if not isinstance(allowed, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in allowed):
+            raise ValueError(f"allowed_token_ids must be a list of token ids (integers >= 0), got {allowed!r:.80}")
+        object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in allowed))
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str) or not isinstance(_json_or_none(self.json_schema), dict):
                 raise ValueError(f"json_schema must be the JSON text of a schema object, got {self.json_schema!r:.80}")

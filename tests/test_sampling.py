@@ -21,6 +21,9 @@ from llumdask.request import Request, SamplingParams
     ({"logit_bias": {"3.5": 1}}, "logit_bias must map token ids"),
     ({"logit_bias": {3: 100.5}}, "logit_bias must map token ids"),
     ({"logit_bias": [1, 2]}, "logit_bias must map token ids"),
+    ({"allowed_token_ids": [3, -1]}, "allowed_token_ids must be a list of token ids"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids must be a list of token ids"),
+    ({"allowed_token_ids": [True]}, "allowed_token_ids must be a list of token ids"),
     ({"logprobs": 21}, r"logprobs must be an integer in \[0, 20\]"),
     ({"prompt_logprobs": -1}, "prompt_logprobs must be"),
     ({"json_schema": "[1]"}, "json_schema must be the JSON text of a schema object"),
@@ -49,7 +52,7 @@ def test_every_option_survives_the_wire():
 
     sampling = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.9, seed=4, stop_token_ids=(2,), top_k=7,
                               min_p=0.1, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.4,
-                              min_tokens=3, logit_bias={8: -1.5}, logprobs=2, prompt_logprobs=0,
+                              min_tokens=3, logit_bias={8: -1.5}, allowed_token_ids=[8, 2, 5], logprobs=2, prompt_logprobs=0,
                               json_schema='{"type": "object"}')
     msg = msgpack.unpackb(msgpack.packb(request_to_msg(Request("r", [1, 2], sampling))))
     assert request_from_msg(msg).sampling == sampling

@@ -318,6 +318,7 @@ def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tok
                              param="min_tokens", code="invalid_value")
     if "logit_bias" in extra:
         check_token_ids([int(t) for t in extra["logit_bias"]], gateway.tokenizer.vocab_size, "logit_bias")
+    check_token_ids(extra.get("allowed_token_ids", ()), gateway.tokenizer.vocab_size, "allowed_token_ids")
     return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
                           seed=options.seed, ignore_eos=options.ignore_eos,
                           stop_token_ids=stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos),

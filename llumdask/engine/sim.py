@@ -165,6 +165,8 @@ def unmodelled_option(sampling: SamplingParams) -> str:
         return option
     if sampling.logit_bias:
         return "logit_bias"
+    if sampling.allowed_token_ids:
+        return "allowed_token_ids"
     if sampling.logprobs is not None:
         return "logprobs"
     if sampling.prompt_logprobs is not None:

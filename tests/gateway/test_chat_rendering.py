@@ -156,7 +156,7 @@ def test_vllm_options_the_gateway_does_not_honour_are_400_unless_at_their_defaul
     """Beam search, an allow-list of tokens, vLLM's own structured outputs, a cache salt: a request
     asking for them is refused rather than answered as if it had not; their defaults pass."""
     client, backend, _ = rendering
-    for name, value in (("use_beam_search", True), ("allowed_token_ids", [5, 6]), ("bad_words", ["cat"]),
+    for name, value in (("use_beam_search", True), ("truncate_prompt_tokens", 5), ("bad_words", ["cat"]),
                         ("structured_outputs", {"choice": ["yes", "no"]}), ("cache_salt", "tenant-a"),
                         ("prompt_logprobs", 2), ("spaces_between_special_tokens", False)):
         r = client.post(path, json={"model": MODEL, "max_tokens": 2, **body, name: value})

@@ -75,13 +75,13 @@ def test_sampling_fields_reach_the_backend(client, backend, tokenizer):
 def test_penalties_filters_and_biases_reach_the_backend(client, backend, path):
     body = {"model": MODEL, "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": -0.25,
             "logit_bias": {"12": 5, "3": -100}, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
-            "min_tokens": 2}
+            "min_tokens": 2, "allowed_token_ids": [7, 3, 12]}
     body |= {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
     assert client.post(path, json=body).status_code == 200
     s = backend.submitted[0].sampling
     assert (s.presence_penalty, s.frequency_penalty, s.top_k, s.min_p, s.repetition_penalty, s.min_tokens) == (
         0.5, -0.25, 20, 0.05, 1.1, 2)
-    assert s.logit_bias == ((3, -100.0), (12, 5.0))
+    assert s.logit_bias == ((3, -100.0), (12, 5.0)) and s.allowed_token_ids == (7, 3, 12)
 
 
 def test_chat_renders_the_template_and_answers_as_assistant(client, backend, tokenizer, script):

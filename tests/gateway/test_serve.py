@@ -308,6 +308,8 @@ BAD_INPUTS = [
      "the sim engine does not model logprobs"),
     ("json of the sim", {"model": MODEL, "prompt": "Hi", "response_format": {"type": "json_object"}}, 400,
      "request_rejected", "the sim engine does not model response_format"),
+    ("an allow-list on the sim", {"model": MODEL, "prompt": "Hi", "allowed_token_ids": [5, 6]}, 400,
+     "request_rejected", "the sim engine does not model allowed_token_ids"),
 ]
 
 
@@ -718,7 +720,9 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
     # Penalties, a bias, filters: OpenAI's fields and vLLM's extensions, as vLLM applies them.
     biased = server.tokenizer.encode(prompts[0])
     sampling = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "logit_bias": {str(t): -50 for t in biased[1:3]}}
-    extensions = {"repetition_penalty": 1.2, "top_k": 8, "min_p": 0.05, "ignore_eos": True}
+    # An allow-list of every other token id: the answer is drawn from it.
+    extensions = {"repetition_penalty": 1.2, "top_k": 8, "min_p": 0.05, "ignore_eos": True,
+                  "allowed_token_ids": list(range(0, server.tokenizer.vocab_size, 2))}
     chat_chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": prompts[0]}], max_tokens=32, temperature=0,
         stream=True, extra_body=extensions, **sampling))
@@ -794,6 +798,7 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
     assert "".join(c.choices[0].text for c in chunks if c.choices) == server.tokenizer.decode(expected[1])
     assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == server.tokenizer.decode(expected[2])
     assert expected[2] != expected[3]  # the options changed what greedy decoding picks
+    assert all(t % 2 == 0 for t in expected[2]) and any(t % 2 for t in expected[3])  # within the allow-list
 
 
 WEATHER = {"type": "function", "function": {

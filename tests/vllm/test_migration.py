@@ -259,18 +259,22 @@ def migrated_run(source, destination, request_id: str, prompt_len: int, max_toke
     return received_tokens(list(streams), request_id)
 
 
-@pytest.mark.parametrize("option", ["repetition_penalty", "logit_bias", "top_k_min_p"])
+@pytest.mark.parametrize("option", ["repetition_penalty", "logit_bias", "allowed_token_ids", "top_k_min_p"])
 def test_logit_options_migrate_with_identical_tokens(vllm_engine, peer_engine, reference, option):
     plain = reference[(100, 300)][:60]
     sampling = {
         "repetition_penalty": {"repetition_penalty": 1.3},
         # Forbid the tokens greedy decoding picks at 20 and 21: the output turns there.
         "logit_bias": {"logit_bias": {plain[20]: -100, plain[21]: -100}},
+        # Every token greedy decoding picks but the one at 20: the output turns there, and goes on
+        # within the list.
+        "allowed_token_ids": {"allowed_token_ids": sorted(set(plain) - {plain[20]})},
         "top_k_min_p": {"top_k": 3, "min_p": 0.1},
     }[option]
     alone = run_alone(vllm_engine, f"{option}-alone", 100, 60, **sampling)
     # The option acts (filters keep the argmax, so greedy decoding is unchanged by them).
     assert (alone == plain) == (option == "top_k_min_p")
+    assert set(alone) <= set(sampling.get("allowed_token_ids", alone))
     assert migrated_run(vllm_engine, peer_engine, option, 100, 60, 25, **sampling) == alone
 
 
