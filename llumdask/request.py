@@ -59,6 +59,10 @@ class FinishReason(enum.Enum):
 MAX_LOGPROBS = 20
 
 
+# The SamplingParams fields that ask for a structured output, one kind each.
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What an engine needs to generate; validated here so that every entry point shares it.
@@ -87,9 +91,13 @@ class SamplingParams:
     # Log probabilities of each generated (prompt) token and of this many alternatives; None: none.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    # Structured output: JSON text of a JSON schema the output must satisfy, or any JSON object.
+    # Structured output, one kind at most: JSON text of a JSON schema the output must satisfy, any
+    # JSON object, a regular expression it must match, one of `choice`, or a grammar (EBNF / Lark).
     json_schema: str | None = None
     json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] = ()
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -123,10 +131,18 @@ class SamplingParams:
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str) or not isinstance(_json_or_none(self.json_schema), dict):
                 raise ValueError(f"json_schema must be the JSON text of a schema object, got {self.json_schema!r:.80}")
-            if self.json_object:
-                raise ValueError("json_schema and json_object exclude each other")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r:.80}")
+        if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) for c in self.choice):
+            raise ValueError(f"choice must be a list of strings, got {self.choice!r:.80}")
+        object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = self.structured_kinds
+        if len(kinds) > 1:
+            raise ValueError(f"{' and '.join(kinds)} exclude each other: a structured output has one kind")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
@@ -142,10 +158,15 @@ class SamplingParams:
         return not self.greedy and self.seed is not None
 
     @property
+    def structured_kinds(self) -> tuple[str, ...]:
+        """The structured-output kinds asked for (one at most in valid parameters)."""
+        return tuple(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False, ()))
+
+    @property
     def resume_breaks(self) -> str:
         """Why this request cannot go on from its output so far on another engine ("" when it can):
         a structured output's grammar starts over there, so it would begin a second document."""
-        if self.json_schema is not None or self.json_object:
+        if self.structured_kinds:
             return "a structured output's grammar would start over"
         return ""
 

@@ -29,6 +29,10 @@ from llumdask.request import Request, SamplingParams
     ({"json_schema": "[1]"}, "json_schema must be the JSON text of a schema object"),
     ({"json_schema": "{"}, "json_schema must be the JSON text"),
     ({"json_schema": "{}", "json_object": True}, "exclude each other"),
+    ({"regex": "a+", "choice": ["a"]}, "regex and choice exclude each other"),
+    ({"regex": ""}, "regex must be a non-empty string"),
+    ({"grammar": 5}, "grammar must be a non-empty string"),
+    ({"choice": "ab"}, "choice must be a list of strings"),
 ])
 def test_bad_options_name_themselves(fields, words):
     with pytest.raises(ValueError, match=words):

@@ -45,7 +45,7 @@ from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
 from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer, stop_token_ids
 from llumdask.api.gateway.tools import ToolCalling, ToolReader
 from llumdask.config import GatewayConfig
-from llumdask.request import Priority, SamplingParams, new_request_id
+from llumdask.request import STRUCTURED_KINDS, Priority, SamplingParams, new_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
     if use is not None and use.reads_calls:
         schema, keep_special, readers = await gateway.tools.readers(use, options.best_of)
         if schema is not None:  # tool_choice overrides response_format, as in vLLM
-            sampling = {k: v for k, v in options.sampling.items() if k not in ("json_schema", "json_object")}
+            sampling = {k: v for k, v in options.sampling.items() if k not in STRUCTURED_KINDS}
             options = replace(options, sampling={**sampling, "json_schema": schema})
         if keep_special:
             options = replace(options, skip_special_tokens=False)

@@ -7,7 +7,7 @@ honour (`UNHONOURED_VLLM_OPTIONS`) unless at their defaults. Fields that ask not
 (``user``, ``metadata``) are ignored, as OpenAI-compatible servers commonly do. Extensions also
 accepted by vLLM's server (clients send them through ``extra_body``): ``stop_token_ids``,
 ``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``,
-``include_stop_str_in_output``, ``skip_special_tokens``, and for chat how the conversation renders
+``include_stop_str_in_output``, ``skip_special_tokens``, ``structured_outputs``, and for chat how the conversation renders
 (``chat_template_kwargs``, ``documents``, ``reasoning_effort``, ``continue_final_message``,
 ``add_generation_prompt``, ``add_special_tokens``); llumdask's own: ``priority``. The ranges of
 sampling options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
@@ -119,12 +119,11 @@ class ChatRequest:
 
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
-# asking for something else is refused (beam search, banned words, its structured outputs,
-# prompt truncation, prompt logprobs, token-id returns, cache salts, KV transfer...) rather than
+# asking for something else is refused (beam search, banned words, prompt truncation, prompt logprobs, token-id returns, cache salts, KV transfer...) rather than
 # answered as if it had not asked.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "bad_words": [],
-    "structured_outputs": None, "truncate_prompt_tokens": None, "prompt_logprobs": None, "logprob_token_ids": None,
+    "truncate_prompt_tokens": None, "prompt_logprobs": None, "logprob_token_ids": None,
     "spaces_between_special_tokens": True, "thinking_token_budget": None, "repetition_detection": None,
     "return_token_ids": False, "return_tokens_as_token_ids": False, "return_token_offsets": False,
     "return_prompt_text": False, "return_mm_kwargs": False, "cache_salt": None, "kv_transfer_params": None,
@@ -293,8 +292,61 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
         logprobs=logprobs,
         echo=echo,
         sampling={**{name: _sampling_option(body, name, kind) for name, kind in SAMPLING_OPTIONS.items()
-                     if body.get(name) is not None}, **_response_format(body.get("response_format"))},
+                     if body.get(name) is not None}, **_structured(body)},
     )
+
+
+def _structured(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The structured output asked for, by OpenAI's response_format or vLLM's structured_outputs
+    (one of them), as SamplingParams fields."""
+    formats, vllm = _response_format(body.get("response_format")), _structured_outputs(body.get("structured_outputs"))
+    if formats and vllm:
+        raise InvalidRequest("response_format and structured_outputs each ask for a structured output; send one",
+                             param="structured_outputs", code="invalid_value")
+    return formats or vllm
+
+
+# vLLM's structured-output options honoured as their defaults only (its kinds are the SamplingParams').
+_STRUCTURED_DEFAULTS = {"disable_any_whitespace": False, "disable_additional_properties": False,
+                        "whitespace_pattern": None}
+
+
+def _structured_outputs(value: Any) -> dict[str, Any]:
+    """vLLM's structured_outputs: exactly one of json (a schema, checked against its metaschema),
+    json_object, regex, choice or grammar."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _wrong_type("structured_outputs", "an object", value)
+    for name in value:
+        if name not in ("json", "json_object", "regex", "choice", "grammar") and (
+                name not in _STRUCTURED_DEFAULTS or value[name] not in (None, _STRUCTURED_DEFAULTS[name])):
+            raise InvalidRequest(f"structured_outputs.{name} is not honoured by llumdask's gateway; leave it out",
+                                 param=f"structured_outputs.{name}", code="unsupported_parameter")
+    kinds = [name for name in ("json", "json_object", "regex", "choice", "grammar") if value.get(name) is not None]
+    if len(kinds) != 1:
+        raise InvalidRequest("structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(kinds) or 'none'}", param="structured_outputs", code="invalid_value")
+    (kind,) = kinds
+    given, param = value[kind], f"structured_outputs.{kind}"
+    if kind == "json":
+        try:
+            schema = json.loads(given) if isinstance(given, str) else given
+        except ValueError:
+            schema = None
+        if not isinstance(schema, Mapping):
+            raise _wrong_type(param, "a JSON schema object", given)
+        check_schema(schema, param)
+        return {"json_schema": json.dumps(schema)}
+    if kind == "json_object":
+        if given is not True:
+            raise InvalidRequest(f"{param} must be true when given", param=param, code="invalid_value")
+        return {"json_object": True}
+    if kind == "choice" and not (isinstance(given, list) and given and all(isinstance(c, str) for c in given)):
+        raise _wrong_type(param, "a non-empty list of strings", given)
+    if kind in ("regex", "grammar") and not (isinstance(given, str) and given):
+        raise _wrong_type(param, "a non-empty string", given)
+    return {kind: given}
 
 
 def _response_format(value: Any) -> dict[str, Any]:

@@ -173,6 +173,8 @@ def unmodelled_option(sampling: SamplingParams) -> str:
         return "prompt_logprobs"
     if sampling.json_schema is not None or sampling.json_object:
         return "response_format"
+    if sampling.structured_kinds:
+        return "structured_outputs"
     return ""
 
 

@@ -153,16 +153,16 @@ def test_rendering_matches_transformers(tiny_model, tmp_path):
     ("/v1/chat/completions", {"messages": ASK}),
 ])
 def test_vllm_options_the_gateway_does_not_honour_are_400_unless_at_their_default(rendering, path, body):
-    """Beam search, an allow-list of tokens, vLLM's own structured outputs, a cache salt: a request
+    """Beam search, banned words, prompt truncation, a cache salt: a request
     asking for them is refused rather than answered as if it had not; their defaults pass."""
     client, backend, _ = rendering
     for name, value in (("use_beam_search", True), ("truncate_prompt_tokens", 5), ("bad_words", ["cat"]),
-                        ("structured_outputs", {"choice": ["yes", "no"]}), ("cache_salt", "tenant-a"),
+                        ("return_token_ids", True), ("cache_salt", "tenant-a"),
                         ("prompt_logprobs", 2), ("spaces_between_special_tokens", False)):
         r = client.post(path, json={"model": MODEL, "max_tokens": 2, **body, name: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
         assert "does not honour" in r.json()["error"]["message"]
     assert backend.submitted == []
     defaults = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "spaces_between_special_tokens": True,
-                "structured_outputs": None, "return_token_ids": False}
+                "return_token_ids": False}
     assert client.post(path, json={"model": MODEL, "max_tokens": 2, **body, **defaults}).status_code == 200

@@ -84,6 +84,25 @@ def test_penalties_filters_and_biases_reach_the_backend(client, backend, path):
     assert s.logit_bias == ((3, -100.0), (12, 5.0)) and s.allowed_token_ids == (7, 3, 12)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_structured_outputs_reach_the_backend(client, backend, path):
+    """Each kind of vLLM's structured_outputs, as the engine's parameters (a JSON schema given as an
+    object or as its text)."""
+    body = {"model": MODEL, "max_tokens": 4}
+    body |= {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for given, field, expected in (({"choice": ["yes", "no"]}, "choice", ("yes", "no")),
+                                   ({"regex": "[0-9]{3}"}, "regex", "[0-9]{3}"),
+                                   ({"grammar": 'root ::= "a" | "b"'}, "grammar", 'root ::= "a" | "b"'),
+                                   ({"json": schema}, "json_schema", json.dumps(schema)),
+                                   ({"json": json.dumps(schema), "disable_any_whitespace": False}, "json_schema",
+                                    json.dumps(schema)),
+                                   ({"json_object": True}, "json_object", True)):
+        assert client.post(path, json={**body, "structured_outputs": given}).status_code == 200
+        sampling = backend.submitted[-1].sampling
+        assert getattr(sampling, field) == expected and sampling.structured_kinds == (field,)
+
+
 def test_chat_renders_the_template_and_answers_as_assistant(client, backend, tokenizer, script):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_completion_tokens": 4})

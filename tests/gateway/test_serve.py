@@ -310,6 +310,8 @@ BAD_INPUTS = [
      "request_rejected", "the sim engine does not model response_format"),
     ("an allow-list on the sim", {"model": MODEL, "prompt": "Hi", "allowed_token_ids": [5, 6]}, 400,
      "request_rejected", "the sim engine does not model allowed_token_ids"),
+    ("a choice on the sim", {"model": MODEL, "prompt": "Hi", "structured_outputs": {"choice": ["a", "b"]}}, 400,
+     "request_rejected", "the sim engine does not model structured_outputs"),
 ]
 
 
@@ -789,6 +791,13 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
         response_format={"type": "json_schema", "json_schema": {"name": "color", "schema": schema}}).choices[0]
     assert answer.finish_reason == "stop"
     jsonschema.validate(json.loads(answer.message.content), schema)
+    # vLLM's own structured_outputs: one of a choice, a regular expression.
+    picked = client.completions.create(model=MODEL, prompt="Yes or no?", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0]
+    assert picked.text in ("yes", "no") and picked.finish_reason == "stop"
+    digits = client.completions.create(model=MODEL, prompt="A number:", max_tokens=16, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}).choices[0]
+    assert re.fullmatch("[0-9]{3}", digits.text) and digits.finish_reason == "stop"
     # (A random model's whitespace may run on for a while within a grammar: this prompt closes soon.)
     anything = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=64, temperature=0,
                                          extra_body={"response_format": {"type": "json_object"}}).choices[0]

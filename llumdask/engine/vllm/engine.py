@@ -145,12 +145,18 @@ def to_vllm_sampling(request: Request, migration_id: str | None = None) -> "vllm
 
 
 def structured_outputs(s: SamplingParams) -> StructuredOutputsParams | None:
-    """vLLM's structured-output parameters for a JSON schema or any JSON object (None for neither)."""
+    """vLLM's structured-output parameters for the request's kind, if any."""
     from vllm.sampling_params import StructuredOutputsParams
 
     if s.json_schema is not None:
         return StructuredOutputsParams(json=json.loads(s.json_schema))
-    return StructuredOutputsParams(json_object=True) if s.json_object else None
+    if s.json_object:
+        return StructuredOutputsParams(json_object=True)
+    if s.regex is not None:
+        return StructuredOutputsParams(regex=s.regex)
+    if s.choice:
+        return StructuredOutputsParams(choice=list(s.choice))
+    return StructuredOutputsParams(grammar=s.grammar) if s.grammar is not None else None
 
 
 def _logprob(position: Mapping[int, Any], token: int, top: int) -> TokenLogprob:
