@@ -97,10 +97,12 @@ def endpoint(name: str, handler: Handler) -> Callable[[Request], Awaitable[Respo
 async def completions(request: Request, gateway: Gateway) -> Response:
     parsed = parse_completion(await read_json(request, gateway.settings.max_body_bytes))
     check_model(gateway.backend, parsed.options.model)
+    special = parsed.add_special_tokens
     if parsed.suffix is not None:
-        prompt_ids = gateway.tokenizer.encode(fill_in_the_middle(gateway.tokenizer, parsed.prompt, parsed.suffix))
+        prompt_ids = gateway.tokenizer.encode(fill_in_the_middle(gateway.tokenizer, parsed.prompt, parsed.suffix),
+                                              add_special_tokens=special)
     elif isinstance(parsed.prompt, str):
-        prompt_ids = gateway.tokenizer.encode(parsed.prompt)
+        prompt_ids = gateway.tokenizer.encode(parsed.prompt, add_special_tokens=special)
     else:
         prompt_ids = list(parsed.prompt)
         check_token_ids(prompt_ids, gateway.tokenizer.vocab_size, "prompt")
@@ -400,7 +402,7 @@ async def tokenize(request: Request, gateway: Gateway) -> Response:
         check_model(gateway.backend, parsed.model)
     tokenizer = gateway.tokenizer
     if parsed.messages is not None:
-        tokens = chat_prompt(tokenizer, parsed.messages, parsed.rendering)
+        tokens = chat_prompt(tokenizer, parsed.messages, parsed.rendering, parsed.tools)
     else:
         tokens = tokenizer.encode(parsed.prompt, add_special_tokens=parsed.rendering.add_special_tokens)
     return JSONResponse({"count": len(tokens), "max_model_len": gateway.backend.model.max_context, "tokens": tokens,

@@ -82,13 +82,16 @@ class CompletionRequest:
     prompt: str | tuple[int, ...]
     # The text that comes after the completion (fill in the middle); None for none.
     suffix: str | None = None
+    # A text prompt's special tokens (a beginning of sequence), as the tokenizer adds them (vLLM's field).
+    add_special_tokens: bool = True
 
 
-# Reasoning efforts a chat may ask for (OpenAI's, and vLLM's "none"); templates read the value.
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+# Reasoning efforts a chat may ask for (vLLM's list: OpenAI's and more); templates read the value.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Template variables a request sets through its own fields, not through chat_template_kwargs;
-# chat_template and tokenize are refused there as vLLM refuses them.
-_OWN_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+# chat_template and tokenize are refused there as vLLM refuses them. (documents may come either
+# way, the field winning, as in vLLM.)
+_OWN_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
                             "chat_template", "tokenize"})
 
 
@@ -133,9 +136,12 @@ UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
 
 
 def _refuse_unhonoured(body: Mapping[str, Any]) -> None:
+    """A 400 for the first option of UNHONOURED_VLLM_OPTIONS that asks for something: neither its
+    default nor, where that default is off, an off or empty value (false, {}, [], "")."""
     for name, default in UNHONOURED_VLLM_OPTIONS.items():
         value = body.get(name)
-        if value is not None and value != default:
+        off = not default and (value is False or (isinstance(value, (dict, list, str)) and not value))
+        if value is not None and value != default and not off:
             raise InvalidRequest(f"{name} is a vLLM option llumdask's gateway does not honour; leave it out",
                                  param=name, code="unsupported_parameter")
 
@@ -147,12 +153,15 @@ def parse_completion(body: Any) -> CompletionRequest:
     options = _options(body, max_tokens_default=16, max_tokens_fields=("max_tokens",), logprobs=logprobs,
                        echo=_bool(body, "echo", False))
     suffix = _str(body, "suffix") if body.get("suffix") is not None else None
-    return CompletionRequest(options, _prompt(body), suffix or None)
+    return CompletionRequest(options, _prompt(body), suffix or None, _bool(body, "add_special_tokens", True))
 
 
 def parse_chat(body: Any) -> ChatRequest:
     body = _object(body)
     _refuse_unhonoured(body)
+    if _bool(body, "echo", False):
+        raise InvalidRequest("echo (vLLM's: the last message's text before the answer) is not honoured by "
+                             "llumdask's gateway for chat; leave it out", param="echo", code="unsupported_parameter")
     tools = parse_tool_use(body)
     top = _int(body, "top_logprobs", minimum=0, maximum=MAX_LOGPROBS) if body.get("top_logprobs") is not None else None
     wanted = _bool(body, "logprobs", False)
@@ -173,6 +182,8 @@ class TokenizeRequest:
     # How messages render; its add_special_tokens is the request's for a prompt too.
     rendering: ChatRendering
     return_token_strs: bool
+    # The tools the template renders with the messages (vLLM's field), None for none.
+    tools: tuple[dict[str, Any], ...] | None = None
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
@@ -190,7 +201,13 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         # vLLM's defaults: a chat template adds its own special tokens, a plain prompt gets them.
         rendering=_rendering(body, add_special_tokens=not chat),
         return_token_strs=_bool(body, "return_token_strs", False),
+        tools=_tools(body) if chat else None,
     )
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...] | None:
+    use = parse_tool_use(body)
+    return None if use is None else use.tools
 
 
 def _rendering(body: Mapping[str, Any], *, add_special_tokens: bool) -> ChatRendering:

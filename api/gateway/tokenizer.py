@@ -9,9 +9,10 @@ takes seconds to import). Templates are found as transformers finds them: the fi
 ``tokenizer_config.json`` (one template, or a list of named ones), then a processor's
 ``chat_template.json``. With several, a request offering tools renders with the one named
 ``tool_use`` where there is one, any other with ``default``, as transformers and vLLM choose. An
-operator's ``--chat-template`` (a file, the template itself, or the name of one of the model's
-templates, as vLLM takes it) overrides the choice. Anything else (a hub name, a slow tokenizer)
-goes through transformers' AutoTokenizer.
+operator's ``--chat-template`` (a file or the template itself, as vLLM takes it, or, beyond vLLM,
+the name of one of the model's templates) overrides the choice. A named template that does not
+compile fails the conversations that need it, not the model's loading. Anything else (a hub name,
+a slow tokenizer) goes through transformers' AutoTokenizer.
 """
 
 from __future__ import annotations
@@ -86,8 +87,10 @@ class FastTokenizer:
         eos = self._special["eos_token"]
         self._eos_id = None if eos is None else self._tokenizer.token_to_id(eos)
         templates = chosen_template(model_chat_template(directory, config), chat_template)
-        self._templates = ({name: _compile_template(t) for name, t in templates.items()} if isinstance(templates, dict)
-                           else _compile_template(templates))
+        if isinstance(templates, dict):
+            self._templates = {name: _compile_template(t, strict=name == "default") for name, t in templates.items()}
+        else:
+            self._templates = _compile_template(templates)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -115,8 +118,9 @@ class FastTokenizer:
         template = template_for(self._templates, tools)
         chat = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + OPEN_END}] if (
             continue_final_message) else list(messages)
-        context = {**{k: v or "" for k, v in self._special.items()}, **(variables or {}), "messages": chat,
-                   "add_generation_prompt": add_generation_prompt, "tools": list(tools) if tools else None}
+        context = {**{k: v or "" for k, v in self._special.items()}, "documents": None, **(variables or {}),
+                   "messages": chat, "add_generation_prompt": add_generation_prompt,
+                   "tools": list(tools) if tools else None}
         try:
             rendered = template.render(context)
         except Exception as exc:  # jinja2's errors, and a request's variables a template cannot use (TypeError)
@@ -230,13 +234,14 @@ def model_chat_template(directory: Path, config: dict[str, Any]) -> Templates:
             found = _read_json(directory / "chat_template.json").get("chat_template")
         if not isinstance(found, list):
             return found
-        templates = {t["name"]: t["template"] for t in found}
+        return {t["name"]: t["template"] for t in found}  # named, even one alone (transformers keeps the names)
     return templates["default"] if list(templates) == ["default"] else templates
 
 
 def chosen_template(templates: Templates, override: str | Path | None) -> Templates:
-    """The model's `templates`, or what an operator's `--chat-template` names instead: one of
-    them by name, a template file, or the template itself (as vLLM resolves the flag)."""
+    """The model's `templates`, or what an operator's `--chat-template` names instead: a template
+    file or the template itself (as vLLM reads the flag), or one of the model's named templates
+    (as transformers resolves a name)."""
     if override is None:
         return templates
     if isinstance(templates, dict) and str(override) in templates:
@@ -287,22 +292,52 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _compile_template(source: Any):
-    """Compile a chat template as transformers does: sandboxed, trim/lstrip blocks, raise_exception,
-    and its `tojson` (plain JSON, not jinja's HTML-escaped one: templates render tools with it)."""
+class _Unusable:
+    """A named template that did not compile: the conversations that would use it get the error."""
+
+    def __init__(self, error: Exception) -> None:
+        self._error = error
+
+    def render(self, context: Mapping[str, Any]) -> str:
+        raise ChatTemplateError(f"the model's chat template does not compile: {self._error}")
+
+
+def _compile_template(source: Any, strict: bool = True):
+    """Compile a chat template as transformers does: sandboxed, trim/lstrip blocks, loop controls,
+    its `{% generation %}` block (which marks the assistant's part; rendered as it is here),
+    raise_exception, and its `tojson` (plain JSON, not jinja's HTML-escaped one: templates render
+    tools with it). Not `strict`: a template that does not compile becomes `_Unusable`."""
     if not isinstance(source, str):
         return None
+    from jinja2 import nodes
     from jinja2.exceptions import TemplateError
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
                sort_keys: bool = False) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env.globals["raise_exception"] = raise_exception
     env.filters["tojson"] = tojson
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        if strict:
+            raise
+        return _Unusable(exc)

@@ -65,6 +65,36 @@ def test_template_variables_reach_the_template(rendering):
         "[doc Atlas: Paris is in France.][doc Guide: Rome is in Italy.]<s>")
 
 
+def test_documents_come_by_the_field_or_the_kwargs_and_efforts_are_vllms(rendering):
+    client, backend, tokenizer = rendering
+    by_kwargs = prompt_text(client, backend, tokenizer, chat_template_kwargs={"documents": [{"title": "A", "text": "a"}]})
+    assert by_kwargs.startswith("[doc A: a]<s>")
+    both = prompt_text(client, backend, tokenizer, chat_template_kwargs={"documents": [{"title": "A", "text": "a"}]},
+                       documents=[{"title": "B", "text": "b"}])
+    assert both.startswith("[doc B: b]<s>")  # the field wins, as in vLLM
+    for effort in ("xhigh", "max"):
+        assert prompt_text(client, backend, tokenizer, reasoning_effort=effort).startswith(f"[thinking True][effort {effort}]")
+
+
+def test_tokenize_renders_the_tools_too(rendering):
+    client, _, tokenizer = rendering
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+    plain = client.post("/tokenize", json={"model": MODEL, "messages": ASK}).json()["tokens"]
+    offered = client.post("/tokenize", json={"model": MODEL, "messages": ASK, "tools": [tool]}).json()["tokens"]
+    assert offered == tokenizer.encode(tokenizer.render_chat(ASK, tools=[tool]), add_special_tokens=False) != plain
+    bad = client.post("/tokenize", json={"model": MODEL, "messages": ASK, "tools": "lookup"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+
+
+def test_a_completions_prompt_gets_special_tokens_unless_told_not_to(rendering):
+    client, backend, tokenizer = rendering
+    for given, expected in ((None, True), (True, True), (False, False)):
+        extra = {} if given is None else {"add_special_tokens": given}
+        assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, **extra}).status_code == 200
+        assert backend.submitted[-1].prompt_token_ids == tokenizer.encode("Hello", add_special_tokens=expected)
+    assert tokenizer.encode("Hello", add_special_tokens=True) != tokenizer.encode("Hello", add_special_tokens=False)
+
+
 def test_continue_final_message_leaves_the_answer_open(rendering):
     client, backend, tokenizer = rendering
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": PREFILLED, "max_tokens": 2,
@@ -101,6 +131,7 @@ def test_add_special_tokens_is_the_requests(rendering):
     ({"documents": [{"title": 1}]}, "documents[0]", "object of strings"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort", "must be one of"),
     ({"add_special_tokens": "yes"}, "add_special_tokens", "must be a boolean"),
+    ({"reasoning_effort": "maximal"}, "reasoning_effort", "must be one of"),
 ])
 def test_rendering_fields_it_cannot_honour_are_400(rendering, fields, param, words):
     client, backend, _ = rendering
@@ -126,6 +157,14 @@ def test_a_variable_the_template_cannot_use_is_400(tiny_model):
     assert "rejected the messages" in r.json()["error"]["message"] and len(backend.submitted) == 1
 
 
+def test_chat_echo_is_400(rendering):
+    client, backend, _ = rendering
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": PREFILLED, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo" and backend.submitted == []
+    assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "echo": False,
+                                                     "max_tokens": 2}).status_code == 200
+
+
 def test_a_final_message_the_template_does_not_write_cannot_be_continued(rendering):
     client, backend, _ = rendering
     calls = [{"role": "assistant", "content": "", "tool_calls": [
@@ -146,6 +185,17 @@ def test_rendering_matches_transformers(tiny_model, tmp_path):
         for extra in (None, variables):
             kwargs = {"continue_final_message": go_on, "variables": extra}
             assert ours.render_chat(messages, not go_on, **kwargs) == reference.render_chat(messages, not go_on, **kwargs)
+    # A template that trims each message (Llama 3's): the open message loses its trailing spaces
+    # as transformers cuts it; and documents is defined (None) when none are given.
+    trimming = ("{% if documents is defined %}[documents {{ documents }}]{% endif %}{% for m in messages %}"
+                "<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>{% endfor %}")
+    ours = load_tokenizer(tiny_model, trimming)
+    reference = TransformersTokenizer(transformers.PreTrainedTokenizerFast.from_pretrained(str(tiny_model)), trimming)
+    spaced = [*ASK, {"role": "assistant", "content": "Paris is  "}]
+    assert ours.render_chat(spaced, False, continue_final_message=True) == reference.render_chat(
+        spaced, False, continue_final_message=True)
+    assert ours.render_chat(spaced, False, continue_final_message=True).endswith("<|assistant|>Paris is")
+    assert ours.render_chat(ASK).startswith("[documents None]") and ours.render_chat(ASK) == reference.render_chat(ASK)
 
 
 @pytest.mark.parametrize("path, body", [
@@ -164,5 +214,5 @@ def test_vllm_options_the_gateway_does_not_honour_are_400_unless_at_their_defaul
         assert "does not honour" in r.json()["error"]["message"]
     assert backend.submitted == []
     defaults = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "spaces_between_special_tokens": True,
-                "return_token_ids": False}
+                "return_token_ids": False, "watermarking": False, "vllm_xargs": {}, "kv_transfer_params": {}}
     assert client.post(path, json={"model": MODEL, "max_tokens": 2, **body, **defaults}).status_code == 200

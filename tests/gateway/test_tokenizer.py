@@ -105,6 +105,31 @@ def test_named_templates_in_the_config_field(tiny_model, tmp_path):
     assert _mark_of(load_tokenizer(model)) == "jinja" and _mark_with_tools(load_tokenizer(model)) == "jinja"
 
 
+def test_loop_controls_and_generation_blocks_render_as_transformers_renders_them(tiny_model, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = _model_without_template(tiny_model, tmp_path / "model")
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}"
+        "{% generation %}[answer]{% endgeneration %}")
+    reference = TransformersTokenizer(transformers.PreTrainedTokenizerFast.from_pretrained(str(model)))
+    two = [*CONVERSATIONS[0], {"role": "user", "content": "dropped"}]
+    assert load_tokenizer(model).render_chat(two) == reference.render_chat(two) == "Hello world[answer]"
+
+
+def test_a_named_template_that_does_not_compile_fails_only_where_it_is_used(tiny_model, tmp_path):
+    model = _model_without_template(tiny_model, tmp_path / "model")
+    (model / "chat_template.jinja").write_text(_marked("default"))
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "tool_use.jinja").write_text("{% if %}")
+    tokenizer = load_tokenizer(model)
+    assert _mark_of(tokenizer) == "default"
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        tokenizer.render_chat(CONVERSATIONS[0], tools=[TOOL])
+    (model / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(Exception, match="Expected an expression"):  # the default one: loading fails, loudly
+        load_tokenizer(model)
+
+
 def test_the_operator_names_one_of_the_models_templates(tiny_model, tmp_path):
     model = _model_without_template(tiny_model, tmp_path / "model")
     (model / "chat_template.jinja").write_text(_marked("default"))
@@ -113,6 +138,12 @@ def test_the_operator_names_one_of_the_models_templates(tiny_model, tmp_path):
     assert _mark_of(load_tokenizer(model, "rag")) == "rag" and _mark_with_tools(load_tokenizer(model, "rag")) == "rag"
     with pytest.raises(ChatTemplateError, match="'summarise' cannot be read"):
         load_tokenizer(model, "summarise")
+    # A list in the config's field keeps its names even with one alone.
+    config_model = _model_without_template(tiny_model, tmp_path / "config")
+    config = json.loads((config_model / "tokenizer_config.json").read_text())
+    named = {"chat_template": [{"name": "default", "template": _marked("only")}]}
+    (config_model / "tokenizer_config.json").write_text(json.dumps(config | named))
+    assert _mark_of(load_tokenizer(config_model)) == "only" == _mark_of(load_tokenizer(config_model, "default"))
 
 
 def test_processor_chat_template_json(tiny_model, tmp_path):
