@@ -59,6 +59,9 @@ class FinishReason(enum.Enum):
 MAX_LOGPROBS = 20
 
 
+# Token ids an allow-list or a logit bias may name: vLLM's GPU sampler keeps a row of this width per
+# request and fails the whole step past it, so a longer list is refused up front on every engine.
+MAX_TOKEN_LIST = 1024
 # The SamplingParams fields that ask for a structured output, one kind each.
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -124,10 +127,10 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        allowed = self.allowed_token_ids
-        if not isinstance(allowed, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in allowed):
-            raise ValueError(f"allowed_token_ids must be a list of token ids (integers >= 0), got {allowed!r:.80}")
-        object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in allowed))
+        object.__setattr__(self, "allowed_token_ids", _token_ids(self.allowed_token_ids, "allowed_token_ids"))
+        for name in ("logit_bias", "allowed_token_ids"):
+            if len(getattr(self, name)) > MAX_TOKEN_LIST:
+                raise ValueError(f"{name} may name at most {MAX_TOKEN_LIST} tokens, got {len(getattr(self, name))}")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str) or not isinstance(_json_or_none(self.json_schema), dict):
                 raise ValueError(f"json_schema must be the JSON text of a schema object, got {self.json_schema!r:.80}")
@@ -135,10 +138,10 @@ class SamplingParams:
             raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, str) and value):
-                raise ValueError(f"{name} must be a non-empty string, got {value!r:.80}")
-        if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) for c in self.choice):
-            raise ValueError(f"choice must be a list of strings, got {self.choice!r:.80}")
+            if value is not None and not (isinstance(value, str) and value and _is_text(value)):
+                raise ValueError(f"{name} must be a non-empty string of text, got {value!r:.80}")
+        if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) and _is_text(c) for c in self.choice):
+            raise ValueError(f"choice must be a list of strings of text, got {self.choice!r:.80}")
         object.__setattr__(self, "choice", tuple(self.choice))
         kinds = self.structured_kinds
         if len(kinds) > 1:
@@ -179,6 +182,28 @@ class SamplingParams:
         if self.frequency_penalty:
             return "frequency_penalty"
         return ""
+
+
+def _token_ids(values: object, name: str) -> tuple[int, ...]:
+    """Token ids (integers >= 0) from any iterable of them but text or a mapping."""
+    try:
+        if isinstance(values, (str, bytes, dict)):
+            raise TypeError
+        ids = tuple(values)  # type: ignore[arg-type]
+    except TypeError:
+        ids = None
+    if ids is None or not all(_is_int(t) and t >= 0 for t in ids):
+        raise ValueError(f"{name} must be a list of token ids (integers >= 0), got {values!r:.80}")
+    return tuple(int(t) for t in ids)
+
+
+def _is_text(value: str) -> bool:
+    """Encodable as UTF-8 (no lone surrogate), as every string that crosses comms must be."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _json_or_none(text: str) -> object:

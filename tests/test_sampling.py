@@ -30,6 +30,11 @@ from llumdask.request import Request, SamplingParams
     ({"json_schema": "{"}, "json_schema must be the JSON text"),
     ({"json_schema": "{}", "json_object": True}, "exclude each other"),
     ({"regex": "a+", "choice": ["a"]}, "regex and choice exclude each other"),
+    ({"regex": "a\ud800"}, "regex must be a non-empty string of text"),
+    ({"choice": ["yes", "\udfff"]}, "choice must be a list of strings of text"),
+    ({"allowed_token_ids": range(1025)}, "allowed_token_ids may name at most 1024 tokens"),
+    ({"logit_bias": {t: 1 for t in range(1025)}}, "logit_bias may name at most 1024 tokens"),
+    ({"allowed_token_ids": "12"}, "allowed_token_ids must be a list of token ids"),
     ({"regex": ""}, "regex must be a non-empty string"),
     ({"grammar": 5}, "grammar must be a non-empty string"),
     ({"choice": "ab"}, "choice must be a list of strings"),
@@ -51,6 +56,11 @@ def test_only_penalties_on_own_output_count_it():
     assert SamplingParams(frequency_penalty=-0.1).counts_own_output == "frequency_penalty"
 
 
+def test_token_lists_come_from_any_iterable_of_ids():
+    assert SamplingParams(allowed_token_ids=range(3)).allowed_token_ids == (0, 1, 2)
+    assert SamplingParams(allowed_token_ids=[5, 2]) == SamplingParams(allowed_token_ids=(5, 2))
+
+
 def test_every_option_survives_the_wire():
     from llumdask.plugins.wire import request_from_msg, request_to_msg
 
@@ -60,3 +70,7 @@ def test_every_option_survives_the_wire():
                               json_schema='{"type": "object"}')
     msg = msgpack.unpackb(msgpack.packb(request_to_msg(Request("r", [1, 2], sampling))))
     assert request_from_msg(msg).sampling == sampling
+    for kind in ({"regex": "[0-9]+"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "a"'}):
+        sampling = SamplingParams(max_tokens=4, **kind)
+        msg = msgpack.unpackb(msgpack.packb(request_to_msg(Request("r", [1, 2], sampling))))
+        assert request_from_msg(msg).sampling == sampling

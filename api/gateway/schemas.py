@@ -135,12 +135,18 @@ UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
 }
 
 
+# Of UNHONOURED_VLLM_OPTIONS, the switches whose false asks nothing (vLLM reads false as 0 elsewhere).
+_SWITCHES = frozenset({"use_beam_search", "watermarking", "return_token_ids", "return_tokens_as_token_ids",
+                       "return_token_offsets", "return_prompt_text", "return_mm_kwargs"})
+
+
 def _refuse_unhonoured(body: Mapping[str, Any]) -> None:
     """A 400 for the first option of UNHONOURED_VLLM_OPTIONS that asks for something: neither its
-    default nor, where that default is off, an off or empty value (false, {}, [], "")."""
+    default, nor false for a switch, nor an empty object or list where the default is none."""
     for name, default in UNHONOURED_VLLM_OPTIONS.items():
         value = body.get(name)
-        off = not default and (value is False or (isinstance(value, (dict, list, str)) and not value))
+        off = (value is False and name in _SWITCHES) or (
+            default is None and isinstance(value, (dict, list)) and not value)
         if value is not None and value != default and not off:
             raise InvalidRequest(f"{name} is a vLLM option llumdask's gateway does not honour; leave it out",
                                  param=name, code="unsupported_parameter")
@@ -336,8 +342,8 @@ def _structured_outputs(value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise _wrong_type("structured_outputs", "an object", value)
     for name in value:
-        if name not in ("json", "json_object", "regex", "choice", "grammar") and (
-                name not in _STRUCTURED_DEFAULTS or value[name] not in (None, _STRUCTURED_DEFAULTS[name])):
+        if name not in ("json", "json_object", "regex", "choice", "grammar") and value[name] is not None and (
+                name not in _STRUCTURED_DEFAULTS or value[name] != _STRUCTURED_DEFAULTS[name]):
             raise InvalidRequest(f"structured_outputs.{name} is not honoured by llumdask's gateway; leave it out",
                                  param=f"structured_outputs.{name}", code="unsupported_parameter")
     kinds = [name for name in ("json", "json_object", "regex", "choice", "grammar") if value.get(name) is not None]
@@ -349,7 +355,7 @@ def _structured_outputs(value: Any) -> dict[str, Any]:
     if kind == "json":
         try:
             schema = json.loads(given) if isinstance(given, str) else given
-        except ValueError:
+        except (ValueError, RecursionError):
             schema = None
         if not isinstance(schema, Mapping):
             raise _wrong_type(param, "a JSON schema object", given)
@@ -363,6 +369,10 @@ def _structured_outputs(value: Any) -> dict[str, Any]:
         raise _wrong_type(param, "a non-empty list of strings", given)
     if kind in ("regex", "grammar") and not (isinstance(given, str) and given):
         raise _wrong_type(param, "a non-empty string", given)
+    try:
+        SamplingParams(**{kind: given})
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param=param, code="invalid_value") from None
     return {kind: given}
 
 

@@ -171,10 +171,8 @@ def unmodelled_option(sampling: SamplingParams) -> str:
         return "logprobs"
     if sampling.prompt_logprobs is not None:
         return "prompt_logprobs"
-    if sampling.json_schema is not None or sampling.json_object:
-        return "response_format"
     if sampling.structured_kinds:
-        return "structured_outputs"
+        return "structured outputs"
     return ""
 
 

@@ -91,7 +91,7 @@ def test_vllm_structured_outputs_reach_the_backend(client, backend, path):
     body = {"model": MODEL, "max_tokens": 4}
     body |= {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    for given, field, expected in (({"choice": ["yes", "no"]}, "choice", ("yes", "no")),
+    for given, field, expected in (({"choice": ["yes", "no"], "structural_tag": None}, "choice", ("yes", "no")),
                                    ({"regex": "[0-9]{3}"}, "regex", "[0-9]{3}"),
                                    ({"grammar": 'root ::= "a" | "b"'}, "grammar", 'root ::= "a" | "b"'),
                                    ({"json": schema}, "json_schema", json.dumps(schema)),

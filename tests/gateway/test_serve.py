@@ -307,11 +307,11 @@ BAD_INPUTS = [
     ("logprobs of the sim", {"model": MODEL, "prompt": "Hi", "logprobs": 1}, 400, "request_rejected",
      "the sim engine does not model logprobs"),
     ("json of the sim", {"model": MODEL, "prompt": "Hi", "response_format": {"type": "json_object"}}, 400,
-     "request_rejected", "the sim engine does not model response_format"),
+     "request_rejected", "the sim engine does not model structured outputs"),
     ("an allow-list on the sim", {"model": MODEL, "prompt": "Hi", "allowed_token_ids": [5, 6]}, 400,
      "request_rejected", "the sim engine does not model allowed_token_ids"),
     ("a choice on the sim", {"model": MODEL, "prompt": "Hi", "structured_outputs": {"choice": ["a", "b"]}}, 400,
-     "request_rejected", "the sim engine does not model structured_outputs"),
+     "request_rejected", "the sim engine does not model structured outputs"),
 ]
 
 

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from gatewayfakes import MAX_CONTEXT, MODEL
 
 USER = [{"role": "user", "content": "Hi"}]
 C, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+DEEP = _nested(70)  # vLLM refuses schemas nested past 64 levels
 
 
 def ok(**fields):
@@ -103,6 +115,17 @@ CASES = [
      "structured_outputs.json", "schema object"),
     ("structured_outputs json false", C, ok(structured_outputs={"json_object": False}), 400, "invalid_value",
      "structured_outputs.json_object", "true"),
+    ("structured_outputs nested too deep", C,
+     ok(structured_outputs={"json": json.dumps(DEEP)}), 400, "invalid_value", "structured_outputs.json", "64 levels"),
+    ("response_format nested too deep", CHAT,
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}), 400, "invalid_value",
+     "response_format.json_schema.schema", "64 levels"),
+    ("structured_outputs json far too deep", C, ok(structured_outputs={"json": "[" * 5000 + "]" * 5000}), 400,
+     "invalid_type", "structured_outputs.json", "schema object"),
+    ("allowed_token_ids too many", C, ok(allowed_token_ids=list(range(1025))), 400, "invalid_value",
+     "allowed_token_ids", "at most 1024"),
+    ("prompt_logprobs false asks for them", C, ok(prompt_logprobs=False), 400, "unsupported_parameter",
+     "prompt_logprobs", "does not honour"),
     ("structured_outputs not an object", C, ok(structured_outputs=["a"]), 400, "invalid_type", "structured_outputs",
      "object"),
     ("allowed_token_ids not a list", C, ok(allowed_token_ids=5), 400, "invalid_type", "allowed_token_ids", "array"),
@@ -148,6 +171,16 @@ def test_bad_input(client, backend, path, body, status, code, param, words):
     assert words in error["message"]
     assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
     assert backend.submitted == []  # refused before anything reached the cluster
+
+
+@pytest.mark.parametrize("field, value", [("regex", "a\ud800"), ("choice", ["yes", "\udfff"]),
+                                          ("grammar", 'root ::= "\ud800"')])
+def test_a_lone_surrogate_in_a_grammar_is_400(client, backend, field, value):
+    """JSON escapes may spell half a UTF-16 pair, which no comm can carry: refused here, not failed there."""
+    body = json.dumps(ok(structured_outputs={field: value})).encode("ascii")  # \ud800 escaped, as clients send it
+    r = client.post(C, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == f"structured_outputs.{field}", r.text
+    assert "of text" in r.json()["error"]["message"] and backend.submitted == []
 
 
 @pytest.mark.parametrize("raw", [b"{", b"{'a': 1}", b"", b"\xff\xfe", b'{"model": NaN}', b"[" * 200_000,

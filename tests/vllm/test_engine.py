@@ -127,6 +127,12 @@ def test_rejects_requests_that_can_never_fit(vllm_engine) -> None:
     vllm_engine.add_request(make_request("dup", prompt_len=5, max_tokens=2))
     with pytest.raises(ValueError, match="already"):
         vllm_engine.add_request(make_request("dup", prompt_len=5, max_tokens=2))
+    # What vLLM itself finds wrong with a request (a regular expression that does not compile) is
+    # the request's fault too: a ValueError, which the llumlet answers as a refusal (400), nothing kept.
+    unclosed = Request("regex", prompt_of(5), SamplingParams(max_tokens=2, regex="(unclosed"))
+    with pytest.raises(ValueError, match="vLLM refused it"):
+        vllm_engine.add_request(unclosed)
+    assert vllm_engine.get_request("regex") is None
     run_to_completion(vllm_engine)
 
 

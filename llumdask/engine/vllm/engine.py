@@ -256,14 +256,18 @@ class VllmEngine:
         """Hand a request to vLLM. Its prompt is everything generated so far: a request
         re-added after a migration continues from its last token."""
         from vllm import TokensPrompt
+        from vllm.exceptions import VLLMClientError
 
-        self._internal_ids[request.request_id] = self._llm.add_request(
-            request.request_id,
-            TokensPrompt(prompt_token_ids=[*request.prompt_token_ids, *request.output_token_ids]),
-            to_vllm_sampling(request, migration_id),
-            arrival_time=request.arrival_time,
-            priority=self._vllm_priority(request),
-        )
+        try:
+            self._internal_ids[request.request_id] = self._llm.add_request(
+                request.request_id,
+                TokensPrompt(prompt_token_ids=[*request.prompt_token_ids, *request.output_token_ids]),
+                to_vllm_sampling(request, migration_id),
+                arrival_time=request.arrival_time,
+                priority=self._vllm_priority(request),
+            )
+        except VLLMClientError as exc:  # what vLLM finds wrong with the request (a regex that does not compile)
+            raise ValueError(f"request {request.request_id}: vLLM refused it: {exc}") from None
         self._requests[request.request_id] = request
 
     def abort_request(self, request_id: str) -> None:
