@@ -62,6 +62,8 @@ MAX_LOGPROBS = 20
 # Token ids an allow-list or a logit bias may name: vLLM's GPU sampler keeps a row of this width per
 # request and fails the whole step past it, so a longer list is refused up front on every engine.
 MAX_TOKEN_LIST = 1024
+# Stop tokens it masks while min_tokens holds them back: the same sampler's bound.
+MAX_MASKED_STOPS = 128
 # The SamplingParams fields that ask for a structured output, one kind each.
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -131,6 +133,9 @@ class SamplingParams:
         for name in ("logit_bias", "allowed_token_ids"):
             if len(getattr(self, name)) > MAX_TOKEN_LIST:
                 raise ValueError(f"{name} may name at most {MAX_TOKEN_LIST} tokens, got {len(getattr(self, name))}")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_MASKED_STOPS:
+            raise ValueError(f"with min_tokens, stop_token_ids may name at most {MAX_MASKED_STOPS} tokens, "
+                             f"got {len(self.stop_token_ids)}")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str) or not isinstance(_json_or_none(self.json_schema), dict):
                 raise ValueError(f"json_schema must be the JSON text of a schema object, got {self.json_schema!r:.80}")

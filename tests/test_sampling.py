@@ -35,6 +35,7 @@ from llumdask.request import Request, SamplingParams
     ({"allowed_token_ids": range(1025)}, "allowed_token_ids may name at most 1024 tokens"),
     ({"logit_bias": {t: 1 for t in range(1025)}}, "logit_bias may name at most 1024 tokens"),
     ({"allowed_token_ids": "12"}, "allowed_token_ids must be a list of token ids"),
+    ({"min_tokens": 1, "stop_token_ids": range(129)}, "with min_tokens, stop_token_ids may name at most 128"),
     ({"regex": ""}, "regex must be a non-empty string"),
     ({"grammar": 5}, "grammar must be a non-empty string"),
     ({"choice": "ab"}, "choice must be a list of strings"),

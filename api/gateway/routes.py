@@ -321,11 +321,14 @@ def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tok
     if "logit_bias" in extra:
         check_token_ids([int(t) for t in extra["logit_bias"]], gateway.tokenizer.vocab_size, "logit_bias")
     check_token_ids(extra.get("allowed_token_ids", ()), gateway.tokenizer.vocab_size, "allowed_token_ids")
-    return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
-                          seed=options.seed, ignore_eos=options.ignore_eos,
-                          stop_token_ids=stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos),
-                          logprobs=options.logprobs, prompt_logprobs=options.logprobs if options.echo else None,
-                          **extra)
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
+                              seed=options.seed, ignore_eos=options.ignore_eos,
+                              stop_token_ids=stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos),
+                              logprobs=options.logprobs, prompt_logprobs=options.logprobs if options.echo else None,
+                              **extra)
+    except ValueError as exc:  # options each valid alone that do not go together (SamplingParams says which)
+        raise InvalidRequest(str(exc), code="invalid_value") from None
 
 
 def max_tokens_within_context(requested: int | None, num_prompt_tokens: int, max_context: int) -> int:

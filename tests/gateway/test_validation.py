@@ -122,6 +122,8 @@ CASES = [
      "response_format.json_schema.schema", "64 levels"),
     ("structured_outputs json far too deep", C, ok(structured_outputs={"json": "[" * 5000 + "]" * 5000}), 400,
      "invalid_type", "structured_outputs.json", "schema object"),
+    ("stop tokens masked past the sampler's bound", C, ok(min_tokens=1, max_tokens=4, stop_token_ids=list(range(2, 140))),
+     400, "invalid_value", None, "at most 128"),
     ("allowed_token_ids too many", C, ok(allowed_token_ids=list(range(1025))), 400, "invalid_value",
      "allowed_token_ids", "at most 1024"),
     ("prompt_logprobs false asks for them", C, ok(prompt_logprobs=False), 400, "unsupported_parameter",
