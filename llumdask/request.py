@@ -93,6 +93,9 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    # Words the output must not contain (vLLM tokenizes them with and without a leading space and
+    # bans a word's last token where the request's own output spells the rest).
+    bad_words: tuple[str, ...] = ()
     # Log probabilities of each generated (prompt) token and of this many alternatives; None: none.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -133,6 +136,10 @@ class SamplingParams:
         for name in ("logit_bias", "allowed_token_ids"):
             if len(getattr(self, name)) > MAX_TOKEN_LIST:
                 raise ValueError(f"{name} may name at most {MAX_TOKEN_LIST} tokens, got {len(getattr(self, name))}")
+        if not isinstance(self.bad_words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() and _is_text(w) for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of words (non-empty text), got {self.bad_words!r:.80}")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if self.min_tokens and len(self.stop_token_ids) > MAX_MASKED_STOPS:
             raise ValueError(f"with min_tokens, stop_token_ids may name at most {MAX_MASKED_STOPS} tokens, "
                              f"got {len(self.stop_token_ids)}")
@@ -186,6 +193,8 @@ class SamplingParams:
             return "presence_penalty"
         if self.frequency_penalty:
             return "frequency_penalty"
+        if self.bad_words:
+            return "bad_words"
         return ""
 
 

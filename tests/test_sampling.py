@@ -35,6 +35,8 @@ from llumdask.request import Request, SamplingParams
     ({"allowed_token_ids": range(1025)}, "allowed_token_ids may name at most 1024 tokens"),
     ({"logit_bias": {t: 1 for t in range(1025)}}, "logit_bias may name at most 1024 tokens"),
     ({"allowed_token_ids": "12"}, "allowed_token_ids must be a list of token ids"),
+    ({"bad_words": "cat"}, "bad_words must be a list of words"),
+    ({"bad_words": ["cat", " "]}, "bad_words must be a list of words"),
     ({"min_tokens": 1, "stop_token_ids": range(129)}, "with min_tokens, stop_token_ids may name at most 128"),
     ({"regex": ""}, "regex must be a non-empty string"),
     ({"grammar": 5}, "grammar must be a non-empty string"),
@@ -55,6 +57,7 @@ def test_only_penalties_on_own_output_count_it():
     assert SamplingParams(repetition_penalty=1.3, top_k=5, min_p=0.2, logit_bias={1: 2}).counts_own_output == ""
     assert SamplingParams(presence_penalty=0.1).counts_own_output == "presence_penalty"
     assert SamplingParams(frequency_penalty=-0.1).counts_own_output == "frequency_penalty"
+    assert SamplingParams(bad_words=["cat"]).counts_own_output == "bad_words"  # checked against its own output
 
 
 def test_token_lists_come_from_any_iterable_of_ids():
@@ -71,7 +74,7 @@ def test_every_option_survives_the_wire():
                               json_schema='{"type": "object"}')
     msg = msgpack.unpackb(msgpack.packb(request_to_msg(Request("r", [1, 2], sampling))))
     assert request_from_msg(msg).sampling == sampling
-    for kind in ({"regex": "[0-9]+"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "a"'}):
+    for kind in ({"regex": "[0-9]+"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "a"'}, {"bad_words": ["x y"]}):
         sampling = SamplingParams(max_tokens=4, **kind)
         msg = msgpack.unpackb(msgpack.packb(request_to_msg(Request("r", [1, 2], sampling))))
         assert request_from_msg(msg).sampling == sampling

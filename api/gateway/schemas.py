@@ -6,7 +6,7 @@ otherwise get a different answer than it asked for; so are vLLM's own options th
 honour (`UNHONOURED_VLLM_OPTIONS`) unless at their defaults. Fields that ask nothing of the answer
 (``user``, ``metadata``) are ignored, as OpenAI-compatible servers commonly do. Extensions also
 accepted by vLLM's server (clients send them through ``extra_body``): ``stop_token_ids``,
-``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``,
+``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``structured_outputs``, and for chat how the conversation renders
 (``chat_template_kwargs``, ``documents``, ``reasoning_effort``, ``continue_final_message``,
 ``add_generation_prompt``, ``add_special_tokens``); llumdask's own: ``priority``. The ranges of
@@ -41,7 +41,8 @@ SAMPLING_OPTIONS: dict[str, str] = {
     "frequency_penalty": "number",
     "min_tokens": "integer",
     "logit_bias": "object",
-    "allowed_token_ids": "array",
+    "allowed_token_ids": "token ids",
+    "bad_words": "strings",
 }
 
 
@@ -122,10 +123,10 @@ class ChatRequest:
 
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
-# asking for something else is refused (beam search, banned words, prompt truncation, prompt logprobs, token-id returns, cache salts, KV transfer...) rather than
+# asking for something else is refused (beam search, prompt truncation, prompt logprobs, token-id returns, cache salts, KV transfer...) rather than
 # answered as if it had not asked.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "bad_words": [],
+    "use_beam_search": False, "length_penalty": 1.0,
     "truncate_prompt_tokens": None, "prompt_logprobs": None, "logprob_token_ids": None,
     "spaces_between_special_tokens": True, "thinking_token_budget": None, "repetition_detection": None,
     "return_token_ids": False, "return_tokens_as_token_ids": False, "return_token_offsets": False,
@@ -419,10 +420,10 @@ def _sampling_option(body: Mapping[str, Any], name: str, kind: str) -> Any:
     if kind == "object":
         if not isinstance(value, Mapping):
             raise _wrong_type(name, "an object", value)
-    elif kind == "array":
+    elif kind in ("token ids", "strings"):
         if not isinstance(value, list):
             raise _wrong_type(name, "an array", value)
-        if not value:
+        if not value and kind == "token ids":  # no token at all: nothing could be generated
             raise InvalidRequest(f"{name} must not be empty", param=name, code="invalid_value")
     elif kind == "integer" and not _is_int(value):
         raise _wrong_type(name, "an integer", value)

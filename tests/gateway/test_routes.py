@@ -75,13 +75,14 @@ def test_sampling_fields_reach_the_backend(client, backend, tokenizer):
 def test_penalties_filters_and_biases_reach_the_backend(client, backend, path):
     body = {"model": MODEL, "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": -0.25,
             "logit_bias": {"12": 5, "3": -100}, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
-            "min_tokens": 2, "allowed_token_ids": [7, 3, 12]}
+            "min_tokens": 2, "allowed_token_ids": [7, 3, 12], "bad_words": ["cat", "the dog"]}
     body |= {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
     assert client.post(path, json=body).status_code == 200
     s = backend.submitted[0].sampling
     assert (s.presence_penalty, s.frequency_penalty, s.top_k, s.min_p, s.repetition_penalty, s.min_tokens) == (
         0.5, -0.25, 20, 0.05, 1.1, 2)
     assert s.logit_bias == ((3, -100.0), (12, 5.0)) and s.allowed_token_ids == (7, 3, 12)
+    assert s.bad_words == ("cat", "the dog")
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -310,6 +310,8 @@ BAD_INPUTS = [
      "request_rejected", "the sim engine does not model structured outputs"),
     ("an allow-list on the sim", {"model": MODEL, "prompt": "Hi", "allowed_token_ids": [5, 6]}, 400,
      "request_rejected", "the sim engine does not model allowed_token_ids"),
+    ("bad words on the sim", {"model": MODEL, "prompt": "Hi", "bad_words": ["cat"]}, 400,
+     "request_rejected", "the sim engine does not model bad_words"),
     ("a choice on the sim", {"model": MODEL, "prompt": "Hi", "structured_outputs": {"choice": ["a", "b"]}}, 400,
      "request_rejected", "the sim engine does not model structured outputs"),
 ]
@@ -904,6 +906,23 @@ def test_on_vllm_min_tokens_skip_special_tokens_suffix_and_parallel_tool_calls_d
                                             parallel_tool_calls=False, max_tokens=300, temperature=0).choices[0]
     assert single.finish_reason == "tool_calls" and len(single.message.tool_calls) == 1
     jsonschema.validate(json.loads(single.message.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.vllm
+def test_on_vllm_bad_words_keep_a_word_out_as_plain_vllm_does(vllm_server):
+    """vLLM's bad_words: a word greedy decoding writes is kept out, the answer equal to plain vLLM's
+    with the same list."""
+    client, tokenizer = vllm_server.openai(), vllm_server.tokenizer
+    ask = {"model": MODEL, "prompt": "Hello world", "max_tokens": 24, "temperature": 0}
+    free = client.completions.create(**ask, logprobs=0, extra_body={"ignore_eos": True}).choices[0]
+    # A token of the answer that is a word of its own, spelled with or without a leading space.
+    word = next(t.strip() for t in free.logprobs.tokens[2:] if t.strip().isalpha()
+                and [tokenizer.encode(t, add_special_tokens=False)] in (
+                    [tokenizer.encode(t.strip(), add_special_tokens=False)],
+                    [tokenizer.encode(" " + t.strip(), add_special_tokens=False)]))
+    kept_out = client.completions.create(**ask, extra_body={"ignore_eos": True, "bad_words": [word]}).choices[0]
+    (expected,), _ = plain_vllm(vllm_server.model_dir, [(tokenizer.encode("Hello world"), 24, {"bad_words": [word]})])
+    assert kept_out.text == tokenizer.decode(expected) != free.text
 
 
 @pytest.mark.vllm

@@ -124,6 +124,8 @@ CASES = [
      "invalid_type", "structured_outputs.json", "schema object"),
     ("stop tokens masked past the sampler's bound", C, ok(min_tokens=1, max_tokens=4, stop_token_ids=list(range(2, 140))),
      400, "invalid_value", None, "at most 128"),
+    ("bad_words not words", CHAT, chat(bad_words=["cat", 5]), 400, "invalid_value", "bad_words", "list of words"),
+    ("bad_words a word", C, ok(bad_words="cat"), 400, "invalid_type", "bad_words", "array"),
     ("allowed_token_ids too many", C, ok(allowed_token_ids=list(range(1025))), 400, "invalid_value",
      "allowed_token_ids", "at most 1024"),
     ("prompt_logprobs false asks for them", C, ok(prompt_logprobs=False), 400, "unsupported_parameter",

@@ -294,7 +294,8 @@ def test_min_tokens_count_what_was_generated_before_the_migration(vllm_engine, p
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"json_schema": '{"type": "object"}'}, "grammar"),
     ({"regex": "[a-z ]{60}"}, "grammar"),
-], ids=["presence_penalty", "frequency_penalty", "json_schema", "regex"])
+    ({"bad_words": ("cat",)}, "bad_words"),
+], ids=["presence_penalty", "frequency_penalty", "json_schema", "regex", "bad_words"])
 def test_options_that_cannot_move_exactly_are_pinned(vllm_engine, option, reason):
     vllm_engine.add_request(make_request("pinned", 20, 50, **option))
     # A grammar compiles (in a thread) before its request is scheduled: step until it decodes,

@@ -131,6 +131,7 @@ def to_vllm_sampling(request: Request, migration_id: str | None = None) -> "vllm
         frequency_penalty=s.frequency_penalty,
         logit_bias=dict(s.logit_bias) or None,
         allowed_token_ids=list(s.allowed_token_ids) or None,
+        bad_words=list(s.bad_words) or None,
         logprobs=s.logprobs,
         structured_outputs=structured_outputs(s),
         # The prompt's come with the first output: a request that has output already had them.
