@@ -10,7 +10,7 @@ import enum
 import json
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -200,15 +200,10 @@ class SamplingParams:
 
 def _token_ids(values: object, name: str) -> tuple[int, ...]:
     """Token ids (integers >= 0) from any iterable of them but text or a mapping."""
-    try:
-        if isinstance(values, (str, bytes, dict)):
-            raise TypeError
-        ids = tuple(values)  # type: ignore[arg-type]
-    except TypeError:
-        ids = None
+    ids = None if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable) else tuple(values)
     if ids is None or not all(_is_int(t) and t >= 0 for t in ids):
         raise ValueError(f"{name} must be a list of token ids (integers >= 0), got {values!r:.80}")
-    return tuple(int(t) for t in ids)
+    return ids
 
 
 def _is_text(value: str) -> bool:

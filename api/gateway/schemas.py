@@ -330,7 +330,9 @@ def _structured(body: Mapping[str, Any]) -> dict[str, Any]:
     return formats or vllm
 
 
-# vLLM's structured-output options honoured as their defaults only (its kinds are the SamplingParams').
+# vLLM's structured-output kinds the gateway honours (json becomes SamplingParams' json_schema), and
+# its options honoured as their defaults only.
+_VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _STRUCTURED_DEFAULTS = {"disable_any_whitespace": False, "disable_additional_properties": False,
                         "whitespace_pattern": None}
 
@@ -343,13 +345,13 @@ def _structured_outputs(value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise _wrong_type("structured_outputs", "an object", value)
     for name in value:
-        if name not in ("json", "json_object", "regex", "choice", "grammar") and value[name] is not None and (
+        if name not in _VLLM_KINDS and value[name] is not None and (
                 name not in _STRUCTURED_DEFAULTS or value[name] != _STRUCTURED_DEFAULTS[name]):
             raise InvalidRequest(f"structured_outputs.{name} is not honoured by llumdask's gateway; leave it out",
                                  param=f"structured_outputs.{name}", code="unsupported_parameter")
-    kinds = [name for name in ("json", "json_object", "regex", "choice", "grammar") if value.get(name) is not None]
+    kinds = [name for name in _VLLM_KINDS if value.get(name) is not None]
     if len(kinds) != 1:
-        raise InvalidRequest("structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+        raise InvalidRequest(f"structured_outputs needs exactly one of {', '.join(_VLLM_KINDS)}; "
                              f"got {', '.join(kinds) or 'none'}", param="structured_outputs", code="invalid_value")
     (kind,) = kinds
     given, param = value[kind], f"structured_outputs.{kind}"
