@@ -34,7 +34,7 @@ from llumdask.engine.base import TokenLogprob
 from llumdask.plugins.control import MigrationNotStarted, MigrationPinned, NoLlumdaskScheduler, Op, RequestRejected, call
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
-from llumdask.request import FinishReason, Priority, Request, SamplingParams, new_request_id
+from llumdask.request import FinishReason, Priority, Request, SamplingParams, check_cache_salt, new_request_id
 
 if TYPE_CHECKING:
     import dask.bag
@@ -340,7 +340,7 @@ class LlumdaskClient:
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: Prompt | Sequence[Prompt], max_tokens: int = 16, *, priority: Priority | str = "normal",
                  timeout: float | None = None, stop: Sequence[str] = (), concurrency: int = 64,
-                 progress: bool = True, **sampling: Any) -> Any:
+                 progress: bool = True, cache_salt: str | None = None, **sampling: Any) -> Any:
         """Generate to the end; returns a `Generation` (an awaitable with an asynchronous client).
 
         `prompt` is text (the result has `.text`) or token ids; a list of prompts runs them at
@@ -351,12 +351,13 @@ class LlumdaskClient:
         min_tokens, logit_bias, allowed_token_ids, logprobs, prompt_logprobs: the result's `.logprobs` and
         `.prompt_logprobs`); text prompts stop at the model's
         end-of-sequence token unless `ignore_eos`. `timeout` (seconds) bounds each request; on
-        expiry it is aborted and TimeoutError raised (returned, in a list).
+        expiry it is aborted and TimeoutError raised (returned, in a list). `cache_salt`: the
+        prompt shares cached blocks only with requests given the same salt (vLLM's, for tenants).
         """
         if _is_batch(prompt):
-            jobs = [self._job(p, max_tokens, priority, stop, sampling) for p in prompt]
+            jobs = [self._job(p, max_tokens, priority, stop, sampling, cache_salt) for p in prompt]
             return self._sync(self._generate_many, jobs, timeout, _positive("concurrency", concurrency), progress)
-        return self._sync(self._generate, *self._job(prompt, max_tokens, priority, stop, sampling), timeout)
+        return self._sync(self._generate, *self._job(prompt, max_tokens, priority, stop, sampling, cache_salt), timeout)
 
     def chat(self, messages: Messages | Sequence[Messages], max_tokens: int = 16, **options: Any) -> Any:
         """`generate` on the prompt the model's chat template makes of `messages` (a list of
@@ -367,7 +368,8 @@ class LlumdaskClient:
 
     def map(self, prompts: "dask.bag.Bag | dask.dataframe.Series", max_tokens: int = 16, *,
             priority: Priority | str = "normal", timeout: float | None = None, stop: Sequence[str] = (),
-            concurrency: int = 64, **sampling: Any) -> "dask.bag.Bag | dask.dataframe.DataFrame":
+            concurrency: int = 64, cache_salt: str | None = None,
+            **sampling: Any) -> "dask.bag.Bag | dask.dataframe.DataFrame":
         """Batch inference over a Dask collection of prompts, lazily, each partition an ordinary
         Dask task on the cluster that submits through its worker process's requester (made once,
         kept for later partitions), at most `concurrency` at once. A bag (texts or token-id
@@ -380,11 +382,12 @@ class LlumdaskClient:
         from llumdask.api.batch import generate_bag, generate_column
 
         Priority.parse(priority)
+        check_cache_salt(cache_salt)
         SamplingParams(max_tokens=max_tokens, **sampling)
         if stop:  # stop strings mean text: their rules are the detokenizer's
             IncrementalText(self.tokenizer, _stop_strings(stop))
         options = dict(max_tokens=max_tokens, priority=priority, timeout=timeout, stop=stop,
-                       concurrency=_positive("concurrency", concurrency), **sampling)
+                       concurrency=_positive("concurrency", concurrency), cache_salt=cache_salt, **sampling)
         if isinstance(prompts, dask.bag.Bag):
             return generate_bag(prompts, model=self._model, chat_template=self._chat_template, options=options)
         try:
@@ -398,10 +401,10 @@ class LlumdaskClient:
         raise TypeError(f"map() takes a dask.bag.Bag or a dask.dataframe Series of prompts, not {type(prompts).__name__}")
 
     def stream(self, prompt: Prompt, max_tokens: int = 16, *, priority: Priority | str = "normal",
-               stop: Sequence[str] = (), **sampling: Any) -> TokenIterator | TextIterator:
+               stop: Sequence[str] = (), cache_salt: str | None = None, **sampling: Any) -> TokenIterator | TextIterator:
         """Text deltas for a text prompt (`TextIterator`), token ids for token ids (`TokenIterator`),
         both sync and async; `.request_id` names the request for `migrate`."""
-        request, text = self._job(prompt, max_tokens, priority, stop, sampling)
+        request, text = self._job(prompt, max_tokens, priority, stop, sampling, cache_salt)
         tokens = TokenIterator(self, request)
         return tokens if text is None else TextIterator(tokens, text, self.tokenizer.vocab_size)
 
@@ -515,7 +518,7 @@ class LlumdaskClient:
 
     # ------------------------------------------------------------------ plumbing
     def _job(self, prompt: Prompt, max_tokens: int, priority: Priority | str, stop: Sequence[str],
-             sampling: dict[str, Any]) -> tuple[Request, IncrementalText | None]:
+             sampling: dict[str, Any], cache_salt: str | None = None) -> tuple[Request, IncrementalText | None]:
         """The request for one prompt, and for text its detokenizer (stop strings applied)."""
         stop = _stop_strings(stop)
         if isinstance(prompt, (str, _Chat)):
@@ -527,18 +530,18 @@ class LlumdaskClient:
                    else tokenizer.encode(tokenizer.render_chat(list(prompt.messages)), add_special_tokens=False))
             sampling = {**sampling, "stop_token_ids": stop_token_ids(
                 tokenizer, sampling.get("stop_token_ids", ()), sampling.get("ignore_eos", False))}
-            return self._make_request(ids, max_tokens, priority, sampling), IncrementalText(tokenizer, stop)
+            return self._make_request(ids, max_tokens, priority, sampling, cache_salt), IncrementalText(tokenizer, stop)
         if stop:
             raise ValueError("stop strings need a text prompt; with token ids pass stop_token_ids")
-        return self._make_request(prompt, max_tokens, priority, sampling), None
+        return self._make_request(prompt, max_tokens, priority, sampling, cache_salt), None
 
     def _make_request(self, prompt: Sequence[int], max_tokens: int, priority: Priority | str,
-                      sampling: dict[str, Any]) -> Request:
+                      sampling: dict[str, Any], cache_salt: str | None) -> Request:
         ids = list(prompt)
         if not ids or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ValueError("prompt must be text or a non-empty list of token ids (integers >= 0)")
         return Request.arriving(new_request_id(), [int(t) for t in ids], SamplingParams(max_tokens=max_tokens, **sampling),
-                                priority, time.time())
+                                priority, time.time(), cache_salt)
 
     def _sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T | Awaitable[T]:
         """Blocking with a synchronous Dask client, an awaitable with an asynchronous one."""

@@ -296,16 +296,16 @@ class Llumlet:
         prefix = ()
         if out.stage == 0:
             prefix = tuple(request.prompt_token_ids + request.output_token_ids)[: completed * self.engine.block_size]
-        self._prealloc(out, remaining, prefix)
+        self._prealloc(out, remaining, prefix, request.cache_salt)
 
     def _prealloc(self, out: _Outgoing, num_blocks: int, prefix_tokens: tuple[int, ...] = (),
-                  queue_key: tuple[int, float, str] | None = None) -> None:
+                  cache_salt: str | None = None, queue_key: tuple[int, float, str] | None = None) -> None:
         out.phase = _Phase.AWAIT_PREALLOC
         out.deadline = self._clock() + self._migration.handshake_timeout
         self._send(
             out.destination,
             PreAlloc(out.migration_id, self.instance_id, out.destination, out.request_id, out.stage, num_blocks,
-                     prefix_tokens, queue_key),
+                     prefix_tokens, cache_salt, queue_key),
         )
 
     def _pause_for_last_stage(self, out: _Outgoing) -> bool:
@@ -425,7 +425,7 @@ class Llumlet:
                 return
             inc = _Incoming(msg.migration_id, msg.request_id, sender, deadline=0.0)
             self._incoming[msg.migration_id] = inc
-        reused = self.engine.reserve_cached(msg.migration_id, msg.prefix_tokens) if msg.prefix_tokens else 0
+        reused = self.engine.reserve_cached(msg.migration_id, msg.prefix_tokens, msg.cache_salt) if msg.prefix_tokens else 0
         if not self.engine.reserve_blocks(msg.migration_id, msg.num_blocks - reused):
             self._drop_incoming(inc)
             self._send(sender, PreAllocReply(msg.migration_id, msg.stage, False, "out of blocks"))

@@ -9,6 +9,7 @@ Deterministic across processes, so a requester and an engine in different proces
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
@@ -58,6 +59,23 @@ def block_hashes(tokens: Sequence[int], block_size: int, *, parent: int = ROOT_H
     return hashes
 
 
+def salt_key(cache_salt: str) -> int:
+    """A cache salt as 64 bits, the same in every process (a str's own hash is salted per process)."""
+    digest = hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=8, person=b"llumdask.salt").digest()
+    return int.from_bytes(digest, "little")
+
+
+def salted(hashes: Sequence[int], cache_salt: str | None) -> Sequence[int]:
+    """The cache keys of a request's blocks: their hashes, or with a cache salt (vLLM's
+    `cache_salt`: tenants who do not share one never share a cached block) each hash mixed with the
+    salt's key. The hashes themselves stay the KV's identity (the sim engine derives the bytes from
+    them): a salt changes where a block may be found, never what it holds."""
+    if cache_salt is None:
+        return hashes
+    key = salt_key(cache_salt)
+    return [mix_int(h ^ key) for h in hashes]
+
+
 # The scheduler indexes one block in a stride (the last of each run of that many): a block's
 # hash names its whole prefix, so an anchor stands for the blocks before it, and a dispatch walks
 # a prompt in strides (prefix matches are found to within a stride). The stride is a number of
@@ -78,9 +96,14 @@ def is_anchor(block_index: int, block_size: int) -> bool:
 
 
 def anchors(hashes: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """The anchor blocks' hashes of a sequence's block hashes (what a dispatch carries)."""
+    """The anchor blocks' hashes of a sequence's block hashes."""
     stride = anchor_stride(block_size)
     return tuple(hashes[stride - 1 :: stride])
+
+
+def dispatch_keys(tokens: Sequence[int], block_size: int, cache_salt: str | None) -> tuple[int, ...]:
+    """What a dispatch carries of a request's tokens: its anchor blocks' cache keys."""
+    return tuple(salted(anchors(block_hashes(tokens, block_size), block_size), cache_salt))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ class PreAlloc:
     # First PreAlloc only: the migrant's tokens of whole computed blocks, so that the
     # destination reuses the blocks of them it caches (`Engine.reserve_cached`) instead of copies.
     prefix_tokens: tuple[int, ...] = ()
+    # And the migrant's cache salt: only blocks cached under the same salt are reused.
+    cache_salt: str | None = None
     # A waiting migrant (its one PreAlloc reserves room for its whole computation): its place in
     # a queue (`Request.queue_key`); the destination takes it only ahead of its own queue.
     queue_key: tuple[int, float, str] | None = None

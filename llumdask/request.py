@@ -12,6 +12,7 @@ import math
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Priority(enum.IntEnum):
@@ -300,6 +301,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # vLLM's `cache_salt`: only requests with the same salt share cached prompt blocks, so one
+    # tenant cannot time another's prompts through the prefix cache. None: shared by all unsalted.
+    cache_salt: str | None = None
     timing: RequestTiming = field(init=False)
 
     def __post_init__(self) -> None:
@@ -310,16 +314,17 @@ class Request:
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.prompt_token_ids):
             raise ValueError(f"request {self.request_id}: prompt tokens must be non-negative integers")
         self.prompt_token_ids = list(self.prompt_token_ids)
+        check_cache_salt(self.cache_salt)
         self.scheduling_priority = Priority.parse(self.scheduling_priority)
         self.execution_priority = Priority.parse(self.execution_priority)
         self.timing = RequestTiming(arrival=self.arrival_time)
 
     @classmethod
     def arriving(cls, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                 priority: Priority | str | int, now: float) -> "Request":
+                 priority: Priority | str | int, now: float, cache_salt: str | None = None) -> "Request":
         """A request a client submits now: one priority for queueing and execution alike."""
         return cls(request_id, list(prompt_token_ids), sampling, scheduling_priority=priority,
-                   execution_priority=priority, arrival_time=now)
+                   execution_priority=priority, arrival_time=now, cache_salt=cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -341,6 +346,16 @@ class Request:
     def queue_key(self) -> tuple[int, float, str]:
         """Waiting order: higher scheduling priority first, then arrival (FCFS), then id (total order)."""
         return (-int(self.scheduling_priority), self.arrival_time, self.request_id)
+
+
+def check_cache_salt(cache_salt: Any) -> None:
+    """A cache salt is None or a non-empty string (vLLM's rule) that UTF-8 can carry."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be a non-empty string when given, got {cache_salt!r:.80}")
+    if not _is_text(cache_salt):
+        raise ValueError("cache_salt must be valid Unicode text (it has a lone surrogate)")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -45,7 +45,7 @@ from llumdask.global_scheduler import NoInstanceAvailable
 from llumdask.plugins.control import NoLlumdaskScheduler, Op, RequestRejected, call
 from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream, without_key
 from llumdask.plugins.wire import request_to_msg
-from llumdask.prefix import anchors, block_hashes
+from llumdask.prefix import dispatch_keys
 from llumdask.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
@@ -219,8 +219,8 @@ class Requester:
         counts as silent; one that holds the request for room is asked again (it keeps its place
         in the scheduler's queue) for as long as it holds it, like a queue on an instance."""
         # The scheduler sees block hashes, never tokens: enough to find a cached prefix.
-        hashes = anchors(block_hashes(request.prompt_token_ids + request.output_token_ids, self._block_size),
-                         self._block_size)
+        hashes = dispatch_keys(request.prompt_token_ids + request.output_token_ids, self._block_size,
+                               request.cache_salt)
         while True:
             reply = await asyncio.wait_for(call(
                 self._client.scheduler, Op.DISPATCH,
@@ -348,7 +348,8 @@ class Requester:
         original = entry.request
         sequence = entry.stream.sequence
         request = Request(original.request_id, original.prompt_token_ids, original.sampling,
-                          original.scheduling_priority, original.execution_priority, original.arrival_time)
+                          original.scheduling_priority, original.execution_priority, original.arrival_time,
+                          cache_salt=original.cache_salt)
         request.output_token_ids = sequence.delivered
         reason = _finished_by(request)
         try:

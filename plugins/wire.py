@@ -4,7 +4,8 @@ A requester hands a request to the instance the scheduler chose as one plain dic
 worker rebuilds an identical `Request` from plain data:
     {"request_id": str, "prompt_token_ids": [int], "output_token_ids": [int],
      "sampling": {every field of SamplingParams; logit_bias as [[token id, bias], ...]},
-     "scheduling_priority": int, "execution_priority": int, "arrival_time": float}
+     "scheduling_priority": int, "execution_priority": int, "arrival_time": float,
+     "cache_salt": str | None}
 `output_token_ids` is non-empty only for a resubmission (the instance that held the request died):
 the new instance recomputes prompt + output and continues from there.
 
@@ -35,6 +36,7 @@ def request_to_msg(request: Request) -> dict[str, Any]:
         "scheduling_priority": int(request.scheduling_priority),
         "execution_priority": int(request.execution_priority),
         "arrival_time": request.arrival_time,
+        "cache_salt": request.cache_salt,
     }
 
 
@@ -47,6 +49,7 @@ def request_from_msg(msg: Mapping[str, Any]) -> Request:
         scheduling_priority=Priority.parse(msg["scheduling_priority"]),
         execution_priority=Priority.parse(msg["execution_priority"]),
         arrival_time=float(msg["arrival_time"]),
+        cache_salt=msg.get("cache_salt"),
     )
     request.output_token_ids = [int(t) for t in msg.get("output_token_ids", ())]
     if request.output_token_ids and request.remaining_tokens < 1:

@@ -353,21 +353,22 @@ def test_a_source_that_cannot_pause_aborts_and_keeps_the_request():
 SHARED = list(range(100, 140))  # ten blocks of 4 tokens
 
 
-def sharing(request_id: str, own: int, max_tokens: int) -> Request:
+def sharing(request_id: str, own: int, max_tokens: int, cache_salt: str | None = None) -> Request:
     """A request whose prompt starts with SHARED, then `own` tokens of its own."""
     prompt = SHARED + (make_request(request_id, own).prompt_token_ids if own else [])
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), cache_salt=cache_salt)
 
 
-def migrate_sharing(warm: bool, steps_before: int, own: int, hog: int = 0) -> InProcessCluster:
-    """Migrate a request sharing SHARED to i1, which cached SHARED first (`warm`) or not, and
-    has `hog` blocks reserved for another migration."""
+def migrate_sharing(warm: bool, steps_before: int, own: int, hog: int = 0, *, warm_salt: str | None = None,
+                    salt: str | None = None) -> InProcessCluster:
+    """Migrate a request sharing SHARED (under cache salt `salt`) to i1, which cached SHARED
+    first (`warm`, under `warm_salt`) or not, and has `hog` blocks reserved for another migration."""
     cluster = InProcessCluster(2, small_config(total_blocks=32))
     if warm:
-        cluster["i1"].add_request(sharing("warm-up", 3, 2))
+        cluster["i1"].add_request(sharing("warm-up", 3, 2, warm_salt))
         cluster.run_until_idle()
     assert cluster["i1"].engine.reserve_blocks("hog", hog)
-    cluster["i0"].add_request(sharing("r", own, 20))
+    cluster["i0"].add_request(sharing("r", own, 20, salt))
     for _ in range(steps_before):
         cluster.step_all()
     assert cluster["i0"].migrate_out("i1", "r") is not None
@@ -386,6 +387,17 @@ def test_blocks_the_destination_caches_are_reused_not_copied_and_tokens_stay_exa
     expected = reference_tokens(sharing("r", own, 20))
     assert cold.log.sequence("r") == warm.log.sequence("r") == expected
     warm.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("warm_salt", "salt", "reused"), [
+    ("tenant-a", "tenant-a", len(SHARED) // 4), ("tenant-a", "tenant-b", 0), (None, "tenant-a", 0), ("tenant-a", None, 0),
+])
+def test_a_migrant_reuses_the_destinations_blocks_only_under_its_own_cache_salt(warm_salt, salt, reused):
+    cluster = migrate_sharing(True, 1, 5, warm_salt=warm_salt, salt=salt)
+    (committed,) = cluster.committed()
+    assert committed.reused_blocks == reused
+    assert cluster.log.sequence("r") == reference_tokens(sharing("r", 5, 20))
+    cluster.assert_no_leaks()
 
 
 def test_a_refused_migration_gives_back_the_cached_blocks_it_reused():

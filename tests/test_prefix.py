@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -9,7 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llumdask.engine.block_manager import BlockManager
-from llumdask.prefix import ROOT_HASH, PrefixEvents, PrefixIndex, anchor_stride, anchors, block_hashes, is_anchor
+from llumdask.prefix import (
+    ROOT_HASH,
+    PrefixEvents,
+    PrefixIndex,
+    anchor_stride,
+    anchors,
+    block_hashes,
+    dispatch_keys,
+    is_anchor,
+    salt_key,
+    salted,
+)
 
 
 def test_block_hashes_chain_so_equal_hashes_mean_equal_prefixes():
@@ -21,6 +34,20 @@ def test_block_hashes_chain_so_equal_hashes_mean_equal_prefixes():
     assert block_hashes(list(range(16)), 16, parent=ROOT_HASH) == a[:1]
     with pytest.raises(ValueError):
         block_hashes([1, 2], 0)
+
+
+def test_a_cache_salt_gives_every_block_a_key_of_its_own_the_same_in_every_process():
+    hashes = block_hashes(list(range(64)), 16)
+    assert salted(hashes, None) is hashes  # unsalted: the hashes are the keys
+    a, b = salted(hashes, "tenant-a"), salted(hashes, "tenant-b")
+    assert len(set(hashes) | set(a) | set(b)) == 3 * len(hashes)
+    assert salted(hashes, "tenant-a") == a
+    assert dispatch_keys(list(range(256)), 16, "tenant-a") == tuple(salted(anchors(block_hashes(list(range(256)), 16), 16),
+                                                                          "tenant-a"))
+    # A requester and an engine in other processes (Python's str hash differs between them) agree.
+    other = subprocess.run([sys.executable, "-c", "from llumdask.prefix import salt_key; print(salt_key('tenant-a'))"],
+                           capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "random"})
+    assert int(other.stdout) == salt_key("tenant-a")
 
 
 @pytest.mark.parametrize("block_size, expected", [

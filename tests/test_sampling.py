@@ -78,3 +78,16 @@ def test_every_option_survives_the_wire():
         sampling = SamplingParams(max_tokens=4, **kind)
         msg = msgpack.unpackb(msgpack.packb(request_to_msg(Request("r", [1, 2], sampling))))
         assert request_from_msg(msg).sampling == sampling
+
+
+def test_a_cache_salt_is_checked_and_travels_with_the_request_on_the_wire_and_in_a_migration():
+    from llumdask.engine.base import MigrationState
+    from llumdask.plugins.wire import request_from_msg, request_to_msg
+
+    salted = Request("r", [1, 2], SamplingParams(max_tokens=3), cache_salt="tenant-a")
+    assert request_from_msg(msgpack.unpackb(msgpack.packb(request_to_msg(salted)))).cache_salt == "tenant-a"
+    assert request_from_msg(msgpack.unpackb(msgpack.packb(request_to_msg(Request("r", [1]))))).cache_salt is None
+    assert MigrationState.capture(salted).to_request().cache_salt == "tenant-a"
+    for bad in ("", 5, b"salt", "\ud800"):
+        with pytest.raises(ValueError, match="cache_salt"):
+            Request("r", [1], cache_salt=bad)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from llumdask.config import SimEngineConfig, load_config
 from llumdask.engine.base import Engine, LoadTotals, MigrationRefused, MigrationState
 from llumdask.engine.sim import SimEngine
+from llumdask.prefix import dispatch_keys
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
 
 
@@ -824,3 +825,36 @@ def test_a_request_sharing_its_prefix_migrates_exactly_and_its_blocks_are_cached
     run(destination)
     assert newcomer.timing.cached_tokens == 24
     run(source)
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_requests_of_the_same_salt(make_engine):
+    """vLLM's cache_salt: a prompt is found cached only under its own salt (or, unsalted, among
+    the unsalted); the salt decides where blocks may be shared, never the tokens."""
+    engine = make_engine(total_blocks=64, block_size=16)
+    prompt = request("p", prompt_len=140).prompt_token_ids  # 8 full blocks, the last an anchor
+    cached, tokens = {}, {}
+    for rid, salt in (("plain", None), ("a1", "tenant-a"), ("a2", "tenant-a"), ("b1", "tenant-b"), ("plain2", None)):
+        req = Request(rid, list(prompt), SamplingParams(max_tokens=4), cache_salt=salt)
+        engine.add_request(req)
+        tokens.update(tokens_by_request(run(engine)))
+        cached[rid] = req.timing.cached_tokens
+    assert cached == {"plain": 0, "a1": 0, "a2": 128, "b1": 0, "plain2": 128}
+    assert len(set(map(tuple, tokens.values()))) == 1  # every salt, the same tokens
+    stored = set(engine.prefix_events().stored)
+    for salt in (None, "tenant-a", "tenant-b"):
+        assert set(dispatch_keys(prompt, 16, salt)) <= stored  # what the requester sends for that salt
+    assert len({dispatch_keys(prompt, 16, salt) for salt in (None, "tenant-a", "tenant-b")}) == 3
+
+
+def test_a_migrant_reuses_only_the_destinations_blocks_cached_under_its_salt(make_engine):
+    destination = make_engine(total_blocks=64, block_size=16)
+    prompt = request("p", prompt_len=70).prompt_token_ids  # 4 full blocks
+    destination.add_request(Request("there", list(prompt), SamplingParams(max_tokens=3), cache_salt="tenant-a"))
+    run(destination)
+    tokens = prompt[:64]
+    assert destination.reserve_cached("other-salt", tokens, "tenant-b") == 0
+    assert destination.reserve_cached("unsalted", tokens) == 0
+    assert destination.reserve_cached("same-salt", tokens, "tenant-a") == 4
+    for migration_id in ("other-salt", "unsalted", "same-salt"):
+        destination.release_reservation(migration_id)
+    assert destination.snapshot().free_blocks == destination.total_blocks

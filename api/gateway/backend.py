@@ -82,7 +82,7 @@ class Backend(Protocol):
     model: ModelInfo
 
     async def submit(self, choices: Sequence[tuple[str, SamplingParams]], prompt_token_ids: list[int],
-                     priority: Priority) -> list[TokenBatches]:
+                     priority: Priority, cache_salt: str | None = None) -> list[TokenBatches]:
         """Dispatch the choices of one completion, each a request named by its (cluster-unique) id
         with its own sampling, together (they share the prompt); returns once instances accepted
         them all, their batches in the same order.

@@ -76,9 +76,10 @@ class DaskBackend:
             await dask_client.close()
 
     async def submit(self, choices: Sequence[tuple[str, SamplingParams]], prompt_token_ids: list[int],
-                     priority: Priority) -> list[DaskTokenBatches]:
+                     priority: Priority, cache_salt: str | None = None) -> list[DaskTokenBatches]:
         now = time.time()
-        requests = [Request.arriving(request_id, prompt_token_ids, sampling, priority, now) for request_id, sampling in choices]
+        requests = [Request.arriving(request_id, prompt_token_ids, sampling, priority, now, cache_salt)
+                    for request_id, sampling in choices]
         try:
             streams = await self.requester.submit_together(requests)
         except RequestRejected as exc:

@@ -60,7 +60,7 @@ class Generation:
 
     def __init__(self, backend: Backend, metrics: GatewayMetrics, endpoint: str,
                  request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
-                 text: IncrementalText, retry_after: float) -> None:
+                 text: IncrementalText, retry_after: float, cache_salt: str | None = None) -> None:
         """`retry_after`: the least a 429 for load asks the client to wait."""
         self._backend = backend
         self._retry_after = retry_after
@@ -70,6 +70,7 @@ class Generation:
         self._prompt = list(prompt_token_ids)
         self._sampling = sampling
         self._priority = priority
+        self._cache_salt = cache_salt
         self._text = text
         self._batches: TokenBatches | None = None
         self._finished = False  # by the engine: nothing to abort
@@ -107,7 +108,7 @@ class Generation:
         first = generations[0]
         try:
             batches = await first._backend.submit([(g._request_id, g._sampling) for g in generations], first._prompt,
-                                                  first._priority)
+                                                  first._priority, first._cache_salt)
         except BackendUnavailable as exc:
             raise Unavailable(f"No instance can take the request now: {exc}") from None
         except BackendOverloaded as exc:

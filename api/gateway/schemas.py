@@ -25,7 +25,7 @@ from llumdask.api.gateway.detok import check_stop
 from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.api.gateway.json_schema import check_schema
 from llumdask.api.gateway.tools import ToolUse, assistant_calls, parse_tool_use
-from llumdask.request import MAX_LOGPROBS, Priority, SamplingParams
+from llumdask.request import MAX_LOGPROBS, Priority, SamplingParams, check_cache_salt
 
 MAX_SEED = (1 << 63) - 1
 # OpenAI's bound on choices per request.
@@ -74,6 +74,8 @@ class GenerationOptions:
     echo: bool
     # The SAMPLING_OPTIONS given, each checked on its own (min_tokens against max_tokens later).
     sampling: Mapping[str, Any]
+    # vLLM's: prompt blocks are shared from the prefix cache only with requests of the same salt.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,14 +125,14 @@ class ChatRequest:
 
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
-# asking for something else is refused (beam search, prompt truncation, prompt logprobs, token-id returns, cache salts, KV transfer...) rather than
-# answered as if it had not asked.
+# asking for something else is refused (beam search, prompt truncation, prompt logprobs, token-id
+# returns, KV transfer...) rather than answered as if it had not asked.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0,
     "truncate_prompt_tokens": None, "prompt_logprobs": None, "logprob_token_ids": None,
     "spaces_between_special_tokens": True, "thinking_token_budget": None, "repetition_detection": None,
     "return_token_ids": False, "return_tokens_as_token_ids": False, "return_token_offsets": False,
-    "return_prompt_text": False, "return_mm_kwargs": False, "cache_salt": None, "kv_transfer_params": None,
+    "return_prompt_text": False, "return_mm_kwargs": False, "kv_transfer_params": None,
     "ec_transfer_params": None, "vllm_xargs": None, "prompt_embeds": None, "media_io_kwargs": None,
     "mm_processor_kwargs": None, "watermarking": None,
 }
@@ -317,7 +319,16 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
         echo=echo,
         sampling={**{name: _sampling_option(body, name, kind) for name, kind in SAMPLING_OPTIONS.items()
                      if body.get(name) is not None}, **_structured(body)},
+        cache_salt=_cache_salt(body.get("cache_salt")),
     )
+
+
+def _cache_salt(value: Any) -> str | None:
+    try:
+        check_cache_salt(value)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="cache_salt", code="invalid_value") from None
+    return value
 
 
 def _structured(body: Mapping[str, Any]) -> dict[str, Any]:

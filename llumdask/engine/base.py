@@ -206,6 +206,7 @@ class MigrationState:
     arrival_time: float
     # Timing travels with the request so metrics span its whole life, across instances.
     timing: RequestTiming | None = None
+    cache_salt: str | None = None
     # Engine-specific continuation (RNG state, counters); opaque to the llumlet.
     engine_state: dict[str, Any] = field(default_factory=dict)
     # Taken from the waiting queue: no KV came along, the destination queues it to compute.
@@ -228,6 +229,7 @@ class MigrationState:
             execution_priority=request.execution_priority,
             arrival_time=request.arrival_time,
             timing=dataclasses.replace(request.timing),
+            cache_salt=request.cache_salt,
             engine_state=engine_state or {},
             waiting=waiting,
         )
@@ -244,6 +246,7 @@ class MigrationState:
             arrival_time=self.arrival_time,
             output_token_ids=list(self.output_token_ids),
             status=RequestStatus.WAITING if self.waiting else RequestStatus.RUNNING,
+            cache_salt=self.cache_salt,
         )
         if self.timing is not None:
             request.timing = dataclasses.replace(self.timing)
@@ -335,10 +338,11 @@ class Engine(Protocol):
         """After COMMIT: forget a paused request and free its blocks (a waiting one held none)."""
 
     # ------------------------------------------------------------------ migration, destination side
-    def reserve_cached(self, migration_id: str, tokens: Sequence[int]) -> int:
+    def reserve_cached(self, migration_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> int:
         """Open an incoming migration's reservation with the blocks of the longest prefix of
-        `tokens` (the migrant's whole blocks of computed KV) this instance caches: held from now
-        on, never copied; how many (0 without a prefix cache). Before any `reserve_blocks`."""
+        `tokens` (the migrant's whole blocks of computed KV) this instance caches under the
+        migrant's `cache_salt`: held from now on, never copied; how many (0 without a prefix
+        cache). Before any `reserve_blocks`."""
 
     def reserve_blocks(self, migration_id: str, num_blocks: int) -> bool:
         """Set aside blocks for an incoming migration; False when they are not free."""

@@ -67,7 +67,7 @@ from llumdask.engine.base import (
 from llumdask.engine.block_manager import BlockManager
 from llumdask.engine.kv_slots import kv_slots
 from llumdask.engine.latency import LatencyProfile, load_profile
-from llumdask.prefix import ROOT_HASH, PrefixEvents, block_hashes, is_anchor, mix, mix_int
+from llumdask.prefix import ROOT_HASH, PrefixEvents, block_hashes, is_anchor, mix, mix_int, salted
 from llumdask.request import FinishReason, Priority, Request, RequestStatus, SamplingParams, blocks_for
 
 if TYPE_CHECKING:
@@ -110,7 +110,8 @@ class _Seq:
     priority: Priority
     # Length of its block table, read by every decode step (0 while waiting).
     num_blocks: int
-    # Chained hashes of its full blocks of tokens so far (`llumdask.prefix`), extended as needed.
+    # Chained hashes of its full blocks of tokens so far (`llumdask.prefix`), extended as needed;
+    # the prefix cache keys them `salted` by the request's cache salt.
     block_hashes: list[int]
     # Blocks of its table known to be in the prefix cache (registered or shared from it).
     registered: int
@@ -503,11 +504,11 @@ class SimEngine:
         self._snapshot = None
 
     # ------------------------------------------------------------------ migration, destination side
-    def reserve_cached(self, migration_id: str, tokens: Sequence[int]) -> int:
+    def reserve_cached(self, migration_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> int:
         if not self._prefix_caching:
             return 0
         self._snapshot = None
-        return len(self._blocks.reserve_cached(migration_id, block_hashes(tokens, self.block_size)))
+        return len(self._blocks.reserve_cached(migration_id, salted(block_hashes(tokens, self.block_size), cache_salt)))
 
     def reserve_blocks(self, migration_id: str, num_blocks: int) -> bool:
         """Adds to the migration's reservation: each stage reserves the blocks it will import."""
@@ -645,7 +646,7 @@ class SimEngine:
         if not self._prefix_caching:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
-        return self._blocks.cached_prefix(self._hashes(seq, limit), limit)
+        return self._blocks.cached_prefix(salted(self._hashes(seq, limit), seq.request.cache_salt), limit)
 
     def _hashes(self, seq: _Seq, num_blocks: int) -> list[int]:
         """The request's first `num_blocks` block hashes (its tokens cover them), computed once."""
@@ -662,10 +663,10 @@ class SimEngine:
         full = seq.num_computed // self.block_size
         if full <= seq.registered:
             return
-        hashes = self._hashes(seq, full)
+        keys = salted(self._hashes(seq, full)[seq.registered:full], seq.request.cache_salt)
         table = self._blocks.table(seq.request_id)
-        for index in range(seq.registered, full):
-            self._blocks.register(table[index], hashes[index], reported=is_anchor(index, self.block_size))
+        for index, key in enumerate(keys, seq.registered):
+            self._blocks.register(table[index], key, reported=is_anchor(index, self.block_size))
         seq.registered = full
 
     def _step_time(self, chunks: list[_Chunk]) -> float:

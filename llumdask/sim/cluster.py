@@ -30,7 +30,7 @@ from llumdask.engine.sim import SimEngine
 from llumdask.global_scheduler import ClusterOverloaded, DispatchInfo, GlobalScheduler, NoInstanceAvailable
 from llumdask.llumlet import Llumlet, MigrationEvent
 from llumdask.load import InstanceLoad
-from llumdask.prefix import PrefixEvents, anchors, block_hashes
+from llumdask.prefix import PrefixEvents, dispatch_keys
 from llumdask.protocol import MigrationMessage, StageData
 from llumdask.request import Request, SamplingParams, blocks_for
 from llumdask.sim.metrics import ClusterSample
@@ -326,7 +326,7 @@ class SimCluster:
             arrival_time=self.events.now,
         )
         # As the requester does: the prompt's block hashes travel with the dispatch, not its tokens.
-        hashes = anchors(block_hashes(prompt, self.config.block_size), self.config.block_size) if self._hash_prompts else ()
+        hashes = dispatch_keys(prompt, self.config.block_size, request.cache_salt) if self._hash_prompts else ()
         info = DispatchInfo(request_id, trace.input_len, trace.output_len, trace.priority, block_hashes=hashes)
         try:
             target = self.scheduler.dispatch(info, self.events.now)

@@ -28,6 +28,7 @@ class Submitted:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: Priority
+    cache_salt: str | None = None
 
 
 def fake_logprob(token: int, position: int, top: int, seed: int | None = None) -> TokenLogprob:
@@ -111,11 +112,12 @@ class FakeBackend:
     closed: int = 0
 
     async def submit(self, choices: Sequence[tuple[str, SamplingParams]], prompt_token_ids: list[int],
-                     priority: Priority) -> list[ScriptedBatches]:
+                     priority: Priority, cache_salt: str | None = None) -> list[ScriptedBatches]:
         if self.submit_error is not None:
             raise self.submit_error
         self.placements.append([request_id for request_id, _ in choices])
-        self.submitted += [Submitted(request_id, list(prompt_token_ids), sampling, priority) for request_id, sampling in choices]
+        self.submitted += [Submitted(request_id, list(prompt_token_ids), sampling, priority, cache_salt)
+                           for request_id, sampling in choices]
         return [ScriptedBatches(self, request_id, sampling, list(prompt_token_ids)) for request_id, sampling in choices]
 
     async def abort(self, request_id: str) -> None:

@@ -197,6 +197,20 @@ def test_priority_from_body_or_header(client, backend):
     assert [s.priority for s in backend.submitted] == [Priority.HIGH, Priority.HIGH, Priority.NORMAL]
 
 
+def test_a_cache_salt_reaches_every_choice_and_a_bad_one_is_400(client, backend):
+    """vLLM's cache_salt, on completions (each of n choices) and chat; null is none, as vLLM's."""
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "n": 2, "cache_salt": "t-a"})
+    client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                              "max_tokens": 1, "cache_salt": "t-b"})
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "cache_salt": None})
+    assert [s.cache_salt for s in backend.submitted] == ["t-a", "t-a", "t-b", None]
+    for bad in ("", 7, ["t"], "\ud800"):
+        r = client.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "Hi", "cache_salt": bad}),
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    assert len(backend.submitted) == 4
+
+
 def test_no_ready_instance_is_503(make_client, backend):
     backend.submit_error = BackendUnavailable("no instance is ready")
     client = make_client(backend)

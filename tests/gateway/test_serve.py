@@ -874,6 +874,50 @@ def test_a_tool_call_round_trip_through_the_openai_client_on_vllm(vllm_server):
 
 
 @pytest.mark.vllm
+def test_on_vllm_a_cache_salt_keeps_a_prompt_cached_for_its_own_salt_only(vllm_server):
+    """vLLM's cache_salt through the openai client: the scheduler's prefix index learns the prompt
+    under its salted keys (as the requester hashes it), a request with the same salt is placed there
+    and finds it cached, one without finds none of it, and the text is the same."""
+    from distributed import Client
+
+    from llumdask.api.client import connect
+    from llumdask.plugins.scheduler import PLUGIN_NAME
+    from llumdask.prefix import dispatch_keys
+
+    client = vllm_server.openai()
+    prompt = " ".join(f"Tenant line {i} of the shared system prompt." for i in range(40))
+    tokens = httpx.post(f"{vllm_server.url}/tokenize", json={"model": MODEL, "prompt": prompt},
+                        headers=vllm_server.auth, timeout=30).json()["tokens"]
+    keys = dispatch_keys(tokens, 128, "tenant-a")
+    # A lambda travels by value: the scheduler's process cannot import this module.
+    indexed = lambda dask_scheduler: dask_scheduler.plugins[PLUGIN_NAME].global_scheduler.prefix.matches(keys)  # noqa: E731
+
+    def cached(salt: str | None) -> tuple[int, str]:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+        return answer.usage.prompt_tokens_details.cached_tokens, answer.choices[0].text
+
+    with Client(vllm_server.scheduler, timeout=30) as dask_client, connect(dask_client) as llum:
+        def settle(until) -> None:
+            """Until `until()` holds and the scheduler sees every instance idle (placement by load is even)."""
+            deadline = time.monotonic() + 10
+            while not (until() and all(r["num_running"] == r["num_pending"] == 0 for r in llum.instances().rows)):
+                assert time.monotonic() < deadline, "the scheduler's view did not settle"
+                time.sleep(0.1)
+
+        first = cached("tenant-a")
+        assert first[0] == 0
+        settle(lambda: dask_client.run_on_scheduler(indexed))  # fails if the salt was lost on the way
+        again = cached("tenant-a")
+        assert again == (len(keys) * 128, first[1])
+        settle(lambda: True)
+        assert cached(None) == (0, first[1])
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"cache_salt": ""})
+    assert refused.value.body["param"] == "cache_salt"
+
+
+@pytest.mark.vllm
 def test_on_vllm_min_tokens_skip_special_tokens_suffix_and_parallel_tool_calls_do_what_they_say(vllm_server):
     """vLLM's min_tokens and skip_special_tokens, OpenAI's suffix and parallel_tool_calls, through the
     openai client on vLLM instances. The end-of-text token made all but certain (a logit bias)

@@ -261,3 +261,25 @@ def test_the_scheduler_indexes_what_an_instance_caches_under_the_requesters_hash
     again = clean.generate(prompt, max_tokens=2, ignore_eos=True)
     assert again.usage["prompt_tokens_details"]["cached_tokens"] == 9 * 128
     assert again.token_ids == first
+
+
+def test_a_salted_prompt_is_indexed_and_found_under_its_salt_only(clean):
+    """vLLM's cache_salt from the client to the engine: the instance's events reach the index
+    under the salted keys the requester sends (not the unsalted ones), the same salt finds the
+    prompt cached there, and the tokens are the same whatever the salt (one engine's misses across
+    salts: tests/vllm/test_engine.py)."""
+    from llumdask.prefix import dispatch_keys
+
+    client = clean.dask_client
+    prompt = prompt_of("salted", 9 * 128 + 5)
+    stream = clean.stream(prompt, max_tokens=2, ignore_eos=True, cache_salt="tenant-a")
+    first = list(stream)
+    assert stream.cached_tokens == 0
+    salted = dispatch_keys(prompt, 128, "tenant-a")
+    wait_until(lambda: client.run_on_scheduler(_index_matches, salted) == {stream.instance: 9}, 10,
+               "the salted prompt's nine anchors indexed for its instance")
+    assert client.run_on_scheduler(_index_matches, dispatch_keys(prompt, 128, None)) == {}
+    again = clean.generate(prompt, max_tokens=2, ignore_eos=True, cache_salt="tenant-a")
+    assert again.usage["prompt_tokens_details"]["cached_tokens"] == 9 * 128 and again.instance == stream.instance
+    others = [clean.generate(prompt, max_tokens=2, ignore_eos=True, cache_salt=salt) for salt in ("tenant-b", None)]
+    assert all(g.token_ids == first for g in [again, *others])

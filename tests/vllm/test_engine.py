@@ -235,3 +235,13 @@ def test_the_first_output_reports_the_prompt_tokens_found_in_the_prefix_cache(vl
         firsts.append(stream[0].cached_tokens)
         assert all(o.cached_tokens is None for o in stream[1:])
     assert firsts == [0, 256]  # two blocks of 128
+
+
+def test_a_cache_salt_finds_the_prompt_cached_only_under_its_own_salt(vllm_engine) -> None:
+    """vLLM's cache_salt reaches vLLM: the same prompt under another salt (or none) misses."""
+    firsts = {}
+    for name, salt in (("plain", None), ("a", "tenant-a"), ("a-again", "tenant-a"), ("b", "tenant-b"),
+                       ("plain-again", None)):
+        vllm_engine.add_request(make_request(name, prompt_len=300, max_tokens=3, offset=23, cache_salt=salt))
+        firsts[name] = run_to_completion(vllm_engine)[name][0].cached_tokens
+    assert firsts == {"plain": 0, "a": 0, "a-again": 256, "b": 0, "plain-again": 256}

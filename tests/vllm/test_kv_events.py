@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from llumdask.prefix import PrefixEvents, anchor_stride, anchors, block_hashes
+from llumdask.prefix import PrefixEvents, anchor_stride, anchors, block_hashes, dispatch_keys
 
 pytestmark = [pytest.mark.vllm]
 
@@ -73,17 +73,33 @@ def test_removal_reports_an_anchor_once_its_last_copy_goes(events):
     assert t.drain() == PrefixEvents(removed=(OURS[STRIDE - 1],))
 
 
-def test_blocks_whose_identity_is_more_than_tokens_are_left_out_with_their_children(events):
+def test_blocks_whose_identity_is_more_than_tokens_and_a_salt_are_left_out_with_their_children(events):
     t = tracker()
     n = STRIDE
     run = TOKENS[: n * BS]
     t.apply([
-        stored(events, [f"salt{i}" for i in range(n)], run, extra_keys=[("salt",)] + [None] * (n - 1)),
+        stored(events, [f"mm{i}" for i in range(n)], run, extra_keys=[(("image-1", 0),)] + [None] * (n - 1)),
         stored(events, ["lora"], run[:BS], lora_name="adapter"),
         stored(events, ["partial"], run[:2], block_size=2),
-        stored(events, ["orphan"], run[:BS], parent="salt0"),  # its parent was left out
+        stored(events, ["orphan"], run[:BS], parent="mm0"),  # its parent was left out
+        stored(events, ["embeds"], run[:BS], extra_keys=[("tenant-a", b"digest")]),
+        stored(events, ["late-salt"], run[:BS], parent="v0", extra_keys=[("tenant-a",)]),  # never followed parent
     ])
     assert not t.drain() and len(t) == 0
+
+
+def test_a_salted_run_reports_the_requesters_salted_keys_and_its_children_keep_the_salt(events):
+    """vLLM keys a salted sequence's first block with the salt (published untagged in the event's
+    extra keys); the blocks after it carry none of their own but inherit it through their parent."""
+    t = tracker()
+    split = STRIDE - 3
+    theirs = [f"s{i}" for i in range(len(OURS))]
+    t.apply([stored(events, theirs[:split], TOKENS[: split * BS], extra_keys=[("tenant-a",)] + [None] * (split - 1))])
+    t.apply([stored(events, theirs[split:], TOKENS[split * BS : len(OURS) * BS], parent=theirs[split - 1])])
+    keys = dispatch_keys(TOKENS, BS, "tenant-a")
+    assert t.drain() == PrefixEvents(stored=keys) and not set(keys) & set(anchors(OURS, BS))
+    t.apply([removed(events, [theirs[STRIDE - 1]])])
+    assert t.drain() == PrefixEvents(removed=keys[:1])
 
 
 def test_a_cleared_cache_resets_the_index_entry(events):

@@ -404,6 +404,19 @@ def test_a_released_reservation_gives_back_the_cached_blocks_it_reused(peer_engi
     peer_engine.release_reservation("m-release-again")
 
 
+def test_a_migrant_reuses_only_blocks_cached_under_its_own_salt(peer_engine):
+    warm = make_request("warm-salted", 300, 2)
+    peer_engine.add_request(Request(warm.request_id, warm.prompt_token_ids, warm.sampling, cache_salt="tenant-a"))
+    drain(peer_engine, {})
+    tokens = make_request("x", 300, 1).prompt_token_ids[:256]
+    free = peer_engine.snapshot().free_blocks
+    for migration_id, salt, reused in (("m-other", "tenant-b", 0), ("m-same", "tenant-a", 2)):
+        assert peer_engine.reserve_cached(migration_id, tokens, salt) == reused
+        peer_engine.release_reservation(migration_id)
+    peer_engine.check_integrity()
+    assert peer_engine.snapshot().free_blocks == free
+
+
 def test_a_waiting_request_moves_without_kv_and_its_tokens_stay_exact(vllm_engine, peer_engine, reference):
     """A request still in vLLM's waiting queue leaves it holding nothing, queues on the
     destination and computes there; a running one cannot be taken as waiting."""

@@ -44,6 +44,7 @@ from llumdask.request import FinishReason, Request, RequestStatus, SamplingParam
 
 if TYPE_CHECKING:
     import vllm
+    from vllm import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
     from vllm.v1.request import Request as VllmRequest
 
@@ -254,15 +255,13 @@ class VllmEngine:
         self._submit(request)
 
     def _submit(self, request: Request, migration_id: str | None = None) -> None:
-        """Hand a request to vLLM. Its prompt is everything generated so far: a request
-        re-added after a migration continues from its last token."""
-        from vllm import TokensPrompt
+        """Hand a request to vLLM (`_prompt_of`)."""
         from vllm.exceptions import VLLMClientError
 
         try:
             self._internal_ids[request.request_id] = self._llm.add_request(
                 request.request_id,
-                TokensPrompt(prompt_token_ids=[*request.prompt_token_ids, *request.output_token_ids]),
+                _prompt_of(request),
                 to_vllm_sampling(request, migration_id),
                 arrival_time=request.arrival_time,
                 priority=self._vllm_priority(request),
@@ -470,12 +469,12 @@ class VllmEngine:
         del self._internal_ids[request_id]
 
     # ------------------------------------------------------------------ migration, destination side
-    def reserve_cached(self, migration_id: str, tokens: Sequence[int]) -> int:
+    def reserve_cached(self, migration_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> int:
         """The cached blocks are touched (one more holder: out of the free queue, not evicted);
         at resume they are a prefix hit of the re-added request like the imported ones."""
         if migration_id in self._reservations:
             raise ValueError(f"migration {migration_id!r} has a reservation already")
-        blocks = internals.cached_prefix_blocks(self._llm, tokens, self.block_size)
+        blocks = internals.cached_prefix_blocks(self._llm, tokens, self.block_size, cache_salt)
         self._pool.touch(blocks)
         self._reservations[migration_id] = blocks
         self._reused[migration_id] = len(blocks)
@@ -708,6 +707,17 @@ class VllmEngine:
             migratable=can_move and not pinned,
             pinned=pinned,
         )
+
+
+def _prompt_of(request: Request) -> "TokensPrompt":
+    """What vLLM is given: everything generated so far (a request re-added after a migration
+    continues from its last token), with the request's cache salt."""
+    from vllm import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=[*request.prompt_token_ids, *request.output_token_ids])
+    if request.cache_salt is not None:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt
 
 
 def _our_id(vllm_request: "VllmRequest") -> str:

@@ -159,10 +159,12 @@ def cache_as_prefix(pool: "BlockPool", vllm_request: "VllmRequest", blocks: list
     )
 
 
-def cached_prefix_blocks(llm: "LLMEngine", tokens: Sequence[int], block_size: int) -> list[Any]:
+def cached_prefix_blocks(llm: "LLMEngine", tokens: Sequence[int], block_size: int,
+                         cache_salt: str | None = None) -> list[Any]:
     """The blocks of the prefix cache holding the longest prefix of the whole blocks of
-    `tokens` (plain tokens: no LoRA, cache salt or multimodal input), found by vLLM's own chained
-    hash (`hash_block_tokens` with the engine's hash function, as its request block hasher)."""
+    `tokens` (plain tokens, no LoRA or multimodal input; a cache salt as vLLM keys its first
+    block, `generate_block_hash_extra_keys`), found by vLLM's own chained hash
+    (`hash_block_tokens` with the engine's hash function, as its request block hasher)."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
@@ -170,7 +172,8 @@ def cached_prefix_blocks(llm: "LLMEngine", tokens: Sequence[int], block_size: in
     pool = block_pool_of(llm)
     parent, blocks = None, []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block_tokens(hash_fn, parent, tokens[start : start + block_size])
+        extra_keys = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
+        parent = hash_block_tokens(hash_fn, parent, tokens[start : start + block_size], extra_keys)
         found = pool.get_cached_block(parent, [0])
         if found is None:
             break

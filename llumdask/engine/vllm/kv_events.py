@@ -8,9 +8,11 @@ keeps, per cached vLLM hash, our hash and the block's position, and chains our h
 the parent's. Work is per block stored or removed, never per block cached; memory is one entry
 per cached block (bounded by the pool).
 
-Blocks whose identity holds more than tokens (a LoRA adapter, a cache salt, multimodal
-inputs) have no hash of ours and are left out, as are partial blocks: a prompt with plain tokens
-would not hit them.
+A cache salt enters vLLM's hash of a sequence's first block (the event's extra keys) and so
+every block after it: the tracker reports such blocks under their salted keys
+(`llumdask.prefix.salted`), as the requester hashes a salted prompt. Blocks whose identity holds
+other things (a LoRA adapter, multimodal inputs) have no hash of ours and are left out, as are
+partial blocks: a prompt with plain tokens would not hit them.
 """
 
 from __future__ import annotations
@@ -19,15 +21,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from llumdask.prefix import ROOT_HASH, PrefixChangeLog, PrefixEvents, block_hashes, is_anchor
+from llumdask.prefix import ROOT_HASH, PrefixChangeLog, PrefixEvents, block_hashes, is_anchor, salted
 
 
 @dataclass
 class _Cached:
-    """One vLLM hash's block(s): our hash, position in its sequence, blocks cached under it."""
+    """One vLLM hash's block(s): our hash, position in its sequence, the sequence's cache salt,
+    the key the block is reported under, blocks cached under it."""
 
     our_hash: int
     position: int
+    cache_salt: str | None
+    key: int
     copies: int = 1
 
 
@@ -57,28 +62,32 @@ class PrefixTracker:
                 self._changes.overflow()
 
     def drain(self) -> PrefixEvents:
-        return self._changes.drain(lambda: (c.our_hash for c in self._cached.values() if is_anchor(c.position, self.block_size)))
+        return self._changes.drain(lambda: (c.key for c in self._cached.values() if is_anchor(c.position, self.block_size)))
 
     def _stored(self, event: Any) -> None:
         if event.block_size != self.block_size or event.lora_name is not None or event.lora_id is not None:
             return
-        if event.extra_keys and any(keys for keys in event.extra_keys):
-            return
-        parent, position = ROOT_HASH, 0
+        parent, position, cache_salt = ROOT_HASH, 0, None
         if event.parent_block_hash is not None:
             known = self._cached.get(event.parent_block_hash)
             if known is None:
-                return  # its parent was never followed (left out above): neither are its children
-            parent, position = known.our_hash, known.position + 1
+                return  # its parent was never followed (left out below): neither are its children
+            parent, position, cache_salt = known.our_hash, known.position + 1, known.cache_salt
+        extra = list(event.extra_keys or ())
+        if position == 0 and extra and _is_salt(extra[0]):
+            cache_salt, extra = extra[0][0], extra[1:]
+        if any(keys for keys in extra):
+            return
         ours = block_hashes(event.token_ids, self.block_size, parent=parent)
-        for offset, (theirs, our_hash) in enumerate(zip(event.block_hashes, ours)):
+        keys = salted(ours, cache_salt)
+        for offset, (theirs, our_hash, key) in enumerate(zip(event.block_hashes, ours, keys)):
             known = self._cached.get(theirs)
             if known is not None:
                 known.copies += 1  # a second block with the same prefix (two requests computed it at once)
                 continue
-            self._cached[theirs] = _Cached(our_hash, position + offset)
+            self._cached[theirs] = _Cached(our_hash, position + offset, cache_salt, key)
             if is_anchor(position + offset, self.block_size):
-                self._changes.record(our_hash, True)
+                self._changes.record(key, True)
 
     def _removed(self, hashes: Iterable[Any]) -> None:
         for theirs in hashes:
@@ -89,4 +98,10 @@ class PrefixTracker:
             if known.copies == 0:
                 del self._cached[theirs]
                 if is_anchor(known.position, self.block_size):
-                    self._changes.record(known.our_hash, False)
+                    self._changes.record(known.key, False)
+
+
+def _is_salt(keys: Any) -> bool:
+    """A first block's extra keys that are a cache salt alone (vLLM publishes it untagged; an
+    engine serving text without LoRA adds nothing else there)."""
+    return isinstance(keys, tuple) and len(keys) == 1 and isinstance(keys[0], str)
