@@ -202,17 +202,18 @@ def test_seeded_random_sampling_is_refused_on_the_cpu_and_pinned_elsewhere(vllm_
     assert migration_refusal(make_request("greedy", 20, 50, seed=7)) == ""
 
 
-def test_resume_adopts_the_imported_full_blocks(vllm_engine, peer_engine):
+@pytest.mark.parametrize("cache_salt", [None, "tenant-a"])
+def test_resume_adopts_the_imported_full_blocks(vllm_engine, peer_engine, cache_salt):
     """Zero copy: the resumed request's block table starts with the very blocks the
-    destination reserved and imported into (a prefix-cache hit); only the partial tail block
-    is written anew, and no block is held beyond the request's own."""
+    destination reserved and imported into (a prefix-cache hit, under the request's cache salt
+    too); only the partial tail block is written anew, and no block is held beyond the request's own."""
     from llumdask.engine.vllm import internals
 
     streams = ({}, {})
     # A prompt no other test uses: a block the destination cached earlier under the same hash
     # would serve the prefix hit instead (equally correct, but not the blocks checked here).
     prompt = [10 + (13 * i + 7) % 450 for i in range(1000)]
-    vllm_engine.add_request(Request("adopt", prompt, SamplingParams(max_tokens=40, ignore_eos=True)))
+    vllm_engine.add_request(Request("adopt", prompt, SamplingParams(max_tokens=40, ignore_eos=True), cache_salt=cache_salt))
     for _ in range(10):
         step(vllm_engine, streams[0])
     n = vllm_engine.completed_blocks("adopt")
@@ -236,6 +237,9 @@ def test_resume_adopts_the_imported_full_blocks(vllm_engine, peer_engine):
     drain(peer_engine, streams[1])
     drain(vllm_engine, streams[0])
     assert len(received_tokens(list(streams), "adopt")) == 40
+    # Cached there under the salt the request came with.
+    assert peer_engine.reserve_cached("m-adopted", prompt[: n * vllm_engine.block_size], cache_salt) == n
+    peer_engine.release_reservation("m-adopted")
 
 
 def run_alone(engine, request_id: str, prompt_len: int, max_tokens: int, **sampling) -> list[int]:
