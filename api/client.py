@@ -518,7 +518,7 @@ class LlumdaskClient:
 
     # ------------------------------------------------------------------ plumbing
     def _job(self, prompt: Prompt, max_tokens: int, priority: Priority | str, stop: Sequence[str],
-             sampling: dict[str, Any], cache_salt: str | None = None) -> tuple[Request, IncrementalText | None]:
+             sampling: dict[str, Any], cache_salt: str | None) -> tuple[Request, IncrementalText | None]:
         """The request for one prompt, and for text its detokenizer (stop strings applied)."""
         stop = _stop_strings(stop)
         if isinstance(prompt, (str, _Chat)):

@@ -9,6 +9,7 @@ Deterministic across processes, so a requester and an engine in different proces
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, *, parent: int = ROOT_H
     return hashes
 
 
+@functools.lru_cache(maxsize=1024)
 def salt_key(cache_salt: str) -> int:
     """A cache salt as 64 bits, the same in every process (a str's own hash is salted per process)."""
     digest = hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=8, person=b"llumdask.salt").digest()

@@ -348,12 +348,21 @@ class Request:
         return (-int(self.scheduling_priority), self.arrival_time, self.request_id)
 
 
+# vLLM's server's bounds on a cache salt (`validate_cache_salt`): it keys cache backends with it.
+MAX_CACHE_SALT_LENGTH = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
 def check_cache_salt(cache_salt: Any) -> None:
-    """A cache salt is None or a non-empty string (vLLM's rule) that UTF-8 can carry."""
+    """A cache salt is None or, as vLLM's server takes it, a non-empty string of at most 128
+    characters without '@', '/', '\\' or NUL (and text UTF-8 can carry)."""
     if cache_salt is None:
         return
     if not isinstance(cache_salt, str) or not cache_salt:
         raise ValueError(f"cache_salt must be a non-empty string when given, got {cache_salt!r:.80}")
+    if len(cache_salt) > MAX_CACHE_SALT_LENGTH or not _CACHE_SALT_FORBIDDEN.isdisjoint(cache_salt):
+        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_LENGTH} characters and must not contain "
+                         "'@', '/', '\\' or NUL")
     if not _is_text(cache_salt):
         raise ValueError("cache_salt must be valid Unicode text (it has a lone surrogate)")
 

@@ -30,6 +30,7 @@ Everything here runs on the Dask client's event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -46,7 +47,7 @@ from llumdask.plugins.control import NoLlumdaskScheduler, Op, RequestRejected, c
 from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream, without_key
 from llumdask.plugins.wire import request_to_msg
 from llumdask.prefix import dispatch_keys
-from llumdask.request import FinishReason, Request
+from llumdask.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -347,10 +348,9 @@ class Requester:
         """Hand prompt + tokens so far to another instance; it recomputes them and goes on."""
         original = entry.request
         sequence = entry.stream.sequence
-        request = Request(original.request_id, original.prompt_token_ids, original.sampling,
-                          original.scheduling_priority, original.execution_priority, original.arrival_time,
-                          cache_salt=original.cache_salt)
-        request.output_token_ids = sequence.delivered
+        # Everything the request came with (its cache salt too), and the tokens delivered so far.
+        request = dataclasses.replace(original, output_token_ids=sequence.delivered, status=RequestStatus.WAITING,
+                                      finish_reason=None)
         reason = _finished_by(request)
         try:
             if reason is None and request.output_token_ids and (breaks := request.sampling.resume_breaks):

@@ -42,8 +42,11 @@ def test_a_cache_salt_gives_every_block_a_key_of_its_own_the_same_in_every_proce
     a, b = salted(hashes, "tenant-a"), salted(hashes, "tenant-b")
     assert len(set(hashes) | set(a) | set(b)) == 3 * len(hashes)
     assert salted(hashes, "tenant-a") == a
-    assert dispatch_keys(list(range(256)), 16, "tenant-a") == tuple(salted(anchors(block_hashes(list(range(256)), 16), 16),
-                                                                          "tenant-a"))
+    # Keys chain as hashes do: a prompt's keys begin with those of its prefix, under the same salt only.
+    longer, shorter = dispatch_keys(list(range(512)), 16, "tenant-a"), dispatch_keys(list(range(256)), 16, "tenant-a")
+    assert len(longer) == 4 and longer[:2] == shorter
+    assert dispatch_keys(list(range(256)), 16, None) == anchors(block_hashes(list(range(256)), 16), 16)  # as before salts
+    assert not set(shorter) & set(dispatch_keys(list(range(256)), 16, "tenant-b"))
     # A requester and an engine in other processes (Python's str hash differs between them) agree.
     other = subprocess.run([sys.executable, "-c", "from llumdask.prefix import salt_key; print(salt_key('tenant-a'))"],
                            capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "random"})

@@ -88,6 +88,6 @@ def test_a_cache_salt_is_checked_and_travels_with_the_request_on_the_wire_and_in
     assert request_from_msg(msgpack.unpackb(msgpack.packb(request_to_msg(salted)))).cache_salt == "tenant-a"
     assert request_from_msg(msgpack.unpackb(msgpack.packb(request_to_msg(Request("r", [1]))))).cache_salt is None
     assert MigrationState.capture(salted).to_request().cache_salt == "tenant-a"
-    for bad in ("", 5, b"salt", "\ud800"):
+    for bad in ("", 5, b"salt", "\ud800", "a/b", "a@b", "a\\b", "a\0b", "s" * 129):
         with pytest.raises(ValueError, match="cache_salt"):
             Request("r", [1], cache_salt=bad)

@@ -82,10 +82,10 @@ class Backend(Protocol):
     model: ModelInfo
 
     async def submit(self, choices: Sequence[tuple[str, SamplingParams]], prompt_token_ids: list[int],
-                     priority: Priority, cache_salt: str | None = None) -> list[TokenBatches]:
+                     priority: Priority, cache_salt: str | None) -> list[TokenBatches]:
         """Dispatch the choices of one completion, each a request named by its (cluster-unique) id
-        with its own sampling, together (they share the prompt); returns once instances accepted
-        them all, their batches in the same order.
+        with its own sampling, together (they share the prompt and its `cache_salt`); returns
+        once instances accepted them all, their batches in the same order.
 
         Raises BackendUnavailable (no instance now), BackendOverloaded (every instance would queue
         them) or BackendRejected (never fits); then none of them runs.

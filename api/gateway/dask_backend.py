@@ -76,7 +76,7 @@ class DaskBackend:
             await dask_client.close()
 
     async def submit(self, choices: Sequence[tuple[str, SamplingParams]], prompt_token_ids: list[int],
-                     priority: Priority, cache_salt: str | None = None) -> list[DaskTokenBatches]:
+                     priority: Priority, cache_salt: str | None) -> list[DaskTokenBatches]:
         now = time.time()
         requests = [Request.arriving(request_id, prompt_token_ids, sampling, priority, now, cache_salt)
                     for request_id, sampling in choices]

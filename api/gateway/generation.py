@@ -60,7 +60,7 @@ class Generation:
 
     def __init__(self, backend: Backend, metrics: GatewayMetrics, endpoint: str,
                  request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
-                 text: IncrementalText, retry_after: float, cache_salt: str | None = None) -> None:
+                 text: IncrementalText, retry_after: float, cache_salt: str | None) -> None:
         """`retry_after`: the least a 429 for load asks the client to wait."""
         self._backend = backend
         self._retry_after = retry_after

@@ -112,7 +112,7 @@ class FakeBackend:
     closed: int = 0
 
     async def submit(self, choices: Sequence[tuple[str, SamplingParams]], prompt_token_ids: list[int],
-                     priority: Priority, cache_salt: str | None = None) -> list[ScriptedBatches]:
+                     priority: Priority, cache_salt: str | None) -> list[ScriptedBatches]:
         if self.submit_error is not None:
             raise self.submit_error
         self.placements.append([request_id for request_id, _ in choices])

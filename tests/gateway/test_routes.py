@@ -204,7 +204,7 @@ def test_a_cache_salt_reaches_every_choice_and_a_bad_one_is_400(client, backend)
                                               "max_tokens": 1, "cache_salt": "t-b"})
     client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "cache_salt": None})
     assert [s.cache_salt for s in backend.submitted] == ["t-a", "t-a", "t-b", None]
-    for bad in ("", 7, ["t"], "\ud800"):
+    for bad in ("", 7, ["t"], "\ud800", "a/b", "a@b", "a\\b", "a\u0000b", "s" * 129):
         r = client.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "Hi", "cache_salt": bad}),
                         headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

@@ -876,8 +876,9 @@ def test_a_tool_call_round_trip_through_the_openai_client_on_vllm(vllm_server):
 @pytest.mark.vllm
 def test_on_vllm_a_cache_salt_keeps_a_prompt_cached_for_its_own_salt_only(vllm_server):
     """vLLM's cache_salt through the openai client: the scheduler's prefix index learns the prompt
-    under its salted keys (as the requester hashes it), a request with the same salt is placed there
-    and finds it cached, one without finds none of it, and the text is the same."""
+    under its salted keys (as the requester hashes it) and under no unsalted ones, a request with
+    the same salt is placed there and finds it cached, one without finds none of it wherever it
+    runs, and the text is the same. (One engine's misses across salts: tests/vllm/test_engine.py.)"""
     from distributed import Client
 
     from llumdask.api.client import connect
@@ -889,8 +890,10 @@ def test_on_vllm_a_cache_salt_keeps_a_prompt_cached_for_its_own_salt_only(vllm_s
     tokens = httpx.post(f"{vllm_server.url}/tokenize", json={"model": MODEL, "prompt": prompt},
                         headers=vllm_server.auth, timeout=30).json()["tokens"]
     keys = dispatch_keys(tokens, 128, "tenant-a")
-    # A lambda travels by value: the scheduler's process cannot import this module.
-    indexed = lambda dask_scheduler: dask_scheduler.plugins[PLUGIN_NAME].global_scheduler.prefix.matches(keys)  # noqa: E731
+
+    def indexed(keys: tuple[int, ...]):
+        # A lambda travels by value: the scheduler's process cannot import this module.
+        return lambda dask_scheduler: dask_scheduler.plugins[PLUGIN_NAME].global_scheduler.prefix.matches(keys)
 
     def cached(salt: str | None) -> tuple[int, str]:
         extra = {"cache_salt": salt} if salt is not None else {}
@@ -907,7 +910,8 @@ def test_on_vllm_a_cache_salt_keeps_a_prompt_cached_for_its_own_salt_only(vllm_s
 
         first = cached("tenant-a")
         assert first[0] == 0
-        settle(lambda: dask_client.run_on_scheduler(indexed))  # fails if the salt was lost on the way
+        settle(lambda: dask_client.run_on_scheduler(indexed(keys)))  # fails if the salt was lost on the way
+        assert dask_client.run_on_scheduler(indexed(dispatch_keys(tokens, 128, None))) == {}  # no instance has it unsalted
         again = cached("tenant-a")
         assert again == (len(keys) * 128, first[1])
         settle(lambda: True)

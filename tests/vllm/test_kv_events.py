@@ -73,19 +73,36 @@ def test_removal_reports_an_anchor_once_its_last_copy_goes(events):
     assert t.drain() == PrefixEvents(removed=(OURS[STRIDE - 1],))
 
 
+def published(*per_block):
+    """A stored event's extra keys as vLLM publishes them (`to_event_extra_keys`), from each
+    block's tagged keys as `generate_block_hash_extra_keys` makes them (None: none)."""
+    from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+
+    return to_event_extra_keys(list(per_block))
+
+
 def test_blocks_whose_identity_is_more_than_tokens_and_a_salt_are_left_out_with_their_children(events):
     t = tracker()
     n = STRIDE
     run = TOKENS[: n * BS]
     t.apply([
-        stored(events, [f"mm{i}" for i in range(n)], run, extra_keys=[(("image-1", 0),)] + [None] * (n - 1)),
-        stored(events, ["lora"], run[:BS], lora_name="adapter"),
+        stored(events, [f"mm{i}" for i in range(n)], run,
+               extra_keys=published((("mm", "image-1", 0),), *[None] * (n - 1))),
+        stored(events, ["lora"], run[:BS], lora_name="adapter", extra_keys=published((("lora", "adapter"),))),
         stored(events, ["partial"], run[:2], block_size=2),
         stored(events, ["orphan"], run[:BS], parent="mm0"),  # its parent was left out
-        stored(events, ["embeds"], run[:BS], extra_keys=[("tenant-a", b"digest")]),
-        stored(events, ["late-salt"], run[:BS], parent="v0", extra_keys=[("tenant-a",)]),  # never followed parent
+        stored(events, ["embeds"], run[:BS],
+               extra_keys=published((("cache_salt", "tenant-a"), ("prompt_embeds", b"digest")))),
     ])
     assert not t.drain() and len(t) == 0
+
+
+def test_a_salt_past_the_first_block_is_not_a_salt(events):
+    """vLLM salts a sequence's first block only: extra keys on a later block are something else."""
+    t = tracker()
+    t.apply([stored(events, ["v0"], TOKENS[:BS])])
+    t.apply([stored(events, ["v1"], TOKENS[BS : 2 * BS], parent="v0", extra_keys=published((("cache_salt", "t"),)))])
+    assert len(t) == 1
 
 
 def test_a_salted_run_reports_the_requesters_salted_keys_and_its_children_keep_the_salt(events):
@@ -94,7 +111,8 @@ def test_a_salted_run_reports_the_requesters_salted_keys_and_its_children_keep_t
     t = tracker()
     split = STRIDE - 3
     theirs = [f"s{i}" for i in range(len(OURS))]
-    t.apply([stored(events, theirs[:split], TOKENS[: split * BS], extra_keys=[("tenant-a",)] + [None] * (split - 1))])
+    t.apply([stored(events, theirs[:split], TOKENS[: split * BS],
+                    extra_keys=published((("cache_salt", "tenant-a"),), *[None] * (split - 1)))])
     t.apply([stored(events, theirs[split:], TOKENS[split * BS : len(OURS) * BS], parent=theirs[split - 1])])
     keys = dispatch_keys(TOKENS, BS, "tenant-a")
     assert t.drain() == PrefixEvents(stored=keys) and not set(keys) & set(anchors(OURS, BS))

@@ -65,6 +65,8 @@ class PrefixTracker:
         return self._changes.drain(lambda: (c.key for c in self._cached.values() if is_anchor(c.position, self.block_size)))
 
     def _stored(self, event: Any) -> None:
+        # A LoRA adapter's name comes as a first block's lone extra key, as a salt does: this test,
+        # not `_is_salt`, keeps adapters' blocks out.
         if event.block_size != self.block_size or event.lora_name is not None or event.lora_id is not None:
             return
         parent, position, cache_salt = ROOT_HASH, 0, None
