@@ -157,11 +157,14 @@ def test_a_dask_bag_of_prompts_becomes_a_bag_of_generations_in_order(clean, over
     # Each worker process submits its partitions through one requester, kept for later ones.
     listeners = clean.dask_client.run(_partition_listeners)
     assert sorted(len(held) for held in listeners.values()) in ([0, 1], [1, 1]), listeners
-    clean.dask_client.compute(clean.map(db.from_sequence(prompts[:4], npartitions=4), max_tokens=2)).result(timeout=120)
+    salted = clean.map(db.from_sequence(prompts[:4], npartitions=4), max_tokens=8, cache_salt="tenant-a")
+    assert [r.text for r in clean.dask_client.compute(salted).result(timeout=120)] == [r.text for r in results[:4]]
     again = clean.dask_client.run(_partition_listeners)
     assert all(again[w][:len(held)] == held for w, held in listeners.items()), (listeners, again)
     with pytest.raises(ValueError, match="temperature"):
         clean.map(db.from_sequence(["a"]), temperature=-1)
+    with pytest.raises(ValueError, match="cache_salt"):
+        clean.map(db.from_sequence(["a"]), cache_salt="a/b")
 
 
 def _partition_listeners() -> list[str | None]:
