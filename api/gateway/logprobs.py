@@ -1,8 +1,10 @@
 """Log probabilities in OpenAI's two shapes: the completions' parallel lists, the chat's entries.
 
 A token is shown as its own decoded text and, in the chat shape, that text's UTF-8 bytes, as
-vLLM's server shows them (a token holding part of a character decodes to U+FFFD). A position
-nothing predicts (the prompt's first) has None in the completions' lists.
+vLLM's server shows them (a token holding part of a character decodes to U+FFFD); with vLLM's
+`return_tokens_as_token_ids`, as "token_id:ID" (a chat token's own bytes stay its text's, its
+alternatives' are the label's, as vLLM gives them). A position nothing predicts (the prompt's
+first) has None in the completions' lists.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from llumdask.engine.base import TokenLogprob
 
 
 def completion_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None],
-                        text_offset: int = 0) -> dict[str, list]:
+                        text_offset: int = 0, as_token_ids: bool = False) -> dict[str, list]:
     """{"tokens", "token_logprobs", "top_logprobs", "text_offset"}: the top alternatives with the
     token's own (so up to n + 1 of them, as OpenAI's legacy completions give)."""
+    label = _label if as_token_ids else _text
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(token_ids, entries):
-        text = _text(tokenizer, token)
+        text = label(tokenizer, token)
         out["tokens"].append(text)
         out["text_offset"].append(text_offset)
         text_offset += len(text)
@@ -32,23 +35,30 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], entries:
         out["token_logprobs"].append(entry.logprob)
         top: dict[str, float] = {}
         for t, lp in (*entry.top, (token, entry.logprob)):  # tokens of one text: the likeliest stands
-            top.setdefault(_text(tokenizer, t), lp)
+            top.setdefault(label(tokenizer, t), lp)
         out["top_logprobs"].append(top)
     return out
 
 
-def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob],
+                  as_token_ids: bool = False) -> dict[str, Any]:
     """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}."""
+    label = _label if as_token_ids else _text
     return {"content": [
-        {**_chat_token(tokenizer, token, entry.logprob),
-         "top_logprobs": [_chat_token(tokenizer, t, lp) for t, lp in entry.top]}
+        {"token": label(tokenizer, token), "logprob": entry.logprob, "bytes": _bytes(_text(tokenizer, token)),
+         "top_logprobs": [{"token": (shown := label(tokenizer, t)), "logprob": lp, "bytes": _bytes(shown)}
+                          for t, lp in entry.top]}
         for token, entry in zip(token_ids, entries)
     ]}
 
 
-def _chat_token(tokenizer: Tokenizer, token: int, logprob: float) -> dict[str, Any]:
-    text = _text(tokenizer, token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _label(tokenizer: Tokenizer, token: int) -> str:
+    """vLLM's `return_tokens_as_token_ids` form of a token: a tokenizer-free name of it."""
+    return f"token_id:{token}"
 
 
 @functools.lru_cache(maxsize=1 << 16)

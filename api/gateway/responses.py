@@ -40,6 +40,8 @@ class Choice(NamedTuple):
     logprobs: dict | None = None
     # OpenAI's message.tool_calls (chat only).
     tool_calls: Sequence[dict[str, Any]] = ()
+    # Its output tokens (shown with vLLM's return_token_ids).
+    token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,16 @@ class ResponseFormat(ABC):
     id: str
     created: int
     model: str
+    # vLLM's return_token_ids: the prompt's tokens (once per choice in a stream, as vLLM places
+    # them) and each choice's, or chunk's, output tokens. None: not asked for.
+    prompt_token_ids: Sequence[int] | None = None
+    # vLLM's return_tokens_as_token_ids: log probabilities name tokens "token_id:ID".
+    as_token_ids: bool = False
 
     object = ""
     chunk_object = ""
+    # Where vLLM puts the prompt's tokens: in each choice (completions) or the response (chat).
+    prompt_tokens_per_choice = True
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -60,6 +69,13 @@ class ResponseFormat(ABC):
     def body(self, choices: Sequence[Choice], usage: Usage) -> dict[str, Any]:
         """The whole response, its choices in index order."""
         body = self._envelope(self.object, [self._choice(i, choice) for i, choice in enumerate(choices)])
+        if self.prompt_token_ids is not None:
+            for shown, choice in zip(body["choices"], choices):
+                shown["token_ids"] = list(choice.token_ids)
+                if self.prompt_tokens_per_choice:
+                    shown["prompt_token_ids"] = list(self.prompt_token_ids)
+            if not self.prompt_tokens_per_choice:
+                body["prompt_token_ids"] = list(self.prompt_token_ids)
         body["usage"] = usage.to_dict()
         return body
 
@@ -67,11 +83,25 @@ class ResponseFormat(ABC):
         """Chunks sent before choice `index`'s first token (chat announces the role)."""
         return []
 
-    def text_chunk(self, index: int, text: str, logprobs: dict | None = None) -> dict[str, Any]:
-        return self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs)])
+    def text_chunk(self, index: int, text: str | None, logprobs: dict | None = None, token_ids: Sequence[int] = (),
+                   first: bool = False) -> dict[str, Any]:
+        """`text` (None: an empty delta); `token_ids`: the chunk's tokens; `first`: the choice's
+        first chunk after its opening."""
+        return self._with_ids(self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs)]),
+                              token_ids, first)
 
-    def final_chunk(self, index: int, finish_reason: str | None) -> dict[str, Any]:
-        return self._envelope(self.chunk_object, [self._delta(index, None, finish_reason, None)])
+    def final_chunk(self, index: int, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+        return self._with_ids(self._envelope(self.chunk_object, [self._delta(index, None, finish_reason, None)]),
+                              (), first)
+
+    def _with_ids(self, chunk: dict[str, Any], token_ids: Sequence[int], first: bool) -> dict[str, Any]:
+        """A chunk with its tokens, and the prompt's on a completion choice's first (return_token_ids)."""
+        if self.prompt_token_ids is not None:
+            choice = chunk["choices"][0]
+            choice["token_ids"] = list(token_ids)
+            if first and self.prompt_tokens_per_choice:
+                choice["prompt_token_ids"] = list(self.prompt_token_ids)
+        return chunk
 
     @abstractmethod
     def logprobs(self, tokenizer: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None],
@@ -97,7 +127,7 @@ class CompletionFormat(ResponseFormat):
 
     def logprobs(self, tokenizer: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None],
                  text_offset: int) -> dict[str, Any]:
-        return completion_logprobs(tokenizer, token_ids, entries, text_offset)
+        return completion_logprobs(tokenizer, token_ids, entries, text_offset, self.as_token_ids)
 
     def _choice(self, index: int, choice: Choice) -> dict[str, Any]:
         return {"index": index, "text": choice.text or "", "logprobs": choice.logprobs,
@@ -110,10 +140,11 @@ class CompletionFormat(ResponseFormat):
 class ChatFormat(ResponseFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+    prompt_tokens_per_choice = False
 
     def logprobs(self, tokenizer: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None],
                  text_offset: int) -> dict[str, Any]:
-        return chat_logprobs(tokenizer, token_ids, entries)
+        return chat_logprobs(tokenizer, token_ids, entries, self.as_token_ids)
 
     def _choice(self, index: int, choice: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
@@ -122,9 +153,10 @@ class ChatFormat(ResponseFormat):
         return {"index": index, "message": message, "logprobs": choice.logprobs, "finish_reason": choice.finish_reason}
 
     def tool_chunk(self, index: int, text: str | None, calls: Sequence[dict[str, Any]],
-                   logprobs: dict | None = None) -> dict[str, Any]:
+                   logprobs: dict | None = None, token_ids: Sequence[int] = ()) -> dict[str, Any]:
         """A chunk with tool call deltas (OpenAI's delta.tool_calls), and text where the model wrote some."""
-        chunk = self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs)])
+        chunk = self._with_ids(self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs)]),
+                               token_ids, False)
         chunk["choices"][0]["delta"]["tool_calls"] = list(calls)
         return chunk
 
@@ -135,4 +167,6 @@ class ChatFormat(ResponseFormat):
     def opening_chunks(self, index: int) -> list[dict[str, Any]]:
         chunk = self._envelope(self.chunk_object, [self._delta(index, "", None, None)])
         chunk["choices"][0]["delta"]["role"] = "assistant"
+        if self.prompt_token_ids is not None:  # vLLM's first chunk of each choice carries the prompt's
+            chunk["prompt_token_ids"] = list(self.prompt_token_ids)
         return [chunk]

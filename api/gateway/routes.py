@@ -107,10 +107,13 @@ async def completions(request: Request, gateway: Gateway) -> Response:
         prompt_ids = list(parsed.prompt)
         check_token_ids(prompt_ids, gateway.tokenizer.vocab_size, "prompt")
     request_id = new_request_id()
-    fmt = CompletionFormat(f"cmpl-{request_id}", int(time.time()), gateway.backend.model.name)
+    fmt = CompletionFormat(f"cmpl-{request_id}", int(time.time()), gateway.backend.model.name,
+                           *token_ids_shown(parsed.options, prompt_ids))
     echo = None
     if parsed.options.echo:
-        echo = parsed.prompt if isinstance(parsed.prompt, str) else gateway.tokenizer.decode(prompt_ids)
+        # With the prompt's ids returned, vLLM echoes its log probabilities but not its text.
+        echo = ("" if parsed.options.return_token_ids else
+                parsed.prompt if isinstance(parsed.prompt, str) else gateway.tokenizer.decode(prompt_ids))
     return await generate(request, gateway, "completions", fmt, request_id, prompt_ids, parsed.options, echo)
 
 
@@ -127,9 +130,15 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
             options = replace(options, skip_special_tokens=False)
     prompt_ids = chat_prompt(gateway.tokenizer, parsed.messages, parsed.rendering, use.tools if use is not None else None)
     request_id = new_request_id()
-    fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), gateway.backend.model.name)
+    fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), gateway.backend.model.name,
+                     *token_ids_shown(options, prompt_ids))
     return await generate(request, gateway, "chat_completions", fmt, request_id, prompt_ids, options,
                           readers=readers)
+
+
+def token_ids_shown(options: GenerationOptions, prompt_ids: Sequence[int]) -> tuple[Sequence[int] | None, bool]:
+    """A response format's `prompt_token_ids` and `as_token_ids`, as the request asks."""
+    return (prompt_ids if options.return_token_ids else None), options.return_tokens_as_token_ids
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], rendering: ChatRendering,
@@ -207,9 +216,10 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
             logprobs = fmt.logprobs(gateway.tokenizer, ids, entries, 0)
         if readers is not None:
             answer = readers[i].whole(text)
-            body.append(Choice(answer.content, readers[i].finish_reason(g.finish_reason), logprobs, answer.calls))
+            body.append(Choice(answer.content, readers[i].finish_reason(g.finish_reason), logprobs, answer.calls,
+                               g.token_ids))
         else:
-            body.append(Choice(text if echo is None else echo + text, g.finish_reason, logprobs))
+            body.append(Choice(text if echo is None else echo + text, g.finish_reason, logprobs, (), g.token_ids))
     return JSONResponse(fmt.body(body, total_usage(generations)))
 
 
@@ -255,18 +265,25 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
     batch's chunk carries what the reader made of it: text, call deltas, or nothing yet."""
     wanted = options.logprobs is not None
     sent = [0] * len(generations)  # characters each choice has shown: its next text offset
-    echoed: set[int] = set()
+    shown: set[int] = set()  # the choices that sent a chunk past their opening
 
-    def chunk(index: int, text: str, token_ids: Sequence[int], entries: Sequence) -> bytes:
+    def first(index: int) -> bool:
+        if index in shown:
+            return False
+        shown.add(index)
+        return True
+
+    def chunk(index: int, text: str | None, token_ids: Sequence[int], entries: Sequence,
+              shown_ids: Sequence[int]) -> bytes:
+        """`token_ids` with their log probabilities; `shown_ids`, the output tokens it carries."""
         logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, sent[index]) if wanted else None
-        sent[index] += len(text)
-        return event(fmt.text_chunk(index, text, logprobs))
+        sent[index] += len(text or "")
+        return event(fmt.text_chunk(index, text, logprobs, shown_ids, first(index)))
 
     def events(index: int, delta: Delta | None) -> Iterator[bytes]:
         g = generations[index]
-        if echo is not None and index not in echoed:
-            echoed.add(index)
-            yield chunk(index, echo, prompt_ids, g.prompt_logprobs if wanted else ())
+        if echo is not None and index not in shown:
+            yield chunk(index, echo, prompt_ids, g.prompt_logprobs if wanted else (), ())
         if delta is None:
             finish_reason = g.finish_reason
             if readers is not None:
@@ -274,19 +291,20 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
                 if last:
                     yield event(fmt.tool_chunk(index, None, [c.to_dict() for c in last]))  # type: ignore[attr-defined]
                 finish_reason = readers[index].finish_reason(finish_reason)
-            yield event(fmt.final_chunk(index, finish_reason))
+            yield event(fmt.final_chunk(index, finish_reason, first(index)))
             return
         entries = g.logprobs(delta.start, delta.end) if wanted else ()
         token_ids = g.token_ids[delta.start:delta.end]
         if readers is None:
-            yield chunk(index, delta.text, token_ids, entries)
+            yield chunk(index, delta.text, token_ids, entries, token_ids)
             return
         content, calls = readers[index].delta(delta.text, token_ids)
         if calls:
             logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, 0) if wanted else None
-            yield event(fmt.tool_chunk(index, content, [c.to_dict() for c in calls], logprobs))  # type: ignore[attr-defined]
-        elif content is not None:
-            yield chunk(index, content, token_ids, entries)
+            yield event(fmt.tool_chunk(index, content, [c.to_dict() for c in calls], logprobs, token_ids))  # type: ignore[attr-defined]
+        elif content is not None or wanted or fmt.prompt_token_ids is not None:
+            # Nothing to show yet still carries its tokens' log probabilities and ids, as vLLM's.
+            yield chunk(index, content, token_ids, entries, token_ids)
 
     # What is ready together goes out in one write: a write per chunk costs the gateway a
     # system call and a pass through the ASGI stack per choice and token.

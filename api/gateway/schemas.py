@@ -76,6 +76,10 @@ class GenerationOptions:
     sampling: Mapping[str, Any]
     # vLLM's: prompt blocks are shared from the prefix cache only with requests of the same salt.
     cache_salt: str | None = None
+    # vLLM's: the response carries the prompt's and the answer's token ids; log probabilities name
+    # tokens "token_id:ID".
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,13 +129,13 @@ class ChatRequest:
 
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
-# asking for something else is refused (beam search, prompt truncation, prompt logprobs, token-id
-# returns, KV transfer...) rather than answered as if it had not asked.
+# asking for something else is refused (beam search, prompt truncation, prompt logprobs, token
+# offsets, KV transfer...) rather than answered as if it had not asked.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0,
     "truncate_prompt_tokens": None, "prompt_logprobs": None, "logprob_token_ids": None,
     "spaces_between_special_tokens": True, "thinking_token_budget": None, "repetition_detection": None,
-    "return_token_ids": False, "return_tokens_as_token_ids": False, "return_token_offsets": False,
+    "return_token_offsets": False,
     "return_prompt_text": False, "return_mm_kwargs": False, "kv_transfer_params": None,
     "ec_transfer_params": None, "vllm_xargs": None, "prompt_embeds": None, "media_io_kwargs": None,
     "mm_processor_kwargs": None, "watermarking": None,
@@ -139,8 +143,8 @@ UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
 
 
 # Of UNHONOURED_VLLM_OPTIONS, the switches whose false asks nothing (vLLM reads false as 0 elsewhere).
-_SWITCHES = frozenset({"use_beam_search", "watermarking", "return_token_ids", "return_tokens_as_token_ids",
-                       "return_token_offsets", "return_prompt_text", "return_mm_kwargs"})
+_SWITCHES = frozenset({"use_beam_search", "watermarking", "return_token_offsets", "return_prompt_text",
+                       "return_mm_kwargs"})
 
 
 def _refuse_unhonoured(body: Mapping[str, Any]) -> None:
@@ -320,6 +324,8 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
         sampling={**{name: _sampling_option(body, name, kind) for name, kind in SAMPLING_OPTIONS.items()
                      if body.get(name) is not None}, **_structured(body)},
         cache_salt=_cache_salt(body.get("cache_salt")),
+        return_token_ids=_bool(body, "return_token_ids", False),
+        return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
     )
 
 

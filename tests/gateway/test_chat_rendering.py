@@ -207,7 +207,7 @@ def test_vllm_options_the_gateway_does_not_honour_are_400_unless_at_their_defaul
     asking for them is refused rather than answered as if it had not; their defaults pass."""
     client, backend, _ = rendering
     for name, value in (("use_beam_search", True), ("truncate_prompt_tokens", 5), ("length_penalty", 0.5),
-                        ("return_token_ids", True), ("thinking_token_budget", 8),
+                        ("return_token_offsets", True), ("thinking_token_budget", 8),
                         ("prompt_logprobs", 2), ("spaces_between_special_tokens", False)):
         r = client.post(path, json={"model": MODEL, "max_tokens": 2, **body, name: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text

@@ -503,3 +503,64 @@ def test_usage_reports_the_prompts_cached_tokens_where_the_engine_says(client, b
     backend.cached_tokens = 16
     assert usage() == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
                        "prompt_tokens_details": {"cached_tokens": 16}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_shows_the_prompts_and_each_choices_tokens_where_vllm_puts_them(make_client, backend,
+                                                                                       tokenizer, script, stream):
+    """vLLM's return_token_ids: completions give each choice the prompt's ids (in a stream, on the
+    choice's first chunk) and its own tokens (per chunk); chat gives the prompt's ids once per
+    response (in a stream, on each choice's role chunk)."""
+    backend.batch_size = 2
+    client = make_client(backend)
+    ask = {"model": MODEL, "max_tokens": 5, "n": 2, "stream": stream, "return_token_ids": True}
+    completion = client.post("/v1/completions", json={**ask, "prompt": "Hello world"})
+    chat = client.post("/v1/chat/completions", json={**ask, "messages": [{"role": "user", "content": "Hi"}]})
+    prompts = [s.prompt_token_ids for s in backend.submitted[::2]]
+    assert len(prompts) == 2 and prompts[0] == tokenizer.encode("Hello world")
+    if not stream:
+        choices = completion.json()["choices"]
+        assert [(c["prompt_token_ids"], c["token_ids"]) for c in choices] == [(prompts[0], script[:5])] * 2
+        body = chat.json()
+        assert body["prompt_token_ids"] == prompts[1] and [c["token_ids"] for c in body["choices"]] == [script[:5]] * 2
+        assert "prompt_token_ids" not in body["choices"][0]
+        return
+    for response, per_choice in ((completion, True), (chat, False)):
+        chunks = sse_payloads(response)
+        for index in (0, 1):
+            mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+            ids = [t for c in mine for t in c["choices"][0].get("token_ids") or []]
+            assert ids == script[:5]
+            carrying = [c for c in mine if "prompt_token_ids" in (c["choices"][0] if per_choice else c)]
+            assert len(carrying) == 1 and carrying[0] is mine[0]
+            assert (carrying[0]["choices"][0] if per_choice else carrying[0])["prompt_token_ids"] == prompts[not per_choice]
+    plain = client.post("/v1/completions", json={**ask, "prompt": "Hello world", "return_token_ids": False})
+    assert "token_ids" not in plain.text
+
+
+def test_return_token_ids_with_echo_gives_the_prompt_as_ids_not_text(client, backend, tokenizer, script):
+    """As vLLM's server: the echoed prompt's log probabilities stay, its text goes (the ids carry it)."""
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "echo": True,
+                                             "logprobs": 0, "return_token_ids": True})
+    choice = r.json()["choices"][0]
+    prompt = backend.submitted[0].prompt_token_ids
+    assert choice["text"] == tokenizer.decode(script[:3]) and choice["prompt_token_ids"] == prompt
+    assert len(choice["logprobs"]["tokens"]) == len(prompt) + 3
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(client, tokenizer, script):
+    completion = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "logprobs": 1,
+                                                      "return_tokens_as_token_ids": True}).json()["choices"][0]
+    logprobs = completion["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in script[:3]]
+    assert all(all(k.startswith("token_id:") for k in top) for top in logprobs["top_logprobs"])
+    assert completion["text"] == tokenizer.decode(script[:3])  # the text is the text
+    chat = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 3, "logprobs": True, "top_logprobs": 1,
+                                                     "return_tokens_as_token_ids": True}).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in script[:3]]
+    # vLLM's: a token's bytes stay its text's; an alternative's are its label's.
+    assert [e["bytes"] for e in content] == [list(tokenizer.decode([t]).encode()) for t in script[:3]]
+    assert all(a["bytes"] == list(a["token"].encode()) and a["token"].startswith("token_id:")
+               for e in content for a in e["top_logprobs"])

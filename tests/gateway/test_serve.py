@@ -779,6 +779,12 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
                                            temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
     assert [e.token for e in whole.choices[0].logprobs.content] == [e.token for e in chat_entries]
     assert [e.logprob for e in whole.choices[0].logprobs.content] == pytest.approx([e.logprob for e in chat_entries])
+    # vLLM's return_token_ids and return_tokens_as_token_ids: plain vLLM's tokens, named by id.
+    ids = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0, logprobs=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                "return_tokens_as_token_ids": True}).choices[0]
+    assert (ids.model_extra["prompt_token_ids"], ids.model_extra["token_ids"]) == (prompt_ids, expected[4])
+    assert ids.logprobs.tokens == [f"token_id:{t}" for t in expected[4]]
     # vLLM's stop_token_ids end the answer at the first such token; its text only with include_stop_str_in_output.
     stop = expected[0][6]
     first = expected[0].index(stop)

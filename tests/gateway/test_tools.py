@@ -155,6 +155,19 @@ def test_required_streams_its_calls_once_the_list_is_complete(client, backend, t
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_tokens_read_as_calls_still_stream_their_logprobs_and_ids(client, backend, tokenizer):
+    """Tokens the reader holds back (a call list not complete yet) still come in chunks of their
+    own, with empty deltas, carrying their log probabilities and ids, as vLLM's server sends them."""
+    scripted(backend, tokenizer, '[{"name": "get_time", "parameters": {}}]')
+    chunks = sse_payloads(chat(client, tools=[WEATHER, TIME], tool_choice="required", stream=True, logprobs=True,
+                               return_token_ids=True))
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    ids = [t for c in choices for t in c.get("token_ids") or []]
+    entries = [e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert ids == backend.script and len(entries) == len(ids)
+    assert any(c["delta"] == {} for c in choices)
+
+
 @pytest.fixture
 def hermes(make_client, backend, tiny_model):
     """A gateway reading "auto" answers with vLLM's hermes parser (the tiny model's template speaks it)."""
