@@ -99,6 +99,9 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     check_model(gateway.backend, parsed.options.model)
     special = parsed.add_special_tokens
     if parsed.suffix is not None:
+        if parsed.options.truncate_prompt_tokens is not None:
+            raise InvalidRequest("suffix cannot be used with truncate_prompt_tokens (as in vLLM)", param="suffix",
+                                 code="invalid_value")
         prompt_ids = gateway.tokenizer.encode(fill_in_the_middle(gateway.tokenizer, parsed.prompt, parsed.suffix),
                                               add_special_tokens=special)
     elif isinstance(parsed.prompt, str):
@@ -106,6 +109,8 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     else:
         prompt_ids = list(parsed.prompt)
         check_token_ids(prompt_ids, gateway.tokenizer.vocab_size, "prompt")
+    whole = len(prompt_ids)
+    prompt_ids = truncated(prompt_ids, parsed.options, gateway.backend.model.max_context)
     request_id = new_request_id()
     fmt = CompletionFormat(f"cmpl-{request_id}", int(time.time()), gateway.backend.model.name,
                            *token_ids_shown(parsed.options, prompt_ids))
@@ -113,7 +118,8 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     if parsed.options.echo:
         # With the prompt's ids returned, vLLM echoes its log probabilities but not its text.
         echo = ("" if parsed.options.return_token_ids else
-                parsed.prompt if isinstance(parsed.prompt, str) else gateway.tokenizer.decode(prompt_ids))
+                parsed.prompt if isinstance(parsed.prompt, str) and len(prompt_ids) == whole
+                else gateway.tokenizer.decode(prompt_ids))
     return await generate(request, gateway, "completions", fmt, request_id, prompt_ids, parsed.options, echo)
 
 
@@ -128,12 +134,30 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
             options = replace(options, sampling={**sampling, "json_schema": schema})
         if keep_special:
             options = replace(options, skip_special_tokens=False)
-    prompt_ids = chat_prompt(gateway.tokenizer, parsed.messages, parsed.rendering, use.tools if use is not None else None)
+    prompt_ids = truncated(chat_prompt(gateway.tokenizer, parsed.messages, parsed.rendering,
+                                       use.tools if use is not None else None),
+                           options, gateway.backend.model.max_context)
     request_id = new_request_id()
     fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), gateway.backend.model.name,
                      *token_ids_shown(options, prompt_ids))
     return await generate(request, gateway, "chat_completions", fmt, request_id, prompt_ids, options,
                           readers=readers)
+
+
+def truncated(prompt_ids: list[int], options: GenerationOptions, max_context: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last (or, truncation_side "right", first) that
+    many tokens; -1 keeps what leaves room for one generated token."""
+    keep = options.truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    if keep > max_context:
+        raise InvalidRequest(f"truncate_prompt_tokens={keep} cannot be greater than the model's context "
+                             f"({max_context} tokens)", param="truncate_prompt_tokens", code="invalid_value")
+    if keep < 0:
+        keep = max_context - 1
+    if keep >= len(prompt_ids):
+        return prompt_ids
+    return prompt_ids[len(prompt_ids) - keep:] if options.truncation_side == "left" else prompt_ids[:keep]
 
 
 def token_ids_shown(options: GenerationOptions, prompt_ids: Sequence[int]) -> tuple[Sequence[int] | None, bool]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,10 @@ class GenerationOptions:
     # tokens "token_id:ID".
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # vLLM's: keep this many prompt tokens (-1: the model's context less one), the last ones
+    # (truncation_side "left", vLLM's default for generation) or the first ("right"). None: all.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
 
 
 @dataclass(frozen=True)
@@ -129,11 +133,11 @@ class ChatRequest:
 
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
-# asking for something else is refused (beam search, prompt truncation, prompt logprobs, token
-# offsets, KV transfer...) rather than answered as if it had not asked.
+# asking for something else is refused (beam search, prompt logprobs, token offsets, KV
+# transfer...) rather than answered as if it had not asked.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0,
-    "truncate_prompt_tokens": None, "prompt_logprobs": None, "logprob_token_ids": None,
+    "prompt_logprobs": None, "logprob_token_ids": None,
     "spaces_between_special_tokens": True, "thinking_token_budget": None, "repetition_detection": None,
     "return_token_offsets": False,
     "return_prompt_text": False, "return_mm_kwargs": False, "kv_transfer_params": None,
@@ -238,11 +242,8 @@ def _rendering(body: Mapping[str, Any], *, add_special_tokens: bool) -> ChatRend
     variables = dict(_template_kwargs(body.get("chat_template_kwargs")))
     if body.get("documents") is not None:
         variables["documents"] = _documents(body["documents"])
-    effort = body.get("reasoning_effort")
+    effort = _one_of(body, "reasoning_effort", REASONING_EFFORTS, None)
     if effort is not None:
-        if effort not in REASONING_EFFORTS:
-            raise InvalidRequest(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
-                                 param="reasoning_effort", code="invalid_value")
         variables["reasoning_effort"] = effort
         variables.setdefault("enable_thinking", effort != "none")
     return ChatRendering(header, go_on, variables, _bool(body, "add_special_tokens", add_special_tokens))
@@ -326,6 +327,9 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
         cache_salt=_cache_salt(body.get("cache_salt")),
         return_token_ids=_bool(body, "return_token_ids", False),
         return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
+        truncate_prompt_tokens=(_int(body, "truncate_prompt_tokens", minimum=-1, maximum=MAX_SEED)
+                                if body.get("truncate_prompt_tokens") is not None else None),
+        truncation_side=_one_of(body, "truncation_side", ("left", "right"), "left"),
     )
 
 
@@ -577,6 +581,17 @@ def _bool(body: Mapping[str, Any], name: str, default: bool, *, param: str | Non
         return default
     if not isinstance(value, bool):
         raise _wrong_type(param or name, "a boolean", value)
+    return value
+
+
+def _one_of(body: Mapping[str, Any], name: str, allowed: Sequence[str], default: str | None) -> str | None:
+    """One of the `allowed` strings, or `default` when not given."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str) or value not in allowed:
+        raise InvalidRequest(f"{name} must be one of {', '.join(allowed)}, got {value!r:.80}", param=name,
+                             code="invalid_value")
     return value
 
 

@@ -564,3 +564,37 @@ def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(client, 
     assert [e["bytes"] for e in content] == [list(tokenizer.decode([t]).encode()) for t in script[:3]]
     assert all(a["bytes"] == list(a["token"].encode()) and a["token"].startswith("token_id:")
                for e in content for a in e["top_logprobs"])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm(client, backend, tokenizer, script):
+    """vLLM's truncate_prompt_tokens: the last k prompt tokens (truncation_side "left", vLLM's
+    default for generation) or the first k ("right"); -1 what the context holds with one token to
+    generate; more than the prompt has, all of it; more than the context, a 400."""
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = tokenizer.encode(text)
+    ask = {"model": MODEL, "prompt": text, "max_tokens": 1}
+    for extra, expected in (({"truncate_prompt_tokens": 3}, ids[-3:]),
+                            ({"truncate_prompt_tokens": 3, "truncation_side": "right"}, ids[:3]),
+                            ({"truncate_prompt_tokens": len(ids) + 5}, ids),
+                            ({"truncate_prompt_tokens": None}, ids)):
+        assert client.post("/v1/completions", json={**ask, **extra}).status_code == 200
+        assert backend.submitted[-1].prompt_token_ids == expected, extra
+    long = [5] * (MAX_CONTEXT + 40)
+    r = client.post("/v1/completions", json={**ask, "prompt": long, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and backend.submitted[-1].prompt_token_ids == long[:MAX_CONTEXT - 1]
+    assert r.json()["usage"]["prompt_tokens"] == MAX_CONTEXT - 1 and r.json()["usage"]["completion_tokens"] == 1
+    echoed = client.post("/v1/completions", json={**ask, "echo": True, "truncate_prompt_tokens": 3}).json()
+    assert echoed["choices"][0]["text"] == tokenizer.decode(ids[-3:]) + tokenizer.decode(script[:1])
+    chat = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                                     "max_tokens": 1, "truncate_prompt_tokens": 4})
+    assert chat.status_code == 200 and len(backend.submitted[-1].prompt_token_ids) == 4
+    submitted = len(backend.submitted)
+    for bad, param in (({"truncate_prompt_tokens": MAX_CONTEXT + 1}, "truncate_prompt_tokens"),
+                       ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+                       ({"truncate_prompt_tokens": "3"}, "truncate_prompt_tokens"),
+                       ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, "truncation_side"),
+                       ({"truncate_prompt_tokens": 3, "suffix": "x"}, "suffix")):
+        r = client.post("/v1/completions", json={**ask, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+        assert bad.get("truncation_side") or "truncate_prompt_tokens" in r.json()["error"]["message"]
+    assert len(backend.submitted) == submitted

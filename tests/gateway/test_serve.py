@@ -785,6 +785,9 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
                                                 "return_tokens_as_token_ids": True}).choices[0]
     assert (ids.model_extra["prompt_token_ids"], ids.model_extra["token_ids"]) == (prompt_ids, expected[4])
     assert ids.logprobs.tokens == [f"token_id:{t}" for t in expected[4]]
+    cut = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=2, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 2, "return_token_ids": True})
+    assert cut.choices[0].model_extra["prompt_token_ids"] == prompt_ids[-2:] and cut.usage.prompt_tokens == 2
     # vLLM's stop_token_ids end the answer at the first such token; its text only with include_stop_str_in_output.
     stop = expected[0][6]
     first = expected[0].index(stop)
