@@ -184,7 +184,8 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
     """The response's id carries `request_id`, the cluster's name for the request (an operator
     migrates or inspects it by that name); with several choices, choice i > 0 is `request_id-i`.
     best_of > n generates best_of and returns the n with the highest log probability per token.
-    `echo`: the prompt's text, to come first in every choice (and its tokens in the logprobs).
+    `echo`: the prompt's text, to come first in every choice (and its tokens in the logprobs; ""
+    with return_token_ids, which shows it as ids).
     `readers`: one per generation, reading its answer as tool calls (chat with tools)."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
@@ -286,9 +287,10 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
     """Each choice's chunks: its opening, its echoed prompt (with the first tokens: the prompt's
     log probabilities come with them), a chunk per token batch with those tokens' log
     probabilities, its finish; then the usage if asked for. Read as tool calls (`readers`), a
-    batch's chunk carries what the reader made of it: text, call deltas, or nothing yet."""
+    batch's chunk carries what the reader made of it: text, call deltas, or nothing yet (sent,
+    with an empty delta, only to carry the batch's log probabilities or token ids)."""
     wanted = options.logprobs is not None
-    sent = [0] * len(generations)  # characters each choice has shown: its next text offset
+    sent = [0] * len(generations)  # each choice's next text offset
     shown: set[int] = set()  # the choices that sent a chunk past their opening
 
     def first(index: int) -> bool:
@@ -301,7 +303,11 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
               shown_ids: Sequence[int]) -> bytes:
         """`token_ids` with their log probabilities; `shown_ids`, the output tokens it carries."""
         logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, sent[index]) if wanted else None
-        sent[index] += len(text or "")
+        if logprobs and logprobs.get("tokens"):
+            # vLLM's rule: on from the tokens just shown (text held back for a stop string lags them).
+            sent[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        else:
+            sent[index] += len(text or "")
         return event(fmt.text_chunk(index, text, logprobs, shown_ids, first(index)))
 
     def events(index: int, delta: Delta | None) -> Iterator[bytes]:

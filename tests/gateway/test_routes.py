@@ -598,3 +598,27 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm(client, ba
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
         assert bad.get("truncation_side") or "truncate_prompt_tokens" in r.json()["error"]["message"]
     assert len(backend.submitted) == submitted
+
+
+@pytest.mark.parametrize("extra", [{}, {"return_tokens_as_token_ids": True}, {"echo": True, "return_token_ids": True},
+                                   {"echo": True, "return_tokens_as_token_ids": True}])
+def test_streamed_text_offsets_are_the_whole_responses(make_client, backend, extra):
+    """A stream's log probabilities' text offsets go on from the tokens shown, as vLLM's do, so they
+    equal the whole response's, with token-id labels and an echo without text too."""
+    backend.batch_size = 2
+    client = make_client(backend)
+    ask = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5, "logprobs": 0, **extra}
+    whole = client.post("/v1/completions", json=ask).json()["choices"][0]["logprobs"]
+    streamed = [c["choices"][0]["logprobs"] for c in sse_payloads(client.post("/v1/completions",
+                                                                                  json={**ask, "stream": True}))
+                if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [o for lp in streamed for o in lp["text_offset"]] == whole["text_offset"]
+    assert [t for lp in streamed for t in lp["tokens"]] == whole["tokens"]
+
+
+def test_without_return_token_ids_no_response_shows_ids(client):
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        for stream in (False, True):
+            r = client.post(path, json={"model": MODEL, "max_tokens": 3, "stream": stream, **body})
+            assert r.status_code == 200 and "token_ids" not in r.text

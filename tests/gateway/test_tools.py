@@ -165,7 +165,7 @@ def test_tokens_read_as_calls_still_stream_their_logprobs_and_ids(client, backen
     ids = [t for c in choices for t in c.get("token_ids") or []]
     entries = [e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]
     assert ids == backend.script and len(entries) == len(ids)
-    assert any(c["delta"] == {} for c in choices)
+    assert any(c["delta"] == {} and c["finish_reason"] is None for c in choices)
 
 
 @pytest.fixture
