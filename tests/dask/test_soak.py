@@ -19,7 +19,10 @@ def test_half_a_minute_of_load_through_a_scale_cycle_loses_nothing(tmp_path):
     assert main(["--quick", "--out", str(tmp_path / "out"), "--logs", str(tmp_path / "logs")]) == 0
     result = json.loads((tmp_path / "out" / "soak_quick.json").read_text())
     facts = result["facts"]
-    assert facts["requests"] > 50 and facts["rate_rps"] == pytest.approx(0.8 * facts["capacity_rps"])
+    # Poisson arrivals at 80% of the capacity measured this run: their count follows the machine's
+    # speed (about 60 on an idle machine, 49 on a slow one), within chance of rate x seconds.
+    assert facts["rate_rps"] == pytest.approx(0.8 * facts["capacity_rps"])
+    assert facts["requests"] > 30 and facts["requests"] >= 0.6 * facts["rate_rps"] * facts["seconds"]
     assert facts["failed"] == 0 and facts["stalled"] == 0, result["notes"]
     assert facts["probe_requests"] >= 48 and facts["probe_failed"] == 0 and facts["probe_stalled"] == 0, result["notes"]
     assert facts["leaked_blocks"] == 0 and facts["instances_not_clean"] == []
