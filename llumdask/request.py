@@ -321,7 +321,7 @@ class Request:
 
     @classmethod
     def arriving(cls, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                 priority: Priority | str | int, now: float, cache_salt: str | None = None) -> "Request":
+                 priority: Priority | str | int, now: float, cache_salt: str | None) -> "Request":
         """A request a client submits now: one priority for queueing and execution alike."""
         return cls(request_id, list(prompt_token_ids), sampling, scheduling_priority=priority,
                    execution_priority=priority, arrival_time=now, cache_salt=cache_salt)

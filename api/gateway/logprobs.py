@@ -45,10 +45,11 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], entries: Seque
     """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}."""
     label = _label if as_token_ids else _text
     return {"content": [
-        {"token": label(tokenizer, token), "logprob": entry.logprob, "bytes": _bytes(_text(tokenizer, token)),
+        {"token": label(tokenizer, token) if as_token_ids else text, "logprob": entry.logprob, "bytes": _bytes(text),
          "top_logprobs": [{"token": (shown := label(tokenizer, t)), "logprob": lp, "bytes": _bytes(shown)}
                           for t, lp in entry.top]}
         for token, entry in zip(token_ids, entries)
+        for text in (_text(tokenizer, token),)
     ]}
 
 

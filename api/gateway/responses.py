@@ -73,9 +73,9 @@ class ResponseFormat(ABC):
             for shown, choice in zip(body["choices"], choices):
                 shown["token_ids"] = list(choice.token_ids)
                 if self.prompt_tokens_per_choice:
-                    shown["prompt_token_ids"] = list(self.prompt_token_ids)
+                    shown["prompt_token_ids"] = self.prompt_token_ids
             if not self.prompt_tokens_per_choice:
-                body["prompt_token_ids"] = list(self.prompt_token_ids)
+                body["prompt_token_ids"] = self.prompt_token_ids
         body["usage"] = usage.to_dict()
         return body
 
@@ -100,7 +100,7 @@ class ResponseFormat(ABC):
             choice = chunk["choices"][0]
             choice["token_ids"] = list(token_ids)
             if first and self.prompt_tokens_per_choice:
-                choice["prompt_token_ids"] = list(self.prompt_token_ids)
+                choice["prompt_token_ids"] = self.prompt_token_ids
         return chunk
 
     @abstractmethod
@@ -168,5 +168,5 @@ class ChatFormat(ResponseFormat):
         chunk = self._envelope(self.chunk_object, [self._delta(index, "", None, None)])
         chunk["choices"][0]["delta"]["role"] = "assistant"
         if self.prompt_token_ids is not None:  # vLLM's first chunk of each choice carries the prompt's
-            chunk["prompt_token_ids"] = list(self.prompt_token_ids)
+            chunk["prompt_token_ids"] = self.prompt_token_ids
         return [chunk]

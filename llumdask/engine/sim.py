@@ -110,9 +110,10 @@ class _Seq:
     priority: Priority
     # Length of its block table, read by every decode step (0 while waiting).
     num_blocks: int
-    # Chained hashes of its full blocks of tokens so far (`llumdask.prefix`), extended as needed;
-    # the prefix cache keys them `salted` by the request's cache salt.
+    # Chained hashes of its full blocks of tokens so far (`llumdask.prefix`), extended as needed,
+    # and the prefix cache's keys of them: `salted` by the request's cache salt, else the same list.
     block_hashes: list[int]
+    cache_keys: list[int]
     # Blocks of its table known to be in the prefix cache (registered or shared from it).
     registered: int
     greedy: bool
@@ -136,6 +137,7 @@ class _Chunk:
 
 def _new_seq(request: Request, rng_state: dict[str, Any] | None = None) -> _Seq:
     sampling = request.sampling
+    hashes: list[int] = []
     rng = None
     if not sampling.greedy and sampling.seed is None:
         rng = np.random.default_rng()
@@ -150,7 +152,8 @@ def _new_seq(request: Request, rng_state: dict[str, Any] | None = None) -> _Seq:
         num_computed=0,
         priority=request.execution_priority,
         num_blocks=0,
-        block_hashes=[],
+        block_hashes=hashes,
+        cache_keys=hashes if request.cache_salt is None else [],
         registered=0,
         greedy=sampling.greedy,
         seed_key=((sampling.seed or 0) * _SEED_SALT) & _MASK64,
@@ -646,7 +649,7 @@ class SimEngine:
         if not self._prefix_caching:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
-        return self._blocks.cached_prefix(salted(self._hashes(seq, limit), seq.request.cache_salt), limit)
+        return self._blocks.cached_prefix(self._keys(seq, limit), limit)
 
     def _hashes(self, seq: _Seq, num_blocks: int) -> list[int]:
         """The request's first `num_blocks` block hashes (its tokens cover them), computed once."""
@@ -658,15 +661,23 @@ class SimEngine:
             known += block_hashes(tokens, size, parent=known[-1] if known else ROOT_HASH)
         return known
 
+    def _keys(self, seq: _Seq, num_blocks: int) -> list[int]:
+        """The prefix cache's keys of the request's first `num_blocks` blocks (at least), computed once."""
+        hashes = self._hashes(seq, num_blocks)
+        keys = seq.cache_keys
+        if keys is not hashes and len(keys) < len(hashes):
+            keys += salted(hashes[len(keys):], seq.request.cache_salt)
+        return keys
+
     def _register_full_blocks(self, seq: _Seq) -> None:
         """Cache the request's blocks not cached yet, up to the last one its computed KV fills."""
         full = seq.num_computed // self.block_size
         if full <= seq.registered:
             return
-        keys = salted(self._hashes(seq, full)[seq.registered:full], seq.request.cache_salt)
+        keys = self._keys(seq, full)
         table = self._blocks.table(seq.request_id)
-        for index, key in enumerate(keys, seq.registered):
-            self._blocks.register(table[index], key, reported=is_anchor(index, self.block_size))
+        for index in range(seq.registered, full):
+            self._blocks.register(table[index], keys[index], reported=is_anchor(index, self.block_size))
         seq.registered = full
 
     def _step_time(self, chunks: list[_Chunk]) -> float:
