@@ -24,8 +24,8 @@ first frame of a connection is [{"op": "llumnix_tokens_hello", "key": str, "inst
 every later one a list of token messages:
     {"op": "llumnix_tokens", "request_id": str, "first_index": int, "token_ids": [int, ...],
      "finished": bool, "finish_reason": "length" | "stop" | "abort" | None, "instance": str,
-     "logprobs": [[logprob, [[token id, logprob], ...]], ...] (one per token; only if asked for),
-     "prompt_logprobs": [null | [logprob, [[token id, logprob], ...]], ...] (first batch only),
+     "logprobs": [[logprob, [[token id, logprob], ...], rank | null], ...] (one per token; only if asked for),
+     "prompt_logprobs": [null | [logprob, [[token id, logprob], ...], rank | null], ...] (first batch only),
      "cached_tokens": int (first batch only, where the engine reports its prefix cache hits)}
 """
 
@@ -121,8 +121,8 @@ class TokenBatch:
 
 
 def _token_logprob(entry: Iterable) -> TokenLogprob:
-    logprob, top = entry
-    return TokenLogprob(float(logprob), tuple((int(t), float(lp)) for t, lp in top))
+    logprob, top, rank = entry
+    return TokenLogprob(float(logprob), tuple((int(t), float(lp)) for t, lp in top), None if rank is None else int(rank))
 
 
 class TokenOutbox:

@@ -59,16 +59,22 @@ class ResponseFormat(ABC):
 
     object = ""
     chunk_object = ""
-    # Where vLLM puts the prompt's tokens: in each choice (completions) or the response (chat).
+    # Where vLLM puts the prompt's tokens and log probabilities: in each choice (completions) or
+    # the response (chat).
     prompt_tokens_per_choice = True
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def body(self, choices: Sequence[Choice], usage: Usage) -> dict[str, Any]:
-        """The whole response, its choices in index order."""
+    def body(self, choices: Sequence[Choice], usage: Usage,
+             prompt_logprobs: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+        """The whole response, its choices in index order; vLLM's `prompt_logprobs` where computed,
+        placed as the prompt's ids are."""
         body = self._envelope(self.object, [self._choice(i, choice) for i, choice in enumerate(choices)])
+        if prompt_logprobs is not None:
+            for shown in body["choices"] if self.prompt_tokens_per_choice else (body,):
+                shown["prompt_logprobs"] = prompt_logprobs
         if self.prompt_token_ids is not None:
             for shown, choice in zip(body["choices"], choices):
                 shown["token_ids"] = list(choice.token_ids)

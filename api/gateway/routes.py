@@ -27,6 +27,7 @@ from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound,
 from llumdask.api.gateway.fim import fill_in_the_middle
 from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.generation import Delta, Generation, InFlight, merged_deltas, total_usage
+from llumdask.api.gateway.logprobs import prompt_logprobs, within_top
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.openapi import openapi_document
 from llumdask.api.gateway.rate_limits import ANONYMOUS, Charge, RateLimited, RateLimits
@@ -237,7 +238,8 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
         if options.logprobs is not None:
             ids, entries = g.token_ids, g.logprobs(0, g.num_output_tokens)
             if echo is not None:
-                ids, entries = [*prompt_ids, *ids], [*g.prompt_logprobs, *entries]
+                prompt = [e if e is None else within_top(e, t, options.logprobs) for t, e in zip(prompt_ids, g.prompt_logprobs)]
+                ids, entries = [*prompt_ids, *ids], [*prompt, *entries]
             logprobs = fmt.logprobs(gateway.tokenizer, ids, entries, 0)
         if readers is not None:
             answer = readers[i].whole(text)
@@ -245,7 +247,10 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                                g.token_ids))
         else:
             body.append(Choice(text if echo is None else echo + text, g.finish_reason, logprobs, (), g.token_ids))
-    return JSONResponse(fmt.body(body, total_usage(generations)))
+    scored = None
+    if sampling.prompt_logprobs is not None:
+        scored = prompt_logprobs(gateway.tokenizer, prompt_ids, generations[0].prompt_logprobs)
+    return JSONResponse(fmt.body(body, total_usage(generations), scored))
 
 
 def best(n: int, generations: Sequence[Generation]) -> list[int]:
@@ -373,10 +378,17 @@ def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tok
         return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
                               seed=options.seed, ignore_eos=options.ignore_eos,
                               stop_token_ids=stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos),
-                              logprobs=options.logprobs, prompt_logprobs=options.logprobs if options.echo else None,
+                              logprobs=options.logprobs, prompt_logprobs=computed_prompt_logprobs(options),
                               **extra)
     except ValueError as exc:  # options each valid alone that do not go together (SamplingParams says which)
         raise InvalidRequest(str(exc), code="invalid_value") from None
+
+
+def computed_prompt_logprobs(options: GenerationOptions) -> int | None:
+    """The prompt's alternatives the engine computes: those asked for, else an echo's (vLLM's rule)."""
+    if options.prompt_logprobs is not None:
+        return options.prompt_logprobs
+    return options.logprobs if options.echo else None
 
 
 def max_tokens_within_context(requested: int | None, num_prompt_tokens: int, max_context: int) -> int:

@@ -7,8 +7,8 @@ honour (`UNHONOURED_VLLM_OPTIONS`) unless at their defaults. Fields that ask not
 (``user``, ``metadata``) are ignored, as OpenAI-compatible servers commonly do. Extensions also
 accepted by vLLM's server (clients send them through ``extra_body``): ``stop_token_ids``,
 ``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
-``include_stop_str_in_output``, ``skip_special_tokens``, ``structured_outputs``, and for chat how the conversation renders
-(``chat_template_kwargs``, ``documents``, ``reasoning_effort``, ``continue_final_message``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``structured_outputs``, ``prompt_logprobs``, and for
+chat how the conversation renders (``chat_template_kwargs``, ``documents``, ``reasoning_effort``, ``continue_final_message``,
 ``add_generation_prompt``, ``add_special_tokens``); llumdask's own: ``priority``. The ranges of
 sampling options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
 """
@@ -84,6 +84,9 @@ class GenerationOptions:
     # (truncation_side "left", vLLM's default for generation) or the first ("right"). None: all.
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
+    # vLLM's: each prompt token's log probability and rank and this many alternatives', in the
+    # whole response (a stream has no place for them). None: not asked for.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -133,11 +136,10 @@ class ChatRequest:
 
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
-# asking for something else is refused (beam search, prompt logprobs, token offsets, KV
-# transfer...) rather than answered as if it had not asked.
+# asking for something else is refused (beam search, token offsets, KV transfer...) rather than
+# answered as if it had not asked.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0,
-    "prompt_logprobs": None, "logprob_token_ids": None,
+    "use_beam_search": False, "length_penalty": 1.0, "logprob_token_ids": None,
     "spaces_between_special_tokens": True, "thinking_token_budget": None, "repetition_detection": None,
     "return_token_offsets": False,
     "return_prompt_text": False, "return_mm_kwargs": False, "kv_transfer_params": None,
@@ -330,7 +332,23 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
         truncate_prompt_tokens=(_int(body, "truncate_prompt_tokens", minimum=-1, maximum=MAX_SEED)
                                 if body.get("truncate_prompt_tokens") is not None else None),
         truncation_side=_one_of(body, "truncation_side", ("left", "right"), "left"),
+        prompt_logprobs=_prompt_logprobs(body, stream),
     )
+
+
+def _prompt_logprobs(body: Mapping[str, Any], stream: bool) -> int | None:
+    """vLLM's prompt_logprobs, up to its default bound (20; its -1, the whole vocabulary, is over
+    it). A stream cannot carry them (vLLM's 400), but 0 there asks nothing and is let through, as
+    vLLM lets it."""
+    if body.get("prompt_logprobs") is None:
+        return None
+    top = _int(body, "prompt_logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    if not stream:
+        return top
+    if top:
+        raise InvalidRequest("prompt_logprobs are not available when stream is true (as in vLLM)",
+                             param="prompt_logprobs", code="invalid_value")
+    return None
 
 
 def _cache_salt(value: Any) -> str | None:

@@ -23,10 +23,13 @@ from llumdask.request import FinishReason, Priority, Request, RequestStatus, Req
 
 class TokenLogprob(NamedTuple):
     """One position's log probabilities: of the token there, and the most likely alternatives
-    (token id, log probability), most likely first, as many as the request asked for."""
+    (token id, log probability), most likely first, as many as the request asked for (the i-th
+    has rank i + 1). `rank` is the token's own in the vocabulary (1: the likeliest), None where
+    the engine does not say."""
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 class TokenOutput(NamedTuple):

@@ -158,7 +158,7 @@ def test_any_arrival_order_with_duplicates_reassembles_the_stream(tokens, cuts, 
 def test_logprobs_cross_the_wire_beside_their_tokens():
     import msgpack
 
-    prompt = (None, TokenLogprob(-2.5, ((7, -0.5),)))
+    prompt = (None, TokenLogprob(-2.5, ((7, -0.5),), rank=4), TokenLogprob(-0.5, ((7, -0.5),)))  # ranks cross too
     batch = TokenBatch("r", 0, (4, 5), "a", logprobs=(logprob_at(0), logprob_at(1)), prompt_logprobs=prompt)
     back = TokenBatch.from_msg(msgpack.unpackb(msgpack.packb(batch.to_msg())))
     assert back == batch

@@ -58,7 +58,7 @@ class ScriptedBatches:
         top = self._sampling.prompt_logprobs
         if top is None or not self._tokens:
             return None
-        return [None] + [fake_logprob(t, 100 + i, top) for i, t in enumerate(self._prompt[1:])]
+        return [None] + [fake_logprob(t, 100 + i, top)._replace(rank=i + 2) for i, t in enumerate(self._prompt[1:])]
 
     @property
     def cached_tokens(self) -> int | None:

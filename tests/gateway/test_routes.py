@@ -10,6 +10,8 @@ from gatewayfakes import MAX_CONTEXT, MODEL, fake_logprob
 
 import llumdask
 from llumdask.api.gateway.backend import BackendOverloaded, BackendRejected, BackendUnavailable
+from llumdask.api.gateway.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, within_top
+from llumdask.engine.base import TokenLogprob
 from llumdask.request import FinishReason, Priority
 
 
@@ -433,6 +435,87 @@ def test_echo_puts_the_prompt_first_with_its_logprobs(client, backend, tokenizer
     plain = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3,
                                                  "echo": True}).json()["choices"][0]
     assert plain["text"] == choice["text"] and plain["logprobs"] is None
+
+
+def vllm_prompt_logprobs(tokenizer, prompt: list[int], top: int) -> list:
+    """What vLLM's server shows for the scripted prompt logprobs: the token first, then its
+    alternatives; a special token by its text."""
+    def text(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=False)
+
+    shown = [None]
+    for i, t in enumerate(prompt[1:]):
+        entry = fake_logprob(t, 100 + i, top)
+        shown.append({str(t): {"logprob": entry.logprob, "rank": i + 2, "decoded_token": text(t)}}
+                     | {str(a): {"logprob": lp, "rank": k, "decoded_token": text(a)}
+                        for k, (a, lp) in enumerate(entry.top, start=1)})
+    return shown
+
+
+def test_prompt_logprobs_come_in_vllm_shape_where_vllm_puts_them(client, backend, tokenizer, script):
+    """vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}, in each
+    completion choice and once in a chat response; never in a stream."""
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "n": 2,
+                                             "prompt_logprobs": 2})
+    prompt = backend.submitted[0].prompt_token_ids
+    assert backend.submitted[0].sampling.prompt_logprobs == 2 and backend.submitted[0].sampling.logprobs is None
+    expected = vllm_prompt_logprobs(tokenizer, prompt, 2)
+    assert [c["prompt_logprobs"] for c in r.json()["choices"]] == [expected, expected]
+    assert [c["logprobs"] for c in r.json()["choices"]] == [None, None]
+    messages = [{"role": "user", "content": "Hi"}]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 3,
+                                                  "prompt_logprobs": 0})
+    body = r.json()
+    chat_prompt = backend.submitted[-1].prompt_token_ids
+    assert body["prompt_logprobs"] == vllm_prompt_logprobs(tokenizer, chat_prompt, 0)
+    assert any(tokenizer.decode([t]) == "" != p[str(t)]["decoded_token"] for t, p in zip(chat_prompt[1:], body["prompt_logprobs"][1:]))
+    assert "prompt_logprobs" not in body["choices"][0]
+    # Not asked for: no field; echo with logprobs computes them, and shows them, as vLLM does.
+    plain = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    echoed = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3,
+                                                  "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert echoed["prompt_logprobs"] == vllm_prompt_logprobs(tokenizer, prompt, 1)
+    # A stream has no place for them: 0 asks nothing and passes, as in vLLM.
+    chunks = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3,
+                                                  "stream": True, "prompt_logprobs": 0})
+    assert chunks.status_code == 200 and "prompt_logprobs" not in chunks.text
+    assert backend.submitted[-1].sampling.prompt_logprobs is None
+
+
+def test_an_echo_shows_the_answers_count_of_prompt_alternatives(client, backend, tokenizer):
+    """prompt_logprobs beyond logprobs: the echo shows the token's own and `logprobs` others (vLLM's
+    rule), the prompt_logprobs all of them."""
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 2, "echo": True,
+                                             "logprobs": 1, "prompt_logprobs": 3})
+    choice = r.json()["choices"][0]
+    prompt = backend.submitted[0].prompt_token_ids
+    assert backend.submitted[0].sampling.prompt_logprobs == 3
+    for i, t in enumerate(prompt[1:], start=1):
+        entry = fake_logprob(t, 99 + i, 3)
+        assert choice["logprobs"]["top_logprobs"][i] == {tokenizer.decode([t]): entry.logprob,
+                                                         tokenizer.decode([entry.top[0][0]]): entry.top[0][1]}
+        assert len(choice["prompt_logprobs"][i]) == 4
+
+
+def test_within_top_keeps_the_token_out_of_its_alternatives():
+    """The token among its alternatives stands once; the others fill the count (vLLM's dict order)."""
+    entry = TokenLogprob(-0.5, ((7, -0.1), (3, -0.5), (9, -0.9)), rank=2)
+    assert within_top(entry, 3, 1) == TokenLogprob(-0.5, ((7, -0.1),), 2)
+    assert within_top(entry, 3, 2) == TokenLogprob(-0.5, ((7, -0.1), (9, -0.9)), 2)
+    assert within_top(entry, 4, 2) == TokenLogprob(-0.5, ((7, -0.1), (3, -0.5)), 2)
+
+
+def test_impossible_tokens_show_as_vllm_shows_them(tokenizer):
+    """-inf is no JSON number: -9999.0 in every shape, as vLLM's server clamps it."""
+    entry = TokenLogprob(float("-inf"), ((5, -0.1), (6, float("-inf"))), rank=300)
+    assert completion_logprobs(tokenizer, [4], [entry])["token_logprobs"] == [-9999.0]
+    assert completion_logprobs(tokenizer, [4], [entry])["top_logprobs"][0][tokenizer.decode([6])] == -9999.0
+    content = chat_logprobs(tokenizer, [4], [entry])["content"][0]
+    assert content["logprob"] == -9999.0 and content["top_logprobs"][1]["logprob"] == -9999.0
+    shown = prompt_logprobs(tokenizer, [4], [entry])[0]
+    assert shown["4"] == {"logprob": -9999.0, "rank": 300, "decoded_token": tokenizer.decode([4])}
+    assert shown["6"]["logprob"] == -9999.0 and json.dumps(shown)
 
 
 def test_chat_logprobs_stream_with_their_tokens(make_client, backend, tokenizer, script):

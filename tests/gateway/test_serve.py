@@ -306,6 +306,8 @@ BAD_INPUTS = [
      "the sim engine does not model presence_penalty"),
     ("logprobs of the sim", {"model": MODEL, "prompt": "Hi", "logprobs": 1}, 400, "request_rejected",
      "the sim engine does not model logprobs"),
+    ("prompt logprobs of the sim", {"model": MODEL, "prompt": "Hi", "prompt_logprobs": 0}, 400, "request_rejected",
+     "the sim engine does not model prompt_logprobs"),
     ("json of the sim", {"model": MODEL, "prompt": "Hi", "response_format": {"type": "json_object"}}, 400,
      "request_rejected", "the sim engine does not model structured outputs"),
     ("an allow-list on the sim", {"model": MODEL, "prompt": "Hi", "allowed_token_ids": [5, 6]}, 400,
@@ -693,10 +695,22 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory):
         stop_serve(server)
 
 
+def assert_vllm_prompt_logprobs(shown: list, prompt_ids: list[int], reference: list) -> None:
+    """A response's prompt_logprobs against plain vLLM's positions (see plain_vllm)."""
+    assert len(shown) == len(prompt_ids) and shown[0] is None and reference[0] is None
+    for position, token, (own, alternatives, rank, text) in zip(shown[1:], prompt_ids[1:], reference[1:]):
+        assert next(iter(position)) == str(token)  # the token's own entry first, as vLLM's dict
+        expected = {str(token): (own, rank)} | {str(t): (lp, r) for r, (t, lp) in enumerate(alternatives, 1)}
+        assert position.keys() == expected.keys() and position[str(token)]["decoded_token"] == text
+        for t, entry in position.items():
+            assert entry["logprob"] == pytest.approx(expected[t][0], abs=1e-4) and entry["rank"] == expected[t][1]
+
+
 def plain_vllm(model: Path, prompts: list[tuple]) -> tuple[list[list[int]], list[dict]]:
     """Greedy tokens (EOS ignored) from an unmodified vllm.LLM with serve's defaults for the tiny model,
     for each (prompt ids, max_tokens[, more vLLM sampling parameters]), and the log probabilities
-    asked for ({"logprobs", "prompt_logprobs"}: per position [logprob, [[token, logprob], ...]])."""
+    asked for ({"logprobs", "prompt_logprobs"}: per position [logprob, [[token, logprob], ...], rank,
+    decoded text])."""
     from llumdask.tiny_model import DEFAULT_KV_CACHE_BYTES
 
     done = subprocess.run(
@@ -750,22 +764,22 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
         server.model_dir, [(server.tokenizer.encode(p), n) for p, n in zip(prompts, (24, 40))]
         + [(chat_prompt, 32, vllm_sampling), (chat_prompt, 32),
            (server.tokenizer.encode(prompts[1]), 6, {"logprobs": 2, "prompt_logprobs": 2}),
-           (chat_prompt_1, 6, {"logprobs": 3})])
+           (chat_prompt_1, 6, {"logprobs": 3, "prompt_logprobs": 1})])
     prompt_ids = server.tokenizer.encode(prompts[1])
     reference = [None, *logprobs[4]["prompt_logprobs"][1:], *logprobs[4]["logprobs"]]
     assert scored.text == prompts[1] + server.tokenizer.decode(expected[4])
     assert scored.logprobs.tokens == [server.tokenizer.decode([t]) for t in [*prompt_ids, *expected[4]]]
     assert scored.logprobs.token_logprobs[0] is None and scored.logprobs.top_logprobs[0] is None
-    assert scored.logprobs.token_logprobs[1:] == pytest.approx([own for own, _ in reference[1:]], abs=1e-4)
-    for top, (own, alternatives) in zip(scored.logprobs.top_logprobs[1:], reference[1:]):
+    assert scored.logprobs.token_logprobs[1:] == pytest.approx([own for own, *_ in reference[1:]], abs=1e-4)
+    for top, (own, alternatives, *_) in zip(scored.logprobs.top_logprobs[1:], reference[1:]):
         # The two most likely and the token's own, keyed by text.
         known = [own, *(lp for _, lp in alternatives)]
         assert len(top) <= 3 and max(top.values()) == pytest.approx(max(known), abs=1e-4)
         assert all(any(abs(value - lp) < 1e-4 for lp in known) for value in top.values())
     assert [e.token for e in chat_entries] == [server.tokenizer.decode([t]) for t in expected[5]]
-    assert [e.logprob for e in chat_entries] == pytest.approx([own for own, _ in logprobs[5]["logprobs"]], abs=1e-4)
+    assert [e.logprob for e in chat_entries] == pytest.approx([own for own, *_ in logprobs[5]["logprobs"]], abs=1e-4)
     assert [[a.logprob for a in e.top_logprobs] for e in chat_entries] == [
-        pytest.approx([lp for _, lp in top], abs=1e-4) for _, top in logprobs[5]["logprobs"]]
+        pytest.approx([lp for _, lp in top], abs=1e-4) for _, top, *_ in logprobs[5]["logprobs"]]
     ranked = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6, temperature=1.0, n=2,
                                        best_of=3, extra_body={"ignore_eos": True})
     assert [c.index for c in ranked.choices] == [0, 1] and ranked.usage.completion_tokens == 3 * 6
@@ -774,11 +788,20 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
         model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0, logprobs=2, stream=True,
         extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
     assert [lp for s in streamed for lp in s.token_logprobs] == pytest.approx(
-        [own for own, _ in logprobs[4]["logprobs"]], abs=1e-4)
+        [own for own, *_ in logprobs[4]["logprobs"]], abs=1e-4)
     whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[1]}], max_tokens=6,
-                                           temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+                                           temperature=0, logprobs=True, top_logprobs=3,
+                                           extra_body={"ignore_eos": True, "prompt_logprobs": 1})
     assert [e.token for e in whole.choices[0].logprobs.content] == [e.token for e in chat_entries]
     assert [e.logprob for e in whole.choices[0].logprobs.content] == pytest.approx([e.logprob for e in chat_entries])
+    # vLLM's prompt_logprobs: each prompt token's own log probability, rank and text, then its
+    # alternatives by rank, as plain vLLM computes them (in each completion choice; once in chat).
+    scored_prompt = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0, n=2,
+                                              extra_body={"ignore_eos": True, "prompt_logprobs": 2})
+    for shown, ids, reference_prompt in ((c.model_extra["prompt_logprobs"], prompt_ids, logprobs[4]["prompt_logprobs"])
+                                         for c in scored_prompt.choices):
+        assert_vllm_prompt_logprobs(shown, ids, reference_prompt)
+    assert_vllm_prompt_logprobs(whole.model_extra["prompt_logprobs"], chat_prompt_1, logprobs[5]["prompt_logprobs"])
     # vLLM's return_token_ids and return_tokens_as_token_ids: plain vLLM's tokens, named by id.
     ids = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0, logprobs=0,
                                     extra_body={"ignore_eos": True, "return_token_ids": True,

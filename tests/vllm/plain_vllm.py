@@ -24,7 +24,8 @@ def main() -> None:
         use_tqdm=False,
     )
     print("PLAIN-VLLM-OUTPUT " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
-    # Where asked for: [own logprob, [[token id, logprob] of the top ones by rank]] per position.
+    # Where asked for: [own logprob, [[token id, logprob] of the top ones by rank], own rank, own
+    # decoded text] per position.
     print("PLAIN-VLLM-LOGPROBS " + json.dumps([
         {"logprobs": positions(o.outputs[0].logprobs, o.outputs[0].token_ids, len(prompt) > 2 and prompt[2].get("logprobs")),
          "prompt_logprobs": positions(o.prompt_logprobs, prompt[0], len(prompt) > 2 and prompt[2].get("prompt_logprobs"))}
@@ -36,7 +37,7 @@ def positions(logprobs, token_ids, top):
         return None
     return [None if position is None else
             [position[token].logprob, [[t, lp.logprob] for t, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
-                                       if lp.rank <= top]]
+                                       if lp.rank <= top], position[token].rank, position[token].decoded_token]
             for position, token in zip(logprobs, token_ids)]
 
 

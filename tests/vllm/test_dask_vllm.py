@@ -163,6 +163,9 @@ def test_logprobs_cross_the_token_stream_and_a_migration(clean):
     alone = clean.generate(prompt, max_tokens=30, ignore_eos=True, logprobs=2, prompt_logprobs=1)
     assert len(alone.logprobs) == 30 and all(len(e.top) == 2 for e in alone.logprobs)
     assert len(alone.prompt_logprobs) == 60 and alone.prompt_logprobs[0] is None
+    # Each token's rank crosses too: 1 exactly where it is the likeliest (its alternative).
+    assert all((e.rank == 1) == (e.top[0][0] == t) for e, t in zip(alone.prompt_logprobs[1:], prompt[1:]))
+    assert all(e.rank >= 1 for e in alone.logprobs)
     stream = clean.stream(prompt, max_tokens=30, ignore_eos=True, logprobs=2)
     tokens = [next(stream) for _ in range(10)]
     destination = next(row["instance"] for row in clean.instances() if row["instance"] != stream.instance)
@@ -171,6 +174,7 @@ def test_logprobs_cross_the_token_stream_and_a_migration(clean):
     assert tokens == alone.token_ids and stream.instance == destination
     assert [e.logprob for e in stream.logprobs] == pytest.approx([e.logprob for e in alone.logprobs], abs=1e-4)
     assert [[t for t, _ in e.top] for e in stream.logprobs] == [[t for t, _ in e.top] for e in alone.logprobs]
+    assert [e.rank for e in stream.logprobs] == [e.rank for e in alone.logprobs]
     assert stream.prompt_logprobs is None  # not asked for
     text = clean.generate("Hello", max_tokens=5, ignore_eos=True, logprobs=1)
     assert text.text and len(text.logprobs) == len(text.token_ids) == 5 and text.prompt_logprobs is None

@@ -162,9 +162,11 @@ def structured_outputs(s: SamplingParams) -> StructuredOutputsParams | None:
 
 
 def _logprob(position: Mapping[int, Any], token: int, top: int) -> TokenLogprob:
-    """vLLM's {token id: Logprob} of one position: the token's own, and the `top` most likely by rank."""
+    """vLLM's {token id: Logprob} of one position: the token's own (with its rank), and the `top`
+    most likely by rank."""
     ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= top))
-    return TokenLogprob(position[token].logprob, tuple((t, logprob) for _, t, logprob in ranked))
+    own = position[token]
+    return TokenLogprob(own.logprob, tuple((t, logprob) for _, t, logprob in ranked), own.rank)
 
 
 class VllmEngine:
