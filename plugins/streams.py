@@ -121,7 +121,8 @@ class TokenBatch:
 
 
 def _token_logprob(entry: Iterable) -> TokenLogprob:
-    logprob, top, rank = entry
+    logprob, top, *rest = entry  # a rank-less entry (a worker of an older release) is read too
+    rank = rest[0] if rest else None
     return TokenLogprob(float(logprob), tuple((int(t), float(lp)) for t, lp in top), None if rank is None else int(rank))
 
 

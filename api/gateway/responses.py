@@ -72,18 +72,24 @@ class ResponseFormat(ABC):
         """The whole response, its choices in index order; vLLM's `prompt_logprobs` where computed,
         placed as the prompt's ids are."""
         body = self._envelope(self.object, [self._choice(i, choice) for i, choice in enumerate(choices)])
-        if prompt_logprobs is not None:
-            for shown in body["choices"] if self.prompt_tokens_per_choice else (body,):
-                shown["prompt_logprobs"] = prompt_logprobs
         if self.prompt_token_ids is not None:
             for shown, choice in zip(body["choices"], choices):
                 shown["token_ids"] = list(choice.token_ids)
-                if self.prompt_tokens_per_choice:
-                    shown["prompt_token_ids"] = self.prompt_token_ids
-            if not self.prompt_tokens_per_choice:
-                body["prompt_token_ids"] = self.prompt_token_ids
-        body["usage"] = usage.to_dict()
+        # In vLLM's order: after each choice's own fields, or after the usage.
+        if self.prompt_tokens_per_choice:
+            for shown in body["choices"]:
+                self._prompt_fields(shown, prompt_logprobs)
+            body["usage"] = usage.to_dict()
+        else:
+            body["usage"] = usage.to_dict()
+            self._prompt_fields(body, prompt_logprobs)
         return body
+
+    def _prompt_fields(self, shown: dict[str, Any], prompt_logprobs: list[dict[str, Any] | None] | None) -> None:
+        if prompt_logprobs is not None:
+            shown["prompt_logprobs"] = prompt_logprobs
+        if self.prompt_token_ids is not None:
+            shown["prompt_token_ids"] = self.prompt_token_ids
 
     def opening_chunks(self, index: int) -> list[dict[str, Any]]:
         """Chunks sent before choice `index`'s first token (chat announces the role)."""

@@ -385,10 +385,12 @@ def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tok
 
 
 def computed_prompt_logprobs(options: GenerationOptions) -> int | None:
-    """The prompt's alternatives the engine computes: those asked for, else an echo's (vLLM's rule)."""
-    if options.prompt_logprobs is not None:
+    """The prompt's alternatives the engine computes: those asked for, else an echo's (vLLM's
+    rule); none where nothing would show them (a stream without an echo of logprobs)."""
+    echoed = options.echo and options.logprobs is not None
+    if options.prompt_logprobs is not None and (echoed or not options.stream):
         return options.prompt_logprobs
-    return options.logprobs if options.echo else None
+    return options.logprobs if echoed else None
 
 
 def max_tokens_within_context(requested: int | None, num_prompt_tokens: int, max_context: int) -> int:

@@ -137,7 +137,9 @@ class ChatRequest:
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
 # asking for something else is refused (beam search, token offsets, KV transfer...) rather than
-# answered as if it had not asked.
+# answered as if it had not asked. logprob_token_ids among them on purpose: vLLM 0.32's sampler
+# gives every request sharing a step with one the named tokens' form, so the likeliest
+# alternatives of other clients' requests on that instance would be lost.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "logprob_token_ids": None,
     "spaces_between_special_tokens": True, "thinking_token_budget": None, "repetition_detection": None,
@@ -338,17 +340,15 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
 
 def _prompt_logprobs(body: Mapping[str, Any], stream: bool) -> int | None:
     """vLLM's prompt_logprobs, up to its default bound (20; its -1, the whole vocabulary, is over
-    it). A stream cannot carry them (vLLM's 400), but 0 there asks nothing and is let through, as
-    vLLM lets it."""
+    it). A stream cannot carry them (vLLM's 400) but for 0, which vLLM lets through (an echo's
+    prompt then shows no alternatives)."""
     if body.get("prompt_logprobs") is None:
         return None
     top = _int(body, "prompt_logprobs", minimum=0, maximum=MAX_LOGPROBS)
-    if not stream:
-        return top
-    if top:
+    if stream and top:
         raise InvalidRequest("prompt_logprobs are not available when stream is true (as in vLLM)",
                              param="prompt_logprobs", code="invalid_value")
-    return None
+    return top
 
 
 def _cache_salt(value: Any) -> str | None:

@@ -169,6 +169,9 @@ def test_logprobs_cross_the_wire_beside_their_tokens():
     seq = TokenSequence()
     seq.add(batch)
     assert seq.prompt_logprobs == prompt and seq.logprobs(1, 2) == [logprob_at(1)]
+    # An entry without a rank (sent by a worker of an older release) reads as rank unknown.
+    older = {**batch.to_msg(), "logprobs": [[-0.5, [[3, -0.25]]], [-0.75, []]]}
+    assert TokenBatch.from_msg(older).logprobs == (TokenLogprob(-0.5, ((3, -0.25),)), TokenLogprob(-0.75))
 
 
 def test_the_prompts_cached_tokens_cross_the_wire_with_the_first_batch():

@@ -470,17 +470,31 @@ def test_prompt_logprobs_come_in_vllm_shape_where_vllm_puts_them(client, backend
     assert body["prompt_logprobs"] == vllm_prompt_logprobs(tokenizer, chat_prompt, 0)
     assert any(tokenizer.decode([t]) == "" != p[str(t)]["decoded_token"] for t, p in zip(chat_prompt[1:], body["prompt_logprobs"][1:]))
     assert "prompt_logprobs" not in body["choices"][0]
-    # Not asked for: no field; echo with logprobs computes them, and shows them, as vLLM does.
+    # Beside the prompt's ids, in vLLM's order.
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "prompt_logprobs": 1,
+                                             "return_token_ids": True})
+    assert list(r.json()["choices"][0])[-3:] == ["token_ids", "prompt_logprobs", "prompt_token_ids"]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                  "prompt_logprobs": 1, "return_token_ids": True})
+    assert list(r.json())[-3:] == ["usage", "prompt_logprobs", "prompt_token_ids"]
+    # Not asked for: no field (vLLM's is null); echo with logprobs computes them, and shows them, as vLLM does.
     plain = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3}).json()
     assert "prompt_logprobs" not in plain["choices"][0]
     echoed = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3,
                                                   "echo": True, "logprobs": 1}).json()["choices"][0]
     assert echoed["prompt_logprobs"] == vllm_prompt_logprobs(tokenizer, prompt, 1)
-    # A stream has no place for them: 0 asks nothing and passes, as in vLLM.
+    # A stream has no place for them: 0 asks nothing and passes, as in vLLM...
     chunks = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3,
                                                   "stream": True, "prompt_logprobs": 0})
     assert chunks.status_code == 200 and "prompt_logprobs" not in chunks.text
     assert backend.submitted[-1].sampling.prompt_logprobs is None
+    # ...but for an echo's prompt, which it shows without alternatives.
+    chunks = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 3,
+                                                  "stream": True, "echo": True, "logprobs": 2, "prompt_logprobs": 0})
+    assert backend.submitted[-1].sampling.prompt_logprobs == 0 and "prompt_logprobs" not in chunks.text
+    first = json.loads(chunks.text.split("data: ")[1])["choices"][0]["logprobs"]
+    assert first["top_logprobs"][0] is None
+    assert [len(top) for top in first["top_logprobs"][1:len(prompt)]] == [1] * (len(prompt) - 1)
 
 
 def test_an_echo_shows_the_answers_count_of_prompt_alternatives(client, backend, tokenizer):
@@ -515,7 +529,13 @@ def test_impossible_tokens_show_as_vllm_shows_them(tokenizer):
     assert content["logprob"] == -9999.0 and content["top_logprobs"][1]["logprob"] == -9999.0
     shown = prompt_logprobs(tokenizer, [4], [entry])[0]
     assert shown["4"] == {"logprob": -9999.0, "rank": 300, "decoded_token": tokenizer.decode([4])}
-    assert shown["6"]["logprob"] == -9999.0 and json.dumps(shown)
+    assert shown["6"]["logprob"] == -9999.0 and json.dumps(shown, allow_nan=False)
+
+
+def test_a_prompt_token_among_its_alternatives_stands_once_first(tokenizer):
+    """vLLM's dict: the token's own key first, its value and rank the alternative's."""
+    shown = prompt_logprobs(tokenizer, [3, 7], [None, TokenLogprob(-0.1, ((7, -0.1), (3, -0.5)), rank=1)])
+    assert list(shown[1]) == ["7", "3"] and shown[1]["7"]["rank"] == 1 and shown[1]["3"]["rank"] == 2
 
 
 def test_chat_logprobs_stream_with_their_tokens(make_client, backend, tokenizer, script):
