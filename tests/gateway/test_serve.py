@@ -698,7 +698,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory):
 def assert_vllm_prompt_logprobs(shown: list, prompt_ids: list[int], reference: list) -> None:
     """A response's prompt_logprobs against plain vLLM's positions (see plain_vllm)."""
     assert len(shown) == len(prompt_ids) and shown[0] is None and reference[0] is None
-    for position, token, (own, alternatives, rank, text) in zip(shown[1:], prompt_ids[1:], reference[1:]):
+    for position, token, (own, alternatives, rank, text, _) in zip(shown[1:], prompt_ids[1:], reference[1:]):
         assert next(iter(position)) == str(token)  # the token's own entry first, as vLLM's dict
         expected = {str(token): (own, rank)} | {str(t): (lp, r) for r, (t, lp) in enumerate(alternatives, 1)}
         assert position.keys() == expected.keys() and position[str(token)]["decoded_token"] == text
@@ -709,8 +709,7 @@ def assert_vllm_prompt_logprobs(shown: list, prompt_ids: list[int], reference: l
 def plain_vllm(model: Path, prompts: list[tuple]) -> tuple[list[list[int]], list[dict]]:
     """Greedy tokens (EOS ignored) from an unmodified vllm.LLM with serve's defaults for the tiny model,
     for each (prompt ids, max_tokens[, more vLLM sampling parameters]), and the log probabilities
-    asked for ({"logprobs", "prompt_logprobs"}: per position [logprob, [[token, logprob], ...], rank,
-    decoded text])."""
+    asked for ({"logprobs", "prompt_logprobs"}: per position as plain_vllm.py's `positions`)."""
     from llumdask.tiny_model import DEFAULT_KV_CACHE_BYTES
 
     done = subprocess.run(

@@ -25,7 +25,7 @@ def main() -> None:
     )
     print("PLAIN-VLLM-OUTPUT " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
     # Where asked for: [own logprob, [[token id, logprob] of the top ones by rank], own rank, own
-    # decoded text] per position.
+    # decoded text, [[token id, logprob] of every entry, in vLLM's order]] per position.
     print("PLAIN-VLLM-LOGPROBS " + json.dumps([
         {"logprobs": positions(o.outputs[0].logprobs, o.outputs[0].token_ids, len(prompt) > 2 and prompt[2].get("logprobs")),
          "prompt_logprobs": positions(o.prompt_logprobs, prompt[0], len(prompt) > 2 and prompt[2].get("prompt_logprobs"))}
@@ -33,11 +33,13 @@ def main() -> None:
 
 
 def positions(logprobs, token_ids, top):
-    if not logprobs or top is None or top is False:
+    if not logprobs:
         return None
+    top = top or 0  # none by rank where the request named its tokens (logprob_token_ids)
     return [None if position is None else
             [position[token].logprob, [[t, lp.logprob] for t, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
-                                       if lp.rank <= top], position[token].rank, position[token].decoded_token]
+                                       if lp.rank <= top], position[token].rank, position[token].decoded_token,
+             [[t, lp.logprob] for t, lp in position.items()]]
             for position, token in zip(logprobs, token_ids)]
 
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from llumdask.engine.base import Engine, LoadTotals, TokenOutput
@@ -246,3 +252,30 @@ def test_a_cache_salt_finds_the_prompt_cached_only_under_its_own_salt(vllm_engin
         vllm_engine.add_request(make_request(name, prompt_len=300, max_tokens=3, offset=37, cache_salt=salt))
         firsts[name] = run_to_completion(vllm_engine)[name][0].cached_tokens
     assert firsts == {"plain": 0, "a": 0, "a-again": 256, "b": 0, "plain-again": 256}
+
+
+
+def test_vllm_still_gives_requests_sharing_a_step_with_named_logprobs_the_named_form(
+        vllm_engine, tiny_model, engine_args) -> None:
+    """Why the gateway refuses vLLM's logprob_token_ids (api/gateway/schemas.py,
+    UNHONOURED_VLLM_OPTIONS): in vLLM 0.32 a request asking for its likeliest alternatives, in a
+    step with one that names tokens, gets the named form instead (its own token and padding at
+    -inf), so one client's option would spoil another's answer on a shared instance. Plain
+    vllm.LLM runs the two in one batch; the first alone runs on the shared engine. When this
+    fails, vLLM keeps them apart: honour the option and drop this test."""
+    likeliest = Request("likeliest-alone", prompt_of(40), SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2))
+    vllm_engine.add_request(likeliest)
+    alone = [e for out in run_to_completion(vllm_engine)["likeliest-alone"] for e in out.logprobs]
+    assert len(alone) == 4 and all(len(e.top) == 2 and all(math.isfinite(lp) for _, lp in e.top) for e in alone)
+
+    script = Path(__file__).with_name("plain_vllm.py")
+    prompts = [[prompt_of(40), 4, {"logprobs": 2}], [prompt_of(40, 3), 4, {"logprob_token_ids": [5, 17]}]]
+    done = subprocess.run([sys.executable, str(script), str(tiny_model), json.dumps(engine_args), json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PLAIN-VLLM-LOGPROBS ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    together = [entry["logprobs"] for entry in json.loads(lines[-1].split(" ", 1)[1])]
+    # The same request beside a named one: its alternatives are padding at -inf, not its likeliest.
+    assert any(not math.isfinite(lp) for *_, every in together[0] for _, lp in every)
+    # The named request itself gets its tokens.
+    assert all({5, 17} <= {t for t, _ in every} for *_, every in together[1])
