@@ -22,8 +22,9 @@ from starlette.routing import Route
 
 import llumdask
 from llumdask.api.gateway.backend import Backend
+from llumdask.api.gateway.beam_search import Beam, beam_search
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
-from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
+from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unavailable, unexpected
 from llumdask.api.gateway.fim import fill_in_the_middle
 from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.generation import Delta, Generation, InFlight, merged_deltas, total_usage
@@ -31,7 +32,7 @@ from llumdask.api.gateway.logprobs import prompt_logprobs, within_top
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.openapi import openapi_document
 from llumdask.api.gateway.rate_limits import ANONYMOUS, Charge, RateLimited, RateLimits
-from llumdask.api.gateway.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
+from llumdask.api.gateway.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat, Usage
 from llumdask.api.gateway.schemas import (
     MAX_SEED,
     ChatRendering,
@@ -46,6 +47,7 @@ from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
 from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer, stop_token_ids
 from llumdask.api.gateway.tools import ToolCalling, ToolReader
 from llumdask.config import GatewayConfig
+from llumdask.engine.base import TokenLogprob
 from llumdask.request import STRUCTURED_KINDS, Priority, SamplingParams, new_request_id
 
 logger = logging.getLogger(__name__)
@@ -191,6 +193,8 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
     sampling = sampling_params(gateway, options, len(prompt_ids))
+    if options.use_beam_search:
+        return await generate_beams(request, gateway, fmt, request_id, prompt_ids, options, sampling.max_tokens, echo)
     if options.best_of > options.n and sampling.logprobs is None:
         sampling = replace(sampling, logprobs=0)  # the ranking reads the tokens' own
     priority = request_priority(request, options)
@@ -251,6 +255,57 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
     if sampling.prompt_logprobs is not None:
         scored = prompt_logprobs(gateway.tokenizer, prompt_ids, generations[0].prompt_logprobs)
     return JSONResponse(fmt.body(body, total_usage(generations), scored))
+
+
+async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat, request_id: str,
+                         prompt_ids: list[int], options: GenerationOptions, max_tokens: int, echo: str | None) -> Response:
+    """vLLM's beam search (api/gateway/beam_search.py) with n beams, each step's requests named
+    `request_id`-beamSTEP-BEAM on the cluster; the response's choices are the n best, best first."""
+    width, priority = options.n, request_priority(request, options)
+    step_sampling = SamplingParams(max_tokens=1, temperature=options.temperature, logprobs=2 * width)
+
+    async def step(tokens: Sequence[int], index: int) -> tuple[int, TokenLogprob]:
+        g = Generation(gateway.backend, gateway.metrics, "beam_search", f"{request_id}-beam{len(tokens)}-{index}",
+                       [*prompt_ids, *tokens], step_sampling, priority, IncrementalText(gateway.tokenizer, ()),
+                       gateway.settings.retry_after, options.cache_salt)
+        try:
+            await Generation.start_all([g])
+            await g.text()
+            if not g.token_ids:
+                raise Unavailable(f"a beam's step ended without a token ({g.finish_reason})")
+            return g.token_ids[0], g.logprobs(0, 1)[0]
+        finally:
+            await g.close()
+
+    gateway.in_flight.acquire(width)
+    try:
+        charge = gateway.rate_limits.admit(getattr(request.state, "api_key", ANONYMOUS),
+                                           len(prompt_ids) + max_tokens * width)
+    except RateLimited:
+        gateway.in_flight.release(width)
+        raise
+    beams: list[Beam] = []
+    try:
+        beams = await until_disconnect(request.receive, beam_search(
+            step, width=width, max_tokens=max_tokens, prompt_tokens=len(prompt_ids),
+            eos_token_id=gateway.tokenizer.eos_token_id, ignore_eos=options.ignore_eos,
+            length_penalty=options.length_penalty))
+    finally:
+        gateway.in_flight.release(width)
+        gateway.rate_limits.refund(charge, charge.tokens - len(prompt_ids) - sum(len(b.tokens) for b in beams))
+    choices = []
+    for beam in beams:
+        # An end of sequence is in the token ids only with include_stop_str_in_output, never in the text.
+        ended = beam.finish_reason == "stop"
+        said = beam.tokens[:-1] if ended else beam.tokens
+        ids = beam.tokens if ended and options.include_stop_str_in_output else said
+        text = gateway.tokenizer.decode(said, skip_special_tokens=options.skip_special_tokens)
+        logprobs = None
+        if options.logprobs is not None:
+            entries = [e._replace(top=e.top[:options.logprobs]) for e in beam.entries[:len(ids)]]
+            logprobs = fmt.logprobs(gateway.tokenizer, ids, entries, 0)
+        choices.append(Choice(text if echo is None else echo + text, beam.finish_reason, logprobs, (), ids))
+    return JSONResponse(fmt.body(choices, Usage(len(prompt_ids), sum(len(c.token_ids) for c in choices))))
 
 
 def best(n: int, generations: Sequence[Generation]) -> list[int]:

@@ -7,8 +7,9 @@ honour (`UNHONOURED_VLLM_OPTIONS`) unless at their defaults. Fields that ask not
 (``user``, ``metadata``) are ignored, as OpenAI-compatible servers commonly do. Extensions also
 accepted by vLLM's server (clients send them through ``extra_body``): ``stop_token_ids``,
 ``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
-``include_stop_str_in_output``, ``skip_special_tokens``, ``structured_outputs``, ``prompt_logprobs``, and for
-chat how the conversation renders (``chat_template_kwargs``, ``documents``, ``reasoning_effort``, ``continue_final_message``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``structured_outputs``, ``prompt_logprobs``,
+``use_beam_search`` with ``length_penalty``, and for chat how the conversation renders
+(``chat_template_kwargs``, ``documents``, ``reasoning_effort``, ``continue_final_message``,
 ``add_generation_prompt``, ``add_special_tokens``); llumdask's own: ``priority``. The ranges of
 sampling options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
 """
@@ -25,7 +26,7 @@ from llumdask.api.gateway.detok import check_stop
 from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.api.gateway.json_schema import check_schema
 from llumdask.api.gateway.tools import ToolUse, assistant_calls, parse_tool_use
-from llumdask.request import MAX_LOGPROBS, Priority, SamplingParams, check_cache_salt
+from llumdask.request import MAX_LOGPROBS, STRUCTURED_KINDS, Priority, SamplingParams, check_cache_salt
 
 MAX_SEED = (1 << 63) - 1
 # OpenAI's bound on choices per request.
@@ -87,6 +88,10 @@ class GenerationOptions:
     # vLLM's: each prompt token's log probability and rank and this many alternatives', in the
     # whole response (a stream has no place for them). None: not asked for.
     prompt_logprobs: int | None = None
+    # vLLM's beam search: n beams (vLLM's width) kept by summed log probability, ranked at the end
+    # by it over the sequence's length to the power length_penalty (api/gateway/beam_search.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -136,12 +141,12 @@ class ChatRequest:
 
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
-# asking for something else is refused (beam search, token offsets, KV transfer...) rather than
-# answered as if it had not asked. logprob_token_ids among them on purpose: vLLM 0.32's sampler
+# asking for something else is refused (token offsets, KV transfer...) rather than answered as if
+# it had not asked. logprob_token_ids among them on purpose: vLLM 0.32's sampler
 # gives every request sharing a step with one the named tokens' form, so the likeliest
 # alternatives of other clients' requests on that instance would be lost.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "logprob_token_ids": None,
+    "logprob_token_ids": None,
     "spaces_between_special_tokens": True, "thinking_token_budget": None, "repetition_detection": None,
     "return_token_offsets": False,
     "return_prompt_text": False, "return_mm_kwargs": False, "kv_transfer_params": None,
@@ -151,8 +156,7 @@ UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
 
 
 # Of UNHONOURED_VLLM_OPTIONS, the switches whose false asks nothing (vLLM reads false as 0 elsewhere).
-_SWITCHES = frozenset({"use_beam_search", "watermarking", "return_token_offsets", "return_prompt_text",
-                       "return_mm_kwargs"})
+_SWITCHES = frozenset({"watermarking", "return_token_offsets", "return_prompt_text", "return_mm_kwargs"})
 
 
 def _refuse_unhonoured(body: Mapping[str, Any]) -> None:
@@ -171,8 +175,8 @@ def parse_completion(body: Any) -> CompletionRequest:
     body = _object(body)
     _refuse_unhonoured(body)
     logprobs = _int(body, "logprobs", minimum=0, maximum=MAX_LOGPROBS) if body.get("logprobs") is not None else None
-    options = _options(body, max_tokens_default=16, max_tokens_fields=("max_tokens",), logprobs=logprobs,
-                       echo=_bool(body, "echo", False))
+    options = _check_beam_search(_options(body, max_tokens_default=16, max_tokens_fields=("max_tokens",),
+                                          logprobs=logprobs, echo=_bool(body, "echo", False)), body)
     suffix = _str(body, "suffix") if body.get("suffix") is not None else None
     return CompletionRequest(options, _prompt(body), suffix or None, _bool(body, "add_special_tokens", True))
 
@@ -188,8 +192,9 @@ def parse_chat(body: Any) -> ChatRequest:
     wanted = _bool(body, "logprobs", False)
     if top is not None and not wanted:
         raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
-    options = _options(body, max_tokens_default=None, max_tokens_fields=("max_completion_tokens", "max_tokens"),
-                       logprobs=(top or 0) if wanted else None, echo=False)
+    options = _check_beam_search(_options(body, max_tokens_default=None,
+                                          max_tokens_fields=("max_completion_tokens", "max_tokens"),
+                                          logprobs=(top or 0) if wanted else None, echo=False), body)
     return ChatRequest(options, _messages(body), tools, _rendering(body, add_special_tokens=False))
 
 
@@ -335,7 +340,49 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
                                 if body.get("truncate_prompt_tokens") is not None else None),
         truncation_side=_one_of(body, "truncation_side", ("left", "right"), "left"),
         prompt_logprobs=_prompt_logprobs(body, stream),
+        use_beam_search=_bool(body, "use_beam_search", False),
+        length_penalty=_number(body, "length_penalty", 1.0, minimum=-MAX_LENGTH_PENALTY, maximum=MAX_LENGTH_PENALTY),
     )
+
+
+def _field_of(sampling_option: str, body: Mapping[str, Any]) -> str:
+    """The request field a SamplingParams option came from (a structured output's kind from either field)."""
+    if sampling_option not in STRUCTURED_KINDS:
+        return sampling_option
+    return "response_format" if body.get("response_format") is not None else "structured_outputs"
+
+
+# A bound on length_penalty, an exponent of the sequence's length: wide enough for any ranking.
+MAX_LENGTH_PENALTY = 100.0
+
+
+def _check_beam_search(options: GenerationOptions, body: Mapping[str, Any]) -> GenerationOptions:
+    """vLLM's beam search applies only the width (n), temperature, max_tokens, ignore_eos,
+    length_penalty and how the text is shown; what else a request asks of it is a 400 rather than
+    silently dropped (vLLM drops it). length_penalty means nothing without beam search."""
+    if not options.use_beam_search:
+        if options.length_penalty != 1.0:
+            raise InvalidRequest("length_penalty ranks beams: it needs use_beam_search", param="length_penalty",
+                                 code="invalid_value")
+        return options
+    if options.stream:
+        raise InvalidRequest("beam search cannot be streamed (as in vLLM)", param="stream", code="invalid_value")
+    if 2 * options.n > MAX_LOGPROBS:
+        raise InvalidRequest(f"beam search asks each step for 2 x n alternatives, at most {MAX_LOGPROBS}: "
+                             f"n must be at most {MAX_LOGPROBS // 2}", param="n", code="invalid_value")
+    if options.echo and options.logprobs is not None:
+        raise InvalidRequest("echo with logprobs needs the prompt's log probabilities, which beam search does not "
+                             "compute (as in vLLM)", param="echo", code="invalid_value")
+    unapplied = {"best_of": options.best_of != options.n, "stop": bool(options.stop), "seed": options.seed is not None,
+                 "stop_token_ids": bool(options.stop_token_ids), "top_p": options.top_p != 1.0,
+                 "prompt_logprobs": options.prompt_logprobs is not None,
+                 **{_field_of(name, body): True for name in options.sampling},
+                 "tools": body.get("tools") is not None and body.get("tool_choice") != "none"}
+    for name, asked in unapplied.items():
+        if asked:
+            raise InvalidRequest(f"beam search does not apply {name}; leave it out", param=name,
+                                 code="unsupported_parameter")
+    return options
 
 
 def _prompt_logprobs(body: Mapping[str, Any], stream: bool) -> int | None:

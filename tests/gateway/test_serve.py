@@ -706,21 +706,24 @@ def assert_vllm_prompt_logprobs(shown: list, prompt_ids: list[int], reference: l
             assert entry["logprob"] == pytest.approx(expected[t][0], abs=1e-4) and entry["rank"] == expected[t][1]
 
 
-def plain_vllm(model: Path, prompts: list[tuple]) -> tuple[list[list[int]], list[dict]]:
+def plain_vllm(model: Path, prompts: list[tuple], beams: list | None = None) -> tuple[list[list[int]], list[dict]]:
     """Greedy tokens (EOS ignored) from an unmodified vllm.LLM with serve's defaults for the tiny model,
     for each (prompt ids, max_tokens[, more vLLM sampling parameters]), and the log probabilities
-    asked for ({"logprobs", "prompt_logprobs"}: per position as plain_vllm.py's `positions`)."""
+    asked for ({"logprobs", "prompt_logprobs"}: per position as plain_vllm.py's `positions`); with
+    `beams` ([prompt ids, BeamSearchParams fields] each), vLLM's own beam search's results third."""
     from llumdask.tiny_model import DEFAULT_KV_CACHE_BYTES
 
     done = subprocess.run(
         [sys.executable, str(PLAIN_VLLM), str(model), json.dumps({"kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES}),
-         json.dumps([[list(ids), *rest] for ids, *rest in prompts])],
+         json.dumps([[list(ids), *rest] for ids, *rest in prompts]), *([json.dumps(beams)] if beams else [])],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     def printed(tag: str):
         lines = [line for line in done.stdout.splitlines() if line.startswith(tag + " ")]
         return json.loads(lines[-1].split(" ", 1)[1])
 
+    if beams:
+        return printed("PLAIN-VLLM-OUTPUT"), printed("PLAIN-VLLM-LOGPROBS"), printed("PLAIN-VLLM-BEAMS")
     return printed("PLAIN-VLLM-OUTPUT"), printed("PLAIN-VLLM-LOGPROBS")
 
 
@@ -759,11 +762,13 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
     chat_entries = [e for c in chat_scored if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     chat_prompt_1 = server.tokenizer.encode(server.tokenizer.render_chat([{"role": "user", "content": prompts[1]}]),
                                             add_special_tokens=False)
-    expected, logprobs = plain_vllm(
+    beam_options = {"beam_width": 3, "max_tokens": 6, "ignore_eos": True, "length_penalty": 0.5}
+    expected, logprobs, beams = plain_vllm(
         server.model_dir, [(server.tokenizer.encode(p), n) for p, n in zip(prompts, (24, 40))]
         + [(chat_prompt, 32, vllm_sampling), (chat_prompt, 32),
            (server.tokenizer.encode(prompts[1]), 6, {"logprobs": 2, "prompt_logprobs": 2}),
-           (chat_prompt_1, 6, {"logprobs": 3, "prompt_logprobs": 1})])
+           (chat_prompt_1, 6, {"logprobs": 3, "prompt_logprobs": 1})],
+        beams=[[server.tokenizer.encode(prompts[0]), beam_options], [chat_prompt, {**beam_options, "ignore_eos": False}]])
     prompt_ids = server.tokenizer.encode(prompts[1])
     reference = [None, *logprobs[4]["prompt_logprobs"][1:], *logprobs[4]["logprobs"]]
     assert scored.text == prompts[1] + server.tokenizer.decode(expected[4])
@@ -801,6 +806,20 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
                                          for c in scored_prompt.choices):
         assert_vllm_prompt_logprobs(shown, ids, reference_prompt)
     assert_vllm_prompt_logprobs(whole.model_extra["prompt_logprobs"], chat_prompt_1, logprobs[5]["prompt_logprobs"])
+    # vLLM's beam search: its three best beams, as vLLM's own search finds them.
+    searched = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6, temperature=0, n=3,
+                                         extra_body={"use_beam_search": True, "length_penalty": 0.5, "ignore_eos": True,
+                                                     "return_token_ids": True}, logprobs=1)
+    assert [c.model_extra["token_ids"] for c in searched.choices] == [tokens for tokens, _ in beams[0]]
+    assert [sum(c.logprobs.token_logprobs) for c in searched.choices] == pytest.approx([lp for _, lp in beams[0]],
+                                                                                       abs=1e-3)
+    assert searched.usage.completion_tokens == 18
+    chat_searched = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompts[0]}], max_tokens=6, temperature=0, n=3,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True})
+    for choice, (tokens, _) in zip(chat_searched.choices, beams[1], strict=True):
+        assert choice.model_extra["token_ids"] == [t for t in tokens if t != server.tokenizer.eos_token_id]
+        assert choice.message.content == server.tokenizer.decode(choice.model_extra["token_ids"])
     # vLLM's return_token_ids and return_tokens_as_token_ids: plain vLLM's tokens, named by id.
     ids = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0, logprobs=0,
                                     extra_body={"ignore_eos": True, "return_token_ids": True,

@@ -1,9 +1,11 @@
 """Greedy outputs from an unmodified `vllm.LLM`, run in its own process (vLLM's defaults, no
 llumdask code, no connector): the reference llumdask's engine must reproduce token for token.
 
-Usage: python plain_vllm.py MODEL_DIR ENGINE_ARGS_JSON PROMPTS_JSON -> JSON list of token lists.
-PROMPTS_JSON is a list of [prompt token ids, max_tokens] or [prompt token ids, max_tokens, {more
-vLLM sampling parameters}].
+Usage: python plain_vllm.py MODEL_DIR ENGINE_ARGS_JSON PROMPTS_JSON [BEAMS_JSON] -> JSON list of
+token lists. PROMPTS_JSON is a list of [prompt token ids, max_tokens] or [prompt token ids,
+max_tokens, {more vLLM sampling parameters}]; BEAMS_JSON a list of [prompt token ids, {vLLM's
+BeamSearchParams}], each searched by vLLM's own beam search (its best beams' generated tokens and
+summed log probabilities).
 """
 
 import json
@@ -30,6 +32,13 @@ def main() -> None:
         {"logprobs": positions(o.outputs[0].logprobs, o.outputs[0].token_ids, len(prompt) > 2 and prompt[2].get("logprobs")),
          "prompt_logprobs": positions(o.prompt_logprobs, prompt[0], len(prompt) > 2 and prompt[2].get("prompt_logprobs"))}
         for o, prompt in zip(outputs, prompts)]))
+    if len(sys.argv) > 4:
+        from vllm.sampling_params import BeamSearchParams
+
+        print("PLAIN-VLLM-BEAMS " + json.dumps([
+            [[beam.tokens[len(ids):], beam.cum_logprob] for beam in
+             llm.beam_search([TokensPrompt(prompt_token_ids=ids)], BeamSearchParams(**params))[0].sequences]
+            for ids, params in json.loads(sys.argv[4])]))
 
 
 def positions(logprobs, token_ids, top):

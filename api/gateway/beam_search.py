@@ -1,0 +1,67 @@
+"""vLLM's beam search (`use_beam_search`), run where vLLM's server runs it: above the engines.
+
+Each step sends every live beam as a request for one token (its prompt: the request's and the
+beam's tokens so far, which the prefix cache mostly holds) asking for twice the width in
+alternatives. Of all beams' candidates (a step's alternatives and the token it drew), an end of
+sequence ends its beam (unless `ignore_eos`), and the `width` others with the highest summed log
+probability go on. After `max_tokens` steps the ended and the live beams are ranked by vLLM's
+score: the summed log probability over the sequence's length (the prompt's included, an end of
+sequence not) to the power `length_penalty`; the best `width` are the answer. Nothing migrates
+or needs pinning: each request ends at its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from llumdask.engine.base import TokenLogprob
+
+# One step of one beam: its tokens so far and its index -> the token drawn and that position's
+# log probabilities (the drawn token's own and the likeliest alternatives').
+Step = Callable[[Sequence[int], int], Awaitable[tuple[int, TokenLogprob]]]
+
+
+@dataclass(frozen=True)
+class Beam:
+    """A sequence the search keeps: its tokens, their summed log probability and each one's
+    entry (its log probability beside its step's alternatives)."""
+
+    tokens: tuple[int, ...] = ()
+    logprob: float = 0.0
+    entries: tuple[TokenLogprob, ...] = ()
+    # "stop": ended by an end of sequence, its last token; "length": still live at the end.
+    finish_reason: str = "length"
+
+    def then(self, token: int, entry: TokenLogprob, finish_reason: str = "length") -> "Beam":
+        """This beam and `token` (`entry`: its log probability beside its step's alternatives)."""
+        return Beam((*self.tokens, token), self.logprob + entry.logprob, (*self.entries, entry), finish_reason)
+
+    def score(self, prompt_tokens: int, length_penalty: float) -> float:
+        length = prompt_tokens + len(self.tokens) - (self.finish_reason == "stop")
+        return self.logprob / max(length, 1) ** length_penalty
+
+
+async def beam_search(step: Step, *, width: int, max_tokens: int, prompt_tokens: int, eos_token_id: int | None,
+                      ignore_eos: bool, length_penalty: float) -> list[Beam]:
+    """The `width` best beams, best first (fewer if the candidates run out)."""
+    live, ended = [Beam()], []
+    for _ in range(max_tokens):
+        drawn = await asyncio.gather(*(step(beam.tokens, i) for i, beam in enumerate(live)))
+        candidates: list[tuple[float, int, Beam, TokenLogprob]] = []
+        for beam, (token, entry) in zip(live, drawn):
+            # The drawn token first, then the alternatives by rank (a token among both counts once).
+            ranks = {token: entry.rank, **{t: rank for rank, (t, _) in enumerate(entry.top, start=1)}}
+            for candidate, logprob in dict(((token, entry.logprob), *entry.top)).items():
+                shown = entry._replace(logprob=logprob, rank=ranks[candidate])
+                if candidate == eos_token_id and not ignore_eos:
+                    ended.append(beam.then(candidate, shown, "stop"))
+                else:
+                    candidates.append((beam.logprob + logprob, candidate, beam, shown))
+        candidates.sort(key=lambda c: -c[0])  # stable: ties keep beam, then alternative, order
+        live = [beam.then(candidate, shown) for _, candidate, beam, shown in candidates[:width]]
+        if not live:
+            break
+    ranked = sorted((*ended, *live), key=lambda b: b.score(prompt_tokens, length_penalty), reverse=True)
+    return ranked[:width]
