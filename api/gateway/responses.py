@@ -56,6 +56,8 @@ class ResponseFormat(ABC):
     prompt_token_ids: Sequence[int] | None = None
     # vLLM's return_tokens_as_token_ids: log probabilities name tokens "token_id:ID".
     as_token_ids: bool = False
+    # vLLM's return_prompt_text (chat): the prompt as the template rendered it, after its ids.
+    prompt_text: str | None = None
 
     object = ""
     chunk_object = ""
@@ -90,6 +92,8 @@ class ResponseFormat(ABC):
             shown["prompt_logprobs"] = prompt_logprobs
         if self.prompt_token_ids is not None:
             shown["prompt_token_ids"] = self.prompt_token_ids
+        if self.prompt_text is not None:
+            shown["prompt_text"] = self.prompt_text
 
     def opening_chunks(self, index: int) -> list[dict[str, Any]]:
         """Chunks sent before choice `index`'s first token (chat announces the role)."""
@@ -179,6 +183,9 @@ class ChatFormat(ResponseFormat):
     def opening_chunks(self, index: int) -> list[dict[str, Any]]:
         chunk = self._envelope(self.chunk_object, [self._delta(index, "", None, None)])
         chunk["choices"][0]["delta"]["role"] = "assistant"
-        if self.prompt_token_ids is not None:  # vLLM's first chunk of each choice carries the prompt's
+        # vLLM's first chunk of each choice carries the prompt's ids and text, where asked.
+        if self.prompt_token_ids is not None:
             chunk["prompt_token_ids"] = self.prompt_token_ids
+        if self.prompt_text is not None:
+            chunk["prompt_text"] = self.prompt_text
         return [chunk]

@@ -137,12 +137,12 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
             options = replace(options, sampling={**sampling, "json_schema": schema})
         if keep_special:
             options = replace(options, skip_special_tokens=False)
-    prompt_ids = truncated(chat_prompt(gateway.tokenizer, parsed.messages, parsed.rendering,
-                                       use.tools if use is not None else None),
-                           options, gateway.backend.model.max_context)
+    text, prompt_ids = chat_prompt(gateway.tokenizer, parsed.messages, parsed.rendering,
+                                   use.tools if use is not None else None)
+    prompt_ids = truncated(prompt_ids, options, gateway.backend.model.max_context)
     request_id = new_request_id()
     fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), gateway.backend.model.name,
-                     *token_ids_shown(options, prompt_ids))
+                     *token_ids_shown(options, prompt_ids), prompt_text=text if parsed.return_prompt_text else None)
     return await generate(request, gateway, "chat_completions", fmt, request_id, prompt_ids, options,
                           readers=readers)
 
@@ -169,16 +169,16 @@ def token_ids_shown(options: GenerationOptions, prompt_ids: Sequence[int]) -> tu
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], rendering: ChatRendering,
-                tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
-    """A conversation's prompt ids: rendered with the model's template as `rendering` asks; a
-    template that cannot render it is the request's fault (400)."""
+                tools: Sequence[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+    """A conversation's prompt, text and ids: rendered with the model's template as `rendering`
+    asks; a template that cannot render it is the request's fault (400)."""
     try:
         text = tokenizer.render_chat(messages, rendering.add_generation_prompt, tools,
                                      continue_final_message=rendering.continue_final_message,
                                      variables=rendering.variables)
     except ChatTemplateError as exc:
         raise InvalidRequest(str(exc), param="messages", code="invalid_value") from None
-    return tokenizer.encode(text, add_special_tokens=rendering.add_special_tokens)
+    return text, tokenizer.encode(text, add_special_tokens=rendering.add_special_tokens)
 
 
 async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseFormat, request_id: str,
@@ -522,7 +522,7 @@ async def tokenize(request: Request, gateway: Gateway) -> Response:
         check_model(gateway.backend, parsed.model)
     tokenizer = gateway.tokenizer
     if parsed.messages is not None:
-        tokens = chat_prompt(tokenizer, parsed.messages, parsed.rendering, parsed.tools)
+        _, tokens = chat_prompt(tokenizer, parsed.messages, parsed.rendering, parsed.tools)
     else:
         tokens = tokenizer.encode(parsed.prompt, add_special_tokens=parsed.rendering.add_special_tokens)
     return JSONResponse({"count": len(tokens), "max_model_len": gateway.backend.model.max_context, "tokens": tokens,

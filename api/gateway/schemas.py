@@ -8,7 +8,7 @@ honour (`UNHONOURED_VLLM_OPTIONS`) unless at their defaults. Fields that ask not
 accepted by vLLM's server (clients send them through ``extra_body``): ``stop_token_ids``,
 ``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``structured_outputs``, ``prompt_logprobs``,
-``use_beam_search`` with ``length_penalty``, and for chat how the conversation renders
+``use_beam_search`` with ``length_penalty``, and for chat ``return_prompt_text`` and how the conversation renders
 (``chat_template_kwargs``, ``documents``, ``reasoning_effort``, ``continue_final_message``,
 ``add_generation_prompt``, ``add_special_tokens``); llumdask's own: ``priority``. The ranges of
 sampling options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
@@ -138,6 +138,8 @@ class ChatRequest:
     # The tools offered, None for none.
     tools: ToolUse | None = None
     rendering: ChatRendering = ChatRendering()
+    # vLLM's return_prompt_text: the response carries the rendered prompt.
+    return_prompt_text: bool = False
 
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
@@ -159,10 +161,13 @@ UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
 _SWITCHES = frozenset({"watermarking", "return_token_offsets", "return_prompt_text", "return_mm_kwargs"})
 
 
-def _refuse_unhonoured(body: Mapping[str, Any]) -> None:
-    """A 400 for the first option of UNHONOURED_VLLM_OPTIONS that asks for something: neither its
-    default, nor false for a switch, nor an empty object or list where the default is none."""
+def _refuse_unhonoured(body: Mapping[str, Any], honoured: frozenset[str] = frozenset()) -> None:
+    """A 400 for the first option of UNHONOURED_VLLM_OPTIONS but `honoured` (this endpoint's) that
+    asks for something: neither its default, nor false for a switch, nor an empty object or list
+    where the default is none."""
     for name, default in UNHONOURED_VLLM_OPTIONS.items():
+        if name in honoured:
+            continue
         value = body.get(name)
         off = (value is False and name in _SWITCHES) or (
             default is None and isinstance(value, (dict, list)) and not value)
@@ -183,7 +188,7 @@ def parse_completion(body: Any) -> CompletionRequest:
 
 def parse_chat(body: Any) -> ChatRequest:
     body = _object(body)
-    _refuse_unhonoured(body)
+    _refuse_unhonoured(body, honoured=frozenset({"return_prompt_text"}))
     if _bool(body, "echo", False):
         raise InvalidRequest("echo (vLLM's: the last message's text before the answer) is not honoured by "
                              "llumdask's gateway for chat; leave it out", param="echo", code="unsupported_parameter")
@@ -195,7 +200,8 @@ def parse_chat(body: Any) -> ChatRequest:
     options = _check_beam_search(_options(body, max_tokens_default=None,
                                           max_tokens_fields=("max_completion_tokens", "max_tokens"),
                                           logprobs=(top or 0) if wanted else None, echo=False), body)
-    return ChatRequest(options, _messages(body), tools, _rendering(body, add_special_tokens=False))
+    return ChatRequest(options, _messages(body), tools, _rendering(body, add_special_tokens=False),
+                       _bool(body, "return_prompt_text", False))
 
 
 @dataclass(frozen=True)

@@ -512,6 +512,26 @@ def test_an_echo_shows_the_answers_count_of_prompt_alternatives(client, backend,
         assert len(choice["prompt_logprobs"][i]) == 4
 
 
+def test_a_chat_returns_its_rendered_prompt_where_asked(client, backend, tokenizer):
+    """vLLM's return_prompt_text: the prompt as the template rendered it, after the prompt's ids
+    (whole) or on each choice's first chunk (streamed); chat only, as in vLLM."""
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = tokenizer.render_chat(messages)
+    body = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                     "return_prompt_text": True, "return_token_ids": True}).json()
+    assert body["prompt_text"] == rendered and list(body)[-2:] == ["prompt_token_ids", "prompt_text"]
+    assert tokenizer.encode(rendered, add_special_tokens=False) == body["prompt_token_ids"]
+    chunks = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2, "n": 2,
+                                                       "stream": True, "return_prompt_text": True})
+    events = [json.loads(line[6:]) for line in chunks.text.splitlines() if line.startswith("data: {")]
+    assert [e["choices"][0]["index"] for e in events if "prompt_text" in e] == [0, 1]
+    assert all(e["prompt_text"] == rendered for e in events if "prompt_text" in e)
+    assert "prompt_text" not in client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                          "max_tokens": 2}).json()
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "return_prompt_text": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_prompt_text"
+
+
 def test_within_top_keeps_the_token_out_of_its_alternatives():
     """The token among its alternatives stands once; the others fill the count (vLLM's dict order)."""
     entry = TokenLogprob(-0.5, ((7, -0.1), (3, -0.5), (9, -0.9)), rank=2)
