@@ -5,15 +5,16 @@ beam's tokens so far, which the prefix cache mostly holds) asking for twice the 
 alternatives. Of all beams' candidates (a step's alternatives and the token it drew), an end of
 sequence ends its beam (unless `ignore_eos`), and the `width` others with the highest summed log
 probability go on. After `max_tokens` steps the ended and the live beams are ranked by vLLM's
-score: the summed log probability over the sequence's length (the prompt's included, an end of
-sequence not) to the power `length_penalty`; the best `width` are the answer. Nothing migrates
-or needs pinning: each request ends at its first token.
+score: the summed log probability over the sequence's length (the prompt's included, a last
+token that is the end of sequence not) to the power `length_penalty`; the best `width` are the
+answer. Nothing migrates or needs pinning: each request ends at its first token.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import math
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from llumdask.engine.base import TokenLogprob
@@ -38,9 +39,14 @@ class Beam:
         """This beam and `token` (`entry`: its log probability beside its step's alternatives)."""
         return Beam((*self.tokens, token), self.logprob + entry.logprob, (*self.entries, entry), finish_reason)
 
-    def score(self, prompt_tokens: int, length_penalty: float) -> float:
-        length = prompt_tokens + len(self.tokens) - (self.finish_reason == "stop")
-        return self.logprob / max(length, 1) ** length_penalty
+    def score(self, prompt_tokens: int, length_penalty: float, eos_token_id: int | None) -> float:
+        """vLLM's score, logprob / length ** length_penalty, as its logarithm's order: the
+        logarithm of -score (lower is better; -inf for a sure sequence), so that no penalty
+        overflows a float."""
+        length = prompt_tokens + len(self.tokens) - (bool(self.tokens) and self.tokens[-1] == eos_token_id)
+        if self.logprob == 0:
+            return -math.inf
+        return math.log(-self.logprob) - length_penalty * math.log(max(length, 1))
 
 
 async def beam_search(step: Step, *, width: int, max_tokens: int, prompt_tokens: int, eos_token_id: int | None,
@@ -48,7 +54,7 @@ async def beam_search(step: Step, *, width: int, max_tokens: int, prompt_tokens:
     """The `width` best beams, best first (fewer if the candidates run out)."""
     live, ended = [Beam()], []
     for _ in range(max_tokens):
-        drawn = await asyncio.gather(*(step(beam.tokens, i) for i, beam in enumerate(live)))
+        drawn = await _all(step(beam.tokens, i) for i, beam in enumerate(live))
         candidates: list[tuple[float, int, Beam, TokenLogprob]] = []
         for beam, (token, entry) in zip(live, drawn):
             # The drawn token first, then the alternatives by rank (a token among both counts once).
@@ -63,5 +69,18 @@ async def beam_search(step: Step, *, width: int, max_tokens: int, prompt_tokens:
         live = [beam.then(candidate, shown) for _, candidate, beam, shown in candidates[:width]]
         if not live:
             break
-    ranked = sorted((*ended, *live), key=lambda b: b.score(prompt_tokens, length_penalty), reverse=True)
+    ranked = sorted((*ended, *live), key=lambda b: b.score(prompt_tokens, length_penalty, eos_token_id))
     return ranked[:width]
+
+
+async def _all(steps: Iterable[Awaitable[tuple[int, TokenLogprob]]]) -> list[tuple[int, TokenLogprob]]:
+    """Every step's result; if one fails (or the search is cancelled), the others are cancelled
+    and awaited, so that each aborts its request, before the error goes on."""
+    tasks = [asyncio.ensure_future(s) for s in steps]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

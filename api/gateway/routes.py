@@ -9,6 +9,7 @@ refusal gets its own status; what fails after the first streamed byte arrives as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -194,7 +195,8 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
         raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
     sampling = sampling_params(gateway, options, len(prompt_ids))
     if options.use_beam_search:
-        return await generate_beams(request, gateway, fmt, request_id, prompt_ids, options, sampling.max_tokens, echo)
+        return await generate_beams(request, gateway, fmt, request_id, prompt_ids, options, sampling.max_tokens, echo,
+                                    readers)
     if options.best_of > options.n and sampling.logprobs is None:
         sampling = replace(sampling, logprobs=0)  # the ranking reads the tokens' own
     priority = request_priority(request, options)
@@ -258,24 +260,32 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
 
 
 async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat, request_id: str,
-                         prompt_ids: list[int], options: GenerationOptions, max_tokens: int, echo: str | None) -> Response:
+                         prompt_ids: list[int], options: GenerationOptions, max_tokens: int, echo: str | None,
+                         readers: Sequence[ToolReader] | None) -> Response:
     """vLLM's beam search (api/gateway/beam_search.py) with n beams, each step's requests named
-    `request_id`-beamSTEP-BEAM on the cluster; the response's choices are the n best, best first."""
+    `request_id`-beamSTEP-BEAM on the cluster (and counted as "beam_search" in the gateway's
+    metrics); the response's choices are the n best, best first, streamed (chat) once known."""
     width, priority = options.n, request_priority(request, options)
     step_sampling = SamplingParams(max_tokens=1, temperature=options.temperature, logprobs=2 * width)
+    produced = 0  # tokens the steps generated: what the key is charged for
 
     async def step(tokens: Sequence[int], index: int) -> tuple[int, TokenLogprob]:
+        nonlocal produced
         g = Generation(gateway.backend, gateway.metrics, "beam_search", f"{request_id}-beam{len(tokens)}-{index}",
                        [*prompt_ids, *tokens], step_sampling, priority, IncrementalText(gateway.tokenizer, ()),
                        gateway.settings.retry_after, options.cache_salt)
+        start = asyncio.ensure_future(Generation.start_all([g]))
         try:
-            await Generation.start_all([g])
+            await asyncio.shield(start)
             await g.text()
-            if not g.token_ids:
-                raise Unavailable(f"a beam's step ended without a token ({g.finish_reason})")
-            return g.token_ids[0], g.logprobs(0, 1)[0]
         finally:
+            with contextlib.suppress(Exception):
+                await start  # cancelled while it was being placed: abort it once it is
             await g.close()
+        if not g.token_ids:
+            raise Unavailable(f"a beam's step ended without a token ({g.finish_reason})")
+        produced += 1
+        return g.token_ids[0], g.logprobs(0, 1)[0]
 
     gateway.in_flight.acquire(width)
     try:
@@ -284,7 +294,6 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
     except RateLimited:
         gateway.in_flight.release(width)
         raise
-    beams: list[Beam] = []
     try:
         beams = await until_disconnect(request.receive, beam_search(
             step, width=width, max_tokens=max_tokens, prompt_tokens=len(prompt_ids),
@@ -292,20 +301,46 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
             length_penalty=options.length_penalty))
     finally:
         gateway.in_flight.release(width)
-        gateway.rate_limits.refund(charge, charge.tokens - len(prompt_ids) - sum(len(b.tokens) for b in beams))
-    choices = []
-    for beam in beams:
-        # An end of sequence is in the token ids only with include_stop_str_in_output, never in the text.
-        ended = beam.finish_reason == "stop"
-        said = beam.tokens[:-1] if ended else beam.tokens
-        ids = beam.tokens if ended and options.include_stop_str_in_output else said
-        text = gateway.tokenizer.decode(said, skip_special_tokens=options.skip_special_tokens)
-        logprobs = None
-        if options.logprobs is not None:
-            entries = [e._replace(top=e.top[:options.logprobs]) for e in beam.entries[:len(ids)]]
-            logprobs = fmt.logprobs(gateway.tokenizer, ids, entries, 0)
-        choices.append(Choice(text if echo is None else echo + text, beam.finish_reason, logprobs, (), ids))
-    return JSONResponse(fmt.body(choices, Usage(len(prompt_ids), sum(len(c.token_ids) for c in choices))))
+        gateway.rate_limits.refund(charge, charge.tokens - len(prompt_ids) - produced)
+    choices = [beam_choice(gateway.tokenizer, fmt, beam, options, echo, readers[i] if readers else None)
+               for i, beam in enumerate(beams)]
+    usage = Usage(len(prompt_ids), sum(len(c.token_ids) for c in choices))
+    if not options.stream:
+        return JSONResponse(fmt.body(choices, usage))
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        for i, choice in enumerate(choices):
+            for chunk in (*fmt.opening_chunks(i), fmt.text_chunk(i, choice.text, choice.logprobs, choice.token_ids,
+                                                                 first=True), fmt.final_chunk(i, choice.finish_reason)):
+                yield event(chunk)
+        if options.include_usage:
+            yield event(fmt.usage_chunk(usage))
+        yield DONE
+
+    async def on_close(complete: bool) -> None:
+        if not complete:
+            gateway.metrics.error("client_disconnected")
+
+    return EventStreamResponse(events(), on_close, gateway.settings.write_timeout)
+
+
+def beam_choice(tokenizer: Tokenizer, fmt: ResponseFormat, beam: Beam, options: GenerationOptions,
+                echo: str | None, reader: ToolReader | None) -> Choice:
+    """One beam as a choice: an end of sequence ends its text, and is among its token ids (and
+    log probabilities) only with include_stop_str_in_output, as in vLLM; read as tool calls
+    where the request offered tools."""
+    ended = beam.finish_reason == "stop"
+    said = beam.tokens[:-1] if ended else beam.tokens
+    ids = beam.tokens if ended and options.include_stop_str_in_output else said
+    text = tokenizer.decode(said, skip_special_tokens=options.skip_special_tokens)
+    logprobs = None
+    if options.logprobs is not None:
+        entries = [e._replace(top=e.top[:options.logprobs]) for e in beam.entries[:len(ids)]]
+        logprobs = fmt.logprobs(tokenizer, ids, entries, 0)
+    if reader is not None:
+        answer = reader.whole(text)
+        return Choice(answer.content, reader.finish_reason(beam.finish_reason), logprobs, answer.calls, ids)
+    return Choice(text if echo is None else echo + text, beam.finish_reason, logprobs, (), ids)
 
 
 def best(n: int, generations: Sequence[Generation]) -> list[int]:

@@ -181,7 +181,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     _refuse_unhonoured(body)
     logprobs = _int(body, "logprobs", minimum=0, maximum=MAX_LOGPROBS) if body.get("logprobs") is not None else None
     options = _check_beam_search(_options(body, max_tokens_default=16, max_tokens_fields=("max_tokens",),
-                                          logprobs=logprobs, echo=_bool(body, "echo", False)), body)
+                                          logprobs=logprobs, echo=_bool(body, "echo", False)), body, chat=False)
     suffix = _str(body, "suffix") if body.get("suffix") is not None else None
     return CompletionRequest(options, _prompt(body), suffix or None, _bool(body, "add_special_tokens", True))
 
@@ -199,7 +199,7 @@ def parse_chat(body: Any) -> ChatRequest:
         raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
     options = _check_beam_search(_options(body, max_tokens_default=None,
                                           max_tokens_fields=("max_completion_tokens", "max_tokens"),
-                                          logprobs=(top or 0) if wanted else None, echo=False), body)
+                                          logprobs=(top or 0) if wanted else None, echo=False), body, chat=True)
     return ChatRequest(options, _messages(body), tools, _rendering(body, add_special_tokens=False),
                        _bool(body, "return_prompt_text", False))
 
@@ -347,7 +347,7 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
         truncation_side=_one_of(body, "truncation_side", ("left", "right"), "left"),
         prompt_logprobs=_prompt_logprobs(body, stream),
         use_beam_search=_bool(body, "use_beam_search", False),
-        length_penalty=_number(body, "length_penalty", 1.0, minimum=-MAX_LENGTH_PENALTY, maximum=MAX_LENGTH_PENALTY),
+        length_penalty=_number(body, "length_penalty", 1.0, minimum=-math.inf, maximum=math.inf),
     )
 
 
@@ -358,21 +358,21 @@ def _field_of(sampling_option: str, body: Mapping[str, Any]) -> str:
     return "response_format" if body.get("response_format") is not None else "structured_outputs"
 
 
-# A bound on length_penalty, an exponent of the sequence's length: wide enough for any ranking.
-MAX_LENGTH_PENALTY = 100.0
-
-
-def _check_beam_search(options: GenerationOptions, body: Mapping[str, Any]) -> GenerationOptions:
+def _check_beam_search(options: GenerationOptions, body: Mapping[str, Any], *, chat: bool) -> GenerationOptions:
     """vLLM's beam search applies only the width (n), temperature, max_tokens, ignore_eos,
-    length_penalty and how the text is shown; what else a request asks of it is a 400 rather than
-    silently dropped (vLLM drops it). length_penalty means nothing without beam search."""
+    length_penalty, how the text is shown and (chat) tools read from the answer; anything else a
+    request asks of it is a 400 rather than silently dropped (vLLM drops it). length_penalty means
+    nothing without beam search."""
     if not options.use_beam_search:
         if options.length_penalty != 1.0:
             raise InvalidRequest("length_penalty ranks beams: it needs use_beam_search", param="length_penalty",
                                  code="invalid_value")
         return options
-    if options.stream:
-        raise InvalidRequest("beam search cannot be streamed (as in vLLM)", param="stream", code="invalid_value")
+    tools = body.get("tools") is not None and body.get("tool_choice") != "none"
+    if options.stream and (not chat or tools):
+        # vLLM's completions refuse it; a chat streams its answer once searched, tool calls not.
+        raise InvalidRequest("beam search cannot be streamed" + (" with tools" if chat else " (as in vLLM)"),
+                             param="stream", code="invalid_value")
     if 2 * options.n > MAX_LOGPROBS:
         raise InvalidRequest(f"beam search asks each step for 2 x n alternatives, at most {MAX_LOGPROBS}: "
                              f"n must be at most {MAX_LOGPROBS // 2}", param="n", code="invalid_value")
@@ -382,13 +382,20 @@ def _check_beam_search(options: GenerationOptions, body: Mapping[str, Any]) -> G
     unapplied = {"best_of": options.best_of != options.n, "stop": bool(options.stop), "seed": options.seed is not None,
                  "stop_token_ids": bool(options.stop_token_ids), "top_p": options.top_p != 1.0,
                  "prompt_logprobs": options.prompt_logprobs is not None,
-                 **{_field_of(name, body): True for name in options.sampling},
-                 "tools": body.get("tools") is not None and body.get("tool_choice") != "none"}
+                 "tool_choice": tools and body.get("tool_choice") not in (None, "auto"),
+                 **{_field_of(name, body): _asks(name, value) for name, value in options.sampling.items()}}
     for name, asked in unapplied.items():
         if asked:
             raise InvalidRequest(f"beam search does not apply {name}; leave it out", param=name,
                                  code="unsupported_parameter")
     return options
+
+
+def _asks(sampling_option: str, value: Any) -> bool:
+    """Whether a sampling option's value changes anything: not its default, nor an empty list or
+    object, nor top_k's -1 (no limit, as its 0)."""
+    default = SamplingParams.__dataclass_fields__[sampling_option].default
+    return value != default and value not in ({}, [], ()) and not (sampling_option == "top_k" and value == -1)
 
 
 def _prompt_logprobs(body: Mapping[str, Any], stream: bool) -> int | None:

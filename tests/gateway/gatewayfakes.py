@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -51,6 +51,8 @@ class ScriptedBatches:
     def logprobs(self, start: int, end: int) -> list[TokenLogprob]:
         assert self._sampling.logprobs is not None, "logprobs of a request that did not ask for them"
         s = self._sampling
+        if self._backend.next_token is not None:
+            return [self._backend.next_token(self._prompt)[1]][start:end]
         return [fake_logprob(t, i, s.logprobs, s.seed) for i, t in enumerate(self._tokens)][start:end]
 
     @property
@@ -68,6 +70,11 @@ class ScriptedBatches:
         b = self._backend
         emitted = 0
         script = b.script[: self._sampling.max_tokens]
+        if b.next_token is not None:
+            drawn = b.next_token(self._prompt)  # may raise, as a lost instance
+            if drawn is None:
+                await asyncio.Event().wait()  # until aborted (cancelled)
+            script = [drawn[0]]
         for start in range(0, len(script), b.batch_size):
             if b.stall_after is not None and emitted >= b.stall_after:
                 b.stalled.set()
@@ -102,6 +109,9 @@ class FakeBackend:
     fail_after: int | None = None
     # What the engine reports of its prefix cache (None: nothing, as the sim engine).
     cached_tokens: int | None = None
+    # A model of the next token by the prompt (beam search's one-token requests): the token drawn
+    # and its log probabilities, or None to stall; replaces the script where set.
+    next_token: Callable[[list[int]], tuple[int, TokenLogprob] | None] | None = None
     submitted: list[Submitted] = field(default_factory=list)
     # The request ids of each submission (a completion's choices come together).
     placements: list[list[str]] = field(default_factory=list)

@@ -308,6 +308,8 @@ BAD_INPUTS = [
      "the sim engine does not model logprobs"),
     ("prompt logprobs of the sim", {"model": MODEL, "prompt": "Hi", "prompt_logprobs": 0}, 400, "request_rejected",
      "the sim engine does not model prompt_logprobs"),
+    ("beam search on the sim", {"model": MODEL, "prompt": "Hi", "use_beam_search": True}, 400, "request_rejected",
+     "the sim engine does not model logprobs"),
     ("json of the sim", {"model": MODEL, "prompt": "Hi", "response_format": {"type": "json_object"}}, 400,
      "request_rejected", "the sim engine does not model structured outputs"),
     ("an allow-list on the sim", {"model": MODEL, "prompt": "Hi", "allowed_token_ids": [5, 6]}, 400,
@@ -762,13 +764,17 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
     chat_entries = [e for c in chat_scored if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     chat_prompt_1 = server.tokenizer.encode(server.tokenizer.render_chat([{"role": "user", "content": prompts[1]}]),
                                             add_special_tokens=False)
-    beam_options = {"beam_width": 3, "max_tokens": 6, "ignore_eos": True, "length_penalty": 0.5}
+    # vLLM's offline search (the reference here) ranks live beams by the penalised score where
+    # its online one ranks by the sum: the same order unless a live beam ends in an end of
+    # sequence, which only ignore_eos allows, so neither search ignores it.
+    beam_options = {"beam_width": 3, "max_tokens": 6, "length_penalty": 0.5, "include_stop_str_in_output": True}
     expected, logprobs, beams = plain_vllm(
         server.model_dir, [(server.tokenizer.encode(p), n) for p, n in zip(prompts, (24, 40))]
         + [(chat_prompt, 32, vllm_sampling), (chat_prompt, 32),
            (server.tokenizer.encode(prompts[1]), 6, {"logprobs": 2, "prompt_logprobs": 2}),
            (chat_prompt_1, 6, {"logprobs": 3, "prompt_logprobs": 1})],
-        beams=[[server.tokenizer.encode(prompts[0]), beam_options], [chat_prompt, {**beam_options, "ignore_eos": False}]])
+        beams=[[server.tokenizer.encode(prompts[0]), beam_options],
+               [chat_prompt, {**beam_options, "include_stop_str_in_output": False}]])
     prompt_ids = server.tokenizer.encode(prompts[1])
     reference = [None, *logprobs[4]["prompt_logprobs"][1:], *logprobs[4]["logprobs"]]
     assert scored.text == prompts[1] + server.tokenizer.decode(expected[4])
@@ -808,18 +814,24 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
     assert_vllm_prompt_logprobs(whole.model_extra["prompt_logprobs"], chat_prompt_1, logprobs[5]["prompt_logprobs"])
     # vLLM's beam search: its three best beams, as vLLM's own search finds them.
     searched = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6, temperature=0, n=3,
-                                         extra_body={"use_beam_search": True, "length_penalty": 0.5, "ignore_eos": True,
-                                                     "return_token_ids": True}, logprobs=1)
+                                         extra_body={"use_beam_search": True, "length_penalty": 0.5,
+                                                     "include_stop_str_in_output": True, "return_token_ids": True},
+                                         logprobs=1)
     assert [c.model_extra["token_ids"] for c in searched.choices] == [tokens for tokens, _ in beams[0]]
     assert [sum(c.logprobs.token_logprobs) for c in searched.choices] == pytest.approx([lp for _, lp in beams[0]],
                                                                                        abs=1e-3)
-    assert searched.usage.completion_tokens == 18
+    assert searched.usage.completion_tokens == sum(len(tokens) for tokens, _ in beams[0])
     chat_searched = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": prompts[0]}], max_tokens=6, temperature=0, n=3,
-        extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True})
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True,
+                    "return_prompt_text": True})
+    assert chat_searched.model_extra["prompt_text"] == server.tokenizer.render_chat([{"role": "user",
+                                                                                      "content": prompts[0]}])
+    eos = server.tokenizer.eos_token_id
     for choice, (tokens, _) in zip(chat_searched.choices, beams[1], strict=True):
-        assert choice.model_extra["token_ids"] == [t for t in tokens if t != server.tokenizer.eos_token_id]
+        assert choice.model_extra["token_ids"] == [t for t in tokens if t != eos]
         assert choice.message.content == server.tokenizer.decode(choice.model_extra["token_ids"])
+        assert choice.finish_reason == ("stop" if tokens[-1:] == [eos] else "length")
     # vLLM's return_token_ids and return_tokens_as_token_ids: plain vLLM's tokens, named by id.
     ids = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0, logprobs=0,
                                     extra_body={"ignore_eos": True, "return_token_ids": True,

@@ -12,6 +12,7 @@ from test_routes import sse_payloads
 
 from llumdask.api.gateway import ModelInfo
 from llumdask.api.gateway.tools import ToolCalling
+from llumdask.engine.base import TokenLogprob
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -193,6 +194,27 @@ def test_auto_reads_the_models_call_with_vllms_parser(hermes, backend, tokenizer
     plain = chat(client, tools=[WEATHER]).json()["choices"][0]
     assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant",
                                                                      "content": "It is sunny in Paris."}
+
+
+@pytest.mark.vllm
+def test_a_beam_searched_answer_is_read_for_calls(hermes, backend, tokenizer):
+    """Beam search with tool_choice "auto": the best beam's text is read for calls, as vLLM reads it."""
+    client = hermes()
+    ids, eos = tokenizer.encode(CALL, add_special_tokens=False), tokenizer.eos_token_id
+    start: list[int] = []
+
+    def next_token(prompt: list[int]) -> tuple[int, TokenLogprob]:
+        start[:] = start or [len(prompt)]
+        at = len(prompt) - start[0]
+        token = ids[at] if at < len(ids) else eos
+        other = next(t for t in range(token + 1, token + 3) if t != eos)
+        return token, TokenLogprob(-0.1, ((token, -0.1), (other, -3.0)), rank=1)
+
+    backend.next_token = next_token
+    choice = chat(client, tools=[WEATHER], use_beam_search=True, max_tokens=len(ids) + 2).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look. "
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
 
 
 @pytest.mark.vllm
