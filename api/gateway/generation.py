@@ -21,6 +21,7 @@ from llumdask.api.gateway.backend import Backend, BackendOverloaded, BackendReje
 from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.errors import ClusterBusy, InvalidRequest, Overloaded, Unavailable
 from llumdask.api.gateway.metrics import GatewayMetrics
+from llumdask.api.gateway.repetition import RepetitionDetection
 from llumdask.api.gateway.responses import Usage
 from llumdask.engine.base import TokenLogprob
 from llumdask.request import FinishReason, Priority, SamplingParams
@@ -60,8 +61,10 @@ class Generation:
 
     def __init__(self, backend: Backend, metrics: GatewayMetrics, endpoint: str,
                  request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
-                 text: IncrementalText, retry_after: float, cache_salt: str | None) -> None:
-        """`retry_after`: the least a 429 for load asks the client to wait."""
+                 text: IncrementalText, retry_after: float, cache_salt: str | None,
+                 repetition: RepetitionDetection | None = None) -> None:
+        """`retry_after`: the least a 429 for load asks the client to wait; `repetition`: vLLM's
+        repetition_detection, which ends the output where it repeats itself."""
         self._backend = backend
         self._retry_after = retry_after
         self._request_id = request_id
@@ -71,6 +74,7 @@ class Generation:
         self._sampling = sampling
         self._priority = priority
         self._cache_salt = cache_salt
+        self._repetition = repetition
         self._text = text
         self._batches: TokenBatches | None = None
         self._finished = False  # by the engine: nothing to abort
@@ -134,10 +138,14 @@ class Generation:
                     self._first_token = self._last_token
                 start = self.num_output_tokens
                 self.token_ids.extend(batch)
+                repeated = self._repeated(start)
+                if repeated is not None:  # the tokens after it are not the client's
+                    batch = batch[: repeated + 1 - start]
+                    del self.token_ids[repeated + 1:]
                 delta = self._text.add(batch)
                 yield Delta(delta.text, start, self.num_output_tokens)
-                if delta.stopped:  # the engine still runs it: close() aborts it
-                    self._end("stop")
+                if delta.stopped or repeated is not None:  # the engine still runs it: close() aborts it
+                    self._end("stop" if delta.stopped else "repetition")
                     return
         except BackendUnavailable as exc:
             raise Unavailable(f"The request was lost: {exc}") from None
@@ -146,6 +154,17 @@ class Generation:
         self._end("stop" if rest.stopped else _finish_reason(self._batches.finish_reason))
         if rest.text:
             yield Delta(rest.text, self.num_output_tokens, self.num_output_tokens)
+
+    def _repeated(self, start: int) -> int | None:
+        """The index of the first output token from `start` on where the output repeats itself,
+        unless that token ends the request anyway (a stop token, the last of max_tokens)."""
+        if self._repetition is None:
+            return None
+        sampling = self._sampling
+        at = self._repetition.first(self.token_ids, start, sampling.min_tokens)
+        if at is None or at + 1 >= sampling.max_tokens or self.token_ids[at] in sampling.stop_token_ids:
+            return None
+        return at
 
     def _end(self, finish_reason: str) -> None:
         self.finish_reason = finish_reason

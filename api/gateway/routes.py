@@ -206,7 +206,7 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                                               include_stop=options.include_stop_str_in_output,
                                               skip_special_tokens=options.skip_special_tokens,
                                               stop_token_ids=sampling.stop_token_ids),
-                              gateway.settings.retry_after, options.cache_salt)
+                              gateway.settings.retry_after, options.cache_salt, options.repetition_detection)
                    for i in range(options.best_of)]
     gateway.in_flight.acquire(len(generations))
     try:

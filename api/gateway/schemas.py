@@ -8,9 +8,10 @@ honour (`UNHONOURED_VLLM_OPTIONS`) unless at their defaults. Fields that ask not
 accepted by vLLM's server (clients send them through ``extra_body``): ``stop_token_ids``,
 ``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``structured_outputs``, ``prompt_logprobs``,
-``use_beam_search`` with ``length_penalty``, and for chat ``return_prompt_text`` and how the conversation renders
-(``chat_template_kwargs``, ``documents``, ``reasoning_effort``, ``continue_final_message``,
-``add_generation_prompt``, ``add_special_tokens``); llumdask's own: ``priority``. The ranges of
+``use_beam_search`` with ``length_penalty``, ``repetition_detection``, and for chat ``return_prompt_text``
+and how the conversation renders (``chat_template_kwargs``, ``documents``, ``reasoning_effort``,
+``continue_final_message``, ``add_generation_prompt``, ``add_special_tokens``); llumdask's own:
+``priority``. The ranges of
 sampling options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 from llumdask.api.gateway.detok import check_stop
 from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.api.gateway.json_schema import check_schema
+from llumdask.api.gateway.repetition import RepetitionDetection
 from llumdask.api.gateway.tools import ToolUse, assistant_calls, parse_tool_use
 from llumdask.request import MAX_LOGPROBS, STRUCTURED_KINDS, Priority, SamplingParams, check_cache_salt
 
@@ -92,6 +94,8 @@ class GenerationOptions:
     # by it over the sequence's length to the power length_penalty (api/gateway/beam_search.py).
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: the output ends ("repetition") where it repeats an n-gram; None: not asked for.
+    repetition_detection: RepetitionDetection | None = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ class ChatRequest:
 # alternatives of other clients' requests on that instance would be lost.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
     "logprob_token_ids": None,
-    "spaces_between_special_tokens": True, "thinking_token_budget": None, "repetition_detection": None,
+    "spaces_between_special_tokens": True, "thinking_token_budget": None,
     "return_token_offsets": False,
     "return_prompt_text": False, "return_mm_kwargs": False, "kv_transfer_params": None,
     "ec_transfer_params": None, "vllm_xargs": None, "prompt_embeds": None, "media_io_kwargs": None,
@@ -347,6 +351,7 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
         truncation_side=_one_of(body, "truncation_side", ("left", "right"), "left"),
         prompt_logprobs=_prompt_logprobs(body, stream),
         use_beam_search=_bool(body, "use_beam_search", False),
+        repetition_detection=_repetition_detection(body.get("repetition_detection")),
         length_penalty=_number(body, "length_penalty", 1.0, minimum=-math.inf, maximum=math.inf),
     )
 
@@ -356,6 +361,33 @@ def _field_of(sampling_option: str, body: Mapping[str, Any]) -> str:
     if sampling_option not in STRUCTURED_KINDS:
         return sampling_option
     return "response_format" if body.get("response_format") is not None else "structured_outputs"
+
+
+def _repetition_detection(value: Any) -> RepetitionDetection | None:
+    """vLLM's RepetitionDetectionParams and its rules; all sizes 0 (its defaults) turn it off."""
+    param = "repetition_detection"
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _wrong_type(param, "an object", value)
+    unknown = set(value) - {"max_pattern_size", "min_pattern_size", "min_count"}
+    if unknown:
+        raise InvalidRequest(f"{param} has no field {sorted(unknown)[0]!r}", param=param, code="invalid_value")
+    sizes = {name: 0 if value.get(name) is None else value[name]
+             for name in ("max_pattern_size", "min_pattern_size", "min_count")}
+    for name, size in sizes.items():
+        if not _is_int(size) or size < 0:
+            raise InvalidRequest(f"{param}.{name} must be an integer >= 0, got {size!r}", param=f"{param}.{name}",
+                                 code="invalid_value")
+    if sizes["min_pattern_size"] > sizes["max_pattern_size"]:
+        raise InvalidRequest(f"{param}: min_pattern_size must be <= max_pattern_size", param=param,
+                             code="invalid_value")
+    if not sizes["max_pattern_size"]:
+        return None
+    if sizes["min_count"] < 2:
+        raise InvalidRequest(f"{param}: min_count must be >= 2 to find a pattern repeated", param=param,
+                             code="invalid_value")
+    return RepetitionDetection(**sizes)
 
 
 def _check_beam_search(options: GenerationOptions, body: Mapping[str, Any], *, chat: bool) -> GenerationOptions:
@@ -382,6 +414,7 @@ def _check_beam_search(options: GenerationOptions, body: Mapping[str, Any], *, c
     unapplied = {"best_of": options.best_of != options.n, "stop": bool(options.stop), "seed": options.seed is not None,
                  "stop_token_ids": bool(options.stop_token_ids), "top_p": options.top_p != 1.0,
                  "prompt_logprobs": options.prompt_logprobs is not None,
+                 "repetition_detection": options.repetition_detection is not None,
                  "tool_choice": tools and body.get("tool_choice") not in (None, "auto"),
                  **{_field_of(name, body): _asks(name, value) for name, value in options.sampling.items()}}
     for name, asked in unapplied.items():

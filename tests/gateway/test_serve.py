@@ -697,6 +697,10 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory):
         stop_serve(server)
 
 
+# Any n-gram of up to 8 tokens twice in a row ends the answer (vLLM's repetition_detection).
+REPEATS = {"max_pattern_size": 8, "min_count": 2}
+
+
 def assert_vllm_prompt_logprobs(shown: list, prompt_ids: list[int], reference: list) -> None:
     """A response's prompt_logprobs against plain vLLM's positions (see plain_vllm)."""
     assert len(shown) == len(prompt_ids) and shown[0] is None and reference[0] is None
@@ -772,7 +776,8 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
         server.model_dir, [(server.tokenizer.encode(p), n) for p, n in zip(prompts, (24, 40))]
         + [(chat_prompt, 32, vllm_sampling), (chat_prompt, 32),
            (server.tokenizer.encode(prompts[1]), 6, {"logprobs": 2, "prompt_logprobs": 2}),
-           (chat_prompt_1, 6, {"logprobs": 3, "prompt_logprobs": 1})],
+           (chat_prompt_1, 6, {"logprobs": 3, "prompt_logprobs": 1}),
+           (server.tokenizer.encode(prompts[1]), 40, {"repetition_detection": REPEATS})],
         beams=[[server.tokenizer.encode(prompts[0]), beam_options],
                [chat_prompt, {**beam_options, "include_stop_str_in_output": False}]])
     prompt_ids = server.tokenizer.encode(prompts[1])
@@ -812,6 +817,12 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
                                          for c in scored_prompt.choices):
         assert_vllm_prompt_logprobs(shown, ids, reference_prompt)
     assert_vllm_prompt_logprobs(whole.model_extra["prompt_logprobs"], chat_prompt_1, logprobs[5]["prompt_logprobs"])
+    # vLLM's repetition_detection: the answer ends where plain vLLM's does.
+    repeated = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=40, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                     "repetition_detection": REPEATS}).choices[0]
+    assert repeated.model_extra["token_ids"] == expected[6] and len(expected[6]) < 40
+    assert repeated.finish_reason == "repetition"
     # vLLM's beam search: its three best beams, as vLLM's own search finds them.
     searched = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6, temperature=0, n=3,
                                          extra_body={"use_beam_search": True, "length_penalty": 0.5,

@@ -53,10 +53,15 @@ def positions(logprobs, token_ids, top):
 
 
 def options(more: dict | None = None) -> dict:
-    """More sampling parameters from JSON, whose object keys are strings: logit_bias takes ids."""
+    """More sampling parameters from JSON, whose object keys are strings: logit_bias takes ids;
+    repetition_detection is vLLM's parameters object."""
     more = dict(more or {})
     if "logit_bias" in more:
         more["logit_bias"] = {int(t): b for t, b in more["logit_bias"].items()}
+    if "repetition_detection" in more:
+        from vllm.sampling_params import RepetitionDetectionParams
+
+        more["repetition_detection"] = RepetitionDetectionParams(**more["repetition_detection"])
     return more
 
 
