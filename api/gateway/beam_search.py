@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llumdask.engine.base import TokenLogprob
 
 # One step of one beam: its tokens so far and its index -> the token drawn and that position's
-# log probabilities (the drawn token's own and the likeliest alternatives').
-Step = Callable[[Sequence[int], int], Awaitable[tuple[int, TokenLogprob]]]
+# log probabilities (the drawn token's own and the likeliest alternatives'), or None where the
+# engine aborted the request (vLLM then ends every beam as aborted).
+_Drawn = tuple[int, TokenLogprob] | None
+Step = Callable[[Sequence[int], int], Awaitable[_Drawn]]
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class Beam:
     tokens: tuple[int, ...] = ()
     logprob: float = 0.0
     entries: tuple[TokenLogprob, ...] = ()
-    # "stop": ended by an end of sequence, its last token; "length": still live at the end.
+    # "stop": ended by an end of sequence, its last token; "length": still live at the end;
+    # "abort": live when a step was aborted.
     finish_reason: str = "length"
 
     def then(self, token: int, entry: TokenLogprob, finish_reason: str = "length") -> "Beam":
@@ -44,7 +47,7 @@ class Beam:
         logarithm of -score (lower is better; -inf for a sure sequence), so that no penalty
         overflows a float."""
         length = prompt_tokens + len(self.tokens) - (bool(self.tokens) and self.tokens[-1] == eos_token_id)
-        if self.logprob == 0:
+        if self.logprob >= 0:  # sure (or past sure by rounding): first
             return -math.inf
         return math.log(-self.logprob) - length_penalty * math.log(max(length, 1))
 
@@ -55,8 +58,11 @@ async def beam_search(step: Step, *, width: int, max_tokens: int, prompt_tokens:
     live, ended = [Beam()], []
     for _ in range(max_tokens):
         drawn = await _all(step(beam.tokens, i) for i, beam in enumerate(live))
+        if any(d is None for d in drawn):
+            live = [replace(beam, finish_reason="abort") for beam in live]
+            break
         candidates: list[tuple[float, int, Beam, TokenLogprob]] = []
-        for beam, (token, entry) in zip(live, drawn):
+        for beam, (token, entry) in zip(live, drawn):  # type: ignore[misc]
             # The drawn token first, then the alternatives by rank (a token among both counts once).
             ranks = {token: entry.rank, **{t: rank for rank, (t, _) in enumerate(entry.top, start=1)}}
             for candidate, logprob in dict(((token, entry.logprob), *entry.top)).items():
@@ -73,14 +79,25 @@ async def beam_search(step: Step, *, width: int, max_tokens: int, prompt_tokens:
     return ranked[:width]
 
 
-async def _all(steps: Iterable[Awaitable[tuple[int, TokenLogprob]]]) -> list[tuple[int, TokenLogprob]]:
+async def _all(steps: Iterable[Awaitable[_Drawn]]) -> list[_Drawn]:
     """Every step's result; if one fails (or the search is cancelled), the others are cancelled
-    and awaited, so that each aborts its request, before the error goes on."""
+    once and awaited, so that each aborts its request, before the error goes on."""
     tasks = [asyncio.ensure_future(s) for s in steps]
     try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # the search itself cancelled
+        pending = {task for task in tasks if not task.done()}
+        await _cancel(pending)
         raise
+    await _cancel(pending)
+    failed = next((task for task in tasks if task in done and task.exception() is not None), None)
+    if failed is not None:
+        raise failed.exception()  # type: ignore[misc]
+    return [task.result() for task in tasks]
+
+
+async def _cancel(tasks: set[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)

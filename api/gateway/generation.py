@@ -74,7 +74,7 @@ class Generation:
         self._sampling = sampling
         self._priority = priority
         self._cache_salt = cache_salt
-        self._repetition = repetition
+        self._repetition = None if repetition is None else repetition.watch()
         self._text = text
         self._batches: TokenBatches | None = None
         self._finished = False  # by the engine: nothing to abort
@@ -137,15 +137,18 @@ class Generation:
                 if self._first_token is None:
                     self._first_token = self._last_token
                 start = self.num_output_tokens
-                self.token_ids.extend(batch)
-                repeated = self._repeated(start)
+                repeated = self._repeated(batch, start)
                 if repeated is not None:  # the tokens after it are not the client's
-                    batch = batch[: repeated + 1 - start]
-                    del self.token_ids[repeated + 1:]
+                    batch = batch[:repeated]
+                self.token_ids.extend(batch)
                 delta = self._text.add(batch)
-                yield Delta(delta.text, start, self.num_output_tokens)
-                if delta.stopped or repeated is not None:  # the engine still runs it: close() aborts it
-                    self._end("stop" if delta.stopped else "repetition")
+                text, stopped = delta.text, delta.stopped
+                if repeated is not None and not stopped:  # the end: nothing is held back for later
+                    rest = self._text.finish()
+                    text, stopped = text + rest.text, rest.stopped
+                yield Delta(text, start, self.num_output_tokens)
+                if stopped or repeated is not None:  # the engine still runs it: close() aborts it
+                    self._end("stop" if stopped else "repetition")
                     return
         except BackendUnavailable as exc:
             raise Unavailable(f"The request was lost: {exc}") from None
@@ -155,16 +158,19 @@ class Generation:
         if rest.text:
             yield Delta(rest.text, self.num_output_tokens, self.num_output_tokens)
 
-    def _repeated(self, start: int) -> int | None:
-        """The index of the first output token from `start` on where the output repeats itself,
-        unless that token ends the request anyway (a stop token, the last of max_tokens)."""
-        if self._repetition is None:
+    def _repeated(self, batch: Sequence[int], start: int) -> int | None:
+        """How many of `batch`'s tokens (the output's from `start`) the output keeps where one of
+        them completes a repetition, unless that token is the last of max_tokens anyway; None
+        where none does. (A stop token cannot complete one: its first copy ends the request.)"""
+        watch = self._repetition
+        if watch is None:
             return None
         sampling = self._sampling
-        at = self._repetition.first(self.token_ids, start, sampling.min_tokens)
-        if at is None or at + 1 >= sampling.max_tokens or self.token_ids[at] in sampling.stop_token_ids:
-            return None
-        return at
+        for offset, token in enumerate(batch):
+            kept = start + offset + 1
+            if watch.add(token) and sampling.min_tokens <= kept < sampling.max_tokens:
+                return offset + 1
+        return None
 
     def _end(self, finish_reason: str) -> None:
         self.finish_reason = finish_reason

@@ -25,7 +25,7 @@ import llumdask
 from llumdask.api.gateway.backend import Backend
 from llumdask.api.gateway.beam_search import Beam, beam_search
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
-from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unavailable, unexpected
+from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
 from llumdask.api.gateway.fim import fill_in_the_middle
 from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.generation import Delta, Generation, InFlight, merged_deltas, total_usage
@@ -269,7 +269,7 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
     step_sampling = SamplingParams(max_tokens=1, temperature=options.temperature, logprobs=2 * width)
     produced = 0  # tokens the steps generated: what the key is charged for
 
-    async def step(tokens: Sequence[int], index: int) -> tuple[int, TokenLogprob]:
+    async def step(tokens: Sequence[int], index: int) -> tuple[int, TokenLogprob] | None:
         nonlocal produced
         g = Generation(gateway.backend, gateway.metrics, "beam_search", f"{request_id}-beam{len(tokens)}-{index}",
                        [*prompt_ids, *tokens], step_sampling, priority, IncrementalText(gateway.tokenizer, ()),
@@ -279,11 +279,13 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
             await asyncio.shield(start)
             await g.text()
         finally:
-            with contextlib.suppress(Exception):
-                await start  # cancelled while it was being placed: abort it once it is
+            # Cancelled while it was being placed (however often): abort it once it is.
+            while not start.done():
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.shield(start)
             await g.close()
-        if not g.token_ids:
-            raise Unavailable(f"a beam's step ended without a token ({g.finish_reason})")
+        if not g.token_ids:  # the engine aborted it
+            return None
         produced += 1
         return g.token_ids[0], g.logprobs(0, 1)[0]
 

@@ -26,7 +26,7 @@ from typing import Any
 from llumdask.api.gateway.detok import check_stop
 from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.api.gateway.json_schema import check_schema
-from llumdask.api.gateway.repetition import RepetitionDetection
+from llumdask.api.gateway.repetition import MAX_PATTERN_SIZE, RepetitionDetection
 from llumdask.api.gateway.tools import ToolUse, assistant_calls, parse_tool_use
 from llumdask.request import MAX_LOGPROBS, STRUCTURED_KINDS, Priority, SamplingParams, check_cache_salt
 
@@ -384,6 +384,9 @@ def _repetition_detection(value: Any) -> RepetitionDetection | None:
                              code="invalid_value")
     if not sizes["max_pattern_size"]:
         return None
+    if sizes["max_pattern_size"] > MAX_PATTERN_SIZE:
+        raise InvalidRequest(f"{param}.max_pattern_size may be at most {MAX_PATTERN_SIZE} (this gateway's bound: it "
+                             "checks every token)", param=f"{param}.max_pattern_size", code="invalid_value")
     if sizes["min_count"] < 2:
         raise InvalidRequest(f"{param}: min_count must be >= 2 to find a pattern repeated", param=param,
                              code="invalid_value")

@@ -104,6 +104,9 @@ class FakeBackend:
     delay: float = 0.0
     ready: int = 2
     submit_error: Exception | None = None
+    # Seconds a submission takes once recorded (its requests placed, the caller not told yet), by
+    # its prompt.
+    submit_delay: Callable[[list[int]], float] = lambda prompt: 0.0
     # Wait forever after this many tokens (a long request), or fail mid-stream.
     stall_after: int | None = None
     fail_after: int | None = None
@@ -128,6 +131,7 @@ class FakeBackend:
         self.placements.append([request_id for request_id, _ in choices])
         self.submitted += [Submitted(request_id, list(prompt_token_ids), sampling, priority, cache_salt)
                            for request_id, sampling in choices]
+        await asyncio.sleep(self.submit_delay(list(prompt_token_ids)))
         return [ScriptedBatches(self, request_id, sampling, list(prompt_token_ids)) for request_id, sampling in choices]
 
     async def abort(self, request_id: str) -> None:

@@ -101,6 +101,28 @@ def test_no_length_penalty_overflows_the_ranking():
         assert beams[0].tokens == first, penalty
 
 
+def test_an_aborted_step_ends_every_beam_as_aborted():
+    """As vLLM: an engine abort of any step ends the search, its live beams "abort"."""
+    table = {(): {1: 0.6, 2: 0.4}, (1,): {3: 1.0}}
+
+    async def step(tokens: Sequence[int], index: int):
+        return None if tokens == (2,) else await model(table)(tokens, index)
+
+    beams = search(step, width=2, max_tokens=3)
+    assert [(b.tokens, b.finish_reason) for b in beams] == [((1,), "abort"), ((2,), "abort")]
+
+
+def test_a_sure_sequence_ranks_first_even_past_zero_by_rounding():
+    table = {(): {1: 1.0, 2: 1e-9}}
+    step = model(table)
+
+    async def rounded(tokens: Sequence[int], index: int):
+        token, entry = await step(tokens, index)
+        return token, entry._replace(logprob=1e-7, top=((1, 1e-7), *entry.top[1:]))
+
+    assert search(rounded, width=2, max_tokens=1)[0].tokens == (1,)
+
+
 def test_a_failing_step_cancels_its_siblings_before_the_error_goes_on():
     """Each cancelled step aborts its request (the gateway's step closes its generation), so none
     is left running on an instance after the search failed."""

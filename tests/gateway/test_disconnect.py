@@ -11,6 +11,7 @@ from gatewayfakes import MODEL
 
 from llumdask.api.gateway import create_app
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
+from llumdask.engine.base import TokenLogprob
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -65,6 +66,40 @@ def test_non_streaming_request_is_aborted_when_the_client_leaves(backend, tokeni
     asyncio.run(scenario())
     assert backend.aborted == [backend.submitted[0].request_id]
     assert sent[0]["status"] == 499  # nobody reads it; the point is that nothing hangs
+
+
+def test_a_beam_search_left_mid_placement_aborts_every_request_it_placed(backend, tokenizer):
+    """The client leaves while both beams' second steps are being placed, one placement slower
+    than the other: each is aborted once placed, however often its step is cancelled meanwhile
+    (the search ends when the quicker one is, while the slower is still being placed)."""
+    backend.next_token = lambda prompt: (40, TokenLogprob(-0.5, ((40, -0.5), (41, -0.9)), rank=1))
+    backend.submit_delay = lambda prompt: {40: 0.05, 41: 0.3}.get(prompt[-1], 0.0)
+    app = create_app(backend.open, tokenizer)
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 4, "n": 2, "use_beam_search": True}).encode()
+
+    async def scenario() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            while len(backend.submitted) < 3:  # the first step's, then both beams' second
+                await asyncio.sleep(0.001)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            pass
+
+        async with app.router.lifespan_context(app) as state:
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                     "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": dict(state)}
+            await asyncio.wait_for(app(scope, receive, send), 10)
+
+    asyncio.run(scenario())
+    first, *second = [s.request_id for s in backend.submitted]
+    assert len(second) == 2 and set(second) <= set(backend.aborted) and first not in backend.aborted
 
 
 def test_until_disconnect_returns_the_result_when_the_client_stays():

@@ -13,23 +13,49 @@ from hypothesis import strategies as st
 from llumdask.api.gateway.repetition import RepetitionDetection
 
 
-def test_the_first_token_that_completes_a_repeated_pattern():
+def repeats(rule: RepetitionDetection, tokens: list[int]) -> list[int]:
+    """The indices at which the output, token by token, ends in a repetition."""
+    watch = rule.watch()
+    return [i for i, t in enumerate(tokens) if watch.add(t)]
+
+
+def brute_force(rule: RepetitionDetection, tokens: list[int]) -> list[int]:
+    """vLLM's rule written out: the last L tokens, and the (count - 1) runs of L before them, alike."""
+    found = []
+    for n in range(1, len(tokens) + 1):
+        seen = tokens[:n]
+        for length in range(max(rule.min_pattern_size, 1), rule.max_pattern_size + 1):
+            if length * rule.min_count > n:
+                break
+            if all(seen[n - length * (k + 1):n - length * k] == seen[n - length:] for k in range(1, rule.min_count)):
+                found.append(n - 1)
+                break
+    return found
+
+
+def test_the_tokens_that_complete_a_repeated_pattern():
     two_thrice = RepetitionDetection(max_pattern_size=2, min_pattern_size=0, min_count=3)
-    assert two_thrice.first([5, 6, 7, 6, 7, 6, 7, 8], 0) == 6  # "6 7" three times ends at index 6
-    assert two_thrice.first([5, 5, 5, 6], 0) == 2  # a one-token pattern is a pattern too
-    assert two_thrice.first([5, 5, 5, 6], 0, min_tokens=4) is None  # vLLM checks only past min_tokens
-    assert two_thrice.first([5, 5, 5, 5, 6], 3) == 3  # from `start` on: still repeating at 3
+    assert repeats(two_thrice, [5, 6, 7, 6, 7, 6, 7, 8]) == [6]  # "6 7" three times ends at index 6
+    assert repeats(two_thrice, [5, 5, 5, 6]) == [2]  # a one-token pattern is a pattern too
     only_pairs = RepetitionDetection(max_pattern_size=2, min_pattern_size=2, min_count=3)
-    assert only_pairs.first([5, 5, 5, 6], 0) is None and only_pairs.first([5, 5, 5, 5, 5, 5], 0) == 5
-    assert RepetitionDetection(3, 1, 2).first([1, 2, 3, 1, 2, 4], 0) is None
+    assert repeats(only_pairs, [5, 5, 5, 6]) == [] and repeats(only_pairs, [5, 5, 5, 5, 5, 5]) == [5]
+    assert repeats(RepetitionDetection(3, 1, 2), [1, 2, 3, 1, 2, 4]) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2), max_size=30), sizes=st.tuples(st.integers(0, 5), st.integers(1, 5)),
+       min_count=st.integers(2, 4))
+def test_the_watch_finds_what_the_rule_written_out_finds(tokens, sizes, min_count):
+    rule = RepetitionDetection(max(sizes), min(sizes), min_count)
+    assert repeats(rule, tokens) == brute_force(rule, tokens)
 
 
 @pytest.mark.vllm
 @settings(max_examples=300, deadline=None)
 @given(tokens=st.lists(st.integers(0, 2), max_size=24), sizes=st.tuples(st.integers(0, 4), st.integers(0, 4)),
-       min_count=st.integers(2, 4), min_tokens=st.integers(0, 10))
-def test_the_rule_is_vllms(tokens, sizes, min_count, min_tokens):
-    """Against vLLM's own per-token check (its scheduler's check_stop order: past min_tokens)."""
+       min_count=st.integers(2, 4))
+def test_the_rule_is_vllms(tokens, sizes, min_count):
+    """Against vLLM's own check after each token."""
     from vllm.sampling_params import RepetitionDetectionParams
     from vllm.v1.core.sched.utils import check_sequence_repetition
 
@@ -37,9 +63,8 @@ def test_the_rule_is_vllms(tokens, sizes, min_count, min_tokens):
     if high == 0:
         return
     params = RepetitionDetectionParams(max_pattern_size=high, min_pattern_size=low, min_count=min_count)
-    expected = next((i for i in range(len(tokens)) if i + 1 >= min_tokens
-                     and check_sequence_repetition(tokens[: i + 1], params)), None)
-    assert RepetitionDetection(high, low, min_count).first(tokens, 0, min_tokens) == expected
+    expected = [i for i in range(len(tokens)) if check_sequence_repetition(tokens[: i + 1], params)]
+    assert repeats(RepetitionDetection(high, low, min_count), tokens) == expected
 
 
 REPEATING = [5, 6, 7, 6, 7, 6, 7, 8, 9, 10, 11, 12]
@@ -66,13 +91,30 @@ def test_an_answer_ends_where_it_repeats_itself(make_client, backend, tokenizer,
     assert client.post("/v1/completions", json=longer).json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_stop_token_or_the_last_token_keeps_its_own_reason(make_client, backend):
+def test_the_last_token_keeps_its_own_reason(make_client, backend):
     backend.script = [5, 5, 5, 6]
     client = make_client(backend)
     body = {"model": MODEL, "prompt": "Hi", "repetition_detection": {"max_pattern_size": 1, "min_count": 3}}
     assert client.post("/v1/completions", json={**body, "max_tokens": 3}).json()["choices"][0]["finish_reason"] == "length"
-    stopped = client.post("/v1/completions", json={**body, "max_tokens": 4, "stop_token_ids": [5]}).json()
-    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert client.post("/v1/completions", json={**body, "max_tokens": 4}).json()["choices"][0]["finish_reason"] == \
+        "repetition"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cut_sends_the_text_held_back_for_stop_strings(make_client, backend, tokenizer, stream):
+    """Text held back because it might begin a stop string is the answer's once the repetition ends it."""
+    backend.script = REPEATING
+    client = make_client(backend)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 12, "stream": stream,
+                                             "stop": ["x" * 40], "repetition_detection": {"max_pattern_size": 2,
+                                                                                           "min_count": 3}})
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        reason = events[-1]["choices"][0]["finish_reason"]
+    else:
+        text, reason = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+    assert (text, reason) == (tokenizer.decode(REPEATING[:7]), "repetition")
 
 
 @pytest.mark.parametrize("value, words", [
@@ -80,6 +122,7 @@ def test_a_stop_token_or_the_last_token_keeps_its_own_reason(make_client, backen
     ({"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}, "min_pattern_size must be <="),
     ({"max_pattern_size": -1}, "max_pattern_size must be an integer >= 0"),
     ({"max_pattern_size": 2, "min_count": 2, "window": 4}, "no field 'window'"),
+    ({"max_pattern_size": 1025, "min_count": 2}, "at most 1024"),
     ([2, 2], "object"),
 ])
 def test_bad_repetition_detection_is_a_400(client, backend, value, words):
