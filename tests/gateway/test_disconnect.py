@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 import pytest
 from gatewayfakes import MODEL
@@ -36,21 +37,19 @@ def test_stream_closed_by_the_client_aborts_the_request(make_client, backend):
     assert "llumdask_gateway_requests_in_flight 0.0" in text
 
 
-def test_non_streaming_request_is_aborted_when_the_client_leaves(backend, tokenizer):
-    """Raw ASGI: the client sends its body, then disconnects while the answer is being generated."""
-    backend.stall_after = 1
-    app = create_app(backend.open, tokenizer)
-    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 20}).encode()
+def leave_when(app, body: dict, left: Callable[[], bool]) -> list[dict]:
+    """Raw ASGI: a client sends `body` to /v1/completions, then disconnects once `left()` holds;
+    the messages the app sent."""
     sent: list[dict] = []
 
     async def scenario() -> None:
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
 
         async def receive() -> dict:
             if messages:
                 return messages.pop()
-            while not backend.stalled.is_set():
-                await asyncio.sleep(0.005)
+            while not left():
+                await asyncio.sleep(0.001)
             return {"type": "http.disconnect"}
 
         async def send(message: dict) -> None:
@@ -64,6 +63,14 @@ def test_non_streaming_request_is_aborted_when_the_client_leaves(backend, tokeni
             await asyncio.wait_for(app(scope, receive, send), 10)
 
     asyncio.run(scenario())
+    return sent
+
+
+def test_non_streaming_request_is_aborted_when_the_client_leaves(backend, tokenizer):
+    """The client sends its body, then disconnects while the answer is being generated."""
+    backend.stall_after = 1
+    sent = leave_when(create_app(backend.open, tokenizer), {"model": MODEL, "prompt": "Hi", "max_tokens": 20},
+                      backend.stalled.is_set)
     assert backend.aborted == [backend.submitted[0].request_id]
     assert sent[0]["status"] == 499  # nobody reads it; the point is that nothing hangs
 
@@ -74,30 +81,9 @@ def test_a_beam_search_left_mid_placement_aborts_every_request_it_placed(backend
     (the search ends when the quicker one is, while the slower is still being placed)."""
     backend.next_token = lambda prompt: (40, TokenLogprob(-0.5, ((40, -0.5), (41, -0.9)), rank=1))
     backend.submit_delay = lambda prompt: {40: 0.05, 41: 0.3}.get(prompt[-1], 0.0)
-    app = create_app(backend.open, tokenizer)
-    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 4, "n": 2, "use_beam_search": True}).encode()
-
-    async def scenario() -> None:
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> dict:
-            if messages:
-                return messages.pop()
-            while len(backend.submitted) < 3:  # the first step's, then both beams' second
-                await asyncio.sleep(0.001)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            pass
-
-        async with app.router.lifespan_context(app) as state:
-            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                     "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": dict(state)}
-            await asyncio.wait_for(app(scope, receive, send), 10)
-
-    asyncio.run(scenario())
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "n": 2, "use_beam_search": True}
+    # Placed: the first step's request, then both beams' second.
+    leave_when(create_app(backend.open, tokenizer), body, lambda: len(backend.submitted) >= 3)
     first, *second = [s.request_id for s in backend.submitted]
     assert len(second) == 2 and set(second) <= set(backend.aborted) and first not in backend.aborted
 
