@@ -209,7 +209,8 @@ class Operator:
         self.log.update(scale_in_s=time.perf_counter() - started, drained=victim)
 
     async def migrate_now_and_then(self, in_flight: set[str], period: float, seed: int) -> None:
-        """Every `period` seconds, move a request in flight to another instance (until cancelled)."""
+        """Every `period` seconds, move a request in flight to another instance (until cancelled):
+        the ready instances in a random order until one takes it (the first may be where it runs)."""
         rng = np.random.default_rng(seed)
         while True:
             await asyncio.sleep(period)
@@ -217,10 +218,14 @@ class Operator:
             if not in_flight or len(ready) < 2:
                 continue
             request_id = sorted(in_flight)[int(rng.integers(len(in_flight)))]
-            try:
-                await self.llum.migrate(request_id, to=ready[int(rng.integers(len(ready)))])
+            for to in rng.permutation(ready):
+                try:
+                    await self.llum.migrate(request_id, to=str(to))
+                except MigrationNotStarted:  # it runs there already, or it just finished
+                    continue
                 self.log["forced_migrations"] += 1
-            except MigrationNotStarted:  # it runs there already, or it just finished
+                break
+            else:
                 self.log["forced_not_started"] += 1
 
     async def _until(self, done: Callable[[list[dict]], bool], what: str) -> None:
