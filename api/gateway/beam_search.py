@@ -84,15 +84,14 @@ async def _all(steps: Iterable[Awaitable[_Drawn]]) -> list[_Drawn]:
     once and awaited, so that each aborts its request, before the error goes on."""
     tasks = [asyncio.ensure_future(s) for s in steps]
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    except BaseException:  # the search itself cancelled
-        pending = {task for task in tasks if not task.done()}
-        await _cancel(pending)
-        raise
-    await _cancel(pending)
-    failed = next((task for task in tasks if task in done and task.exception() is not None), None)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        await _cancel({task for task in tasks if not task.done()})
+        # Every outcome read (none left for the loop to warn about); a failure, not a cancel, goes on.
+        failed = next((e for e in [t.exception() for t in tasks if t.done() and not t.cancelled()] if e is not None),
+                      None)
     if failed is not None:
-        raise failed.exception()  # type: ignore[misc]
+        raise failed
     return [task.result() for task in tasks]
 
 

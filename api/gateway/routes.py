@@ -25,7 +25,7 @@ import llumdask
 from llumdask.api.gateway.backend import Backend
 from llumdask.api.gateway.beam_search import Beam, beam_search
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
-from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, unexpected
+from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unavailable, unexpected
 from llumdask.api.gateway.fim import fill_in_the_middle
 from llumdask.api.gateway.detok import IncrementalText
 from llumdask.api.gateway.generation import Delta, Generation, InFlight, merged_deltas, total_usage
@@ -284,8 +284,10 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.shield(start)
             await g.close()
-        if not g.token_ids:  # the engine aborted it
-            return None
+        if not g.token_ids:
+            if g.finish_reason == "abort":  # the engine gave up on it: vLLM ends the search
+                return None
+            raise Unavailable(f"a beam's step ended without a token ({g.finish_reason})")
         produced += 1
         return g.token_ids[0], g.logprobs(0, 1)[0]
 

@@ -149,6 +149,19 @@ def test_a_failing_step_cancels_its_siblings_before_the_error_goes_on():
     assert asyncio.run(run()) == [1]
 
 
+def test_a_steps_error_is_not_hidden_by_a_sibling_that_ended_cancelled():
+    async def step(tokens: Sequence[int], index: int) -> tuple[int, TokenLogprob]:
+        if not tokens:
+            return 1, TokenLogprob(-0.1, ((1, -0.1), (2, -0.2)), rank=1)
+        if index == 0:
+            raise asyncio.CancelledError  # as a step whose request the gateway gave up on
+        await asyncio.sleep(0)
+        raise RuntimeError("the instance died")
+
+    with pytest.raises(RuntimeError, match="died"):
+        search(step, width=2, max_tokens=3)
+
+
 @pytest.fixture
 def beam_client(make_client, backend, script):
     backend.batch_size = 1
