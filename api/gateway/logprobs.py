@@ -2,7 +2,8 @@
 
 A token is shown as its own decoded text (a special token's too) and, in the chat shape, that
 text's UTF-8 bytes, as vLLM's server shows them (a token holding part of a character decodes to
-U+FFFD, where vLLM's repairs some from the tokens before it); with vLLM's `return_tokens_as_token_ids`, as "token_id:ID" (a chat token's own bytes stay its text's, its
+U+FFFD, where vLLM's repairs some from the tokens before it); with vLLM's
+`return_tokens_as_token_ids`, as "token_id:ID" (a chat token's own bytes stay its text's, its
 alternatives' are the label's, as vLLM gives them). A position nothing predicts (the prompt's
 first) has None in the completions' lists. An impossible token's -inf shows as vLLM shows it,
 -9999.0 (JSON has no infinity).

@@ -88,6 +88,7 @@ class ResponseFormat(ABC):
         return body
 
     def _prompt_fields(self, shown: dict[str, Any], prompt_logprobs: list[dict[str, Any] | None] | None) -> None:
+        """The prompt's fields asked for, in vLLM's order."""
         if prompt_logprobs is not None:
             shown["prompt_logprobs"] = prompt_logprobs
         if self.prompt_token_ids is not None:
@@ -183,9 +184,5 @@ class ChatFormat(ResponseFormat):
     def opening_chunks(self, index: int) -> list[dict[str, Any]]:
         chunk = self._envelope(self.chunk_object, [self._delta(index, "", None, None)])
         chunk["choices"][0]["delta"]["role"] = "assistant"
-        # vLLM's first chunk of each choice carries the prompt's ids and text, where asked.
-        if self.prompt_token_ids is not None:
-            chunk["prompt_token_ids"] = self.prompt_token_ids
-        if self.prompt_text is not None:
-            chunk["prompt_text"] = self.prompt_text
+        self._prompt_fields(chunk, None)  # vLLM's first chunk of each choice carries the prompt's ids and text
         return [chunk]

@@ -11,8 +11,8 @@ accepted by vLLM's server (clients send them through ``extra_body``): ``stop_tok
 ``use_beam_search`` with ``length_penalty``, ``repetition_detection``, and for chat ``return_prompt_text``
 and how the conversation renders (``chat_template_kwargs``, ``documents``, ``reasoning_effort``,
 ``continue_final_message``, ``add_generation_prompt``, ``add_special_tokens``); llumdask's own:
-``priority``. The ranges of
-sampling options are `SamplingParams`'s, so that the gateway and the notebook client accept the same.
+``priority``. The ranges of sampling options are `SamplingParams`'s, so that the gateway and the
+notebook client accept the same.
 """
 
 from __future__ import annotations
@@ -148,9 +148,9 @@ class ChatRequest:
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
 # asking for something else is refused (token offsets, KV transfer...) rather than answered as if
-# it had not asked. logprob_token_ids among them on purpose: vLLM 0.32's sampler
-# gives every request sharing a step with one the named tokens' form, so the likeliest
-# alternatives of other clients' requests on that instance would be lost.
+# it had not asked. logprob_token_ids among them on purpose: vLLM 0.32's sampler gives every
+# request sharing a step with one the named tokens' form, so the likeliest alternatives of other
+# clients' requests on that instance would be lost.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
     "logprob_token_ids": None,
     "spaces_between_special_tokens": True, "thinking_token_budget": None,
