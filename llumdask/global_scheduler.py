@@ -21,11 +21,9 @@ removed instance must not bring it back.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -43,7 +41,7 @@ from llumdask.load import (
     per_request,
     virtual_usage,
 )
-from llumdask.policy.candidates import CandidateTable
+from llumdask.policy.candidates import CandidateTable, Reservation
 from llumdask.prefix import PrefixEvents, PrefixIndex, anchor_stride
 from llumdask.policy.dispatch import DispatchInfo, DispatchPolicy, make_dispatch_policy
 from llumdask.policy.migration import MigrationPair, pair_migrations
@@ -544,8 +542,14 @@ class GlobalScheduler:
 
     def _freeness_of(self, candidates: CandidateTable, info: DispatchInfo) -> np.ndarray:
         """Each candidate's dispatch freeness with this request, its cached prefix counted."""
-        cached = candidates.cached_blocks(info.block_hashes) if self._config.dispatch.prefix_aware else None
-        return candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, cached)
+        return candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, self._cached(candidates, info))
+
+    def _freest(self, candidates: CandidateTable, info: DispatchInfo) -> int:
+        """The slot of the highest `_freeness_of`."""
+        return candidates.freest(info.num_prompt_tokens, info.execution_priority, self._cached(candidates, info))
+
+    def _cached(self, candidates: CandidateTable, info: DispatchInfo) -> np.ndarray | None:
+        return candidates.cached_blocks(info.block_hashes) if self._config.dispatch.prefix_aware else None
 
     def _place(self, candidates: CandidateTable, info: DispatchInfo, chosen: str, now: float) -> str:
         """Put the request (and those placed with it) on the policy's choice, counted as pending there."""
@@ -564,7 +568,7 @@ class GlobalScheduler:
         hold = self._config.dispatch.hold_freeness
         assert hold is not None, "requests are held only while hold-freeness is set"
         freeness = self._freeness_of(candidates, info)
-        if float(freeness.max()) < hold:
+        if float(freeness[self._freest(candidates, info)]) < hold:
             return None
         chosen = self._dispatch_policy.choose(candidates, info)
         slot = candidates.slot(chosen)
@@ -585,14 +589,9 @@ class GlobalScheduler:
         assert hold is not None
         return candidates.empty_room_blocks(info.num_prompt_tokens) >= hold
 
-    @contextlib.contextmanager
-    def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo) -> Iterator[None]:
-        """Keep for the first held request the instance where it is closest to fitting."""
-        candidates.reserve(int(np.argmax(self._freeness_of(candidates, first))))
-        try:
-            yield
-        finally:
-            candidates.reserve(None)
+    def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo) -> Reservation:
+        """Keep for the first held request the instance where it is closest to fitting (a context)."""
+        return candidates.reserved(self._freest(candidates, first))
 
     def _take_back(self, returnable: list[_Instance], pool: PooledLoad, low: float) -> tuple[list[_Instance], PooledLoad]:
         """Take back instances a scale-in is draining, those holding the most requests first (the

@@ -46,6 +46,8 @@ class HeldRequests:
         self._arrivals = itertools.count()
         # (need, rank) of every request held, and of some gone (dropped when on top).
         self._sizes: list[tuple[int, tuple[int, int]]] = []
+        # The ranks held now: whether a size entry is still held, in O(1).
+        self._ranks: set[tuple[int, int]] = set()
 
     def add(self, info: DispatchInfo, now: float, need: int | None = None) -> None:
         """Hold `info`; `need`: the prompt tokens it needs room for (default: all of them)."""
@@ -54,6 +56,7 @@ class HeldRequests:
         held = Held((-int(info.execution_priority), next(self._arrivals)), info, now, need)
         bisect.insort(self._queue, held)
         self._by_id[info.request_id] = held
+        self._ranks.add(held.rank)
         heapq.heappush(self._sizes, (need, held.rank))
 
     def remove(self, request_id: str) -> Held | None:
@@ -61,6 +64,7 @@ class HeldRequests:
         held = self._by_id.pop(request_id, None)
         if held is not None:
             del self._queue[bisect.bisect_left(self._queue, held)]
+            self._ranks.discard(held.rank)
         return held
 
     def would_lead(self, info: DispatchInfo) -> bool:
@@ -81,13 +85,9 @@ class HeldRequests:
     def smallest_need(self) -> float:
         """The fewest prompt tokens any held request needs room for (inf when none is held)."""
         sizes = self._sizes
-        while sizes and not self._is_held(sizes[0][1]):
+        while sizes and sizes[0][1] not in self._ranks:
             heapq.heappop(sizes)
         return sizes[0][0] if sizes else math.inf
-
-    def _is_held(self, rank: tuple[int, int]) -> bool:
-        index = bisect.bisect_left(self._queue, Held(rank, None, 0.0))  # type: ignore[arg-type]
-        return index < len(self._queue) and self._queue[index].rank == rank
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._by_id

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -43,6 +44,7 @@ _COUNTS = (
     "reserved_blocks", "num_migrating_out", "num_migrating_in", "num_preemptions", "num_received", "num_pinned",
     "drain_order",
 )
+_counts = operator.attrgetter(*_COUNTS)
 
 
 @dataclass(frozen=True)
@@ -85,15 +87,11 @@ class InstanceLoad:
             raise ValueError(f"{self.instance_id}: total_blocks and block_size must be positive")
         if not 0 <= self.free_blocks <= self.total_blocks:
             raise ValueError(f"{self.instance_id}: free_blocks {self.free_blocks} outside [0, {self.total_blocks}]")
-        if min(getattr(self, name) for name in _COUNTS) < 0:
+        if min(_counts(self)) < 0:
             name = next(n for n in _COUNTS if getattr(self, n) < 0)
             raise ValueError(f"{self.instance_id}: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("running_blocks", "running_count"):
-            values = getattr(self, name)
-            if all(type(p) is Priority and type(v) is int for p, v in values.items()):
-                values = dict(values)
-            else:
-                values = {Priority(p): int(v) for p, v in values.items()}
+            values = _per_priority(getattr(self, name))
             object.__setattr__(self, name, values)
             if values and min(values.values()) < 0:
                 raise ValueError(f"{self.instance_id}: {name} must be >= 0 for every priority, got {values}")
@@ -115,6 +113,14 @@ class InstanceLoad:
         d["running_blocks"] = {Priority(int(p)): b for p, b in d.get("running_blocks", {}).items()}
         d["running_count"] = {Priority(int(p)): c for p, c in d.get("running_count", {}).items()}
         return cls(**d)
+
+
+def _per_priority(values: Mapping) -> dict[Priority, int]:
+    """A copy keyed by `Priority` with int values (the wire's int keys converted)."""
+    for priority, value in values.items():
+        if type(priority) is not Priority or type(value) is not int:
+            return {Priority(p): int(v) for p, v in values.items()}
+    return dict(values)
 
 
 def headroom_blocks(headroom_tokens: Mapping[Priority, int], block_size: int) -> dict[Priority, int]:

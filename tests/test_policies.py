@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from hypothesis import given
@@ -584,3 +585,47 @@ def test_the_candidate_table_computes_what_the_dispatch_load_says(specs, prompt,
         expected = dispatch_freeness(v.load, headroom, pending_blocks=v.pending_blocks + demand,
                                      pending_requests=v.num_pending + 1, classes=(priority,))
         assert value == pytest.approx(expected)
+
+
+_SPEC = st.tuples(st.integers(0, 100), st.integers(0, 8), st.integers(0, 3), st.integers(0, 60), st.integers(0, 3),
+                  st.booleans(), st.sampled_from([16, 32]))
+
+
+def _spec_view(k: int, spec: tuple) -> View:
+    used, running, waiting, pending_blocks, pending, high, block_size = spec
+    cls = Priority.HIGH if high else Priority.NORMAL
+    load = InstanceLoad(f"i{k}", 100, block_size, 100 - used, max(running, 1 if used else 0), waiting,
+                        running_blocks={cls: used}, running_count={cls: max(running, 1 if used else 0)},
+                        waiting_demand=3 * waiting)
+    return View(f"i{k}", load, num_pending=pending, pending_blocks=pending_blocks,
+                headroom={Priority.HIGH: 30, Priority.NORMAL: 0})
+
+
+@given(
+    st.lists(_SPEC, min_size=1, max_size=5),
+    st.lists(st.one_of(st.tuples(st.just("update"), st.integers(0, 4), _SPEC),
+                       st.tuples(st.just("reserve"), st.one_of(st.none(), st.integers(0, 4)))), max_size=12),
+    st.integers(1, 2000),
+    st.sampled_from(list(Priority)),
+    st.booleans(),
+)
+def test_the_candidate_tables_kept_answer_is_a_fresh_tables_after_every_change(specs, changes, prompt, priority, with_cache):
+    """The table keeps its last answer up to date as candidates change and slots are reserved,
+    instead of computing it again: bit for bit what a table built now answers, freest slot too."""
+    views = [_spec_view(k, spec) for k, spec in enumerate(specs)]
+    cached = np.arange(len(views), dtype=float) if with_cache else None
+    table = CandidateTable(views)
+    reserved = None
+    for change in [None, *changes]:
+        if change is not None and change[0] == "update":
+            k = change[1] % len(views)
+            views[k] = _spec_view(k, (*change[2][:-1], specs[k][-1]))  # an instance keeps its block size
+            table.update(views[k])
+        elif change is not None:
+            reserved = None if change[1] is None else change[1] % len(views)
+            table.reserve(reserved)
+        fresh = CandidateTable(views)
+        fresh.reserve(reserved)
+        expected = fresh.dispatch_freeness(prompt, priority, cached)
+        assert table.dispatch_freeness(prompt, priority, cached).tolist() == expected.tolist()
+        assert table.freest(prompt, priority, cached) == int(np.argmax(expected))

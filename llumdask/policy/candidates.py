@@ -10,6 +10,7 @@ one instance at a time (a test keeps the two equal).
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Protocol, Sequence, overload
 
 import numpy as np
@@ -40,6 +41,24 @@ class Candidate(Protocol):
     def absent_charge(self, priority: Priority) -> int:
         """Blocks of headroom an arriving request of this execution priority adds here: its class's
         headroom if none of its class runs (or is on its way) here, else 0."""
+
+
+# Answers of `dispatch_freeness` a table keeps: the first held request's and the latest other's.
+_KEPT_ANSWERS = 2
+
+
+class _Answer:
+    """One question to `dispatch_freeness` (a prompt, its class, its cached blocks), its answer and
+    the answer's freest slot (None until asked)."""
+
+    __slots__ = ("prompt_tokens", "priority", "cached", "freeness", "best")
+
+    def __init__(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None, freeness: np.ndarray) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.priority = priority
+        self.cached = cached
+        self.freeness = freeness
+        self.best: int | None = None
 
 
 class CandidateTable(Sequence[Candidate]):
@@ -74,9 +93,10 @@ class CandidateTable(Sequence[Candidate]):
         # Candidates charged each class's headroom: a column of zeros is not worth a pass.
         self._charged = dict.fromkeys(Priority, 0)
         self._slots = {c.instance_id: k for k, c in enumerate(self._candidates)}
-        # The last `dispatch_freeness` asked, until a candidate changes: admission and the policy
-        # of one dispatch ask the same.
-        self._last_freeness: tuple[int, Priority, np.ndarray | None, np.ndarray] | None = None
+        # The last `dispatch_freeness` answers, newest first, kept up to date as candidates change:
+        # admission and the policy of one dispatch ask the same, and the first held request asks
+        # after every report (a later one in between).
+        self._answers: list[_Answer] = []
         # A slot kept for a held request (`llumdask.holding`): no other request may go there.
         self._reserved: int | None = None
         for candidate in self._candidates:
@@ -86,7 +106,7 @@ class CandidateTable(Sequence[Candidate]):
         """Take a candidate's current terms (no-op for an instance not in the table)."""
         slot = self._slots.get(candidate.instance_id)
         if slot is not None:
-            self._last_freeness = self._last_hits = None
+            self._last_hits = None
             self._surplus[slot] = candidate.dispatch_surplus
             self._shared_by[slot] = candidate.dispatch_requests + 1
             self._prefill_tokens[slot] = candidate.load.pending_prefill_tokens + candidate.pending_prompt_tokens
@@ -95,6 +115,7 @@ class CandidateTable(Sequence[Candidate]):
                 charge = candidate.absent_charge(priority)
                 self._charged[priority] += bool(charge) - bool(column[slot])
                 column[slot] = charge
+            self._patch(slot)
 
     def slot(self, instance_id: str) -> int | None:
         """The candidate's position in the table (None if it is not one)."""
@@ -119,17 +140,33 @@ class CandidateTable(Sequence[Candidate]):
         """Keep the candidate at `slot` for a held request (None: for none): its dispatch freeness
         reads -inf for every other request until then."""
         if slot != self._reserved:
-            self._reserved = slot
-            self._last_freeness = None
+            previous, self._reserved = self._reserved, slot
+            self._patch(previous, slot)
+
+    def reserved(self, slot: int) -> "Reservation":
+        """`reserve(slot)` for the length of a with block."""
+        return Reservation(self, slot)
 
     def dispatch_freeness(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None = None) -> np.ndarray:
         """Each candidate's dispatch freeness with this request added (its prompt blocks as demand,
         less the `cached` blocks each holds already; one more request; its class's headroom where
         absent; -inf where reserved), aligned with the table's order. Callers must not change the
         array (the next identical question gets it again)."""
-        last = self._last_freeness
-        if last is not None and last[0] == prompt_tokens and last[1] is priority and last[2] is cached:
-            return last[3]
+        return self._answer(prompt_tokens, priority, cached).freeness
+
+    def freest(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None = None) -> int:
+        """The slot of the highest `dispatch_freeness` with this request (the first of equals)."""
+        answer = self._answer(prompt_tokens, priority, cached)
+        if answer.best is None:
+            answer.best = int(np.argmax(answer.freeness))
+        return answer.best
+
+    def _answer(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None) -> _Answer:
+        """A kept answer to this question, or a new one (kept in place of the oldest)."""
+        answers = self._answers
+        for answer in answers:
+            if answer.prompt_tokens == prompt_tokens and answer.priority is priority and answer.cached is cached:
+                return answer
         # As few passes over the columns as the request needs: right after a burst of reports they
         # are out of the CPU's caches, and each pass costs several times what it does warm.
         size = self._uniform_block_size
@@ -143,8 +180,40 @@ class CandidateTable(Sequence[Candidate]):
         np.multiply(surplus, self._shared_by, out=freeness, where=surplus < 0)
         if self._reserved is not None:
             freeness[self._reserved] = -np.inf
-        self._last_freeness = (prompt_tokens, priority, cached, freeness)
-        return freeness
+        answer = _Answer(prompt_tokens, priority, cached, freeness)
+        answers.insert(0, answer)
+        del answers[_KEPT_ANSWERS:]
+        return answer
+
+    def _patch(self, *slots: int | None) -> None:
+        """Bring the kept answers up to date at `slots`; each is copied, as a caller may still
+        read the earlier one."""
+        for answer in self._answers:
+            freeness, best = answer.freeness.copy(), answer.best
+            for slot in slots:
+                if slot is None:
+                    continue
+                value = freeness[slot] = self._freeness_at(slot, answer)
+                # The freest slot stays known while the change cannot have displaced it (argmax:
+                # the first of equals; NaN never arises, but would be argmax's answer: ask again).
+                if best is None or slot == best or math.isnan(value):
+                    best = None
+                elif value > freeness[best] or (value == freeness[best] and slot < best):
+                    best = slot
+            answer.freeness, answer.best = freeness, best
+
+    def _freeness_at(self, slot: int, question: _Answer) -> float:
+        """One entry of `dispatch_freeness`, the same operations in the same order (so the same float)."""
+        if slot == self._reserved:
+            return -math.inf
+        size = self._uniform_block_size or int(self._block_size[slot])
+        surplus = float(self._surplus[slot]) - -(-question.prompt_tokens // size)
+        if self._charged[question.priority]:
+            surplus -= float(self._charge[question.priority][slot])
+        if question.cached is not None:
+            surplus += float(question.cached[slot])
+        shared_by = float(self._shared_by[slot])
+        return surplus * shared_by if surplus < 0 else surplus / shared_by
 
     def interference(self, prompt_tokens: int, cached: np.ndarray | None = None) -> np.ndarray:
         """How much this request would interfere with each candidate's work, LMetric's measure:
@@ -200,3 +269,20 @@ class CandidateTable(Sequence[Candidate]):
 
     def __iter__(self) -> Iterator[Candidate]:
         return iter(self._candidates)
+
+
+class Reservation:
+    """A candidate reserved for a held request while a with block runs (cheaper than a generator's
+    context: it runs after every report while requests are held)."""
+
+    __slots__ = ("_table", "_slot")
+
+    def __init__(self, table: CandidateTable, slot: int) -> None:
+        self._table = table
+        self._slot = slot
+
+    def __enter__(self) -> None:
+        self._table.reserve(self._slot)
+
+    def __exit__(self, *_: object) -> None:
+        self._table.reserve(None)
