@@ -68,6 +68,8 @@ class IncrementalText:
         self._decoded = ""  # all text decoded so far (emitted or held back)
         self._emitted = 0  # characters of `_decoded` given out
         self.stopped = False
+        # The stop string found (vLLM's stop_reason), once one is.
+        self.stop_string: str | None = None
 
     @property
     def text(self) -> str:
@@ -103,10 +105,12 @@ class IncrementalText:
             return TextDelta("", stopped=True)
         # A stop string may straddle what was emitted and what is new: search from there.
         start = max(0, self._emitted - self._hold)
-        hits = [(i, len(s)) for i, s in ((self._decoded.find(s, start), s) for s in self._stop) if i >= 0]
+        # vLLM's choice among several found at once: the one that ends first, then the first listed.
+        hits = [(i + len(s), order, i, s)
+                for order, (i, s) in enumerate((self._decoded.find(s, start), s) for s in self._stop) if i >= 0]
         if hits:
-            at, length = min(hits)
-            end = at + length if self._include_stop else at
+            stop_end, _, at, self.stop_string = min(hits)
+            end = stop_end if self._include_stop else at
             self.stopped = True
             self._decoded = self._decoded[:end]
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import NamedTuple
 
 from prometheus_client import Gauge
@@ -62,9 +62,10 @@ class Generation:
     def __init__(self, backend: Backend, metrics: GatewayMetrics, endpoint: str,
                  request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, priority: Priority,
                  text: IncrementalText, retry_after: float, cache_salt: str | None,
-                 repetition: RepetitionDetection | None = None) -> None:
+                 repetition: RepetitionDetection | None = None, named_stops: Collection[int] = ()) -> None:
         """`retry_after`: the least a 429 for load asks the client to wait; `repetition`: vLLM's
-        repetition_detection, which ends the output where it repeats itself."""
+        repetition_detection, which ends the output where it repeats itself; `named_stops`: the
+        stop tokens a stop_reason names when one ends the output (`named_stop_token_ids`)."""
         self._backend = backend
         self._retry_after = retry_after
         self._request_id = request_id
@@ -75,6 +76,7 @@ class Generation:
         self._priority = priority
         self._cache_salt = cache_salt
         self._repetition = None if repetition is None else repetition.watch()
+        self._named_stops = frozenset(named_stops)
         self._text = text
         self._batches: TokenBatches | None = None
         self._finished = False  # by the engine: nothing to abort
@@ -83,6 +85,9 @@ class Generation:
         self._last_token: float | None = None
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop string or named stop token that ended it, or
+        # "repetition_detected"; None otherwise (the end-of-sequence token, max_tokens, ...).
+        self.stop_reason: int | str | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -148,13 +153,19 @@ class Generation:
                     text, stopped = text + rest.text, rest.stopped
                 yield Delta(text, start, self.num_output_tokens)
                 if stopped or repeated is not None:  # the engine still runs it: close() aborts it
+                    self.stop_reason = self._text.stop_string if stopped else "repetition_detected"
                     self._end("stop" if stopped else "repetition")
                     return
         except BackendUnavailable as exc:
             raise Unavailable(f"The request was lost: {exc}") from None
         self._finished = True
         rest = self._text.finish()
-        self._end("stop" if rest.stopped else _finish_reason(self._batches.finish_reason))
+        reason = self._batches.finish_reason
+        if rest.stopped:
+            self.stop_reason = self._text.stop_string
+        elif reason is FinishReason.STOP and self.token_ids and self.token_ids[-1] in self._named_stops:
+            self.stop_reason = self.token_ids[-1]
+        self._end("stop" if rest.stopped else _finish_reason(reason))
         if rest.text:
             yield Delta(rest.text, self.num_output_tokens, self.num_output_tokens)
 

@@ -42,6 +42,8 @@ class Choice(NamedTuple):
     tool_calls: Sequence[dict[str, Any]] = ()
     # Its output tokens (shown with vLLM's return_token_ids).
     token_ids: Sequence[int] = ()
+    # vLLM's stop_reason: the stop string or stop token that ended it (`Generation.stop_reason`).
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,12 @@ class ResponseFormat(ABC):
         return self._with_ids(self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs)]),
                               token_ids, first)
 
-    def final_chunk(self, index: int, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
-        return self._with_ids(self._envelope(self.chunk_object, [self._delta(index, None, finish_reason, None)]),
-                              (), first)
+    def final_chunk(self, index: int, finish_reason: str | None, first: bool = False,
+                    stop_reason: int | str | None = None) -> dict[str, Any]:
+        """The chunk that ends choice `index`, with vLLM's stop_reason (which only it carries in chat)."""
+        choice = self._delta(index, None, finish_reason, None)
+        choice["stop_reason"] = stop_reason
+        return self._with_ids(self._envelope(self.chunk_object, [choice]), (), first)
 
     def _with_ids(self, chunk: dict[str, Any], token_ids: Sequence[int], first: bool) -> dict[str, Any]:
         """A chunk with its tokens, and the prompt's on a completion choice's first (return_token_ids)."""
@@ -148,7 +153,7 @@ class CompletionFormat(ResponseFormat):
 
     def _choice(self, index: int, choice: Choice) -> dict[str, Any]:
         return {"index": index, "text": choice.text or "", "logprobs": choice.logprobs,
-                "finish_reason": choice.finish_reason}
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
     def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
         return self._choice(index, Choice(text, finish_reason, logprobs))
@@ -167,7 +172,8 @@ class ChatFormat(ResponseFormat):
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         if choice.tool_calls:
             message["tool_calls"] = list(choice.tool_calls)
-        return {"index": index, "message": message, "logprobs": choice.logprobs, "finish_reason": choice.finish_reason}
+        return {"index": index, "message": message, "logprobs": choice.logprobs, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
 
     def tool_chunk(self, index: int, text: str | None, calls: Sequence[dict[str, Any]],
                    logprobs: dict | None = None, token_ids: Sequence[int] = ()) -> dict[str, Any]:

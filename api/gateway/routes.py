@@ -45,7 +45,7 @@ from llumdask.api.gateway.schemas import (
     parse_tokenize,
 )
 from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
-from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer, stop_token_ids
+from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer, named_stop_token_ids, stop_token_ids
 from llumdask.api.gateway.tools import ToolCalling, ToolReader
 from llumdask.config import GatewayConfig
 from llumdask.engine.base import TokenLogprob
@@ -206,7 +206,8 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                                               include_stop=options.include_stop_str_in_output,
                                               skip_special_tokens=options.skip_special_tokens,
                                               stop_token_ids=sampling.stop_token_ids),
-                              gateway.settings.retry_after, options.cache_salt, options.repetition_detection)
+                              gateway.settings.retry_after, options.cache_salt, options.repetition_detection,
+                              named_stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos))
                    for i in range(options.best_of)]
     gateway.in_flight.acquire(len(generations))
     try:
@@ -250,9 +251,10 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
         if readers is not None:
             answer = readers[i].whole(text)
             body.append(Choice(answer.content, readers[i].finish_reason(g.finish_reason), logprobs, answer.calls,
-                               g.token_ids))
+                               g.token_ids, g.stop_reason))
         else:
-            body.append(Choice(text if echo is None else echo + text, g.finish_reason, logprobs, (), g.token_ids))
+            body.append(Choice(text if echo is None else echo + text, g.finish_reason, logprobs, (), g.token_ids,
+                               g.stop_reason))
     scored = None
     if sampling.prompt_logprobs is not None:
         scored = prompt_logprobs(gateway.tokenizer, prompt_ids, generations[0].prompt_logprobs)
@@ -315,7 +317,8 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
     async def events() -> AsyncGenerator[bytes, None]:
         for i, choice in enumerate(choices):
             for chunk in (*fmt.opening_chunks(i), fmt.text_chunk(i, choice.text, choice.logprobs, choice.token_ids,
-                                                                 first=True), fmt.final_chunk(i, choice.finish_reason)):
+                                                                 first=True),
+                          fmt.final_chunk(i, choice.finish_reason, stop_reason=choice.stop_reason)):
                 yield event(chunk)
         if options.include_usage:
             yield event(fmt.usage_chunk(usage))
@@ -330,10 +333,11 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
 
 def beam_choice(tokenizer: Tokenizer, fmt: ResponseFormat, beam: Beam, options: GenerationOptions,
                 echo: str | None, reader: ToolReader | None) -> Choice:
-    """One beam as a choice: an end of sequence ends its text, and is among its token ids (and
-    log probabilities) only with include_stop_str_in_output, as in vLLM; read as tool calls
-    where the request offered tools."""
+    """One beam as a choice: an end of sequence ends its text, is its stop_reason, and is among its
+    token ids (and log probabilities) only with include_stop_str_in_output, as in vLLM; read as
+    tool calls where the request offered tools."""
     ended = beam.finish_reason == "stop"
+    stop_reason = beam.tokens[-1] if ended else None
     said = beam.tokens[:-1] if ended else beam.tokens
     ids = beam.tokens if ended and options.include_stop_str_in_output else said
     text = tokenizer.decode(said, skip_special_tokens=options.skip_special_tokens)
@@ -343,8 +347,8 @@ def beam_choice(tokenizer: Tokenizer, fmt: ResponseFormat, beam: Beam, options: 
         logprobs = fmt.logprobs(tokenizer, ids, entries, 0)
     if reader is not None:
         answer = reader.whole(text)
-        return Choice(answer.content, reader.finish_reason(beam.finish_reason), logprobs, answer.calls, ids)
-    return Choice(text if echo is None else echo + text, beam.finish_reason, logprobs, (), ids)
+        return Choice(answer.content, reader.finish_reason(beam.finish_reason), logprobs, answer.calls, ids, stop_reason)
+    return Choice(text if echo is None else echo + text, beam.finish_reason, logprobs, (), ids, stop_reason)
 
 
 def best(n: int, generations: Sequence[Generation]) -> list[int]:
@@ -420,7 +424,7 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
                 if last:
                     yield event(fmt.tool_chunk(index, None, [c.to_dict() for c in last]))  # type: ignore[attr-defined]
                 finish_reason = readers[index].finish_reason(finish_reason)
-            yield event(fmt.final_chunk(index, finish_reason, first(index)))
+            yield event(fmt.final_chunk(index, finish_reason, first(index), g.stop_reason))
             return
         entries = g.logprobs(delta.start, delta.end) if wanted else ()
         token_ids = g.token_ids[delta.start:delta.end]

@@ -208,6 +208,13 @@ def stop_token_ids(tokenizer: Tokenizer, requested: Sequence[int], ignore_eos: b
     return tuple(ids)
 
 
+def named_stop_token_ids(tokenizer: Tokenizer, requested: Sequence[int], ignore_eos: bool) -> frozenset[int]:
+    """The stop tokens a choice's stop_reason names when one ends it (vLLM's rule): the requested
+    ones, less the end-of-sequence token unless `ignore_eos` (vLLM ends on it first, unnamed)."""
+    eos = tokenizer.eos_token_id
+    return frozenset(t for t in requested if ignore_eos or t != eos)
+
+
 def read_chat_template(value: str | Path) -> str:
     """A `--chat-template` value as vLLM reads it: a file's text, or the value itself when it is a template."""
     path = Path(value)

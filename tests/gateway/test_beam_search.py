@@ -193,6 +193,15 @@ def test_the_gateway_sends_one_request_per_beam_and_step_and_answers_the_best(be
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == tokenizer.decode([script[0]] * 2)
 
 
+def test_a_beam_the_end_of_sequence_ended_names_it_as_its_stop_reason(beam_client, backend, tokenizer):
+    """vLLM's beam search names the end-of-sequence token as the stop_reason of a beam it ended."""
+    backend.script = [tokenizer.eos_token_id]
+    body = beam_client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "n": 2,
+                                                     "use_beam_search": True, "temperature": 0}).json()
+    reasons = {(c["finish_reason"], c["stop_reason"]) for c in body["choices"]}
+    assert ("stop", tokenizer.eos_token_id) in reasons and reasons <= {("stop", tokenizer.eos_token_id), ("length", None)}
+
+
 @pytest.mark.parametrize("fields, param, words", [
     ({"stream": True}, "stream", "cannot be streamed"),
     ({"presence_penalty": 0.5, "messages": True}, "presence_penalty", "does not apply"),

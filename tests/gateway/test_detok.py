@@ -54,6 +54,25 @@ def test_stop_string_cuts_before_its_first_occurrence(tokenizer, tokens, cuts, d
     assert all(d.text == "" for d in deltas[stopped_at + 1 :])
 
 
+@settings(max_examples=300)
+@given(tokens=token_lists, cuts=cut_lists, data=st.data())
+def test_of_several_stop_strings_the_one_ending_first_stops_as_in_vllm(tokenizer, tokens, cuts, data):
+    """vLLM's rule (its check_stop_strings): of the stop strings found, the one that ends first in
+    the text, then the first listed; it is the stop_reason, however the tokens arrive."""
+    full = tokenizer.decode(tokens)
+    pieces = st.builds(lambda i, n: full[i % len(full):][:n], st.integers(0, 10**6), st.integers(1, 5)) if full else st.nothing()
+    stops = data.draw(st.lists(st.one_of(pieces, st.text(min_size=1, max_size=3)), min_size=1, max_size=4, unique=True))
+    include = data.draw(st.booleans())
+    text, deltas = run(tokenizer, batches_of(tokens, cuts), stops, include_stop=include)
+    found = [(full.find(s) + len(s), order, s) for order, s in enumerate(stops) if s in full]
+    if not found:
+        assert text.stop_string is None and text.text == full
+        return
+    end, _, stop = min(found)
+    assert text.stop_string == stop
+    assert "".join(d.text for d in deltas) == text.text == full[: end if include else end - len(stop)]
+
+
 def test_partial_characters_are_held_back_until_complete(tokenizer):
     tokens = tokenizer.encode("caf\u00e9 \u20ac", add_special_tokens=False)
     text = IncrementalText(tokenizer)

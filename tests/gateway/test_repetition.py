@@ -78,6 +78,7 @@ def test_an_answer_ends_where_it_repeats_itself(make_client, backend, tokenizer,
             "repetition_detection": {"max_pattern_size": 2, "min_count": 3}}
     choice = client.post("/v1/completions", json=body).json()["choices"][0]
     assert choice["finish_reason"] == "repetition" and choice["token_ids"] == REPEATING[:7]
+    assert choice["stop_reason"] == "repetition_detected"  # vLLM's
     assert choice["text"] == tokenizer.decode(REPEATING[:7]) and len(choice["logprobs"]["tokens"]) == 7
     assert backend.aborted == [backend.submitted[0].request_id]  # the engine would go on: stopped
     chunks = client.post("/v1/completions", json={**body, "stream": True})

@@ -177,7 +177,8 @@ def test_chat_stream_announces_the_role_then_content(client, tokenizer, script):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == tokenizer.decode(script[:6])
-    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
+                                        "stop_reason": None}
     assert "usage" not in chunks[-1]  # not asked for
 
 
@@ -745,3 +746,40 @@ def test_without_return_token_ids_no_response_shows_ids(client):
         for stream in (False, True):
             r = client.post(path, json={"model": MODEL, "max_tokens": 3, "stream": stream, **body})
             assert r.status_code == 200 and "token_ids" not in r.text
+
+
+def test_stop_reason_names_what_ended_each_choice_as_vllm(make_client, backend, script, tokenizer):
+    """vLLM's stop_reason: the stop string that ended a choice, or the requested stop token; null for
+    the end-of-sequence token (unless ignore_eos and asked for), max_tokens or an abort. In every
+    completion chunk (null until the last), in chat only in the last."""
+    eos = tokenizer.eos_token_id
+    assert tokenizer.decode(script[:6]) == "The quick brown"
+    backend.script = [*script[:6], eos, *script[6:]]
+    client = make_client(backend)
+    base = {"model": MODEL, "prompt": "Hi", "max_tokens": 30}
+
+    def choice(**fields):
+        return client.post("/v1/completions", json={**base, **fields}).json()["choices"][0]
+
+    # Of two stop strings found in one batch, the one that ends first (vLLM's rule), as when the
+    # tokens come one by one.
+    for backend.batch_size in (6, 1):
+        stopped = choice(stop=["he quick b", "quick"])
+        assert (stopped["text"], stopped["stop_reason"], stopped["finish_reason"]) == ("The ", "quick", "stop")
+    assert (choice(stop_token_ids=[script[3]])["stop_reason"], choice(stop_token_ids=[script[3]])["finish_reason"]) == \
+        (script[3], "stop")
+    assert (choice()["stop_reason"], choice()["finish_reason"]) == (None, "stop")  # the end of sequence
+    assert choice(stop_token_ids=[eos])["stop_reason"] is None  # ended as the end of sequence first
+    assert choice(stop_token_ids=[eos], ignore_eos=True)["stop_reason"] == eos
+    assert (choice(max_tokens=2)["stop_reason"], choice(max_tokens=2)["finish_reason"]) == (None, "length")
+
+    stream = sse_payloads(client.post("/v1/completions", json={**base, "stop": "brown", "stream": True}))
+    assert [c["choices"][0]["stop_reason"] for c in stream] == [None] * (len(stream) - 1) + ["brown"]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "stop": ["quick"]}).json()
+    assert chat["choices"][0]["stop_reason"] == "quick" and list(chat["choices"][0])[3:5] == ["finish_reason", "stop_reason"]
+    chunks = sse_payloads(client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                    "stop_token_ids": [script[2]], "stream": True}))
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop",
+                                        "stop_reason": script[2]}
+    assert not any("stop_reason" in c["choices"][0] for c in chunks[:-1])

@@ -772,12 +772,17 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
     # its online one ranks by the sum: the same order unless a live beam ends in an end of
     # sequence, which only ignore_eos allows, so neither search ignores it.
     beam_options = {"beam_width": 3, "max_tokens": 6, "length_penalty": 0.5, "include_stop_str_in_output": True}
+    # Two stop strings from the greedy answer; the second ends first in it, so vLLM stops there.
+    answer = result.choices[0].text
+    assert len(answer) >= 12
+    stops = [answer[2:12], answer[5:9]]
     expected, logprobs, beams = plain_vllm(
         server.model_dir, [(server.tokenizer.encode(p), n) for p, n in zip(prompts, (24, 40))]
         + [(chat_prompt, 32, vllm_sampling), (chat_prompt, 32),
            (server.tokenizer.encode(prompts[1]), 6, {"logprobs": 2, "prompt_logprobs": 2}),
            (chat_prompt_1, 6, {"logprobs": 3, "prompt_logprobs": 1}),
-           (server.tokenizer.encode(prompts[1]), 40, {"repetition_detection": REPEATS})],
+           (server.tokenizer.encode(prompts[1]), 40, {"repetition_detection": REPEATS}),
+           (server.tokenizer.encode(prompts[0]), 24, {"stop": stops})],
         beams=[[server.tokenizer.encode(prompts[0]), beam_options],
                [chat_prompt, {**beam_options, "include_stop_str_in_output": False}]])
     prompt_ids = server.tokenizer.encode(prompts[1])
@@ -823,6 +828,13 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
                                                      "repetition_detection": REPEATS}).choices[0]
     assert repeated.model_extra["token_ids"] == expected[6] and len(expected[6]) < 40
     assert repeated.finish_reason == "repetition"
+    assert (repeated.model_extra["stop_reason"], logprobs[6]["stop_reason"]) == ("repetition_detected",) * 2
+    # Stop strings: where plain vLLM stops, with its stop_reason.
+    by_strings = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=24, temperature=0, stop=stops,
+                                           extra_body={"ignore_eos": True}).choices[0]
+    assert (by_strings.text, by_strings.finish_reason, by_strings.model_extra["stop_reason"]) == (
+        logprobs[7]["text"], logprobs[7]["finish_reason"], logprobs[7]["stop_reason"]) == (
+        answer[:answer.find(stops[1])], "stop", stops[1])
     # vLLM's beam search: its three best beams, as vLLM's own search finds them.
     searched = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6, temperature=0, n=3,
                                          extra_body={"use_beam_search": True, "length_penalty": 0.5,
@@ -860,6 +872,7 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
             model=MODEL, prompt=prompts[0], max_tokens=24, temperature=0,
             extra_body={"ignore_eos": True, "stop_token_ids": [stop], "include_stop_str_in_output": include})
         assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == first + 1
+        assert stopped.choices[0].model_extra["stop_reason"] == stop  # vLLM's stop_reason
         assert stopped.choices[0].text == server.tokenizer.decode(expected[0][:first + include])
     # Structured outputs through vLLM's guided decoding: the answer parses and fits the schema.
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],

@@ -2,7 +2,7 @@
 llumdask code, no connector): the reference llumdask's engine must reproduce token for token.
 
 Usage: python plain_vllm.py MODEL_DIR ENGINE_ARGS_JSON PROMPTS_JSON [BEAMS_JSON] -> JSON list of
-token lists. PROMPTS_JSON is a list of [prompt token ids, max_tokens] or [prompt token ids,
+token lists (then log probabilities and how each ended, tagged lines). PROMPTS_JSON is a list of [prompt token ids, max_tokens] or [prompt token ids,
 max_tokens, {more vLLM sampling parameters}]; BEAMS_JSON a list of [prompt token ids, {vLLM's
 BeamSearchParams}], each searched by vLLM's own beam search (its best beams' generated tokens and
 summed log probabilities).
@@ -27,10 +27,12 @@ def main() -> None:
     )
     print("PLAIN-VLLM-OUTPUT " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
     # Where asked for: [own logprob, [[token id, logprob] of the top ones by rank], own rank, own
-    # decoded text, [[token id, logprob] of every entry, in vLLM's order]] per position.
+    # decoded text, [[token id, logprob] of every entry, in vLLM's order]] per position; and how
+    # each output ended, with its text.
     print("PLAIN-VLLM-LOGPROBS " + json.dumps([
         {"logprobs": positions(o.outputs[0].logprobs, o.outputs[0].token_ids, len(prompt) > 2 and prompt[2].get("logprobs")),
-         "prompt_logprobs": positions(o.prompt_logprobs, prompt[0], len(prompt) > 2 and prompt[2].get("prompt_logprobs"))}
+         "prompt_logprobs": positions(o.prompt_logprobs, prompt[0], len(prompt) > 2 and prompt[2].get("prompt_logprobs")),
+         "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason, "text": o.outputs[0].text}
         for o, prompt in zip(outputs, prompts)]))
     if len(sys.argv) > 4:
         from vllm.sampling_params import BeamSearchParams
