@@ -433,7 +433,7 @@ class GlobalScheduler:
                     # Most reports change nothing for the queue: one comparison tells.
                     if held.smallest_need() <= room:
                         for later in itertools.islice(held, 1, None):
-                            if later.need <= room:
+                            if later.need <= room and self._might_keep_hold(candidates, later.info):
                                 target = self._place_held(candidates, later.info, now)
                                 if target is not None:
                                     chosen = later
@@ -575,6 +575,15 @@ class GlobalScheduler:
         if slot is None or float(freeness[slot]) < hold:
             return None
         return self._place(candidates, info, chosen, now)
+
+    def _might_keep_hold(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
+        """False where `_place_held` would surely find no room for the request: a bound that
+        spares the full computation (its cached blocks, where any candidate holds some, count)."""
+        hold = self._config.dispatch.hold_freeness
+        assert hold is not None
+        if self._cached(candidates, info) is not None:
+            return True
+        return candidates.could_keep(hold, info.num_prompt_tokens, info.execution_priority)
 
     def _uncached_tokens(self, candidates: CandidateTable, info: DispatchInfo) -> int:
         """The prompt tokens the request needs room for wherever it goes: less the longest prefix

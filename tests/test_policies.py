@@ -629,3 +629,19 @@ def test_the_candidate_tables_kept_answer_is_a_fresh_tables_after_every_change(s
         expected = fresh.dispatch_freeness(prompt, priority, cached)
         assert table.dispatch_freeness(prompt, priority, cached).tolist() == expected.tolist()
         assert table.freest(prompt, priority, cached) == int(np.argmax(expected))
+
+
+@given(st.lists(_SPEC, min_size=1, max_size=5), st.integers(1, 3000), st.sampled_from(list(Priority)),
+       st.sampled_from([0.5, 1.0, 1.5, 2.0, 7.25]), st.one_of(st.none(), st.integers(0, 4)))
+def test_could_keep_turns_away_only_requests_no_candidate_keeps_the_freeness_for(specs, prompt, priority, hold, reserved):
+    """The held queue's cheap bound: never False where some unreserved candidate would keep `hold`
+    (uniform block sizes: the bound's case); where it says True, one keeps nearly as much."""
+    views = [_spec_view(k, (*spec[:-1], 16)) for k, spec in enumerate(specs)]
+    table = CandidateTable(views)
+    table.reserve(None if reserved is None else reserved % len(views))
+    freeness = table.dispatch_freeness(prompt, priority)
+    if table.could_keep(hold, prompt, priority):
+        assert freeness.max() >= hold * (1 - 1e-6) - 1e-6
+    else:
+        assert freeness.max() < hold
+    assert not table.could_keep(hold, 100 * 16 + 1, priority)  # more than any candidate's memory

@@ -10,7 +10,6 @@ one instance at a time (a test keeps the two equal).
 
 from __future__ import annotations
 
-import math
 from typing import Iterator, Protocol, Sequence, overload
 
 import numpy as np
@@ -41,10 +40,6 @@ class Candidate(Protocol):
     def absent_charge(self, priority: Priority) -> int:
         """Blocks of headroom an arriving request of this execution priority adds here: its class's
         headroom if none of its class runs (or is on its way) here, else 0."""
-
-
-# Answers of `dispatch_freeness` a table keeps: the first held request's and the latest other's.
-_KEPT_ANSWERS = 2
 
 
 class _Answer:
@@ -93,10 +88,11 @@ class CandidateTable(Sequence[Candidate]):
         # Candidates charged each class's headroom: a column of zeros is not worth a pass.
         self._charged = dict.fromkeys(Priority, 0)
         self._slots = {c.instance_id: k for k, c in enumerate(self._candidates)}
-        # The last `dispatch_freeness` answers, newest first, kept up to date as candidates change:
-        # admission and the policy of one dispatch ask the same, and the first held request asks
-        # after every report (a later one in between).
-        self._answers: list[_Answer] = []
+        # The last `dispatch_freeness` answer, until a candidate changes: admission and the policy
+        # of one dispatch ask the same.
+        self._last: _Answer | None = None
+        # `most_spare`'s last answer ((priority, freeness), blocks), until a candidate changes.
+        self._spare: tuple[tuple[Priority, float], float] | None = None
         # A slot kept for a held request (`llumdask.holding`): no other request may go there.
         self._reserved: int | None = None
         for candidate in self._candidates:
@@ -106,7 +102,7 @@ class CandidateTable(Sequence[Candidate]):
         """Take a candidate's current terms (no-op for an instance not in the table)."""
         slot = self._slots.get(candidate.instance_id)
         if slot is not None:
-            self._last_hits = None
+            self._last = self._last_hits = self._spare = None
             self._surplus[slot] = candidate.dispatch_surplus
             self._shared_by[slot] = candidate.dispatch_requests + 1
             self._prefill_tokens[slot] = candidate.load.pending_prefill_tokens + candidate.pending_prompt_tokens
@@ -115,7 +111,6 @@ class CandidateTable(Sequence[Candidate]):
                 charge = candidate.absent_charge(priority)
                 self._charged[priority] += bool(charge) - bool(column[slot])
                 column[slot] = charge
-            self._patch(slot)
 
     def slot(self, instance_id: str) -> int | None:
         """The candidate's position in the table (None if it is not one)."""
@@ -140,8 +135,8 @@ class CandidateTable(Sequence[Candidate]):
         """Keep the candidate at `slot` for a held request (None: for none): its dispatch freeness
         reads -inf for every other request until then."""
         if slot != self._reserved:
-            previous, self._reserved = self._reserved, slot
-            self._patch(previous, slot)
+            self._reserved = slot
+            self._last = self._spare = None
 
     def reserved(self, slot: int) -> "Reservation":
         """`reserve(slot)` for the length of a with block."""
@@ -161,12 +156,29 @@ class CandidateTable(Sequence[Candidate]):
             answer.best = int(np.argmax(answer.freeness))
         return answer.best
 
+    def could_keep(self, freeness: float, prompt_tokens: int, priority: Priority) -> bool:
+        """Whether some candidate not reserved might keep `freeness` (> 0) with this request, its
+        cached blocks not counted: False only where `dispatch_freeness` is below it everywhere. One
+        bound per priority between changes, then O(1) a request: held requests passing the first
+        ask after every report, and nearly all are turned away."""
+        if freeness <= 0 or self._uniform_block_size is None:
+            return True
+        spare = self._spare
+        if spare is None or spare[0] != (priority, freeness):
+            # The blocks each could give a request and still keep `freeness` (a request's F is its
+            # surplus over the requests sharing it), widened so that rounding never turns one away.
+            room = self._surplus - freeness * self._shared_by * (1 - 1e-9) + 1e-6
+            if self._charged[priority]:
+                room -= self._charge[priority]
+            if self._reserved is not None:
+                room[self._reserved] = -np.inf
+            spare = self._spare = ((priority, freeness), float(room.max()))
+        return -(-prompt_tokens // self._uniform_block_size) <= spare[1]
+
     def _answer(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None) -> _Answer:
-        """A kept answer to this question, or a new one (kept in place of the oldest)."""
-        answers = self._answers
-        for answer in answers:
-            if answer.prompt_tokens == prompt_tokens and answer.priority is priority and answer.cached is cached:
-                return answer
+        last = self._last
+        if last is not None and last.prompt_tokens == prompt_tokens and last.priority is priority and last.cached is cached:
+            return last
         # As few passes over the columns as the request needs: right after a burst of reports they
         # are out of the CPU's caches, and each pass costs several times what it does warm.
         size = self._uniform_block_size
@@ -180,40 +192,8 @@ class CandidateTable(Sequence[Candidate]):
         np.multiply(surplus, self._shared_by, out=freeness, where=surplus < 0)
         if self._reserved is not None:
             freeness[self._reserved] = -np.inf
-        answer = _Answer(prompt_tokens, priority, cached, freeness)
-        answers.insert(0, answer)
-        del answers[_KEPT_ANSWERS:]
-        return answer
-
-    def _patch(self, *slots: int | None) -> None:
-        """Bring the kept answers up to date at `slots`; each is copied, as a caller may still
-        read the earlier one."""
-        for answer in self._answers:
-            freeness, best = answer.freeness.copy(), answer.best
-            for slot in slots:
-                if slot is None:
-                    continue
-                value = freeness[slot] = self._freeness_at(slot, answer)
-                # The freest slot stays known while the change cannot have displaced it (argmax:
-                # the first of equals; NaN never arises, but would be argmax's answer: ask again).
-                if best is None or slot == best or math.isnan(value):
-                    best = None
-                elif value > freeness[best] or (value == freeness[best] and slot < best):
-                    best = slot
-            answer.freeness, answer.best = freeness, best
-
-    def _freeness_at(self, slot: int, question: _Answer) -> float:
-        """One entry of `dispatch_freeness`, the same operations in the same order (so the same float)."""
-        if slot == self._reserved:
-            return -math.inf
-        size = self._uniform_block_size or int(self._block_size[slot])
-        surplus = float(self._surplus[slot]) - -(-question.prompt_tokens // size)
-        if self._charged[question.priority]:
-            surplus -= float(self._charge[question.priority][slot])
-        if question.cached is not None:
-            surplus += float(question.cached[slot])
-        shared_by = float(self._shared_by[slot])
-        return surplus * shared_by if surplus < 0 else surplus / shared_by
+        self._last = _Answer(prompt_tokens, priority, cached, freeness)
+        return self._last
 
     def interference(self, prompt_tokens: int, cached: np.ndarray | None = None) -> np.ndarray:
         """How much this request would interfere with each candidate's work, LMetric's measure:
