@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat template for /v1/chat/completions: a file, the template itself, or the name of "
                         "one of the model's templates (default: the model's, tool_use for requests with tools "
                         "where it has one)")
+    p.add_argument("--generation-config", metavar="auto|vllm|DIR", default=None,
+                   help="sampling defaults for what a request leaves out, as vLLM's server takes them: auto, the "
+                        "model's generation_config.json; vllm, none; or a directory holding another file; the "
+                        "file's end-of-sequence tokens end answers either way (default: auto, vllm on the sim "
+                        "engine, whose tokens are random draws)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length, for the gateway and the vLLM engine (default: what the model declares)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
@@ -285,6 +290,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
     from llumdask.api.gateway import ModelInfo, create_app
     from llumdask.api.gateway.dask_backend import DaskBackend
+    from llumdask.api.gateway.generation_config import default_source, read_generation_config
     from llumdask.api.gateway.tokenizer import load_tokenizer, model_location
     from llumdask.api.gateway.tools import ToolCalling, tool_parser_class
 
@@ -352,9 +358,11 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             engine = None
             address, dashboard, where = args.scheduler, None, f"the cluster at {args.scheduler}"
 
+        source = args.generation_config or default_source(engine)
         app = create_app(
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
-            tokenizer, settings, ToolCalling(model, settings.tool_call_parser, engine))
+            tokenizer, settings, ToolCalling(model, settings.tool_call_parser, engine),
+            read_generation_config(model, source))
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)

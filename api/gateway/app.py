@@ -17,6 +17,7 @@ from llumdask.api.gateway.auth import APIKeys, AuthMiddleware
 from llumdask.api.gateway.backend import Backend
 from llumdask.api.gateway.errors import EXCEPTION_HANDLERS
 from llumdask.api.gateway.generation import InFlight
+from llumdask.api.gateway.generation_config import GenerationDefaults
 from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.rate_limits import RateLimits
 from llumdask.api.gateway.routes import ROUTES, Gateway
@@ -28,10 +29,12 @@ BackendFactory = Callable[[], AbstractAsyncContextManager[Backend]]
 
 
 def create_app(open_backend: BackendFactory, tokenizer: Tokenizer,
-               settings: GatewayConfig | None = None, tools: ToolCalling | None = None) -> Starlette:
+               settings: GatewayConfig | None = None, tools: ToolCalling | None = None,
+               generation: GenerationDefaults | None = None) -> Starlette:
     """An OpenAI-compatible app serving the model of the backend that `open_backend()` opens;
     `settings`: the ``llumdask.gateway`` section (dask.config's when None); `tools`: how chat
-    requests with tools are read (without a tool-call parser when None: tool_choice "auto" is a 400)."""
+    requests with tools are read (without a tool-call parser when None: tool_choice "auto" is a 400);
+    `generation`: the model's generation config (`read_generation_config`; none when None)."""
     settings = settings if settings is not None else load_config().gateway
     tools = tools if tools is not None else ToolCalling()
     metrics = GatewayMetrics()
@@ -41,7 +44,8 @@ def create_app(open_backend: BackendFactory, tokenizer: Tokenizer,
         async with open_backend() as backend:
             in_flight = InFlight(settings.max_in_flight, settings.retry_after, metrics.in_flight)
             limits = RateLimits(settings.requests_per_minute, settings.tokens_per_minute)
-            yield {"gateway": Gateway(backend, tokenizer, settings, metrics, in_flight, limits, tools)}
+            yield {"gateway": Gateway(backend, tokenizer, settings, metrics, in_flight, limits, tools,
+                                      generation or GenerationDefaults())}
 
     return Starlette(
         routes=ROUTES,

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -28,6 +28,7 @@ from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
 from llumdask.api.gateway.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unavailable, unexpected
 from llumdask.api.gateway.fim import fill_in_the_middle
 from llumdask.api.gateway.detok import IncrementalText
+from llumdask.api.gateway.generation_config import GenerationDefaults
 from llumdask.api.gateway.generation import Delta, Generation, InFlight, merged_deltas, total_usage
 from llumdask.api.gateway.logprobs import prompt_logprobs, within_top
 from llumdask.api.gateway.metrics import GatewayMetrics
@@ -43,6 +44,7 @@ from llumdask.api.gateway.schemas import (
     parse_detokenize,
     parse_priority,
     parse_tokenize,
+    with_model_defaults,
 )
 from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
 from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer, named_stop_token_ids, stop_token_ids
@@ -69,6 +71,8 @@ class Gateway:
     in_flight: InFlight
     rate_limits: RateLimits
     tools: ToolCalling
+    # The model's generation config, as vLLM's server applies it (api/gateway/generation_config.py).
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 Handler = Callable[[Request, Gateway], Awaitable[Response]]
@@ -193,6 +197,7 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
     `readers`: one per generation, reading its answer as tool calls (chat with tools)."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
+    options = with_model_defaults(options, gateway.generation)
     sampling = sampling_params(gateway, options, len(prompt_ids))
     if options.use_beam_search:
         return await generate_beams(request, gateway, fmt, request_id, prompt_ids, options, sampling.max_tokens, echo,
@@ -207,7 +212,8 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                                               skip_special_tokens=options.skip_special_tokens,
                                               stop_token_ids=sampling.stop_token_ids),
                               gateway.settings.retry_after, options.cache_salt, options.repetition_detection,
-                              named_stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos))
+                              named_stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos,
+                                                   gateway.generation.eos_token_ids))
                    for i in range(options.best_of)]
     gateway.in_flight.acquire(len(generations))
     try:
@@ -463,7 +469,12 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
 
 
 def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tokens: int) -> SamplingParams:
-    max_tokens = max_tokens_within_context(options.max_tokens, num_prompt_tokens, gateway.backend.model.max_context)
+    model = gateway.generation
+    requested = options.max_tokens
+    if model.caps_max_tokens and requested is not None and model.max_tokens is not None:
+        requested = min(requested, model.max_tokens)
+    max_tokens = max_tokens_within_context(requested, num_prompt_tokens, gateway.backend.model.max_context,
+                                           model.max_tokens)
     check_token_ids(options.stop_token_ids, gateway.tokenizer.vocab_size, "stop_token_ids")
     extra = options.sampling
     if extra.get("min_tokens", 0) > max_tokens:
@@ -475,7 +486,8 @@ def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tok
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
                               seed=options.seed, ignore_eos=options.ignore_eos,
-                              stop_token_ids=stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos),
+                              stop_token_ids=stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos,
+                                                            gateway.generation.eos_token_ids),
                               logprobs=options.logprobs, prompt_logprobs=computed_prompt_logprobs(options),
                               **extra)
     except ValueError as exc:  # options each valid alone that do not go together (SamplingParams says which)
@@ -491,15 +503,17 @@ def computed_prompt_logprobs(options: GenerationOptions) -> int | None:
     return options.logprobs if echoed else None
 
 
-def max_tokens_within_context(requested: int | None, num_prompt_tokens: int, max_context: int) -> int:
-    """`requested`, or all the room left in the context when None; 400 with the numbers if it does not fit."""
+def max_tokens_within_context(requested: int | None, num_prompt_tokens: int, max_context: int,
+                              default: int | None = None) -> int:
+    """`requested`, or when None the room left in the context (at most the model's `default`, as
+    vLLM's server caps it); 400 with the numbers if it does not fit."""
     if num_prompt_tokens >= max_context:
         raise InvalidRequest(
             f"This model's maximum context length is {max_context} tokens, but the prompt has "
             f"{num_prompt_tokens} tokens, which leaves no room for a completion",
             param="prompt", code="context_length_exceeded")
     if requested is None:
-        return max_context - num_prompt_tokens
+        return min(max_context - num_prompt_tokens, default or max_context)
     if num_prompt_tokens + requested > max_context:
         raise InvalidRequest(
             f"This model's maximum context length is {max_context} tokens. However, you requested "

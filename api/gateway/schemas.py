@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llumdask.api.gateway.detok import check_stop
 from llumdask.api.gateway.errors import InvalidRequest
+from llumdask.api.gateway.generation_config import GenerationDefaults
 from llumdask.api.gateway.json_schema import check_schema
 from llumdask.api.gateway.repetition import MAX_PATTERN_SIZE, RepetitionDetection
 from llumdask.api.gateway.tools import ToolUse, assistant_calls, parse_tool_use
@@ -56,8 +57,9 @@ class GenerationOptions:
     model: str
     # None: up to the model's context (chat); completions default to 16 as OpenAI's do.
     max_tokens: int | None
-    temperature: float
-    top_p: float
+    # None: not given (the model's generation config decides, else OpenAI's 1: `with_model_defaults`).
+    temperature: float | None
+    top_p: float | None
     seed: int | None
     stop: tuple[str, ...]
     # vLLM's: the text ends with the stop string found; special tokens have text.
@@ -327,8 +329,8 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
     return GenerationOptions(
         model=_str(body, "model"),
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
-        top_p=_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True),
+        temperature=_number(body, "temperature", None, minimum=0.0, maximum=2.0),
+        top_p=_number(body, "top_p", None, minimum=0.0, maximum=1.0, exclusive_minimum=True),
         seed=_int(body, "seed", minimum=0, maximum=MAX_SEED) if body.get("seed") is not None else None,
         stop=_stop(body.get("stop")),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
@@ -354,6 +356,17 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
         repetition_detection=_repetition_detection(body.get("repetition_detection")),
         length_penalty=_number(body, "length_penalty", 1.0, minimum=-math.inf, maximum=math.inf),
     )
+
+
+def with_model_defaults(options: GenerationOptions, defaults: GenerationDefaults) -> GenerationOptions:
+    """vLLM's server's precedence for sampling options: the request's value, else the model's
+    generation config's, else OpenAI's (temperature and top_p 1; the others the engine's)."""
+    model = defaults.sampling
+    return replace(
+        options,
+        temperature=next(v for v in (options.temperature, model.get("temperature"), 1.0) if v is not None),
+        top_p=next(v for v in (options.top_p, model.get("top_p"), 1.0) if v is not None),
+        sampling={**{k: v for k, v in model.items() if k not in ("temperature", "top_p")}, **options.sampling})
 
 
 def _field_of(sampling_option: str, body: Mapping[str, Any]) -> str:
@@ -415,7 +428,7 @@ def _check_beam_search(options: GenerationOptions, body: Mapping[str, Any], *, c
         raise InvalidRequest("echo with logprobs needs the prompt's log probabilities, which beam search does not "
                              "compute (as in vLLM)", param="echo", code="invalid_value")
     unapplied = {"best_of": options.best_of != options.n, "stop": bool(options.stop), "seed": options.seed is not None,
-                 "stop_token_ids": bool(options.stop_token_ids), "top_p": options.top_p != 1.0,
+                 "stop_token_ids": bool(options.stop_token_ids), "top_p": options.top_p not in (None, 1.0),
                  "prompt_logprobs": options.prompt_logprobs is not None,
                  "repetition_detection": options.repetition_detection is not None,
                  "tool_choice": tools and body.get("tool_choice") not in (None, "auto"),
@@ -719,8 +732,8 @@ def _int(body: Mapping[str, Any], name: str, *, minimum: int, maximum: int | Non
     return value
 
 
-def _number(body: Mapping[str, Any], name: str, default: float, *, minimum: float, maximum: float,
-            exclusive_minimum: bool = False) -> float:
+def _number(body: Mapping[str, Any], name: str, default: float | None, *, minimum: float, maximum: float,
+            exclusive_minimum: bool = False) -> float | None:
     value = body.get(name)
     if value is None:
         return default

@@ -198,21 +198,25 @@ def model_location(model: str | None) -> str:
     return str(Path(model).resolve()) if Path(model).is_dir() else model
 
 
-def stop_token_ids(tokenizer: Tokenizer, requested: Sequence[int], ignore_eos: bool) -> tuple[int, ...]:
+def stop_token_ids(tokenizer: Tokenizer, requested: Sequence[int], ignore_eos: bool,
+                   model_eos: Sequence[int] = ()) -> tuple[int, ...]:
     """The token ids that end a generation: the requested ones and, unless `ignore_eos`, the
-    model's end-of-sequence token (the engine knows only ids, not the model's conventions)."""
+    model's end-of-sequence tokens (the tokenizer's, and `model_eos`: its generation config's), as
+    vLLM ends one (the engine knows only ids, not the model's conventions)."""
     ids = list(requested)
-    eos = tokenizer.eos_token_id
-    if eos is not None and not ignore_eos and eos not in ids:
-        ids.append(eos)
-    return tuple(ids)
+    if not ignore_eos:
+        ids += [t for t in (tokenizer.eos_token_id, *model_eos) if t is not None and t not in ids]
+    return tuple(dict.fromkeys(ids))
 
 
-def named_stop_token_ids(tokenizer: Tokenizer, requested: Sequence[int], ignore_eos: bool) -> frozenset[int]:
+def named_stop_token_ids(tokenizer: Tokenizer, requested: Sequence[int], ignore_eos: bool,
+                         model_eos: Sequence[int] = ()) -> frozenset[int]:
     """The stop tokens a choice's stop_reason names when one ends it (vLLM's rule): the requested
-    ones, less the end-of-sequence token unless `ignore_eos` (vLLM ends on it first, unnamed)."""
+    ones and, unless `ignore_eos`, the generation config's end-of-sequence tokens; never the
+    tokenizer's own unless `ignore_eos` (vLLM ends on it first, unnamed)."""
     eos = tokenizer.eos_token_id
-    return frozenset(t for t in requested if ignore_eos or t != eos)
+    named = set(requested) | (set() if ignore_eos else set(model_eos))
+    return frozenset(t for t in named if ignore_eos or t != eos)
 
 
 def read_chat_template(value: str | Path) -> str:

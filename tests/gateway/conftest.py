@@ -11,6 +11,7 @@ from starlette.testclient import TestClient
 
 from llumdask.api.gateway import ModelInfo, create_app
 from llumdask.config import GatewayConfig
+from llumdask.api.gateway.generation_config import GenerationDefaults
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer
 from llumdask.api.gateway.tools import ToolCalling
 from llumdask.tiny_model import build_tiny_model
@@ -38,11 +39,13 @@ def backend(script: list[int]) -> FakeBackend:
 
 @pytest.fixture
 def make_client(tokenizer: Tokenizer) -> Iterator[Callable[..., TestClient]]:
-    """`make_client(backend, tools=None, **settings)` -> a started TestClient (lifespan run); closed after the test."""
+    """`make_client(backend, tools=None, generation=None, **settings)` -> a started TestClient (lifespan
+    run); closed after the test."""
     clients: list[TestClient] = []
 
-    def make(backend: FakeBackend, tools: ToolCalling | None = None, **settings) -> TestClient:
-        app = create_app(backend.open, tokenizer, GatewayConfig(**settings), tools)
+    def make(backend: FakeBackend, tools: ToolCalling | None = None, generation: GenerationDefaults | None = None,
+             **settings) -> TestClient:
+        app = create_app(backend.open, tokenizer, GatewayConfig(**settings), tools, generation)
         client = TestClient(app, raise_server_exceptions=False)
         client.__enter__()
         clients.append(client)

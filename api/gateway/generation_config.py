@@ -1,0 +1,110 @@
+"""The model's generation config as vLLM's server applies it.
+
+Hub models ship a ``generation_config.json`` with the sampling their authors recommend (a
+temperature, top_p, top_k, a repetition penalty) and, often, end-of-sequence tokens besides the
+tokenizer's (Llama 3's end of turn, Qwen's end of text). vLLM's server takes the sampling values as
+defaults for what a request leaves out (``--generation-config auto``, its default; ``vllm`` for its
+neutral ones; or a directory holding another file), ``max_new_tokens`` as the default answer length,
+and ends a generation on every listed end-of-sequence token. The gateway does the same, so that a
+request gets the answer ``vllm serve`` would give it, on either engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+# The sampling options vLLM's server takes from a generation config, by their request names.
+SAMPLING_DEFAULTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
+                     "min_p")
+SOURCES = ("auto", "vllm")
+FILE = "generation_config.json"
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a generation config gives: sampling defaults (request names), a default answer length,
+    and the end-of-sequence tokens it lists (the tokenizer's own among them or not)."""
+
+    sampling: Mapping[str, float] = field(default_factory=dict)
+    max_tokens: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # A file named by directory caps what requests ask too (vLLM's server: the model's only
+    # fills in where a request asks nothing).
+    caps_max_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.sampling) - set(SAMPLING_DEFAULTS)
+        if unknown:
+            raise ValueError(f"generation defaults for {sorted(unknown)}: only {', '.join(SAMPLING_DEFAULTS)} are taken")
+        for name, value in self.sampling.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"generation config {name} must be a finite number, got {value!r}")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise ValueError(f"generation config max_new_tokens must be a positive integer, got {self.max_tokens!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
+            raise ValueError(f"generation config eos_token_id must be token ids, got {list(self.eos_token_ids)}")
+
+
+def read_generation_config(model: str | Path, source: str | Path = "auto") -> GenerationDefaults:
+    """The defaults vLLM's server would apply for `model` (a directory or a hub name) with
+    ``--generation-config source``: the sampling and length of `source`'s file ("auto": the
+    model's; "vllm": none; a directory: its file, whose length then caps every request), the
+    end-of-sequence tokens of that same file ("vllm": the model's, which vLLM's engine still ends
+    on). No file: nothing."""
+    if str(source) == "vllm":
+        return GenerationDefaults(eos_token_ids=_load(model).eos_token_ids)
+    if str(source) == "auto":
+        return _load(model)
+    return replace(_load(source), caps_max_tokens=True)
+
+
+def default_source(engine: str | None) -> str:
+    """`--generation-config`'s default: the model's ("auto", as vLLM's server), but none on the
+    sim engine, whose tokens are random draws (the model's advice means nothing there, and the
+    options it cannot model would turn every request away)."""
+    return "vllm" if engine == "sim" else "auto"
+
+
+def _load(where: str | Path) -> GenerationDefaults:
+    config = _read(where)
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{where}: {FILE} must hold a JSON object")
+    # vLLM takes the values the file sets (transformers' own defaults are all unset).
+    sampling = {name: config[name] for name in SAMPLING_DEFAULTS if config.get(name) is not None}
+    eos = config.get("eos_token_id")
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else eos
+    if not isinstance(eos_ids, list | tuple):
+        raise ValueError(f"{where}: {FILE}'s eos_token_id must be a token id or a list of them, got {eos!r}")
+    try:
+        return GenerationDefaults(sampling, config.get("max_new_tokens"), tuple(eos_ids))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _read(where: str | Path) -> Any:
+    """The file's JSON: in a directory (without one, its model config's, which transformers and vLLM
+    then read the generation settings from), or from the hub for a model name (transformers'
+    download, the hub extra); {} where there is neither."""
+    path = Path(where)
+    if path.is_dir():
+        file = next((f for f in (path / FILE, path / "config.json") if f.is_file()), None)
+        if file is None:
+            return {}
+        try:
+            return json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{file} cannot be read as JSON: {exc}") from None
+    try:
+        from transformers import GenerationConfig
+    except ImportError:
+        return {}  # a hub name without the hub extra: the tokenizer's loading says what is missing
+    try:
+        return GenerationConfig.from_pretrained(str(where)).to_diff_dict()
+    except OSError:
+        return {}
