@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's generation_config.json; vllm, none; or a directory holding another file; the "
                         "file's end-of-sequence tokens end answers either way (default: auto, vllm on the sim "
                         "engine, whose tokens are random draws)")
+    p.add_argument("--override-generation-config", metavar="JSON", type=json.loads, default=None,
+                   help="generation config values over --generation-config's, as vLLM's flag (e.g. "
+                        "'{\"temperature\": 0.5}'; its max_new_tokens caps every request)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length, for the gateway and the vLLM engine (default: what the model declares)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
@@ -362,7 +365,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         app = create_app(
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
             tokenizer, settings, ToolCalling(model, settings.tool_call_parser, engine),
-            read_generation_config(model, source))
+            read_generation_config(model, source, args.override_generation_config))
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)

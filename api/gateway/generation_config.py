@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,17 +51,31 @@ class GenerationDefaults:
             raise ValueError(f"generation config eos_token_id must be token ids, got {list(self.eos_token_ids)}")
 
 
-def read_generation_config(model: str | Path, source: str | Path = "auto") -> GenerationDefaults:
+def read_generation_config(model: str | Path, source: str | Path = "auto",
+                           override: Mapping[str, Any] | None = None) -> GenerationDefaults:
     """The defaults vLLM's server would apply for `model` (a directory or a hub name) with
-    ``--generation-config source``: the sampling and length of `source`'s file ("auto": the
-    model's; "vllm": none; a directory: its file, whose length then caps every request), the
-    end-of-sequence tokens of that same file ("vllm": the model's, which vLLM's engine still ends
-    on). No file: nothing."""
-    if str(source) == "vllm":
-        return GenerationDefaults(eos_token_ids=_load(model).eos_token_ids)
-    if str(source) == "auto":
-        return _load(model)
-    return replace(_load(source), caps_max_tokens=True)
+    ``--generation-config source --override-generation-config override``: the sampling and length
+    of `source`'s file ("auto": the model's; "vllm": none; a directory: its file, whose length then
+    caps every request), `override`'s values over them (its max_new_tokens caps every request),
+    the end-of-sequence tokens of that same file ("vllm": the model's, which vLLM's engine still
+    ends on; never the override's). No file: nothing."""
+    if not isinstance(override or {}, Mapping):
+        raise ValueError(f"the generation config override must be a JSON object, got {override!r}")
+    override = dict(override or {})
+    where = model if str(source) in SOURCES else source
+    config = _config(where)
+    eos = config.get("eos_token_id")
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else eos
+    if not isinstance(eos_ids, list | tuple):
+        raise ValueError(f"{where}: {FILE}'s eos_token_id must be a token id or a list of them, got {eos!r}")
+    # vLLM takes the values a config sets (transformers' own defaults are all unset).
+    given = {**({} if str(source) == "vllm" else config), **override}
+    try:
+        return GenerationDefaults({name: given[name] for name in SAMPLING_DEFAULTS if given.get(name) is not None},
+                                  given.get("max_new_tokens"), tuple(eos_ids),
+                                  str(source) not in SOURCES or "max_new_tokens" in override)
+    except ValueError as exc:
+        raise ValueError(f"{where}{' with ' + json.dumps(override) if override else ''}: {exc}") from None
 
 
 def default_source(engine: str | None) -> str:
@@ -71,20 +85,11 @@ def default_source(engine: str | None) -> str:
     return "vllm" if engine == "sim" else "auto"
 
 
-def _load(where: str | Path) -> GenerationDefaults:
+def _config(where: str | Path) -> Mapping[str, Any]:
     config = _read(where)
     if not isinstance(config, Mapping):
         raise ValueError(f"{where}: {FILE} must hold a JSON object")
-    # vLLM takes the values the file sets (transformers' own defaults are all unset).
-    sampling = {name: config[name] for name in SAMPLING_DEFAULTS if config.get(name) is not None}
-    eos = config.get("eos_token_id")
-    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else eos
-    if not isinstance(eos_ids, list | tuple):
-        raise ValueError(f"{where}: {FILE}'s eos_token_id must be a token id or a list of them, got {eos!r}")
-    try:
-        return GenerationDefaults(sampling, config.get("max_new_tokens"), tuple(eos_ids))
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
+    return config
 
 
 def _read(where: str | Path) -> Any:

@@ -38,6 +38,10 @@ def test_the_models_file_gives_sampling_defaults_a_length_and_end_tokens(tiny_mo
     # Without the file, the model config's settings (as transformers and vLLM read them): its end token.
     assert read_generation_config(model_with(tiny_model, tmp_path / "none", None)) == GenerationDefaults(eos_token_ids=(1,))
     assert (default_source("sim"), default_source("vllm"), default_source(None)) == ("vllm", "auto", "auto")
+    # vLLM's --override-generation-config: over any source's values; its max_new_tokens caps every request.
+    assert read_generation_config(model, "vllm", {"temperature": 0.3, "max_new_tokens": 9}) == GenerationDefaults(
+        {"temperature": 0.3}, 9, (1, 7, 9), True)
+    assert read_generation_config(model, "auto", {"top_k": 5}).sampling == {**read.sampling, "top_k": 5}
 
 
 @pytest.mark.parametrize("config, words", [
@@ -47,8 +51,17 @@ def test_the_models_file_gives_sampling_defaults_a_length_and_end_tokens(tiny_mo
     ([1, 2], "must hold a JSON object"),
 ])
 def test_a_bad_file_is_an_error_naming_it(tiny_model, tmp_path, config, words):
-    with pytest.raises(ValueError, match=words):
+    with pytest.raises(ValueError, match=words) as raised:
         read_generation_config(model_with(tiny_model, tmp_path, config))
+    assert str(tmp_path / "model") in str(raised.value)
+
+
+def test_a_bad_override_is_an_error_naming_it(tiny_model, tmp_path):
+    model = model_with(tiny_model, tmp_path, QWEN_LIKE)
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        read_generation_config(model, "auto", [1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match='with {"top_p": "x"}: generation config top_p must be a finite number'):
+        read_generation_config(model, "auto", {"top_p": "x"})
 
 
 def test_requests_get_the_models_defaults_for_what_they_leave_out(make_client, backend, tokenizer):
@@ -110,9 +123,10 @@ def test_the_defaults_are_those_vllms_server_takes(tiny_model, tmp_path):
     for k, config in enumerate(configs):
         model = model_with(tiny_model, tmp_path / str(k), config)
         elsewhere = model_with(tiny_model, tmp_path / f"elsewhere-{k}", configs[k - 1])
-        for source in ("auto", "vllm", str(elsewhere)):
-            vllm_config = ModelConfig(model=str(model), generation_config=source)
-            ours = read_generation_config(model, source)
+        for source, override in (("auto", {}), ("vllm", {}), (str(elsewhere), {}), ("auto", {"top_k": 3}),
+                                 ("vllm", {"temperature": 0.4, "max_new_tokens": 12})):
+            vllm_config = ModelConfig(model=str(model), generation_config=source, override_generation_config=override)
+            ours = read_generation_config(model, source, override)
             expected = vllm_config.get_diff_sampling_param()
             assert {**ours.sampling, **({"max_tokens": ours.max_tokens} if ours.max_tokens else {})} == expected
             eos = vllm_config.try_get_generation_config().get("eos_token_id")
