@@ -36,6 +36,7 @@ import dask.config
 import yaml
 from distributed import Client, WorkerPlugin
 
+from llumdask.api.gateway.generation_config import SOURCES as GENERATION_SOURCES
 from llumdask.config import ConfigError, VllmEngineConfig, load_config
 from llumdask.plugins.dashboard import page_link
 
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling defaults for what a request leaves out, as vLLM's server takes them: auto, the "
                         "model's generation_config.json; vllm, none; or a directory holding another file; the "
                         "file's end-of-sequence tokens end answers either way (default: auto, vllm on the sim "
-                        "engine, whose tokens are random draws)")
+                        "engine, whose tokens are random draws; with --scheduler, start the cluster's vLLM "
+                        "engines with the same generation_config, and pass vllm for a sim cluster)")
     p.add_argument("--override-generation-config", metavar="JSON", type=json.loads, default=None,
                    help="generation config values over --generation-config's, as vLLM's flag (e.g. "
                         "'{\"temperature\": 0.5}'; its max_new_tokens caps every request)")
@@ -141,6 +143,14 @@ def engine_overrides(engine: str, model: str | None, vocab_size: int, engine_arg
         section["max-model-len"] = max_model_len
     passed = {k.replace("-", "_"): v for k, v in engine_args.items() if k not in keys}
     return {"engine": "vllm", "vllm-engine": {"model": model, **section, "engine-args": passed}}
+
+
+def engine_generation_args(source: str | None) -> dict[str, Any]:
+    """The vLLM engine argument a `--generation-config DIR` needs: vLLM's engine ends requests on
+    the end tokens of the generation config it reads (the model's unless told), as the gateway does."""
+    if source is None or source in GENERATION_SOURCES:
+        return {}
+    return {"generation-config": str(Path(source).resolve())}
 
 
 def cluster_overrides(engine: str, model: str | None, vocab_size: int, engine_args: dict[str, Any],
@@ -315,7 +325,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     settings = load_config({"gateway": {k: v for k, v in given.items() if v is not None}}).gateway
     local_vllm = args.scheduler is None and args.engine != "sim"
     if local_vllm:
-        vllm_config = load_config(cluster_overrides("vllm", configured_model, tokenizer.vocab_size, engine_args,
+        vllm_config = load_config(cluster_overrides("vllm", configured_model, tokenizer.vocab_size,
+                                                    {**engine_args, **engine_generation_args(args.generation_config)},
                                                     args.max_model_len)).vllm_engine
     with vllm_check(vllm_config) if local_vllm else contextlib.nullcontext() as checked:
         if settings.tool_call_parser is not None:
@@ -324,6 +335,9 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             except ImportError as exc:
                 raise ValueError(f"--tool-call-parser needs vLLM where the gateway runs: {exc}") from None
         engine, check = pick_engine(args.engine, checked) if checked else ("sim", None)
+    # Read (and checked) before any instance starts; a cluster at --scheduler runs engines unknown here.
+    generation = read_generation_config(model, args.generation_config or default_source(
+        None if args.scheduler is not None else engine), args.override_generation_config)
 
     with contextlib.ExitStack() as stack:
         if args.scheduler is None:
@@ -341,8 +355,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                       f"({check.free_bytes / 2**30:.1f} of {check.total_bytes / 2**30:.1f} GiB free): {chosen} each"
                       f"{' (all that max-num-seqs sequences of max-model-len tokens can fill)' if fills else ''}; "
                       "pass --kv-cache-memory-bytes or --gpu-memory-utilization to choose", file=sys.stderr, flush=True)
-            overrides = cluster_overrides(engine, configured_model, tokenizer.vocab_size, {**engine_args, **share},
-                                          args.max_model_len)
+            given = {**engine_args, **share, **(engine_generation_args(args.generation_config) if engine == "vllm" else {})}
+            overrides = cluster_overrides(engine, configured_model, tokenizer.vocab_size, given, args.max_model_len)
             print(f"llumdask serve: starting {args.instances} {engine} instances...", file=sys.stderr, flush=True)
             try:
                 cluster = local_cluster(args.instances, engine, overrides, timeout=args.startup_timeout,
@@ -361,11 +375,9 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             engine = None
             address, dashboard, where = args.scheduler, None, f"the cluster at {args.scheduler}"
 
-        source = args.generation_config or default_source(engine)
         app = create_app(
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
-            tokenizer, settings, ToolCalling(model, settings.tool_call_parser, engine),
-            read_generation_config(model, source, args.override_generation_config))
+            tokenizer, settings, ToolCalling(model, settings.tool_call_parser, engine), generation)
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)

@@ -629,6 +629,8 @@ def test_the_candidate_tables_kept_answer_is_a_fresh_tables_after_every_change(s
         expected = fresh.dispatch_freeness(prompt, priority, cached)
         assert table.dispatch_freeness(prompt, priority, cached).tolist() == expected.tolist()
         assert table.freest(prompt, priority, cached) == int(np.argmax(expected))
+        if fresh._uniform_block_size:  # the held queue's bound, kept between changes, is a fresh table's too
+            assert table.could_keep(1.0, prompt, priority) == fresh.could_keep(1.0, prompt, priority)
 
 
 @given(st.lists(_SPEC, min_size=1, max_size=5), st.integers(1, 3000), st.sampled_from(list(Priority)),

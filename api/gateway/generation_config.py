@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llumdask.request import SamplingParams
+
 # The sampling options vLLM's server takes from a generation config, by their request names.
 SAMPLING_DEFAULTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
                      "min_p")
@@ -47,6 +49,10 @@ class GenerationDefaults:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             raise ValueError(f"generation config max_new_tokens must be a positive integer, got {self.max_tokens!r}")
+        try:  # a value requests could not carry would turn every request away: refused at start
+            SamplingParams(max_tokens=1, **self.sampling)
+        except ValueError as exc:
+            raise ValueError(f"generation config: {exc}") from None
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
             raise ValueError(f"generation config eos_token_id must be token ids, got {list(self.eos_token_ids)}")
 
@@ -62,6 +68,8 @@ def read_generation_config(model: str | Path, source: str | Path = "auto",
     if not isinstance(override or {}, Mapping):
         raise ValueError(f"the generation config override must be a JSON object, got {override!r}")
     override = dict(override or {})
+    if str(source) not in SOURCES and not Path(source).is_dir():
+        raise ValueError(f"--generation-config takes auto, vllm or a directory; {source} is none of them")
     where = model if str(source) in SOURCES else source
     config = _config(where)
     eos = config.get("eos_token_id")
@@ -93,23 +101,30 @@ def _config(where: str | Path) -> Mapping[str, Any]:
 
 
 def _read(where: str | Path) -> Any:
-    """The file's JSON: in a directory (without one, its model config's, which transformers and vLLM
-    then read the generation settings from), or from the hub for a model name (transformers'
-    download, the hub extra); {} where there is neither."""
+    """The generation config's JSON, as transformers and vLLM find it: the file in a directory, or
+    from the hub for a model name (the hub extra's transformers); without one, the settings of the
+    model's config (transformers' `from_model_config`, which also reads a nested text config; a
+    directory's top-level config.json where transformers is not installed); {} where neither is."""
     path = Path(where)
-    if path.is_dir():
-        file = next((f for f in (path / FILE, path / "config.json") if f.is_file()), None)
-        if file is None:
-            return {}
-        try:
-            return json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{file} cannot be read as JSON: {exc}") from None
+    if path.is_dir() and (path / FILE).is_file():
+        return _json(path / FILE)
     try:
-        from transformers import GenerationConfig
+        from transformers import AutoConfig, GenerationConfig
     except ImportError:
-        return {}  # a hub name without the hub extra: the tokenizer's loading says what is missing
+        return _json(path / "config.json") if (path / "config.json").is_file() else {}
+    if not path.is_dir():
+        try:
+            return GenerationConfig.from_pretrained(str(where)).to_diff_dict()
+        except OSError:
+            pass
     try:
-        return GenerationConfig.from_pretrained(str(where)).to_diff_dict()
-    except OSError:
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(where))).to_diff_dict()
+    except (OSError, ValueError):
         return {}
+
+
+def _json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{file} cannot be read as JSON: {exc}") from None

@@ -91,7 +91,7 @@ class CandidateTable(Sequence[Candidate]):
         # The last `dispatch_freeness` answer, until a candidate changes: admission and the policy
         # of one dispatch ask the same.
         self._last: _Answer | None = None
-        # `most_spare`'s last answer ((priority, freeness), blocks), until a candidate changes.
+        # `could_keep`'s last bound ((priority, freeness), blocks), until a candidate changes.
         self._spare: tuple[tuple[Priority, float], float] | None = None
         # A slot kept for a held request (`llumdask.holding`): no other request may go there.
         self._reserved: int | None = None

@@ -56,6 +56,14 @@ def test_a_bad_file_is_an_error_naming_it(tiny_model, tmp_path, config, words):
     assert str(tmp_path / "model") in str(raised.value)
 
 
+def test_a_source_that_is_no_directory_and_a_value_no_request_could_carry_are_refused(tiny_model, tmp_path):
+    model = model_with(tiny_model, tmp_path, QWEN_LIKE)
+    with pytest.raises(ValueError, match="takes auto, vllm or a directory"):
+        read_generation_config(model, tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"repetition_penalty must be in \(0, 2\]"):
+        read_generation_config(model_with(tiny_model, tmp_path / "strong", {"repetition_penalty": 2.5}))
+
+
 def test_a_bad_override_is_an_error_naming_it(tiny_model, tmp_path):
     model = model_with(tiny_model, tmp_path, QWEN_LIKE)
     with pytest.raises(ValueError, match="must be a JSON object"):
@@ -101,16 +109,20 @@ def test_an_end_token_of_the_generation_config_is_named_as_the_stop_reason(make_
     client = make_client(backend, generation=GenerationDefaults(eos_token_ids=(tokenizer.eos_token_id, script[5])))
     choice = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 20}).json()["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"], choice["text"]) == ("stop", script[5], tokenizer.decode(script[:3]))
+    backend.script = [*script[:2], tokenizer.eos_token_id, *script[2:]]  # the tokenizer's own, listed too: unnamed
+    choice = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 20}).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"], choice["text"]) == ("stop", None, tokenizer.decode(script[:2]))
 
 
 def test_beam_search_takes_only_the_temperature_from_the_model(make_client, backend):
-    """As vLLM's server: its beam search reads the default temperature and nothing else."""
+    """As vLLM's server: its beam search reads the default temperature (and a default top_k is no
+    option the search refuses)."""
     backend.batch_size = 1
     client = make_client(backend, generation=GenerationDefaults({"temperature": 0.6, "top_k": 20}))
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": 2,
                                              "use_beam_search": True})
     assert r.status_code == 200, r.text
-    assert {(s.sampling.temperature, s.sampling.top_k) for s in backend.submitted} == {(0.6, 0)}
+    assert {s.sampling.temperature for s in backend.submitted} == {0.6}
 
 
 @pytest.mark.vllm

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from llumdask.api.serve import banner, build_parser, engine_overrides, parse_engine_args, serve_main
+from llumdask.api.serve import banner, build_parser, engine_generation_args, engine_overrides, parse_engine_args, serve_main
 
 
 def test_defaults_are_two_instances_on_localhost_8000():
@@ -45,9 +45,22 @@ def test_bad_options_exit_2_naming_the_problem(capsys, tmp_path, monkeypatch):
     assert "missing.yaml" in capsys.readouterr().err
     assert serve_main(["--engine", "sim", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "chat template file" in capsys.readouterr().err
+    # A generation config is read before any instance starts.
+    assert serve_main(["--engine", "sim", "--generation-config", str(tmp_path / "missing")]) == 2
+    assert "takes auto, vllm or a directory" in capsys.readouterr().err
+    assert serve_main(["--engine", "sim", "--override-generation-config", '{"top_k": 2.5}']) == 2
+    assert "generation config: top_k must be an integer" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         serve_main(["--instances", "0"])
     assert exit_.value.code == 2
+
+
+def test_a_generation_config_directory_reaches_the_vllm_engines_too(tmp_path):
+    """vLLM's engine ends requests on the end tokens of the generation config it reads: the same as the gateway's."""
+    assert engine_generation_args(str(tmp_path)) == {"generation-config": str(tmp_path.resolve())}
+    assert engine_generation_args("auto") == engine_generation_args("vllm") == engine_generation_args(None) == {}
+    assert engine_overrides("vllm", None, 512, engine_generation_args(str(tmp_path)))["vllm-engine"]["engine-args"] == {
+        "generation_config": str(tmp_path.resolve())}
 
 
 def test_banner_shows_urls_and_a_working_curl():
