@@ -12,8 +12,9 @@ or a piece of one. After a stop, the caller aborts the request: the engine knows
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llumdask.api.gateway.tokenizer import Tokenizer
 
@@ -25,6 +26,9 @@ class TextDelta:
     text: str
     # True once a stop string was found: `text` ends just before it and nothing follows.
     stopped: bool = False
+    # Where this batch's text completed a stop string: how many of its tokens the answer keeps,
+    # up to the one that completed it (vLLM drops the rest: their ids, logprobs and usage).
+    kept: int | None = None
 
 
 # Every stop string is searched for at every token, and the longest decides how much text is held
@@ -52,11 +56,16 @@ class IncrementalText:
     `include_stop`: the text ends with the stop string (or stop token) found instead of just before
     it; `skip_special_tokens`: special tokens have no text (vLLM's default); `stop_token_ids`: the
     tokens that end the request, whose text is left out as vLLM leaves it out (the end-of-sequence
-    token shows otherwise once special tokens are kept)."""
+    token shows otherwise once special tokens are kept); `min_tokens`: a stop string counts only
+    where it ends in the text of a later token (vLLM's rule)."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, include_stop: bool = False,
-                 skip_special_tokens: bool = True, stop_token_ids: Sequence[int] = ()) -> None:
+                 skip_special_tokens: bool = True, stop_token_ids: Sequence[int] = (), min_tokens: int = 0) -> None:
         self._stop = check_stop(stop)
+        self._min_tokens = min_tokens
+        self._received = 0  # tokens given to `add`, a stop token's included
+        # The text's length after min_tokens tokens (a stop string must end past it), once known.
+        self._min_offset: int | None = 0 if min_tokens == 0 else None
         self._stop_ids = frozenset(stop_token_ids)
         self._tokenizer = tokenizer
         self._include_stop = include_stop
@@ -68,8 +77,9 @@ class IncrementalText:
         self._decoded = ""  # all text decoded so far (emitted or held back)
         self._emitted = 0  # characters of `_decoded` given out
         self.stopped = False
-        # The stop string found (vLLM's stop_reason), once one is.
+        # The stop string found (vLLM's stop_reason), once one is, and where it ends in the text.
         self.stop_string: str | None = None
+        self._stop_end = 0
 
     @property
     def text(self) -> str:
@@ -78,15 +88,30 @@ class IncrementalText:
     def add(self, token_ids: Sequence[int]) -> TextDelta:
         if self.stopped:
             return TextDelta("", stopped=True)
+        self._received += len(token_ids)
         if token_ids and token_ids[-1] in self._stop_ids and not self._include_stop:
             token_ids = token_ids[:-1]  # the engine ends the request at a stop token: it comes last
+        first = len(self._ids)
         self._ids.extend(token_ids)
+        if self._min_offset is None and self._received > self._min_tokens:
+            self._min_offset = self._length(self._min_tokens)
         context = self._decode(self._ids[self._prefix : self._read])
         full = self._decode(self._ids[self._prefix :])
         if len(full) > len(context) and not full.endswith(REPLACEMENT):
             self._decoded += full[len(context) :]
             self._prefix, self._read = self._read, len(self._ids)
-        return self._release(final=False)
+        delta = self._release(final=False)
+        if delta.stopped and token_ids:
+            # The first of the new tokens whose text reaches the stop string's end (vLLM's cut; a
+            # stop token after it goes too).
+            kept = 1 if len(token_ids) == 1 else bisect.bisect_left(
+                range(first + 1, len(self._ids) + 1), self._stop_end, key=self._length) + 1
+            delta = replace(delta, kept=min(kept, len(token_ids)))
+        return delta
+
+    def _length(self, count: int) -> int:
+        """The text's length after the first `count` tokens (a trailing partial character not yet counted)."""
+        return len(self._decode(self._ids[:count]).rstrip(REPLACEMENT))
 
     def finish(self) -> TextDelta:
         """Everything still held back (a trailing partial character included)."""
@@ -103,14 +128,18 @@ class IncrementalText:
     def _release(self, final: bool) -> TextDelta:
         if self.stopped:
             return TextDelta("", stopped=True)
-        # A stop string may straddle what was emitted and what is new: search from there.
+        # A stop string may straddle what was emitted and what is new: search from there; one
+        # counts once past min_tokens, ending in a later token's text.
         start = max(0, self._emitted - self._hold)
+        least = self._min_offset
         # vLLM's choice among several found at once: the one that ends first, then the first listed.
-        hits = [(i + len(s), order, i, s)
-                for order, (i, s) in enumerate((self._decoded.find(s, start), s) for s in self._stop) if i >= 0]
+        hits = [] if least is None else [
+            (i + len(s), order, i, s)
+            for order, (i, s) in enumerate((self._decoded.find(s, max(start, least - len(s) + 1)), s) for s in self._stop)
+            if i >= 0]
         if hits:
-            stop_end, _, at, self.stop_string = min(hits)
-            end = stop_end if self._include_stop else at
+            self._stop_end, _, at, self.stop_string = min(hits)
+            end = self._stop_end if self._include_stop else at
             self.stopped = True
             self._decoded = self._decoded[:end]
         else:

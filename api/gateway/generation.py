@@ -145,8 +145,10 @@ class Generation:
                 repeated = self._repeated(batch, start)
                 if repeated is not None:  # the tokens after it are not the client's
                     batch = batch[:repeated]
-                self.token_ids.extend(batch)
                 delta = self._text.add(batch)
+                if delta.kept is not None:  # nor those after the one completing a stop string
+                    batch = batch[:delta.kept]
+                self.token_ids.extend(batch)
                 text, stopped = delta.text, delta.stopped
                 if repeated is not None and not stopped:  # the end: nothing is held back for later
                     rest = self._text.finish()

@@ -210,7 +210,7 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                               IncrementalText(gateway.tokenizer, options.stop,
                                               include_stop=options.include_stop_str_in_output,
                                               skip_special_tokens=options.skip_special_tokens,
-                                              stop_token_ids=sampling.stop_token_ids),
+                                              stop_token_ids=sampling.stop_token_ids, min_tokens=sampling.min_tokens),
                               gateway.settings.retry_after, options.cache_salt, options.repetition_detection,
                               named_stop_token_ids(gateway.tokenizer, options.stop_token_ids, options.ignore_eos,
                                                    gateway.generation.eos_token_ids))

@@ -3,6 +3,8 @@ and a stop string cuts it exactly before the first occurrence, never showing any
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,21 +58,40 @@ def test_stop_string_cuts_before_its_first_occurrence(tokenizer, tokens, cuts, d
 
 @settings(max_examples=300)
 @given(tokens=token_lists, cuts=cut_lists, data=st.data())
-def test_of_several_stop_strings_the_one_ending_first_stops_as_in_vllm(tokenizer, tokens, cuts, data):
-    """vLLM's rule (its check_stop_strings): of the stop strings found, the one that ends first in
-    the text, then the first listed; it is the stop_reason, however the tokens arrive."""
+def test_of_several_stop_strings_past_min_tokens_the_one_ending_first_stops_as_in_vllm(tokenizer, tokens, cuts, data):
+    """vLLM's rule (its check_stop_strings and detokenizer): of the stop strings found past
+    min_tokens, the one that ends first in the text, then the first listed; it is the stop_reason,
+    and the tokens after the one completing it are dropped, however the tokens arrive."""
     full = tokenizer.decode(tokens)
     pieces = st.builds(lambda i, n: full[i % len(full):][:n], st.integers(0, 10**6), st.integers(1, 5)) if full else st.nothing()
     stops = data.draw(st.lists(st.one_of(pieces, st.text(min_size=1, max_size=3)), min_size=1, max_size=4, unique=True))
     include = data.draw(st.booleans())
-    text, deltas = run(tokenizer, batches_of(tokens, cuts), stops, include_stop=include)
-    found = [(full.find(s) + len(s), order, s) for order, s in enumerate(stops) if s in full]
+    min_tokens = data.draw(st.integers(0, 4))
+    batches = batches_of(tokens, cuts)
+    text = IncrementalText(tokenizer, stops, include_stop=include, min_tokens=min_tokens)
+    deltas, kept = [], len(tokens)
+    for done, batch in zip(itertools.accumulate(map(len, [[], *batches])), batches):
+        deltas.append(text.add(batch))
+        if deltas[-1].kept is not None:
+            kept = done + deltas[-1].kept
+            break
+    deltas.append(text.finish())
+    # vLLM's rule written out: a stop counts past min_tokens where it ends in a later token's text;
+    # the tokens up to the one whose text reaches its end are kept.
+    offsets = [len(tokenizer.decode(tokens[:k]).rstrip("\ufffd")) for k in range(len(tokens) + 1)]
+    least = offsets[min_tokens] if len(tokens) > min_tokens else None
+    found = [] if least is None else [
+        (i + len(s), order, s) for order, s in enumerate(stops) if (i := full.find(s, max(0, least - len(s) + 1))) >= 0]
     if not found:
-        assert text.stop_string is None and text.text == full
+        assert text.stop_string is None and text.text == full and kept == len(tokens)
         return
     end, _, stop = min(found)
     assert text.stop_string == stop
     assert "".join(d.text for d in deltas) == text.text == full[: end if include else end - len(stop)]
+    if not any(tokenizer.decode(tokens[:k]).endswith("\ufffd") for k in range(len(tokens) + 1)):
+        # (A character split over tokens holds its run's text back until it is whole, so a stop
+        # string just before one is seen, and cut, a token late.)
+        assert kept == next((k for k in range(1, len(tokens) + 1) if offsets[k] >= end), len(tokens))
 
 
 def test_partial_characters_are_held_back_until_complete(tokenizer):

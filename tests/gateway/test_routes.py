@@ -783,3 +783,24 @@ def test_stop_reason_names_what_ended_each_choice_as_vllm(make_client, backend, 
     assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop",
                                         "stop_reason": script[2]}
     assert not any("stop_reason" in c["choices"][0] for c in chunks[:-1])
+
+
+def test_tokens_after_the_one_completing_a_stop_string_are_dropped_and_min_tokens_defers_it(make_client, backend, script,
+                                                                                           tokenizer):
+    """vLLM's detokenizer: a batch of several tokens that completes a stop string keeps its tokens
+    up to the one that completed it (ids, log probabilities, usage); a stop string counts only
+    where it ends in the text of a token past min_tokens."""
+    backend.batch_size = 6
+    client = make_client(backend)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 12, "stop": ["quick"], "logprobs": 0, "return_token_ids": True}
+    assert [tokenizer.decode(script[:k]) for k in (3, 4)] == ["The qu", "The quick"]  # the 4th token completes it
+    whole = client.post("/v1/completions", json=body).json()
+    choice = whole["choices"][0]
+    assert (choice["text"], choice["token_ids"], whole["usage"]["completion_tokens"]) == ("The ", script[:4], 4)
+    assert len(choice["logprobs"]["tokens"]) == 4
+    streamed = sse_payloads(client.post("/v1/completions", json={**body, "stream": True}))
+    assert [t for c in streamed for t in c["choices"][0].get("token_ids") or []] == script[:4]
+    # Past min_tokens 3, not past 4 (the answer then goes on to its length).
+    assert client.post("/v1/completions", json={**body, "min_tokens": 3}).json()["choices"][0]["stop_reason"] == "quick"
+    late = client.post("/v1/completions", json={**body, "min_tokens": 4}).json()["choices"][0]
+    assert (late["finish_reason"], late["stop_reason"], late["token_ids"]) == ("length", None, script[:12])

@@ -830,11 +830,13 @@ def test_serve_with_a_model_directory_answers_openai_clients_with_vllm(vllm_serv
     assert repeated.finish_reason == "repetition"
     assert (repeated.model_extra["stop_reason"], logprobs[6]["stop_reason"]) == ("repetition_detected",) * 2
     # Stop strings: where plain vLLM stops, with its stop_reason.
-    by_strings = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=24, temperature=0, stop=stops,
-                                           extra_body={"ignore_eos": True}).choices[0]
+    stopped_by_strings = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=24, temperature=0,
+                                                   stop=stops, extra_body={"ignore_eos": True})
+    by_strings = stopped_by_strings.choices[0]
     assert (by_strings.text, by_strings.finish_reason, by_strings.model_extra["stop_reason"]) == (
         logprobs[7]["text"], logprobs[7]["finish_reason"], logprobs[7]["stop_reason"]) == (
         answer[:answer.find(stops[1])], "stop", stops[1])
+    assert stopped_by_strings.usage.completion_tokens == len(expected[7])  # up to the token that completed it
     # vLLM's beam search: its three best beams, as vLLM's own search finds them.
     searched = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6, temperature=0, n=3,
                                          extra_body={"use_beam_search": True, "length_penalty": 0.5,
