@@ -75,6 +75,7 @@ class IncrementalText:
         self._prefix = 0  # start of the context run
         self._read = 0  # tokens before this index are decoded into `_decoded`
         self._decoded = ""  # all text decoded so far (emitted or held back)
+        self._pending = 0  # characters of the run after `_read` already in `_decoded`
         self._emitted = 0  # characters of `_decoded` given out
         self.stopped = False
         # The stop string found (vLLM's stop_reason), once one is, and where it ends in the text.
@@ -97,8 +98,14 @@ class IncrementalText:
             self._min_offset = self._length(self._min_tokens)
         context = self._decode(self._ids[self._prefix : self._read])
         full = self._decode(self._ids[self._prefix :])
-        if len(full) > len(context) and not full.endswith(REPLACEMENT):
-            self._decoded += full[len(context) :]
+        new = full[len(context) :]
+        if full.endswith(REPLACEMENT):
+            # The run ends inside a character: its complete characters count already (a stop
+            # string among them is found now, as vLLM finds it), the rest once it is whole.
+            self._take(new.rstrip(REPLACEMENT))
+        elif len(full) > len(context):
+            self._take(new)
+            self._pending = 0
             self._prefix, self._read = self._read, len(self._ids)
         delta = self._release(final=False)
         if delta.stopped and token_ids:
@@ -117,10 +124,16 @@ class IncrementalText:
         """Everything still held back (a trailing partial character included)."""
         if not self.stopped:
             context = self._decode(self._ids[self._prefix : self._read])
-            full = self._decode(self._ids[self._prefix :])
-            self._decoded += full[len(context) :]
+            self._take(self._decode(self._ids[self._prefix :])[len(context) :])
+            self._pending = 0
             self._prefix = self._read = len(self._ids)
         return self._release(final=True)
+
+    def _take(self, run: str) -> None:
+        """Add the text of the run being decoded past what of it was added already."""
+        if len(run) > self._pending:
+            self._decoded += run[self._pending :]
+            self._pending = len(run)
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip)
