@@ -94,7 +94,7 @@ class IncrementalText:
             token_ids = token_ids[:-1]  # the engine ends the request at a stop token: it comes last
         first = len(self._ids)
         self._ids.extend(token_ids)
-        if self._min_offset is None and self._received > self._min_tokens:
+        if self._min_offset is None and self._stop and self._received > self._min_tokens:
             self._min_offset = self._length(self._min_tokens)
         context = self._decode(self._ids[self._prefix : self._read])
         full = self._decode(self._ids[self._prefix :])

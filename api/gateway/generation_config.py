@@ -68,8 +68,9 @@ def read_generation_config(model: str | Path, source: str | Path = "auto",
     if not isinstance(override or {}, Mapping):
         raise ValueError(f"the generation config override must be a JSON object, got {override!r}")
     override = dict(override or {})
-    if str(source) not in SOURCES and not Path(source).is_dir():
-        raise ValueError(f"--generation-config takes auto, vllm or a directory; {source} is none of them")
+    if str(source) not in SOURCES and not any((Path(source) / f).is_file() for f in (FILE, "config.json")):
+        raise ValueError(f"--generation-config takes auto, vllm or a directory holding {FILE} (or a model's "
+                         f"config.json, as vLLM reads one); {source} is none of them")
     where = model if str(source) in SOURCES else source
     config = _config(where)
     eos = config.get("eos_token_id")
@@ -117,10 +118,11 @@ def _read(where: str | Path) -> Any:
             return GenerationConfig.from_pretrained(str(where)).to_diff_dict()
         except OSError:
             pass
-    try:
-        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(where))).to_diff_dict()
-    except (OSError, ValueError):
-        return {}
+    try:  # never the model's own code (vLLM runs it only when trusted)
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(where), trust_remote_code=False)
+                                                  ).to_diff_dict()
+    except Exception:  # a config transformers cannot build (unknown or custom type, strict checks)
+        return _json(path / "config.json") if (path / "config.json").is_file() else {}
 
 
 def _json(file: Path) -> Any:

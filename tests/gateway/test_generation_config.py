@@ -60,6 +60,16 @@ def test_a_source_that_is_no_directory_and_a_value_no_request_could_carry_are_re
     model = model_with(tiny_model, tmp_path, QWEN_LIKE)
     with pytest.raises(ValueError, match="takes auto, vllm or a directory"):
         read_generation_config(model, tmp_path / "missing")
+    (tmp_path / "empty").mkdir()  # vLLM's engines would fail to start on it
+    with pytest.raises(ValueError, match="takes auto, vllm or a directory"):
+        read_generation_config(model, tmp_path / "empty")
+
+
+def test_a_config_transformers_cannot_build_is_read_as_it_stands(tiny_model, tmp_path):
+    """A model type transformers does not know (vLLM's own registry may): its end tokens still count."""
+    model = model_with(tiny_model, tmp_path, None)
+    (model / "config.json").write_text(json.dumps({"model_type": "no-such-type", "eos_token_id": [5, 6]}))
+    assert read_generation_config(model, "vllm") == GenerationDefaults(eos_token_ids=(5, 6))
     with pytest.raises(ValueError, match=r"repetition_penalty must be in \(0, 2\]"):
         read_generation_config(model_with(tiny_model, tmp_path / "strong", {"repetition_penalty": 2.5}))
 
