@@ -68,10 +68,11 @@ def read_generation_config(model: str | Path, source: str | Path = "auto",
     if not isinstance(override or {}, Mapping):
         raise ValueError(f"the generation config override must be a JSON object, got {override!r}")
     override = dict(override or {})
-    if str(source) not in SOURCES and not any((Path(source) / f).is_file() for f in (FILE, "config.json")):
+    named = str(source) in SOURCES  # auto or vllm: the model's own file
+    if not named and not any((Path(source) / f).is_file() for f in (FILE, "config.json")):
         raise ValueError(f"--generation-config takes auto, vllm or a directory holding {FILE} (or a model's "
                          f"config.json, as vLLM reads one); {source} is none of them")
-    where = model if str(source) in SOURCES else source
+    where = model if named else source
     config = _config(where)
     eos = config.get("eos_token_id")
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else eos
@@ -82,7 +83,7 @@ def read_generation_config(model: str | Path, source: str | Path = "auto",
     try:
         return GenerationDefaults({name: given[name] for name in SAMPLING_DEFAULTS if given.get(name) is not None},
                                   given.get("max_new_tokens"), tuple(eos_ids),
-                                  str(source) not in SOURCES or "max_new_tokens" in override)
+                                  not named or "max_new_tokens" in override)
     except ValueError as exc:
         raise ValueError(f"{where}{' with ' + json.dumps(override) if override else ''}: {exc}") from None
 
