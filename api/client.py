@@ -254,8 +254,9 @@ class TextIterator:
                 raise ValueError(f"{self.instance} sent token id {largest}, outside the tokenizer's vocabulary of "
                                  f"{self._vocab_size}: it serves another model (sim instances take the tokenizer's "
                                  "vocabulary as sim-engine.vocab-size)")
-            self.token_ids += batch
             delta = self._text.add(batch)
+            # The tokens after the one completing a stop string are not the answer's (as the gateway's).
+            self.token_ids += batch if delta.kept is None else batch[:delta.kept]
             if delta.stopped:  # the engine still runs it
                 self._done = True
                 self.finish_reason = FinishReason.STOP
@@ -530,7 +531,11 @@ class LlumdaskClient:
                    else tokenizer.encode(tokenizer.render_chat(list(prompt.messages)), add_special_tokens=False))
             sampling = {**sampling, "stop_token_ids": stop_token_ids(
                 tokenizer, sampling.get("stop_token_ids", ()), sampling.get("ignore_eos", False))}
-            return self._make_request(ids, max_tokens, priority, sampling, cache_salt), IncrementalText(tokenizer, stop)
+            request = self._make_request(ids, max_tokens, priority, sampling, cache_salt)
+            # The gateway's detokenizer rules: a stop token's text is left out, and a stop string
+            # counts only past min_tokens.
+            return request, IncrementalText(tokenizer, stop, stop_token_ids=request.sampling.stop_token_ids,
+                                            min_tokens=request.sampling.min_tokens)
         if stop:
             raise ValueError("stop strings need a text prompt; with token ids pass stop_token_ids")
         return self._make_request(prompt, max_tokens, priority, sampling, cache_salt), None

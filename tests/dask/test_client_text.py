@@ -67,7 +67,47 @@ def test_a_stop_string_ends_the_text_before_it_and_frees_the_request(clean, over
     stop = next(full[i:i + 3] for i in range(len(full) // 2, len(full) - 3) if full[i:i + 3].strip())
     result = clean.generate("Once upon a time", max_tokens=60, stop=[stop], timeout=30)
     assert result.text == full[: full.index(stop)] and result.finish_reason is FinishReason.STOP
+    # The answer's tokens end with the one that completed the stop string, as the gateway's and vLLM's.
+    tokens = expected(overrides, tokenizer, "Once upon a time", 60)
+    assert result.token_ids == tokens[:_stop_at(tokenizer, tokens, stop)]
     # `clean` checks that the aborted request left no block behind.
+
+
+def _stop_at(tokenizer, tokens: list[int], stop: str, min_tokens: int = 0) -> int | None:
+    """How many tokens an answer keeps, the last completing `stop` past the text of its first
+    `min_tokens` (vLLM's rule, token by token, a trailing partial character not yet text); None if
+    it never does."""
+    def text(count: int) -> str:
+        return tokenizer.decode(tokens[:count]).rstrip("\ufffd")
+
+    least = len(text(min_tokens))
+    for count in range(min_tokens + 1, len(tokens) + 1):
+        at = text(count).find(stop, max(0, least - len(stop) + 1))
+        if at >= 0:
+            return count
+    return None
+
+
+def test_stop_strings_count_past_min_tokens_and_stop_tokens_leave_no_text(clean, overrides, tokenizer):
+    prompt = "A long story"
+    sampling = {"min_tokens": 12, "ignore_eos": True}
+    tokens = reference_tokens(load_config(overrides), tokenizer.encode(prompt), 40, **sampling)
+    full = tokenizer.decode(tokens)
+    early = tokenizer.decode(tokens[:6])
+    # A stop string found in the first tokens' text, again later: the earlier one does not count.
+    stop = next(early[i:i + 2] for i in range(len(early) - 2) if full.count(early[i:i + 2]) >= 2
+                and _stop_at(tokenizer, tokens, early[i:i + 2], 12) is not None)
+    kept = _stop_at(tokenizer, tokens, stop, 12)
+    result = clean.generate(prompt, max_tokens=40, stop=[stop], timeout=30, **sampling)
+    assert kept > 12 and result.token_ids == tokens[:kept] and result.finish_reason is FinishReason.STOP
+    assert result.text == full[: full.index(stop, len(tokenizer.decode(tokens[:12]).rstrip("\ufffd")) - len(stop) + 1)]
+    # A requested stop token ends the answer with its id kept and its text left out.
+    token = tokens[15]
+    ended = reference_tokens(load_config(overrides), tokenizer.encode(prompt), 40, stop_token_ids=(token,),
+                             ignore_eos=True)
+    result = clean.generate(prompt, max_tokens=40, stop_token_ids=[token], ignore_eos=True, timeout=30)
+    assert result.token_ids == ended and ended[-1] == token
+    assert result.text == tokenizer.decode(ended[:-1]) and result.finish_reason is FinishReason.STOP
 
 
 def test_the_text_stream_adds_up_to_the_generation(clean, tokenizer):
