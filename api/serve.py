@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", metavar="NAME", default=None,
                    help="vLLM's tool-call parser for the model (e.g. hermes): chat requests with tool_choice "
                         "\"auto\" get their tool calls read with it (default: llumdask.gateway.tool-call-parser)")
+    p.add_argument("--reasoning-parser", metavar="NAME", default=None,
+                   help="vLLM's reasoning parser for the model (e.g. deepseek_r1, qwen3): chat answers carry the "
+                        "model's thinking as message.reasoning, apart from the content "
+                        "(default: llumdask.gateway.reasoning-parser)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -305,7 +309,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from llumdask.api.gateway.dask_backend import DaskBackend
     from llumdask.api.gateway.generation_config import default_source, read_generation_config
     from llumdask.api.gateway.tokenizer import load_tokenizer, model_location
-    from llumdask.api.gateway.tools import ToolCalling, tool_parser_class
+    from llumdask.api.gateway.tools import AnswerReading, parser_class
 
     if args.config is not None:
         dask.config.update(dask.config.config, yaml.safe_load(args.config.read_text()) or {}, priority="new")
@@ -320,7 +324,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
     model_info = ModelInfo(args.served_model_name or default_name, max_context)
     given = {"api-keys": args.api_key, "max-in-flight": args.max_in_flight, "placement-timeout": args.placement_timeout,
-             "tool-call-parser": args.tool_call_parser, "write-timeout": args.write_timeout,
+             "tool-call-parser": args.tool_call_parser, "reasoning-parser": args.reasoning_parser,
+             "write-timeout": args.write_timeout,
              "send-buffer-bytes": args.send_buffer_bytes}
     settings = load_config({"gateway": {k: v for k, v in given.items() if v is not None}}).gateway
     local_vllm = args.scheduler is None and args.engine != "sim"
@@ -329,11 +334,15 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                                                     {**engine_args, **engine_generation_args(args.generation_config)},
                                                     args.max_model_len)).vllm_engine
     with vllm_check(vllm_config) if local_vllm else contextlib.nullcontext() as checked:
-        if settings.tool_call_parser is not None:
+        parsers = [f"--{flag} {name}" for flag, name in (("tool-call-parser", settings.tool_call_parser),
+                                                          ("reasoning-parser", settings.reasoning_parser)) if name]
+        if parsers:  # a wrong name, or a tokenizer without what a parser needs, fails now, not at the first request
             try:
-                tool_parser_class(settings.tool_call_parser)  # a wrong name fails now, not at the first request
+                from vllm.tokenizers import get_tokenizer
+
+                parser_class(settings.tool_call_parser, settings.reasoning_parser, get_tokenizer(model), model)
             except ImportError as exc:
-                raise ValueError(f"--tool-call-parser needs vLLM where the gateway runs: {exc}") from None
+                raise ValueError(f"{' and '.join(parsers)}: vLLM is needed where the gateway runs: {exc}") from None
         engine, check = pick_engine(args.engine, checked) if checked else ("sim", None)
     # Read (and checked) before any instance starts; a cluster at --scheduler runs engines unknown here.
     generation = read_generation_config(model, args.generation_config or default_source(
@@ -344,8 +353,9 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             from llumdask.clusters.instances import InstanceStartupError
             from llumdask.clusters.local import local_cluster
 
-            if engine == "sim" and settings.tool_call_parser is not None:
-                raise ValueError("--tool-call-parser needs the vllm engine: the sim engine's tokens are random draws")
+            if engine == "sim" and parsers:
+                raise ValueError(f"{' and '.join(parsers)}: the vllm engine is needed (the sim engine's tokens "
+                                 "are random draws)")
             share = memory_share(vllm_config, args.instances, check) if engine == "vllm" and check else {}
             if share:
                 chosen = " ".join(f"--{k} {v}" + (f" ({v / 2**30:.1f} GiB)" if k.endswith("bytes") else "")
@@ -377,7 +387,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
         app = create_app(
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
-            tokenizer, settings, ToolCalling(model, settings.tool_call_parser, engine), generation)
+            tokenizer, settings, AnswerReading(model, settings.tool_call_parser, engine, settings.reasoning_parser), generation)
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)

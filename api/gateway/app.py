@@ -22,21 +22,21 @@ from llumdask.api.gateway.metrics import GatewayMetrics
 from llumdask.api.gateway.rate_limits import RateLimits
 from llumdask.api.gateway.routes import ROUTES, Gateway
 from llumdask.api.gateway.tokenizer import Tokenizer
-from llumdask.api.gateway.tools import ToolCalling
+from llumdask.api.gateway.tools import AnswerReading
 from llumdask.config import GatewayConfig, load_config
 
 BackendFactory = Callable[[], AbstractAsyncContextManager[Backend]]
 
 
 def create_app(open_backend: BackendFactory, tokenizer: Tokenizer,
-               settings: GatewayConfig | None = None, tools: ToolCalling | None = None,
+               settings: GatewayConfig | None = None, answers: AnswerReading | None = None,
                generation: GenerationDefaults | None = None) -> Starlette:
     """An OpenAI-compatible app serving the model of the backend that `open_backend()` opens;
-    `settings`: the ``llumdask.gateway`` section (dask.config's when None); `tools`: how chat
-    requests with tools are read (without a tool-call parser when None: tool_choice "auto" is a 400);
+    `settings`: the ``llumdask.gateway`` section (dask.config's when None); `answers`: how chat
+    answers are read, tool calls and reasoning (without parsers when None: tool_choice "auto" is a 400);
     `generation`: the model's generation config (`read_generation_config`; none when None)."""
     settings = settings if settings is not None else load_config().gateway
-    tools = tools if tools is not None else ToolCalling()
+    answers = answers if answers is not None else AnswerReading()
     metrics = GatewayMetrics()
 
     @asynccontextmanager
@@ -44,7 +44,7 @@ def create_app(open_backend: BackendFactory, tokenizer: Tokenizer,
         async with open_backend() as backend:
             in_flight = InFlight(settings.max_in_flight, settings.retry_after, metrics.in_flight)
             limits = RateLimits(settings.requests_per_minute, settings.tokens_per_minute)
-            yield {"gateway": Gateway(backend, tokenizer, settings, metrics, in_flight, limits, tools,
+            yield {"gateway": Gateway(backend, tokenizer, settings, metrics, in_flight, limits, answers,
                                       generation or GenerationDefaults())}
 
     return Starlette(

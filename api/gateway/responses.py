@@ -22,12 +22,16 @@ class Usage:
     completion_tokens: int
     # Of the prompt tokens, those found in the engine's prefix cache (None: the engine does not say).
     cached_tokens: int | None = None
+    # Of the completion tokens, those a reasoning parser counts as reasoning (None: no parser).
+    reasoning_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                                  "total_tokens": self.prompt_tokens + self.completion_tokens}
         if self.cached_tokens is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        if self.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         return usage
 
 
@@ -44,6 +48,8 @@ class Choice(NamedTuple):
     token_ids: Sequence[int] = ()
     # vLLM's stop_reason: the stop string or stop token that ended it (`Generation.stop_reason`).
     stop_reason: int | str | None = None
+    # vLLM's message.reasoning (chat with a reasoning parser): what the model thought before answering.
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ class ResponseFormat(ABC):
     as_token_ids: bool = False
     # vLLM's return_prompt_text (chat): the prompt as the template rendered it, after its ids.
     prompt_text: str | None = None
+    # Chat messages carry vLLM's `reasoning` (null where there was none): the gateway reads it.
+    shows_reasoning: bool = False
 
     object = ""
     chunk_object = ""
@@ -103,10 +111,10 @@ class ResponseFormat(ABC):
         return []
 
     def text_chunk(self, index: int, text: str | None, logprobs: dict | None = None, token_ids: Sequence[int] = (),
-                   first: bool = False) -> dict[str, Any]:
+                   first: bool = False, reasoning: str | None = None) -> dict[str, Any]:
         """`text` (None: an empty delta); `token_ids`: the chunk's tokens; `first`: the choice's
-        first chunk after its opening."""
-        return self._with_ids(self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs)]),
+        first chunk after its opening; `reasoning`: a chat delta's reasoning."""
+        return self._with_ids(self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs, reasoning)]),
                               token_ids, first)
 
     def final_chunk(self, index: int, finish_reason: str | None, first: bool = False,
@@ -140,7 +148,8 @@ class ResponseFormat(ABC):
     def _choice(self, index: int, choice: Choice) -> dict[str, Any]: ...
 
     @abstractmethod
-    def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]: ...
+    def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+               reasoning: str | None = None) -> dict[str, Any]: ...
 
 
 class CompletionFormat(ResponseFormat):
@@ -155,7 +164,8 @@ class CompletionFormat(ResponseFormat):
         return {"index": index, "text": choice.text or "", "logprobs": choice.logprobs,
                 "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
-    def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
+    def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+               reasoning: str | None = None) -> dict[str, Any]:
         return self._choice(index, Choice(text, finish_reason, logprobs))
 
 
@@ -170,21 +180,28 @@ class ChatFormat(ResponseFormat):
 
     def _choice(self, index: int, choice: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if self.shows_reasoning:
+            message["reasoning"] = choice.reasoning
         if choice.tool_calls:
             message["tool_calls"] = list(choice.tool_calls)
         return {"index": index, "message": message, "logprobs": choice.logprobs, "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason}
 
     def tool_chunk(self, index: int, text: str | None, calls: Sequence[dict[str, Any]],
-                   logprobs: dict | None = None, token_ids: Sequence[int] = ()) -> dict[str, Any]:
-        """A chunk with tool call deltas (OpenAI's delta.tool_calls), and text where the model wrote some."""
-        chunk = self._with_ids(self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs)]),
+                   logprobs: dict | None = None, token_ids: Sequence[int] = (), reasoning: str | None = None,
+                   ) -> dict[str, Any]:
+        """A chunk with tool call deltas (OpenAI's delta.tool_calls), and text (and reasoning) where
+        the model wrote some."""
+        chunk = self._with_ids(self._envelope(self.chunk_object, [self._delta(index, text, None, logprobs, reasoning)]),
                                token_ids, False)
         chunk["choices"][0]["delta"]["tool_calls"] = list(calls)
         return chunk
 
-    def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
-        delta = {} if text is None else {"content": text}
+    def _delta(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+               reasoning: str | None = None) -> dict[str, Any]:
+        delta = {} if reasoning is None else {"reasoning": reasoning}
+        if text is not None:
+            delta["content"] = text
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def opening_chunks(self, index: int) -> list[dict[str, Any]]:

@@ -48,7 +48,7 @@ from llumdask.api.gateway.schemas import (
 )
 from llumdask.api.gateway.sse import DONE, EventStreamResponse, event
 from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer, named_stop_token_ids, stop_token_ids
-from llumdask.api.gateway.tools import ToolCalling, ToolReader
+from llumdask.api.gateway.tools import AnswerReader, AnswerReading, Piece
 from llumdask.config import GatewayConfig
 from llumdask.engine.base import TokenLogprob
 from llumdask.request import STRUCTURED_KINDS, Priority, SamplingParams, new_request_id
@@ -70,7 +70,7 @@ class Gateway:
     metrics: GatewayMetrics
     in_flight: InFlight
     rate_limits: RateLimits
-    tools: ToolCalling
+    answers: AnswerReading
     # The model's generation config, as vLLM's server applies it (api/gateway/generation_config.py).
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
@@ -134,20 +134,29 @@ async def completions(request: Request, gateway: Gateway) -> Response:
 async def chat_completions(request: Request, gateway: Gateway) -> Response:
     parsed = parse_chat(await read_json(request, gateway.settings.max_body_bytes))
     check_model(gateway.backend, parsed.options.model)
-    options, use, readers = parsed.options, parsed.tools, None
-    if use is not None and use.reads_calls:
-        schema, keep_special, readers = await gateway.tools.readers(use, options.best_of)
+    options, use, readers, answers = parsed.options, parsed.tools, None, gateway.answers
+    text, prompt_ids = chat_prompt(gateway.tokenizer, parsed.messages, parsed.rendering,
+                                   use.tools if use is not None else None)
+    prompt_ids = truncated(prompt_ids, options, gateway.backend.model.max_context)
+    if answers.reads(use):
+        if answers.reasoning_parser is not None and STRUCTURED_KINDS & options.sampling.keys():
+            raise InvalidRequest("structured outputs are not served with a reasoning parser yet: the output's grammar "
+                                 "would constrain the reasoning too", param="response_format",
+                                 code="unsupported_parameter")
+        schema, keep_special, readers = await answers.readers(use, options.best_of, prompt_ids,
+                                                              parsed.rendering.variables, parsed.include_reasoning)
         if schema is not None:  # tool_choice overrides response_format, as in vLLM
             sampling = {k: v for k, v in options.sampling.items() if k not in STRUCTURED_KINDS}
             options = replace(options, sampling={**sampling, "json_schema": schema})
         if keep_special:
             options = replace(options, skip_special_tokens=False)
-    text, prompt_ids = chat_prompt(gateway.tokenizer, parsed.messages, parsed.rendering,
-                                   use.tools if use is not None else None)
-    prompt_ids = truncated(prompt_ids, options, gateway.backend.model.max_context)
+        if answers.reasoning_parser is not None and not parsed.include_reasoning:
+            # vLLM's: hidden reasoning shows no log probabilities (their tokens would tell it).
+            options = replace(options, logprobs=None)
     request_id = new_request_id()
     fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), gateway.backend.model.name,
-                     *token_ids_shown(options, prompt_ids), prompt_text=text if parsed.return_prompt_text else None)
+                     *token_ids_shown(options, prompt_ids), prompt_text=text if parsed.return_prompt_text else None,
+                     shows_reasoning=answers.reasoning_parser is not None)
     return await generate(request, gateway, "chat_completions", fmt, request_id, prompt_ids, options,
                           readers=readers)
 
@@ -188,13 +197,13 @@ def chat_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], render
 
 async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseFormat, request_id: str,
                    prompt_ids: list[int], options: GenerationOptions, echo: str | None = None,
-                   readers: Sequence[ToolReader] | None = None) -> Response:
+                   readers: Sequence[AnswerReader] | None = None) -> Response:
     """The response's id carries `request_id`, the cluster's name for the request (an operator
     migrates or inspects it by that name); with several choices, choice i > 0 is `request_id-i`.
     best_of > n generates best_of and returns the n with the highest log probability per token.
     `echo`: the prompt's text, to come first in every choice (and its tokens in the logprobs; ""
     with return_token_ids, which shows it as ids).
-    `readers`: one per generation, reading its answer as tool calls (chat with tools)."""
+    `readers`: one per generation, reading its answer for tool calls and reasoning (chat)."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
     options = with_model_defaults(options, gateway.generation)
@@ -255,21 +264,21 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
                 ids, entries = [*prompt_ids, *ids], [*prompt, *entries]
             logprobs = fmt.logprobs(gateway.tokenizer, ids, entries, 0)
         if readers is not None:
-            answer = readers[i].whole(text)
+            answer = readers[i].whole(text, g.token_ids)
             body.append(Choice(answer.content, readers[i].finish_reason(g.finish_reason), logprobs, answer.calls,
-                               g.token_ids, g.stop_reason))
+                               g.token_ids, g.stop_reason, answer.reasoning))
         else:
             body.append(Choice(text if echo is None else echo + text, g.finish_reason, logprobs, (), g.token_ids,
                                g.stop_reason))
     scored = None
     if sampling.prompt_logprobs is not None:
         scored = prompt_logprobs(gateway.tokenizer, prompt_ids, generations[0].prompt_logprobs)
-    return JSONResponse(fmt.body(body, total_usage(generations), scored))
+    return JSONResponse(fmt.body(body, usage(gateway, generations, readers), scored))
 
 
 async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat, request_id: str,
                          prompt_ids: list[int], options: GenerationOptions, max_tokens: int, echo: str | None,
-                         readers: Sequence[ToolReader] | None) -> Response:
+                         readers: Sequence[AnswerReader] | None) -> Response:
     """vLLM's beam search (api/gateway/beam_search.py) with n beams, each step's requests named
     `request_id`-beamSTEP-BEAM on the cluster (and counted as "beam_search" in the gateway's
     metrics); the response's choices are the n best, best first, streamed (chat) once known."""
@@ -316,14 +325,16 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
         gateway.rate_limits.refund(charge, charge.tokens - len(prompt_ids) - produced)
     choices = [beam_choice(gateway.tokenizer, fmt, beam, options, echo, readers[i] if readers else None)
                for i, beam in enumerate(beams)]
-    usage = Usage(len(prompt_ids), sum(len(c.token_ids) for c in choices))
+    usage = Usage(len(prompt_ids), sum(len(c.token_ids) for c in choices),
+                  reasoning_tokens=None if gateway.answers.reasoning_parser is None or not readers else
+                  sum(r.reasoning_tokens(c.token_ids) for r, c in zip(readers, choices)))
     if not options.stream:
         return JSONResponse(fmt.body(choices, usage))
 
     async def events() -> AsyncGenerator[bytes, None]:
         for i, choice in enumerate(choices):
             for chunk in (*fmt.opening_chunks(i), fmt.text_chunk(i, choice.text, choice.logprobs, choice.token_ids,
-                                                                 first=True),
+                                                                 first=True, reasoning=choice.reasoning),
                           fmt.final_chunk(i, choice.finish_reason, stop_reason=choice.stop_reason)):
                 yield event(chunk)
         if options.include_usage:
@@ -338,7 +349,7 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
 
 
 def beam_choice(tokenizer: Tokenizer, fmt: ResponseFormat, beam: Beam, options: GenerationOptions,
-                echo: str | None, reader: ToolReader | None) -> Choice:
+                echo: str | None, reader: AnswerReader | None) -> Choice:
     """One beam as a choice: an end of sequence ends its text, is its stop_reason, and is among its
     token ids (and log probabilities) only with include_stop_str_in_output, as in vLLM; read as
     tool calls where the request offered tools."""
@@ -352,8 +363,9 @@ def beam_choice(tokenizer: Tokenizer, fmt: ResponseFormat, beam: Beam, options: 
         entries = [e._replace(top=e.top[:options.logprobs]) for e in beam.entries[:len(ids)]]
         logprobs = fmt.logprobs(tokenizer, ids, entries, 0)
     if reader is not None:
-        answer = reader.whole(text)
-        return Choice(answer.content, reader.finish_reason(beam.finish_reason), logprobs, answer.calls, ids, stop_reason)
+        answer = reader.whole(text, said)
+        return Choice(answer.content, reader.finish_reason(beam.finish_reason), logprobs, answer.calls, ids, stop_reason,
+                      answer.reasoning)
     return Choice(text if echo is None else echo + text, beam.finish_reason, logprobs, (), ids, stop_reason)
 
 
@@ -377,6 +389,15 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     return replace(sampling, seed=(sampling.seed + index) % (MAX_SEED + 1))
 
 
+def usage(gateway: Gateway, generations: Sequence[Generation], readers: Sequence[AnswerReader] | None) -> Usage:
+    """The response's usage: every choice's tokens, and of them the reasoning where the gateway
+    reads it (vLLM's completion_tokens_details)."""
+    used = total_usage(generations)
+    if gateway.answers.reasoning_parser is None or readers is None:
+        return used
+    return replace(used, reasoning_tokens=sum(r.reasoning_tokens(g.token_ids) for r, g in zip(readers, generations)))
+
+
 async def finish(gateway: Gateway, generations: Sequence[Generation], charge: Charge) -> None:
     """Abort every choice's request still running somewhere, free their admission slots, and give
     the key back the tokens they did not use. The aborts are tasks of their own: a cancelled
@@ -392,7 +413,7 @@ async def finish(gateway: Gateway, generations: Sequence[Generation], charge: Ch
 
 async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat, generations: Sequence[Generation],
                         prompt_ids: Sequence[int], options: GenerationOptions, echo: str | None,
-                        readers: Sequence[ToolReader] | None) -> AsyncGenerator[bytes, None]:
+                        readers: Sequence[AnswerReader] | None) -> AsyncGenerator[bytes, None]:
     """Each choice's chunks: its opening, its echoed prompt (with the first tokens: the prompt's
     log probabilities come with them), a chunk per token batch with those tokens' log
     probabilities, its finish; then the usage if asked for. Read as tool calls (`readers`), a
@@ -409,7 +430,7 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
         return True
 
     def chunk(index: int, text: str | None, token_ids: Sequence[int], entries: Sequence,
-              shown_ids: Sequence[int]) -> bytes:
+              shown_ids: Sequence[int], reasoning: str | None = None) -> bytes:
         """`token_ids` with their log probabilities; `shown_ids`, the output tokens it carries."""
         logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, sent[index]) if wanted else None
         if logprobs and logprobs.get("tokens"):
@@ -417,7 +438,13 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
             sent[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         else:
             sent[index] += len(text or "")
-        return event(fmt.text_chunk(index, text, logprobs, shown_ids, first(index)))
+        return event(fmt.text_chunk(index, text, logprobs, shown_ids, first(index), reasoning))
+
+    def calls_chunk(index: int, piece: Piece, token_ids: Sequence[int] = (), entries: Sequence = (),
+                    with_logprobs: bool = False) -> bytes:
+        logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, 0) if with_logprobs else None
+        return event(fmt.tool_chunk(index, piece.content, [c.to_dict() for c in piece.calls], logprobs,  # type: ignore[attr-defined]
+                                    token_ids, piece.reasoning))
 
     def events(index: int, delta: Delta | None) -> Iterator[bytes]:
         g = generations[index]
@@ -427,8 +454,10 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
             finish_reason = g.finish_reason
             if readers is not None:
                 last = readers[index].last()
-                if last:
-                    yield event(fmt.tool_chunk(index, None, [c.to_dict() for c in last]))  # type: ignore[attr-defined]
+                if last.calls:
+                    yield calls_chunk(index, last)
+                elif last:
+                    yield chunk(index, last.content, (), (), (), last.reasoning)
                 finish_reason = readers[index].finish_reason(finish_reason)
             yield event(fmt.final_chunk(index, finish_reason, first(index), g.stop_reason))
             return
@@ -437,13 +466,12 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
         if readers is None:
             yield chunk(index, delta.text, token_ids, entries, token_ids)
             return
-        content, calls = readers[index].delta(delta.text, token_ids)
-        if calls:
-            logprobs = fmt.logprobs(gateway.tokenizer, token_ids, entries, 0) if wanted else None
-            yield event(fmt.tool_chunk(index, content, [c.to_dict() for c in calls], logprobs, token_ids))  # type: ignore[attr-defined]
-        elif content is not None or wanted or fmt.prompt_token_ids is not None:
+        piece = readers[index].delta(delta.text, token_ids)
+        if piece.calls:
+            yield calls_chunk(index, piece, token_ids, entries, wanted)
+        elif piece or wanted or fmt.prompt_token_ids is not None:
             # Nothing to show yet still carries its tokens' log probabilities and ids, as vLLM's.
-            yield chunk(index, content, token_ids, entries, token_ids)
+            yield chunk(index, piece.content, token_ids, entries, token_ids, piece.reasoning)
 
     # What is ready together goes out in one write: a write per chunk costs the gateway a
     # system call and a pass through the ASGI stack per choice and token.
@@ -457,7 +485,7 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
             if body:
                 yield body
         if options.include_usage:
-            tail = event(fmt.usage_chunk(total_usage(generations)))
+            tail = event(fmt.usage_chunk(usage(gateway, generations, readers)))
     except APIError as exc:
         gateway.metrics.error(exc.code)
         tail = event(exc.body())

@@ -146,6 +146,8 @@ class ChatRequest:
     rendering: ChatRendering = ChatRendering()
     # vLLM's return_prompt_text: the response carries the rendered prompt.
     return_prompt_text: bool = False
+    # vLLM's include_reasoning: false leaves the reasoning a reasoning parser reads out of the response.
+    include_reasoning: bool = True
 
 
 # vLLM's own request options the gateway does not honour, each with vLLM's default: a request
@@ -207,7 +209,7 @@ def parse_chat(body: Any) -> ChatRequest:
                                           max_tokens_fields=("max_completion_tokens", "max_tokens"),
                                           logprobs=(top or 0) if wanted else None, echo=False), body, chat=True)
     return ChatRequest(options, _messages(body), tools, _rendering(body, add_special_tokens=False),
-                       _bool(body, "return_prompt_text", False))
+                       _bool(body, "return_prompt_text", False), _bool(body, "include_reasoning", True))
 
 
 @dataclass(frozen=True)

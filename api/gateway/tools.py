@@ -1,16 +1,17 @@
-"""Tool calling in chat completions: the tools a request offers, and the model's answer read as calls.
+"""Tool calling and reasoning in chat completions: the tools a request offers, and the model's
+answer read as reasoning, content and calls.
 
-The model's chat template renders the tools. The answer is read as tool calls the way vLLM's
-server reads it on its JSON path:
+The model's chat template renders the tools. The answer is read the way vLLM's server reads it:
 - tool_choice "required" or a named function constrains the output, through structured outputs,
   to the JSON schema vLLM derives from the tools (a list of {"name", "parameters"}, or the named
   function's arguments); the gateway turns that JSON into calls. No parser is needed.
-- "auto" lets the model answer freely; one of vLLM's tool-call parsers, named by the operator
-  (``--tool-call-parser``, as for ``vllm serve``), finds the calls in the model's own syntax,
-  whole or as streaming deltas.
-- "none" renders the tools and reads nothing.
+- otherwise vLLM's parser, composed as `vllm serve` composes it, reads the answer whole or as
+  streaming deltas: one of vLLM's reasoning parsers (``--reasoning-parser``) takes out what the
+  model thought before answering, and for "auto" one of its tool-call parsers
+  (``--tool-call-parser``) finds the calls in the model's own syntax in what follows.
+- "none" renders the tools and reads no calls.
 vLLM's protocol, parsers and the tokenizer they take are imported in a thread on the first request
-with tools (about ten seconds), so a gateway that never sees tools never pays for them.
+that needs them (about ten seconds), so a gateway that never sees one never pays for them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.api.gateway.json_schema import check_schema
@@ -160,80 +161,112 @@ class ToolCallDelta:
 
 @dataclass(frozen=True)
 class Answer:
-    """A whole answer read: its text content (None when it is only calls) and its calls."""
+    """A whole answer read: its text content (None when there is none, or only calls), its calls,
+    and the reasoning before it (with a reasoning parser)."""
 
     content: str | None
     calls: tuple[dict[str, Any], ...]
+    reasoning: str | None = None
 
 
-class ToolReader:
-    """Reads one choice's answer as tool calls (one per choice: streaming parsers keep state)."""
+class Piece(NamedTuple):
+    """What part of a stream adds to one choice: reasoning, content, tool call deltas."""
 
-    def __init__(self, use: ToolUse, parser: Any, request: Any, new_id: Any) -> None:
+    reasoning: str | None = None
+    content: str | None = None
+    calls: tuple[ToolCallDelta, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.reasoning is not None or self.content is not None or bool(self.calls)
+
+
+class AnswerReader:
+    """Reads one choice's chat answer (one per choice: vLLM's parsers keep stream state).
+
+    tool_choice "required" or a named function: the JSON its grammar allowed, read here. Otherwise
+    vLLM's `Parser`, composed as `vllm serve` composes it, reads the reasoning (a reasoning parser)
+    and, for "auto", the tool calls in the model's syntax (a tool-call parser) from what follows."""
+
+    def __init__(self, use: ToolUse | None, parser: Any, request: Any, new_id: Any, prompt_ids: Sequence[int]) -> None:
         self._use = use
         self._parser = parser
         self._request = request
         self._new_id = new_id
+        self._prompt_ids = list(prompt_ids)
         self._text = ""
-        self._token_ids: list[int] = []
         self._named_id: str | None = None
         self._made_calls = False
 
-    def whole(self, text: str) -> Answer:
-        if self._use.choice == "function":
-            return Answer(None, (self._call(self._use.function, text),))
-        if self._use.choice == "required":
+    @property
+    def _choice(self) -> str:
+        return "none" if self._use is None else self._use.choice
+
+    def whole(self, text: str, token_ids: Sequence[int]) -> Answer:
+        if self._choice == "function":
+            return Answer(None, (self._call(self._use.function, text),))  # type: ignore[union-attr]
+        if self._choice == "required":
             return Answer(None, tuple(self._call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                                       for c in _json_calls(text)))
-        info = self._parser.extract_tool_calls(text, self._request)
-        if not info.tools_called:
-            return Answer(text, ())
-        self._made_calls = True
-        calls = tuple({"id": c.id or self._new_id(), "type": "function",
-                       "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                      for c in info.tool_calls)
-        return Answer(info.content or None, calls)
+        self._parser.set_prompt_token_ids(self._prompt_ids)
+        reasoning, content, found = self._parser.parse(text, self._request, enable_auto_tools=self._choice == "auto",
+                                                       model_output_token_ids=list(token_ids))
+        calls = tuple({"id": getattr(c, "id", None) or self._new_id(), "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments}} for c in found or ())
+        self._made_calls = bool(calls)
+        return Answer(content or None if calls else content, calls,
+                      reasoning if self._request.include_reasoning else None)
 
-    def delta(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, list[ToolCallDelta]]:
-        """(content, call deltas) that `text` (made of `token_ids`) adds to the stream."""
-        previous, previous_ids = self._text, list(self._token_ids)
+    def delta(self, text: str, token_ids: Sequence[int]) -> Piece:
+        """What `text` (made of `token_ids`) adds to the stream."""
         self._text += text
-        self._token_ids.extend(token_ids)
-        if self._use.choice == "function":  # the arguments, as they come
+        if self._choice == "function":  # the arguments, as they come
             first = self._named_id is None
             if first:
                 self._named_id = self._new_id()
             if not text and not first:
-                return None, []
-            return None, [ToolCallDelta(0, self._named_id if first else None, self._use.function if first else None,
-                                        text)]
-        if self._use.choice == "required":  # whole calls, once the list is complete: at the end
-            return None, []
-        message = self._parser.extract_tool_calls_streaming(previous, self._text, text, previous_ids,
-                                                           list(self._token_ids), list(token_ids), self._request)
-        if message is None:
-            return None, []
-        self._made_calls = self._made_calls or bool(message.tool_calls)
-        return message.content, [ToolCallDelta(c.index, c.id, c.function.name if c.function else None,
-                                               c.function.arguments if c.function else None)
-                                 for c in message.tool_calls]
+                return Piece()
+            return Piece(calls=(ToolCallDelta(0, self._named_id if first else None,
+                                              self._use.function if first else None, text),))  # type: ignore[union-attr]
+        if self._choice == "required":  # whole calls, once the list is complete: at the end
+            return Piece()
+        return self._read(self._parser.parse_delta(text, list(token_ids), self._request, self._prompt_ids,
+                                                   finished=False))
 
-    def last(self) -> list[ToolCallDelta]:
-        """What the stream still owes at its end: a required answer's calls, or an auto call's
-        arguments the parser held back."""
-        if self._use.choice == "required":
-            return [ToolCallDelta(i, c["id"], c["function"]["name"], c["function"]["arguments"])
-                    for i, c in enumerate(self.whole(self._text).calls)]
-        if self._use.choice == "auto" and self._parser.prev_tool_call_arr:
-            rest = self._parser.get_remaining_unstreamed_args()
+    def last(self) -> Piece:
+        """What the stream still owes at its end: a required answer's calls, or what vLLM's parser
+        held back (an auto call's arguments, text an engine-based parser buffered)."""
+        if self._choice == "required":
+            return Piece(calls=tuple(ToolCallDelta(i, c["id"], c["function"]["name"], c["function"]["arguments"])
+                                     for i, c in enumerate(self.whole(self._text, ()).calls)))
+        if self._choice == "function":
+            return Piece()
+        piece = self._read(self._parser.parse_delta("", [], self._request, self._prompt_ids, finished=True))
+        if not (piece.reasoning or piece.content):  # an empty flush is no chunk of its own
+            piece = Piece(calls=piece.calls)
+        tools = self._parser.tool_parser
+        if self._choice == "auto" and tools is not None and tools.prev_tool_call_arr:
+            rest = tools.get_remaining_unstreamed_args()
             if rest:
-                return [ToolCallDelta(len(self._parser.prev_tool_call_arr) - 1, arguments=rest)]
-        return []
+                piece = piece._replace(calls=(*piece.calls,
+                                              ToolCallDelta(len(tools.prev_tool_call_arr) - 1, arguments=rest)))
+        return piece
+
+    def _read(self, message: Any) -> Piece:
+        if message is None:
+            return Piece()
+        calls = tuple(ToolCallDelta(c.index, c.id, c.function.name if c.function else None,
+                                    c.function.arguments if c.function else None) for c in message.tool_calls)
+        self._made_calls = self._made_calls or bool(calls)
+        return Piece(message.reasoning, message.content, calls)
+
+    def reasoning_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of the answer's tokens are reasoning (vLLM's count; 0 without a reasoning parser)."""
+        return 0 if self._parser is None else self._parser.count_reasoning_tokens(list(token_ids))
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's, once the answer was read: "tool_calls" where "auto" called a tool or
         "required" stopped (a named function's call stops as "stop", as OpenAI's does)."""
-        if reason == "stop" and (self._use.choice == "required" or self._made_calls):
+        if reason == "stop" and (self._choice == "required" or self._made_calls):
             return "tool_calls"
         return reason
 
@@ -253,39 +286,57 @@ def _json_calls(text: str) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ vLLM's side
-class ToolCalling:
-    """A gateway's tool machinery: vLLM's schema derivation and, for "auto", its parser `parser`."""
+class AnswerReading:
+    """A gateway's machinery for reading chat answers: vLLM's schema derivation for tools, and its
+    parsers as `vllm serve` composes them: the tool-call parser `parser` (tool_choice "auto") and
+    the reasoning parser `reasoning_parser` (every chat answer)."""
 
-    def __init__(self, model: str | None = None, parser: str | None = None, engine: str | None = None) -> None:
+    def __init__(self, model: str | None = None, parser: str | None = None, engine: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         """`model`: where the served model's tokenizer is (a parser reads its vocabulary);
         `engine`: the cluster's engine when known ("sim" models no tools)."""
-        if parser is not None and model is None:
-            raise ValueError("a tool-call parser needs the model's tokenizer: give the model too")
+        if (parser is not None or reasoning_parser is not None) and model is None:
+            raise ValueError("a parser needs the model's tokenizer: give the model too")
         self.model = model
         self.parser = parser
+        self.reasoning_parser = reasoning_parser
         self.engine = engine
         self._vllm: _Vllm | None = None
         self._loading: asyncio.Lock | None = None
 
-    async def readers(self, use: ToolUse, count: int) -> tuple[str | None, bool, list[ToolReader]]:
+    def reads(self, use: ToolUse | None) -> bool:
+        """Whether a chat with these tools has its answers read (calls, or reasoning)."""
+        return self.reasoning_parser is not None or (use is not None and use.reads_calls)
+
+    async def readers(self, use: ToolUse | None, count: int, prompt_ids: Sequence[int],
+                      template_kwargs: Mapping[str, Any], include_reasoning: bool = True,
+                      ) -> tuple[str | None, bool, list[AnswerReader]]:
         """(the JSON schema to constrain the output to, or None; whether special tokens must stay
-        in the text for the parser; a reader per choice). 400 when tools cannot be served here."""
-        if self.engine == "sim":
+        in the text for the parsers; a reader per choice). 400 when the request cannot be served here.
+        `template_kwargs`: what the prompt was rendered with (a parser reads whether thinking is on)."""
+        calls = use is not None and use.reads_calls
+        if calls and self.engine == "sim":
             raise InvalidRequest("the sim engine does not model tools (its tokens are random draws)",
                                  param="tools", code="unsupported_parameter")
-        if use.choice == "auto" and self.parser is None:
+        if calls and use.choice == "auto" and self.parser is None:  # type: ignore[union-attr]
             raise InvalidRequest('tool_choice "auto" needs the gateway started with --tool-call-parser NAME '
                                  '(vLLM\'s parser for the model\'s tool-call syntax); "required" and a named '
                                  "function need none", param="tool_choice", code="unsupported_parameter")
+        constrained = use is not None and use.constrained
+        if constrained and self.reasoning_parser is not None:
+            raise InvalidRequest('tool_choice "required" or a named function is not served with a reasoning parser '
+                                 "yet: the output's grammar would constrain the reasoning too", param="tool_choice",
+                                 code="unsupported_parameter")
         vllm = await self._load()
-        request = vllm.request(use)
-        schema = vllm.schema(request) if use.constrained else None
+        request = vllm.request(use, include_reasoning)
+        schema = vllm.schema(request) if constrained else None
         keep_special = False
         parsers: list[Any] = [None] * count
-        if use.choice == "auto":
-            parsers = [vllm.parser(request) for _ in range(count)]
+        if not constrained:
+            parsers = [vllm.parser(request, use is not None and use.choice == "auto", template_kwargs)
+                       for _ in range(count)]
             keep_special = not parsers[0].adjust_request(request).skip_special_tokens
-        return schema, keep_special, [ToolReader(use, p, request, vllm.new_id) for p in parsers]
+        return schema, keep_special, [AnswerReader(use, p, request, vllm.new_id, prompt_ids) for p in parsers]
 
     async def _load(self) -> _Vllm:
         if self._vllm is None:
@@ -294,9 +345,9 @@ class ToolCalling:
             async with self._loading:
                 if self._vllm is None:
                     try:
-                        self._vllm = await asyncio.to_thread(_Vllm, self.model, self.parser)
+                        self._vllm = await asyncio.to_thread(_Vllm, self.model, self.parser, self.reasoning_parser)
                     except ImportError as exc:
-                        raise InvalidRequest(f"tools need vLLM installed where the gateway runs: {exc}",
+                        raise InvalidRequest(f"tools and reasoning need vLLM installed where the gateway runs: {exc}",
                                              param="tools", code="unsupported_parameter") from None
         return self._vllm
 
@@ -304,7 +355,7 @@ class ToolCalling:
 class _Vllm:
     """vLLM's pieces, imported once."""
 
-    def __init__(self, model: str | None, parser: str | None) -> None:
+    def __init__(self, model: str | None, parser: str | None, reasoning_parser: str | None) -> None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.renderers.chat_utils import make_tool_call_id
         from vllm.tool_parsers.utils import get_json_schema_from_tools
@@ -312,32 +363,47 @@ class _Vllm:
         self._request_type = ChatCompletionRequest
         self._derive = get_json_schema_from_tools
         self.new_id = make_tool_call_id
-        self._parser_type = None
         self._tokenizer = None
-        if parser is not None:
-            self._parser_type = tool_parser_class(parser)
+        # vLLM's composed parser class, for tool_choice "auto" (True) and otherwise (False).
+        self._parser_types: dict[bool, Any] = {}
+        if parser is not None or reasoning_parser is not None:
             from vllm.tokenizers import get_tokenizer
 
             self._tokenizer = get_tokenizer(model)
+            self._parser_types = {auto: parser_class(parser if auto else None, reasoning_parser, self._tokenizer, model)
+                                  for auto in (False, True)}
 
-    def request(self, use: ToolUse) -> Any:
+    def request(self, use: ToolUse | None, include_reasoning: bool) -> Any:
+        if use is None:
+            return self._request_type(messages=[], include_reasoning=include_reasoning)
         return self._request_type(messages=[], tools=list(use.tools), tool_choice=use.choice_param(),
-                                  parallel_tool_calls=use.parallel)
+                                  parallel_tool_calls=use.parallel, include_reasoning=include_reasoning)
 
     def schema(self, request: Any) -> str:
         return json.dumps(self._derive(request.tool_choice, request.tools, request.parallel_tool_calls))
 
-    def parser(self, request: Any) -> Any:
-        assert self._parser_type is not None
-        return self._parser_type(self._tokenizer, request.tools)
+    def parser(self, request: Any, auto: bool, template_kwargs: Mapping[str, Any]) -> Any:
+        kind = self._parser_types.get(auto)
+        assert kind is not None, "a reader needs a parser: a tool-call parser for auto, or a reasoning parser"
+        return kind(self._tokenizer, request.tools, chat_template_kwargs=dict(template_kwargs))
 
 
-def tool_parser_class(name: str) -> Any:
-    """vLLM's tool-call parser registered as `name`; ValueError naming the known ones."""
+def parser_class(tool_parser: str | None, reasoning_parser: str | None, tokenizer: Any = None,
+                 model: str | None = None) -> Any:
+    """vLLM's parser composed of the named tool-call and reasoning parsers (None: neither), checked
+    against `tokenizer` when given, as `vllm serve` checks them at start; ValueError naming the
+    known ones for an unknown name, or saying what the tokenizer lacks."""
+    from vllm.parser import ParserManager
+    from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
 
+    for name, kind, manager in ((tool_parser, "tool-call", ToolParserManager),
+                                (reasoning_parser, "reasoning", ReasoningParserManager)):
+        if name is not None and name not in manager.list_registered():
+            raise ValueError(f"vLLM has no {kind} parser {name!r}; it has: {', '.join(manager.list_registered())}")
     try:
-        return ToolParserManager.get_tool_parser(name)
-    except KeyError:
-        known = ", ".join(ToolParserManager.list_registered())
-        raise ValueError(f"vLLM has no tool-call parser {name!r}; it has: {known}") from None
+        return ParserManager.get_parser(tool_parser_name=tool_parser, reasoning_parser_name=reasoning_parser,
+                                        enable_auto_tools=tool_parser is not None, model_name=model,
+                                        tokenizer=tokenizer)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None

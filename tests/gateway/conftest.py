@@ -13,7 +13,7 @@ from llumdask.api.gateway import ModelInfo, create_app
 from llumdask.config import GatewayConfig
 from llumdask.api.gateway.generation_config import GenerationDefaults
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer
-from llumdask.api.gateway.tools import ToolCalling
+from llumdask.api.gateway.tools import AnswerReading
 from llumdask.tiny_model import build_tiny_model
 
 @pytest.fixture(scope="session")
@@ -39,13 +39,13 @@ def backend(script: list[int]) -> FakeBackend:
 
 @pytest.fixture
 def make_client(tokenizer: Tokenizer) -> Iterator[Callable[..., TestClient]]:
-    """`make_client(backend, tools=None, generation=None, **settings)` -> a started TestClient (lifespan
+    """`make_client(backend, answers=None, generation=None, **settings)` -> a started TestClient (lifespan
     run); closed after the test."""
     clients: list[TestClient] = []
 
-    def make(backend: FakeBackend, tools: ToolCalling | None = None, generation: GenerationDefaults | None = None,
+    def make(backend: FakeBackend, answers: AnswerReading | None = None, generation: GenerationDefaults | None = None,
              **settings) -> TestClient:
-        app = create_app(backend.open, tokenizer, GatewayConfig(**settings), tools, generation)
+        app = create_app(backend.open, tokenizer, GatewayConfig(**settings), answers, generation)
         client = TestClient(app, raise_server_exceptions=False)
         client.__enter__()
         clients.append(client)

@@ -962,6 +962,41 @@ def test_a_tool_call_round_trip_through_the_openai_client_on_vllm(vllm_server):
 
 
 @pytest.mark.vllm
+def test_a_gateway_with_a_reasoning_parser_answers_the_thinking_apart_on_vllm(vllm_server, tmp_path):
+    """A second gateway on the same vLLM instances, started with vLLM's qwen3 reasoning parser:
+    the greedy answer (no markers: all of it thinking, by that parser's rule) comes as
+    message.reasoning, whole and streamed, counted in usage; with thinking turned off in the
+    template kwargs it is the content, as the first gateway gives it. A wrong name stops serve at start."""
+    ask = [{"role": "user", "content": "Think about the weather in Paris."}]
+    plain = vllm_server.openai().chat.completions.create(model=MODEL, messages=ask, max_tokens=12, temperature=0)
+    text = plain.choices[0].message.content
+    assert text
+    with (tmp_path / "gateway.log").open("w+") as log:
+        gateway = start_serve(["--scheduler", vllm_server.scheduler, "--model", str(vllm_server.model_dir),
+                               "--served-model-name", MODEL, "--reasoning-parser", "qwen3"],
+                              vllm_server.model_dir.parents[1], log)
+        try:
+            client = gateway.openai()
+            thought = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=12, temperature=0)
+            message = thought.choices[0].message
+            assert message.reasoning == text and message.content is None
+            assert thought.usage.completion_tokens_details.reasoning_tokens == thought.usage.completion_tokens == \
+                plain.usage.completion_tokens
+            chunks = list(client.chat.completions.create(model=MODEL, messages=ask, max_tokens=12, temperature=0,
+                                                         stream=True))
+            assert "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks if c.choices) == text
+            off = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=12, temperature=0,
+                                                 extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            assert off.choices[0].message.content == text and off.choices[0].message.reasoning is None
+        finally:
+            stop_serve(gateway)
+    wrong = subprocess.run([sys.executable, "-m", "llumdask.api.serve", "--scheduler", vllm_server.scheduler,
+                            "--model", str(vllm_server.model_dir), "--reasoning-parser", "no_such_parser"],
+                           capture_output=True, text=True, timeout=120)
+    assert wrong.returncode != 0 and "no reasoning parser 'no_such_parser'" in wrong.stderr, wrong.stderr[-2000:]
+
+
+@pytest.mark.vllm
 def test_on_vllm_a_cache_salt_keeps_a_prompt_cached_for_its_own_salt_only(vllm_server):
     """vLLM's cache_salt through the openai client: the scheduler's prefix index learns the prompt
     under its salted keys (as the requester hashes it) and under no unsalted ones, a request with

@@ -55,6 +55,22 @@ def test_bad_options_exit_2_naming_the_problem(capsys, tmp_path, monkeypatch):
     assert exit_.value.code == 2
 
 
+@pytest.mark.vllm
+def test_parsers_are_checked_before_any_instance_starts(capsys, tmp_path, monkeypatch):
+    """vLLM's parsers, by name and against the model's tokenizer, as `vllm serve` checks them; the
+    sim engine has no syntax to read."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert serve_main(["--engine", "sim", "--reasoning-parser", "no_such_parser"]) == 2
+    assert "vLLM has no reasoning parser 'no_such_parser'; it has: " in capsys.readouterr().err
+    assert serve_main(["--engine", "sim", "--tool-call-parser", "no_such_parser"]) == 2
+    assert "vLLM has no tool-call parser 'no_such_parser'" in capsys.readouterr().err
+    # DeepSeek-R1's parser needs <think> and </think> tokens, which the tiny model has not.
+    assert serve_main(["--engine", "sim", "--reasoning-parser", "deepseek_r1"]) == 2
+    assert "--reasoning-parser deepseek_r1 cannot be used with the tokenizer" in capsys.readouterr().err
+    assert serve_main(["--engine", "sim", "--reasoning-parser", "qwen3"]) == 2
+    assert "--reasoning-parser qwen3: the vllm engine is needed" in capsys.readouterr().err
+
+
 def test_a_generation_config_directory_reaches_the_vllm_engines_too(tmp_path):
     """vLLM's engine ends requests on the end tokens of the generation config it reads: the same as the gateway's."""
     assert engine_generation_args(str(tmp_path)) == {"generation-config": str(tmp_path.resolve())}

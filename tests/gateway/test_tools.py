@@ -11,7 +11,7 @@ from gatewayfakes import MODEL, FakeBackend
 from test_routes import sse_payloads
 
 from llumdask.api.gateway import ModelInfo
-from llumdask.api.gateway.tools import ToolCalling
+from llumdask.api.gateway.tools import AnswerReading
 from llumdask.engine.base import TokenLogprob
 
 WEATHER = {"type": "function", "function": {
@@ -78,7 +78,7 @@ def test_auto_without_a_parser_is_400_and_says_which_option(client, backend):
 
 
 def test_tools_on_the_sim_engine_are_400(make_client, backend):
-    client = make_client(backend, tools=ToolCalling(engine="sim"))
+    client = make_client(backend, answers=AnswerReading(engine="sim"))
     error = chat(client, tools=[WEATHER], tool_choice="required").json()["error"]
     assert error["param"] == "tools" and "sim engine" in error["message"]
 
@@ -174,7 +174,7 @@ def hermes(make_client, backend, tiny_model):
     """A gateway reading "auto" answers with vLLM's hermes parser (the tiny model's template speaks it)."""
     def make(batch_size: int = 1):
         backend.batch_size = batch_size
-        return make_client(backend, tools=ToolCalling(str(tiny_model), "hermes"))
+        return make_client(backend, answers=AnswerReading(str(tiny_model), "hermes"))
     return make
 
 
