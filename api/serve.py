@@ -110,6 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def dashed(argv: Sequence[str]) -> list[str]:
+    """Options spelt with underscores as with dashes (`--max_num_seqs`), as vLLM's command line
+    takes them: serve's own options then reach serve, not the engines."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            arg = f"--{name.replace('_', '-')}{eq}{value}"
+        out.append(arg)
+    return out
+
+
 def parse_engine_args(rest: Sequence[str]) -> dict[str, Any]:
     """``--key value`` / ``--flag`` pairs -> {"key": value}; values are read as YAML scalars (128, true, 0.5)."""
     options: dict[str, Any] = {}
@@ -125,7 +137,7 @@ def parse_engine_args(rest: Sequence[str]) -> dict[str, Any]:
                 i += 1
             else:
                 value = "true"
-        options[name.replace("_", "-")] = yaml.safe_load(value)
+        options[name] = yaml.safe_load(value)
         i += 1
     return options
 
@@ -282,7 +294,7 @@ def declared_context(model: str) -> int | None:
 
 def serve_main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(dashed(sys.argv[1:] if argv is None else argv))
     try:
         engine_args = parse_engine_args(rest)
     except ValueError as exc:

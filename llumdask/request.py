@@ -122,8 +122,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1: no limit), got {self.top_k!r}")
         if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):  # vLLM's range
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (_is_number(value) and -2 <= value <= 2):

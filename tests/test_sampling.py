@@ -12,7 +12,7 @@ from llumdask.request import Request, SamplingParams
     ({"top_k": -2}, "top_k must be an integer >= -1"),
     ({"top_k": 1.5}, "top_k must be an integer"),
     ({"min_p": 1.01}, "min_p must be in"),
-    ({"repetition_penalty": 0}, "repetition_penalty must be in"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0"),
     ({"presence_penalty": 2.1}, "presence_penalty must be in"),
     ({"frequency_penalty": float("nan")}, "frequency_penalty must be in"),
     ({"min_tokens": -1}, "min_tokens must be an integer >= 0"),

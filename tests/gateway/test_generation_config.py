@@ -70,8 +70,11 @@ def test_a_config_transformers_cannot_build_is_read_as_it_stands(tiny_model, tmp
     model = model_with(tiny_model, tmp_path, None)
     (model / "config.json").write_text(json.dumps({"model_type": "no-such-type", "eos_token_id": [5, 6]}))
     assert read_generation_config(model, "vllm") == GenerationDefaults(eos_token_ids=(5, 6))
-    with pytest.raises(ValueError, match=r"repetition_penalty must be in \(0, 2\]"):
-        read_generation_config(model_with(tiny_model, tmp_path / "strong", {"repetition_penalty": 2.5}))
+    with pytest.raises(ValueError, match="repetition_penalty must be a number > 0"):
+        read_generation_config(model_with(tiny_model, tmp_path / "none", {"repetition_penalty": 0}))
+    # vLLM takes any penalty above 0: so does the gateway.
+    assert read_generation_config(model_with(tiny_model, tmp_path / "strong", {"repetition_penalty": 2.5})).sampling == {
+        "repetition_penalty": 2.5}
 
 
 def test_a_bad_override_is_an_error_naming_it(tiny_model, tmp_path):

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from llumdask.api.serve import banner, build_parser, engine_generation_args, engine_overrides, parse_engine_args, serve_main
+from llumdask.api.serve import (banner, build_parser, dashed, engine_generation_args, engine_overrides, parse_engine_args,
+                                serve_main)
 
 
 def test_defaults_are_two_instances_on_localhost_8000():
@@ -16,10 +17,18 @@ def test_defaults_are_two_instances_on_localhost_8000():
 
 
 def test_engine_options_pass_through_as_typed_values():
-    assert parse_engine_args(["--total-blocks", "128", "--real-time", "--max_num_seqs=8", "--profile", "x"]) == {
+    assert parse_engine_args(dashed(["--total-blocks", "128", "--real-time", "--max_num_seqs=8", "--profile", "x"])) == {
         "total-blocks": 128, "real-time": True, "max-num-seqs": 8, "profile": "x"}
     with pytest.raises(ValueError, match="'stray'"):
         parse_engine_args(["stray"])
+
+
+def test_options_spelt_with_underscores_are_serves_own_where_they_name_one():
+    """As vLLM's command line: `--generation_config` is serve's option (it reached only the engines)."""
+    args, rest = build_parser().parse_known_args(dashed(["--generation_config", "some_dir", "--max_num_seqs=8",
+                                                         "--override-generation-config", '{"top_k": 2}']))
+    assert args.generation_config == "some_dir" and args.override_generation_config == {"top_k": 2}
+    assert rest == ["--max-num-seqs=8"]
 
 
 def test_sim_instances_draw_tokens_the_tokenizer_can_decode():
