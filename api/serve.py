@@ -65,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat template for /v1/chat/completions: a file, the template itself, or the name of "
                         "one of the model's templates (default: the model's, tool_use for requests with tools "
                         "where it has one)")
-    p.add_argument("--generation-config", metavar="auto|vllm|DIR", default=None,
+    p.add_argument("--generation-config", metavar="auto|vllm|DIR|NAME", default=None,
                    help="sampling defaults for what a request leaves out, as vLLM's server takes them: auto, the "
-                        "model's generation_config.json; vllm, none; or a directory holding another file; the "
+                        "model's generation_config.json; vllm, none; or a directory (or a model on the hub) holding another file; the "
                         "file's end-of-sequence tokens end answers either way (default: auto, vllm on the sim "
                         "engine, whose tokens are random draws; with --scheduler, start the cluster's vLLM "
                         "engines with the same generation_config, and pass vllm for a sim cluster)")
@@ -162,11 +162,12 @@ def engine_overrides(engine: str, model: str | None, vocab_size: int, engine_arg
 
 
 def engine_generation_args(source: str | None) -> dict[str, Any]:
-    """The vLLM engine argument a `--generation-config DIR` needs: vLLM's engine ends requests on
-    the end tokens of the generation config it reads (the model's unless told), as the gateway does."""
+    """The vLLM engine argument a `--generation-config DIR` (or hub name) needs: vLLM's engine ends
+    requests on the end tokens of the generation config it reads (the model's unless told), as the
+    gateway does. A directory is made absolute for instances that run elsewhere."""
     if source is None or source in GENERATION_SOURCES:
         return {}
-    return {"generation-config": str(Path(source).resolve())}
+    return {"generation-config": str(Path(source).resolve()) if Path(source).is_dir() else source}
 
 
 def cluster_overrides(engine: str, model: str | None, vocab_size: int, engine_args: dict[str, Any],

@@ -61,19 +61,21 @@ def read_generation_config(model: str | Path, source: str | Path = "auto",
                            override: Mapping[str, Any] | None = None) -> GenerationDefaults:
     """The defaults vLLM's server would apply for `model` (a directory or a hub name) with
     ``--generation-config source --override-generation-config override``: the sampling and length
-    of `source`'s file ("auto": the model's; "vllm": none; a directory: its file, whose length then
-    caps every request), `override`'s values over them (its max_new_tokens caps every request),
+    of `source`'s file ("auto": the model's; "vllm": none; a directory or a model on the hub: its
+    file, whose length then caps every request), `override`'s values over them (its max_new_tokens caps every request),
     the end-of-sequence tokens of that same file ("vllm": the model's, which vLLM's engine still
     ends on; never the override's). No file: nothing."""
     if not isinstance(override or {}, Mapping):
         raise ValueError(f"the generation config override must be a JSON object, got {override!r}")
     override = dict(override or {})
     named = str(source) in SOURCES  # auto or vllm: the model's own file
-    if not named and not any((Path(source) / f).is_file() for f in (FILE, "config.json")):
-        raise ValueError(f"--generation-config takes auto, vllm or a directory holding {FILE} (or a model's "
-                         f"config.json, as vLLM reads one); {source} is none of them")
     where = model if named else source
     config = _config(where)
+    if config is None:
+        if not named:
+            raise ValueError(f"--generation-config takes auto, vllm, a directory holding {FILE} (or a model's "
+                             f"config.json, as vLLM reads one) or such a model on the hub; {source} is none of them")
+        config = {}
     eos = config.get("eos_token_id")
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else eos
     if not isinstance(eos_ids, list | tuple):
@@ -95,9 +97,9 @@ def default_source(engine: str | None) -> str:
     return "vllm" if engine == "sim" else "auto"
 
 
-def _config(where: str | Path) -> Mapping[str, Any]:
+def _config(where: str | Path) -> Mapping[str, Any] | None:
     config = _read(where)
-    if not isinstance(config, Mapping):
+    if config is not None and not isinstance(config, Mapping):
         raise ValueError(f"{where}: {FILE} must hold a JSON object")
     return config
 
@@ -106,24 +108,29 @@ def _read(where: str | Path) -> Any:
     """The generation config's JSON, as transformers and vLLM find it: the file in a directory, or
     from the hub for a model name (the hub extra's transformers); without one, the settings of the
     model's config (transformers' `from_model_config`, which also reads a nested text config; a
-    directory's top-level config.json where transformers is not installed); {} where neither is."""
+    directory's top-level config.json where transformers is not installed); None where neither is."""
     path = Path(where)
     if path.is_dir() and (path / FILE).is_file():
         return _json(path / FILE)
     try:
         from transformers import AutoConfig, GenerationConfig
     except ImportError:
-        return _json(path / "config.json") if (path / "config.json").is_file() else {}
+        return _model_config(path)
     if not path.is_dir():
         try:
             return GenerationConfig.from_pretrained(str(where)).to_diff_dict()
-        except OSError:
+        except (OSError, ValueError):  # not on the hub, or not a hub name
             pass
     try:  # never the model's own code (vLLM runs it only when trusted)
         return GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(where), trust_remote_code=False)
                                                   ).to_diff_dict()
-    except Exception:  # a config transformers cannot build (unknown or custom type, strict checks)
-        return _json(path / "config.json") if (path / "config.json").is_file() else {}
+    except Exception:  # a config transformers cannot build (unknown or custom type, strict checks), or none
+        return _model_config(path)
+
+
+def _model_config(path: Path) -> Any:
+    """A directory's config.json as it stands; None without one."""
+    return _json(path / "config.json") if (path / "config.json").is_file() else None
 
 
 def _json(file: Path) -> Any:

@@ -4,6 +4,9 @@ leaves out, the default answer length, more end-of-sequence tokens."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import shutil
 from pathlib import Path
 
@@ -58,11 +61,31 @@ def test_a_bad_file_is_an_error_naming_it(tiny_model, tmp_path, config, words):
 
 def test_a_source_that_is_no_directory_and_a_value_no_request_could_carry_are_refused(tiny_model, tmp_path):
     model = model_with(tiny_model, tmp_path, QWEN_LIKE)
-    with pytest.raises(ValueError, match="takes auto, vllm or a directory"):
+    with pytest.raises(ValueError, match="takes auto, vllm, a directory"):
         read_generation_config(model, tmp_path / "missing")
     (tmp_path / "empty").mkdir()  # vLLM's engines would fail to start on it
-    with pytest.raises(ValueError, match="takes auto, vllm or a directory"):
+    with pytest.raises(ValueError, match="takes auto, vllm, a directory"):
         read_generation_config(model, tmp_path / "empty")
+
+
+def test_a_model_on_the_hub_is_a_source_too(tiny_model, tmp_path):
+    """vLLM reads `--generation-config NAME` from the hub as transformers does: so does the gateway
+    (a hub cache filled beforehand, read offline in a process of its own)."""
+    snapshot = tmp_path / "hub" / "models--some-org--tuned" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "generation_config.json").write_text(json.dumps({"temperature": 0.4, "eos_token_id": [1, 9]}))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    script = ("from llumdask.api.gateway.generation_config import read_generation_config as r; import sys; "
+              "print(r(sys.argv[1], sys.argv[2]))")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", script, str(tiny_model), "some-org/tuned"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == repr(GenerationDefaults({"temperature": 0.4}, None, (1, 9), True))
+    missing = subprocess.run([sys.executable, "-c", script, str(tiny_model), "some-org/absent"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "or such a model on the hub; some-org/absent is none of them" in missing.stderr
 
 
 def test_a_config_transformers_cannot_build_is_read_as_it_stands(tiny_model, tmp_path):

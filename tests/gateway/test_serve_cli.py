@@ -56,7 +56,7 @@ def test_bad_options_exit_2_naming_the_problem(capsys, tmp_path, monkeypatch):
     assert "chat template file" in capsys.readouterr().err
     # A generation config is read before any instance starts.
     assert serve_main(["--engine", "sim", "--generation-config", str(tmp_path / "missing")]) == 2
-    assert "takes auto, vllm or a directory" in capsys.readouterr().err
+    assert "takes auto, vllm, a directory" in capsys.readouterr().err
     assert serve_main(["--engine", "sim", "--override-generation-config", '{"top_k": 2.5}']) == 2
     assert "generation config: top_k must be an integer" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
@@ -83,6 +83,7 @@ def test_parsers_are_checked_before_any_instance_starts(capsys, tmp_path, monkey
 def test_a_generation_config_directory_reaches_the_vllm_engines_too(tmp_path):
     """vLLM's engine ends requests on the end tokens of the generation config it reads: the same as the gateway's."""
     assert engine_generation_args(str(tmp_path)) == {"generation-config": str(tmp_path.resolve())}
+    assert engine_generation_args("Qwen/Qwen3-0.6B") == {"generation-config": "Qwen/Qwen3-0.6B"}  # a hub name
     assert engine_generation_args("auto") == engine_generation_args("vllm") == engine_generation_args(None) == {}
     assert engine_overrides("vllm", None, 512, engine_generation_args(str(tmp_path)))["vllm-engine"]["engine-args"] == {
         "generation_config": str(tmp_path.resolve())}
