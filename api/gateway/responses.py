@@ -68,6 +68,8 @@ class ResponseFormat(ABC):
     prompt_text: str | None = None
     # Chat messages carry vLLM's `reasoning` (null where there was none): the gateway reads it.
     shows_reasoning: bool = False
+    # With return_token_ids, the output's ids are null (vLLM's, for reasoning left out: they would tell it).
+    hides_output_ids: bool = False
 
     object = ""
     chunk_object = ""
@@ -86,7 +88,7 @@ class ResponseFormat(ABC):
         body = self._envelope(self.object, [self._choice(i, choice) for i, choice in enumerate(choices)])
         if self.prompt_token_ids is not None:
             for shown, choice in zip(body["choices"], choices):
-                shown["token_ids"] = list(choice.token_ids)
+                shown["token_ids"] = None if self.hides_output_ids else list(choice.token_ids)
         # In vLLM's order: after each choice's own fields, or after the usage.
         if self.prompt_tokens_per_choice:
             for shown in body["choices"]:
@@ -128,7 +130,7 @@ class ResponseFormat(ABC):
         """A chunk with its tokens, and the prompt's on a completion choice's first (return_token_ids)."""
         if self.prompt_token_ids is not None:
             choice = chunk["choices"][0]
-            choice["token_ids"] = list(token_ids)
+            choice["token_ids"] = None if self.hides_output_ids else list(token_ids)
             if first and self.prompt_tokens_per_choice:
                 choice["prompt_token_ids"] = self.prompt_token_ids
         return chunk

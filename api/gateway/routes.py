@@ -150,13 +150,14 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
             options = replace(options, sampling={**sampling, "json_schema": schema})
         if keep_special:
             options = replace(options, skip_special_tokens=False)
-        if answers.reasoning_parser is not None and not parsed.include_reasoning:
-            # vLLM's: hidden reasoning shows no log probabilities (their tokens would tell it).
-            options = replace(options, logprobs=None)
+    # vLLM's: reasoning left out shows no log probabilities nor output ids (their tokens would tell it).
+    hidden = answers.reasoning_parser is not None and not parsed.include_reasoning
+    if hidden:
+        options = replace(options, logprobs=None)
     request_id = new_request_id()
     fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), gateway.backend.model.name,
                      *token_ids_shown(options, prompt_ids), prompt_text=text if parsed.return_prompt_text else None,
-                     shows_reasoning=answers.reasoning_parser is not None)
+                     shows_reasoning=answers.reasoning_parser is not None, hides_output_ids=hidden)
     return await generate(request, gateway, "chat_completions", fmt, request_id, prompt_ids, options,
                           readers=readers)
 
@@ -469,7 +470,7 @@ async def stream_events(request: Request, gateway: Gateway, fmt: ResponseFormat,
         piece = readers[index].delta(delta.text, token_ids)
         if piece.calls:
             yield calls_chunk(index, piece, token_ids, entries, wanted)
-        elif piece or wanted or fmt.prompt_token_ids is not None:
+        elif piece or wanted or (fmt.prompt_token_ids is not None and not fmt.hides_output_ids):
             # Nothing to show yet still carries its tokens' log probabilities and ids, as vLLM's.
             yield chunk(index, piece.content, token_ids, entries, token_ids, piece.reasoning)
 

@@ -85,12 +85,17 @@ def test_a_stream_sends_the_thinking_as_reasoning_deltas(thinking, backend, toke
 def test_include_reasoning_false_leaves_the_thinking_out(thinking, backend, tokenizer):
     client = thinking(3)
     scripted(backend, tokenizer, THOUGHT)
-    r = chat(client, include_reasoning=False, logprobs=True)
-    choice = r.json()["choices"][0]
+    r = chat(client, include_reasoning=False, logprobs=True, return_token_ids=True)
+    body = r.json()
+    choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": CONTENT, "reasoning": None}
-    assert choice["logprobs"] is None  # as vLLM: their tokens would tell the thinking
-    chunks = sse_payloads(chat(client, include_reasoning=False, stream=True))
+    # As vLLM: no log probabilities nor output ids, whose tokens would tell the thinking; the prompt's stay.
+    assert choice["logprobs"] is None and choice["token_ids"] is None
+    assert body["prompt_token_ids"] == backend.submitted[-1].prompt_token_ids
+    chunks = sse_payloads(chat(client, include_reasoning=False, stream=True, logprobs=True, return_token_ids=True))
     assert streamed(chunks) == ("", CONTENT)
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert all(c.get("token_ids") is None and c["logprobs"] is None for c in choices)
 
 
 def test_tool_calls_are_read_from_what_follows_the_thinking(thinking, backend, tokenizer):
