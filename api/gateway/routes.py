@@ -151,7 +151,7 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
         if keep_special:
             options = replace(options, skip_special_tokens=False)
     # vLLM's: reasoning left out shows no log probabilities nor output ids (their tokens would tell it).
-    hidden = answers.reasoning_parser is not None and not parsed.include_reasoning
+    hidden = answers.parses and not parsed.include_reasoning
     if hidden:
         options = replace(options, logprobs=None)
     request_id = new_request_id()

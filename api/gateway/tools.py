@@ -185,17 +185,22 @@ class AnswerReader:
 
     tool_choice "required" or a named function: the JSON its grammar allowed, read here. Otherwise
     vLLM's `Parser`, composed as `vllm serve` composes it, reads the reasoning (a reasoning parser)
-    and, for "auto", the tool calls in the model's syntax (a tool-call parser) from what follows."""
+    and, from what follows, the tool calls in the model's syntax (a tool-call parser; for "auto";
+    with "none" or no tools, an engine-based one still takes its markup out of the content)."""
 
-    def __init__(self, use: ToolUse | None, parser: Any, request: Any, new_id: Any, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, use: ToolUse | None, parser: Any, request: Any, new_id: Any, prompt_ids: Sequence[int],
+                 auto_tools: bool = False) -> None:
+        """`auto_tools`: the gateway reads calls in the model's syntax (vLLM's enable_auto_tools)."""
         self._use = use
         self._parser = parser
         self._request = request
         self._new_id = new_id
         self._prompt_ids = list(prompt_ids)
+        self._auto_tools = auto_tools
         self._text = ""
         self._named_id: str | None = None
         self._made_calls = False
+        self._last_calls = False  # the latest delta carried calls
 
     @property
     def _choice(self) -> str:
@@ -208,7 +213,7 @@ class AnswerReader:
             return Answer(None, tuple(self._call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                                       for c in _json_calls(text)))
         self._parser.set_prompt_token_ids(self._prompt_ids)
-        reasoning, content, found = self._parser.parse(text, self._request, enable_auto_tools=self._choice == "auto",
+        reasoning, content, found = self._parser.parse(text, self._request, enable_auto_tools=self._auto_tools,
                                                        model_output_token_ids=list(token_ids))
         calls = tuple({"id": getattr(c, "id", None) or self._new_id(), "type": "function",
                        "function": {"name": c.name, "arguments": c.arguments}} for c in found or ())
@@ -229,8 +234,10 @@ class AnswerReader:
                                               self._use.function if first else None, text),))  # type: ignore[union-attr]
         if self._choice == "required":  # whole calls, once the list is complete: at the end
             return Piece()
-        return self._read(self._parser.parse_delta(text, list(token_ids), self._request, self._prompt_ids,
-                                                   finished=False))
+        piece = self._read(self._parser.parse_delta(text, list(token_ids), self._request, self._prompt_ids,
+                                                    finished=False))
+        self._last_calls = bool(piece.calls)
+        return piece
 
     def last(self) -> Piece:
         """What the stream still owes at its end: a required answer's calls, or what vLLM's parser
@@ -240,16 +247,16 @@ class AnswerReader:
                                      for i, c in enumerate(self.whole(self._text, ()).calls)))
         if self._choice == "function":
             return Piece()
-        piece = self._read(self._parser.parse_delta("", [], self._request, self._prompt_ids, finished=True))
-        if not (piece.reasoning or piece.content):  # an empty flush is no chunk of its own
-            piece = Piece(calls=piece.calls)
-        tools = self._parser.tool_parser
-        if self._choice == "auto" and tools is not None and tools.prev_tool_call_arr:
+        flushed = self._read(self._parser.parse_delta("", [], self._request, self._prompt_ids, finished=True))
+        calls, tools = flushed.calls, self._parser.tool_parser
+        if not calls and self._last_calls and tools is not None:
+            # vLLM's parser adds the arguments it held back to the last delta if that one carries
+            # calls (it knows which is last; here the flush comes after it).
             rest = tools.get_remaining_unstreamed_args()
             if rest:
-                piece = piece._replace(calls=(*piece.calls,
-                                              ToolCallDelta(len(tools.prev_tool_call_arr) - 1, arguments=rest)))
-        return piece
+                calls = (ToolCallDelta(len(tools.prev_tool_call_arr) - 1, arguments=rest),)
+        # An empty flush is no chunk of its own.
+        return Piece(flushed.reasoning or None, flushed.content or None, calls)
 
     def _read(self, message: Any) -> Piece:
         if message is None:
@@ -304,9 +311,14 @@ class AnswerReading:
         self._vllm: _Vllm | None = None
         self._loading: asyncio.Lock | None = None
 
+    @property
+    def parses(self) -> bool:
+        """Whether one of vLLM's parsers reads every chat answer, as `vllm serve` with it."""
+        return self.parser is not None or self.reasoning_parser is not None
+
     def reads(self, use: ToolUse | None) -> bool:
         """Whether a chat with these tools has its answers read (calls, or reasoning)."""
-        return self.reasoning_parser is not None or (use is not None and use.reads_calls)
+        return self.parses or (use is not None and use.reads_calls)
 
     async def readers(self, use: ToolUse | None, count: int, prompt_ids: Sequence[int],
                       template_kwargs: Mapping[str, Any], include_reasoning: bool = True,
@@ -328,15 +340,15 @@ class AnswerReading:
                                  "yet: the output's grammar would constrain the reasoning too", param="tool_choice",
                                  code="unsupported_parameter")
         vllm = await self._load()
-        request = vllm.request(use, include_reasoning)
+        request = vllm.request(use, include_reasoning, template_kwargs)
         schema = vllm.schema(request) if constrained else None
         keep_special = False
         parsers: list[Any] = [None] * count
         if not constrained:
-            parsers = [vllm.parser(request, use is not None and use.choice == "auto", template_kwargs)
-                       for _ in range(count)]
+            parsers = [vllm.parser(request, template_kwargs) for _ in range(count)]
             keep_special = not parsers[0].adjust_request(request).skip_special_tokens
-        return schema, keep_special, [AnswerReader(use, p, request, vllm.new_id, prompt_ids) for p in parsers]
+        return schema, keep_special, [AnswerReader(use, p, request, vllm.new_id, prompt_ids, self.parser is not None)
+                                      for p in parsers]
 
     async def _load(self) -> _Vllm:
         if self._vllm is None:
@@ -364,28 +376,26 @@ class _Vllm:
         self._derive = get_json_schema_from_tools
         self.new_id = make_tool_call_id
         self._tokenizer = None
-        # vLLM's composed parser class, for tool_choice "auto" (True) and otherwise (False).
-        self._parser_types: dict[bool, Any] = {}
+        self._parser_type = None  # vLLM's parser class composed of both, as `vllm serve` composes it
         if parser is not None or reasoning_parser is not None:
             from vllm.tokenizers import get_tokenizer
 
             self._tokenizer = get_tokenizer(model)
-            self._parser_types = {auto: parser_class(parser if auto else None, reasoning_parser, self._tokenizer, model)
-                                  for auto in (False, True)}
+            self._parser_type = parser_class(parser, reasoning_parser, self._tokenizer, model)
 
-    def request(self, use: ToolUse | None, include_reasoning: bool) -> Any:
-        if use is None:
-            return self._request_type(messages=[], include_reasoning=include_reasoning)
-        return self._request_type(messages=[], tools=list(use.tools), tool_choice=use.choice_param(),
-                                  parallel_tool_calls=use.parallel, include_reasoning=include_reasoning)
+    def request(self, use: ToolUse | None, include_reasoning: bool, template_kwargs: Mapping[str, Any]) -> Any:
+        """vLLM's request as its parsers read it (some read the template kwargs from it)."""
+        tools: dict[str, Any] = {"tool_choice": "none"} if use is None else {
+            "tools": list(use.tools), "tool_choice": use.choice_param(), "parallel_tool_calls": use.parallel}
+        return self._request_type(messages=[], include_reasoning=include_reasoning,
+                                  chat_template_kwargs=dict(template_kwargs) or None, **tools)
 
     def schema(self, request: Any) -> str:
         return json.dumps(self._derive(request.tool_choice, request.tools, request.parallel_tool_calls))
 
-    def parser(self, request: Any, auto: bool, template_kwargs: Mapping[str, Any]) -> Any:
-        kind = self._parser_types.get(auto)
-        assert kind is not None, "a reader needs a parser: a tool-call parser for auto, or a reasoning parser"
-        return kind(self._tokenizer, request.tools, chat_template_kwargs=dict(template_kwargs))
+    def parser(self, request: Any, template_kwargs: Mapping[str, Any]) -> Any:
+        assert self._parser_type is not None, "a reader needs one of vLLM's parsers"
+        return self._parser_type(self._tokenizer, request.tools, chat_template_kwargs=dict(template_kwargs))
 
 
 def parser_class(tool_parser: str | None, reasoning_parser: str | None, tokenizer: Any = None,

@@ -102,7 +102,7 @@ def test_stop_strings_count_past_min_tokens_and_stop_tokens_leave_no_text(clean,
     assert kept > 12 and result.token_ids == tokens[:kept] and result.finish_reason is FinishReason.STOP
     assert result.text == full[: full.index(stop, len(tokenizer.decode(tokens[:12]).rstrip("\ufffd")) - len(stop) + 1)]
     # A requested stop token ends the answer with its id kept and its text left out.
-    token = tokens[15]
+    token = next(t for t in tokens[15:] if tokenizer.decode([t]).strip())
     ended = reference_tokens(load_config(overrides), tokenizer.encode(prompt), 40, stop_token_ids=(token,),
                              ignore_eos=True)
     result = clean.generate(prompt, max_tokens=40, stop_token_ids=[token], ignore_eos=True, timeout=30)
@@ -246,3 +246,40 @@ def test_an_asynchronous_dask_client_gets_awaitables(clean):
     assert "".join(deltas) == result.text and len(result.token_ids) >= 1
     assert [type(r).__name__ for r in batch] == ["Generation", "Generation"]
     assert len(table) == 2
+
+
+def test_a_batch_that_completes_a_stop_string_keeps_its_tokens_up_to_it(tokenizer):
+    """The text iterator on its own, fed one batch of several tokens: the tokens after the one that
+    completed the stop string are not the answer's (nor their log probabilities)."""
+    from llumdask.api.gateway.detok import IncrementalText
+
+    ids = tokenizer.encode("Hello there, general Kenobi", add_special_tokens=False)
+    stop = "there"
+    kept = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
+    assert kept < len(ids)
+
+    class Tokens:
+        request_id, instance, finish_reason, logprobs, prompt_logprobs = "r", None, None, None, None
+        _batches = [list(ids), []]
+        aborted: list[str] = []
+
+        class _client:
+            class requester:
+                @staticmethod
+                async def abort(request_id):
+                    Tokens.aborted.append(request_id)
+
+        async def _next_tokens(self):
+            return self._batches.pop(0)
+
+    deltas = TextIterator(Tokens(), IncrementalText(tokenizer, [stop]), tokenizer.vocab_size)
+
+    async def read() -> list[str]:
+        out = []
+        while (delta := await deltas._next_delta()) is not None:
+            out.append(delta)
+        return out
+
+    text = "".join(asyncio.run(read()))
+    assert text == "Hello " and deltas.token_ids == ids[:kept] and deltas.finish_reason is FinishReason.STOP
+    assert Tokens.aborted == ["r"]

@@ -1,20 +1,27 @@
 """Reasoning through the gateway over a scripted backend: a gateway started with one of vLLM's
 reasoning parsers answers chats with the model's thinking as message.reasoning (delta.reasoning in
 a stream) apart from its content, counts it in usage, hides it on include_reasoning false, and reads
-tool calls from what follows it. The tiny model has no thinking tokens; vLLM's qwen3 parser reads
-the <think> markers as text. The live engine's round trip is in test_serve.py."""
+tool calls from what follows it. The tiny model has no thinking tokens: vLLM's qwen3 parser reads
+the <think> markers as text, and DeepSeek-R1's parser, which needs them as tokens, gets a copy of
+the tiny tokenizer with the two added. The live engine's round trip is in test_serve.py."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
+from starlette.testclient import TestClient
 from test_routes import sse_payloads
 from test_tools import ASK, WEATHER, chat, scripted, tool_deltas
 
-from llumdask.api.gateway import ModelInfo
-from llumdask.api.gateway.tools import AnswerReading
 from gatewayfakes import MODEL, FakeBackend
+
+from llumdask.api.gateway import ModelInfo, create_app
+from llumdask.api.gateway.tokenizer import load_tokenizer
+from llumdask.api.gateway.tools import AnswerReading
+from llumdask.config import GatewayConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -145,3 +152,138 @@ def test_a_gateway_without_a_reasoning_parser_leaves_the_thinking_in_the_content
     body = chat(client, messages=ASK).json()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": THOUGHT}
     assert "completion_tokens_details" not in body["usage"]
+
+
+# ------------------------------------------------------------------ parsers that read tokens, and tool markup
+XML_CALL = ("<think>abc def</think>Hello world <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+            "</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.fixture
+def coder(make_client, backend, tiny_model):
+    """Qwen3-Coder's tool-call parser (an engine-based one: it takes its markup out of any answer)."""
+    def make(batch_size: int = 1):
+        backend.batch_size = batch_size
+        return make_client(backend, answers=AnswerReading(str(tiny_model), "qwen3_coder", reasoning_parser="qwen3"))
+    return make
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("body, content", [({}, "Hello world"),
+                                           ({"tools": [WEATHER], "tool_choice": "none"}, "Hello world ")])
+def test_without_auto_the_tool_parser_still_takes_its_markup_out(coder, backend, tokenizer, body, content,
+                                                                  batch_size):
+    """As `vllm serve` with the same parsers: every answer goes through them, so a call the model
+    writes unasked is no content (and no call). (vLLM's parser keeps the space before the markup
+    where the request offered tools, whole; and always in a stream.)"""
+    client = coder(batch_size)
+    scripted(backend, tokenizer, XML_CALL)
+    choice = chat(client, **body).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": content, "reasoning": "abc def"}
+    assert choice["finish_reason"] == "stop"
+    chunks = sse_payloads(chat(client, stream=True, **body))
+    assert streamed(chunks) == ("abc def", "Hello world ") and not tool_deltas(chunks)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 100])
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_call_the_parser_holds_back_comes_at_the_end_of_the_stream(coder, backend, tokenizer, batch_size, closed):
+    """The arguments an engine-based parser buffers (a call cut off after its last parameter too)
+    come with the end of the stream, so the streamed call equals the whole answer's."""
+    client = coder(batch_size)
+    text = XML_CALL if closed else XML_CALL[:XML_CALL.index("</parameter>") + len("</parameter>\n")]
+    scripted(backend, tokenizer, text)
+    [call] = chat(client, tools=[WEATHER]).json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    calls = tool_deltas(sse_payloads(chat(client, tools=[WEATHER], stream=True)))
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call["function"]["arguments"])]
+
+
+def test_the_parsers_read_the_request_s_template_kwargs(make_client, backend, tokenizer, tiny_model):
+    """Nemotron 3's parser reads force_nonempty_content from the request: thinking that is all
+    there is becomes the content."""
+    client = make_client(backend, answers=AnswerReading(str(tiny_model), reasoning_parser="nemotron_v3"))
+    scripted(backend, tokenizer, "<think>The answer is 4.</think>")
+    assert chat(client).json()["choices"][0]["message"]["reasoning"] == "The answer is 4."
+    forced = chat(client, chat_template_kwargs={"force_nonempty_content": True}).json()["choices"][0]["message"]
+    assert forced == {"role": "assistant", "content": "The answer is 4.", "reasoning": None}
+
+
+@pytest.fixture(scope="module")
+def think_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model with <think> and </think> added to its tokenizer (ids 512 and 513, past the
+    weights: the scripted backend never runs them)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    model = tmp_path_factory.mktemp("think") / "tiny-think"
+    shutil.copytree(tiny_model, model)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tokenizer.save(str(model / "tokenizer.json"))
+    return model
+
+
+@pytest.fixture
+def r1(think_model, backend):
+    """A gateway with DeepSeek-R1's reasoning parser over the tokenizer that has thinking tokens."""
+    tokenizer = load_tokenizer(think_model)
+    app = create_app(backend.open, tokenizer, GatewayConfig(),
+                     AnswerReading(str(think_model), reasoning_parser="deepseek_r1"))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, tokenizer
+
+
+def test_deepseek_r1_reads_and_counts_the_thinking_tokens(r1, backend):
+    client, tokenizer = r1
+    scripted(backend, tokenizer, THOUGHT)
+    assert tokenizer.encode("<think></think>", add_special_tokens=False) == [512, 513]
+    body = chat(client).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": CONTENT, "reasoning": REASONING}
+    # The tokens between the two: the thinking's own (the added tokens split the text there).
+    assert body["usage"]["completion_tokens_details"] == {
+        "reasoning_tokens": len(tokenizer.encode(REASONING, add_special_tokens=False))}
+
+
+def test_thinking_the_prompt_closed_leaves_the_stream_all_content(r1, backend):
+    """DeepSeek-R1's rule: an answer is thinking until </think>, unless the prompt closed it (a
+    prefilled answer here): the stream's parser is given the prompt."""
+    client, tokenizer = r1
+    scripted(backend, tokenizer, CONTENT)
+    assert streamed(sse_payloads(chat(client, stream=True))) == (CONTENT, "")
+    prefilled = [*ASK, {"role": "assistant", "content": "<think>Easy.</think>"}]
+    chunks = sse_payloads(chat(client, stream=True, messages=prefilled, continue_final_message=True))
+    assert streamed(chunks) == ("", CONTENT)
+
+
+class _Parser:
+    """A stand-in for vLLM's composed parser: each parse_delta returns the next scripted message."""
+
+    def __init__(self, messages: list, rest: str) -> None:
+        self._messages = messages
+        self.tool_parser = type("ToolParser", (), {"prev_tool_call_arr": [{}], "get_remaining_unstreamed_args":
+                                                  staticmethod(lambda: rest)})()
+
+    def parse_delta(self, *args, finished: bool):
+        return self._messages.pop(0)
+
+
+def _message(calls: bool):
+    from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+
+    return DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='{"a": '))]
+                        if calls else [])
+
+
+@pytest.mark.parametrize("last_had_calls, flush_has_calls, appended", [
+    (True, False, True), (False, False, False), (True, True, False)])
+def test_the_arguments_a_parser_held_back_go_with_the_last_delta_that_carried_calls(last_had_calls, flush_has_calls,
+                                                                                 appended):
+    """vLLM's rule (its parser's finalize): the held-back arguments are added to the last delta if
+    that one carries calls, and only then; here that delta came before the end's flush."""
+    from llumdask.api.gateway.tools import AnswerReader, ToolUse
+
+    parser = _Parser([_message(last_had_calls), _message(flush_has_calls)], rest="1}")
+    reader = AnswerReader(ToolUse((WEATHER,), "auto", None, True), parser, None, lambda: "id", [], auto_tools=True)
+    reader.delta("x", [1])
+    rest = [c.arguments for c in reader.last().calls if c.arguments == "1}"]
+    assert rest == (["1}"] if appended else [])

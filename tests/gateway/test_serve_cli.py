@@ -57,6 +57,9 @@ def test_bad_options_exit_2_naming_the_problem(capsys, tmp_path, monkeypatch):
     # A generation config is read before any instance starts.
     assert serve_main(["--engine", "sim", "--generation-config", str(tmp_path / "missing")]) == 2
     assert "takes auto, vllm, a directory" in capsys.readouterr().err
+    # Spelt with an underscore, as vLLM's command line takes it: still serve's own option.
+    assert serve_main(["--engine", "sim", "--generation_config", str(tmp_path / "missing")]) == 2
+    assert "takes auto, vllm, a directory" in capsys.readouterr().err
     assert serve_main(["--engine", "sim", "--override-generation-config", '{"top_k": 2.5}']) == 2
     assert "generation config: top_k must be an integer" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
