@@ -966,7 +966,7 @@ def test_a_gateway_with_a_reasoning_parser_answers_the_thinking_apart_on_vllm(vl
     """A second gateway on the same vLLM instances, started with vLLM's qwen3 reasoning parser:
     the greedy answer (no markers: all of it thinking, by that parser's rule) comes as
     message.reasoning, whole and streamed, counted in usage; with thinking turned off in the
-    template kwargs it is the content, as the first gateway gives it. A wrong name stops serve at start."""
+    template kwargs it is the content, as the first gateway gives it. (Startup errors: test_serve_cli.py.)"""
     ask = [{"role": "user", "content": "Think about the weather in Paris."}]
     plain = vllm_server.openai().chat.completions.create(model=MODEL, messages=ask, max_tokens=12, temperature=0)
     text = plain.choices[0].message.content
@@ -990,10 +990,6 @@ def test_a_gateway_with_a_reasoning_parser_answers_the_thinking_apart_on_vllm(vl
             assert off.choices[0].message.content == text and off.choices[0].message.reasoning is None
         finally:
             stop_serve(gateway)
-    wrong = subprocess.run([sys.executable, "-m", "llumdask.api.serve", "--scheduler", vllm_server.scheduler,
-                            "--model", str(vllm_server.model_dir), "--reasoning-parser", "no_such_parser"],
-                           capture_output=True, text=True, timeout=120)
-    assert wrong.returncode != 0 and "no reasoning parser 'no_such_parser'" in wrong.stderr, wrong.stderr[-2000:]
 
 
 @pytest.mark.vllm
