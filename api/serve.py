@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask.config
 import yaml
@@ -39,6 +39,9 @@ from distributed import Client, WorkerPlugin
 from llumdask.api.gateway.generation_config import SOURCES as GENERATION_SOURCES
 from llumdask.config import ConfigError, VllmEngineConfig, load_config
 from llumdask.plugins.dashboard import page_link
+
+if TYPE_CHECKING:
+    from llumdask.api.gateway.tokenizer import Tokenizer
 
 DEFAULT_INSTANCES = 2
 DEFAULT_PORT = 8000
@@ -61,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory or hub name (default: llumdask.vllm-engine.model from the config, "
                         "else the offline tiny model, built on first use)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--tokenizer", metavar="PATH_OR_HUB_NAME", default=None,
+                   help="the tokenizer, as vLLM's flag: the gateway encodes, decodes and renders chat with it, and "
+                        "local vLLM instances get it (default: the model's)")
     p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE_OR_NAME", default=None,
                    help="chat template for /v1/chat/completions: a file, the template itself, or the name of "
                         "one of the model's templates (default: the model's, tool_use for requests with tools "
@@ -159,6 +165,26 @@ def engine_overrides(engine: str, model: str | None, vocab_size: int, engine_arg
         section["max-model-len"] = max_model_len
     passed = {k.replace("-", "_"): v for k, v in engine_args.items() if k not in keys}
     return {"engine": "vllm", "vllm-engine": {"model": model, **section, "engine-args": passed}}
+
+
+def gateway_tokenizer(model: str, tokenizer: str | None, engine_args: dict[str, Any],
+                      chat_template: str | None) -> tuple[str, "Tokenizer"]:
+    """Where the gateway's tokenizer is (`--tokenizer`, else the model's), and the tokenizer. A
+    revision of a model or tokenizer on the hub is refused: the gateway reads the default one."""
+    from llumdask.api.gateway.tokenizer import load_tokenizer, model_location
+
+    source = model if tokenizer is None else model_location(tokenizer)
+    for key, where in (("revision", model), ("tokenizer-revision", source)):
+        if engine_args.get(key) is not None and not Path(where).is_dir():
+            raise ValueError(f"--{key}: the gateway reads the default revision of {where} from the hub (its "
+                             "tokenizer, chat template and generation config), not another; download that revision "
+                             "and pass its directory")
+    return source, load_tokenizer(source, chat_template)
+
+
+def engine_tokenizer_args(tokenizer: str | None, source: str) -> dict[str, Any]:
+    """The vLLM engine argument a `--tokenizer` needs (a directory made absolute, as the model's)."""
+    return {} if tokenizer is None else {"tokenizer": source}
 
 
 def engine_generation_args(source: str | None) -> dict[str, Any]:
@@ -321,7 +347,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from llumdask.api.gateway import ModelInfo, create_app
     from llumdask.api.gateway.dask_backend import DaskBackend
     from llumdask.api.gateway.generation_config import default_source, read_generation_config
-    from llumdask.api.gateway.tokenizer import load_tokenizer, model_location
+    from llumdask.api.gateway.tokenizer import model_location
     from llumdask.api.gateway.tools import AnswerReading, parser_class
 
     if args.config is not None:
@@ -331,7 +357,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     model = model_location(configured_model)
     if configured_model is not None:  # the same directory for every instance, whatever its cwd
         configured_model = model
-    tokenizer = load_tokenizer(model, args.chat_template)
+    tokenizer_source, tokenizer = gateway_tokenizer(model, args.tokenizer, engine_args, args.chat_template)
     max_context = args.max_model_len or declared_context(model)
     if max_context is None:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
@@ -344,7 +370,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     local_vllm = args.scheduler is None and args.engine != "sim"
     if local_vllm:
         vllm_config = load_config(cluster_overrides("vllm", configured_model, tokenizer.vocab_size,
-                                                    {**engine_args, **engine_generation_args(args.generation_config)},
+                                                    {**engine_args, **engine_tokenizer_args(args.tokenizer, tokenizer_source),
+                                                     **engine_generation_args(args.generation_config)},
                                                     args.max_model_len)).vllm_engine
     with vllm_check(vllm_config) if local_vllm else contextlib.nullcontext() as checked:
         parsers = [f"--{flag} {name}" for flag, name in (("tool-call-parser", settings.tool_call_parser),
@@ -353,7 +380,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             try:
                 from vllm.tokenizers import get_tokenizer
 
-                parser_class(settings.tool_call_parser, settings.reasoning_parser, get_tokenizer(model), model)
+                parser_class(settings.tool_call_parser, settings.reasoning_parser, get_tokenizer(tokenizer_source),
+                             tokenizer_source)
             except ImportError as exc:
                 raise ValueError(f"{' and '.join(parsers)}: vLLM is needed where the gateway runs: {exc}") from None
         engine, check = pick_engine(args.engine, checked) if checked else ("sim", None)
@@ -378,7 +406,9 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                       f"({check.free_bytes / 2**30:.1f} of {check.total_bytes / 2**30:.1f} GiB free): {chosen} each"
                       f"{' (all that max-num-seqs sequences of max-model-len tokens can fill)' if fills else ''}; "
                       "pass --kv-cache-memory-bytes or --gpu-memory-utilization to choose", file=sys.stderr, flush=True)
-            given = {**engine_args, **share, **(engine_generation_args(args.generation_config) if engine == "vllm" else {})}
+            given = {**engine_args, **share, **({**engine_tokenizer_args(args.tokenizer, tokenizer_source),
+                                                 **engine_generation_args(args.generation_config)}
+                                                if engine == "vllm" else {})}
             overrides = cluster_overrides(engine, configured_model, tokenizer.vocab_size, given, args.max_model_len)
             print(f"llumdask serve: starting {args.instances} {engine} instances...", file=sys.stderr, flush=True)
             try:
@@ -400,7 +430,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
         app = create_app(
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
-            tokenizer, settings, AnswerReading(model, settings.tool_call_parser, engine, settings.reasoning_parser), generation)
+            tokenizer, settings, AnswerReading(tokenizer_source, settings.tool_call_parser, engine,
+                                                          settings.reasoning_parser), generation)
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)

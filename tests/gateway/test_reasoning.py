@@ -8,7 +8,6 @@ the tiny tokenizer with the two added. The live engine's round trip is in test_s
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from test_routes import sse_payloads
 from test_tools import ASK, WEATHER, chat, scripted, tool_deltas
 
 from gatewayfakes import MODEL, FakeBackend
+from modelcopies import with_thinking_tokens
 
 from llumdask.api.gateway import ModelInfo, create_app
 from llumdask.api.gateway.tokenizer import load_tokenizer
@@ -211,16 +211,8 @@ def test_the_parsers_read_the_request_s_template_kwargs(make_client, backend, to
 
 @pytest.fixture(scope="module")
 def think_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny model with <think> and </think> added to its tokenizer (ids 512 and 513, past the
-    weights: the scripted backend never runs them)."""
-    from tokenizers import AddedToken, Tokenizer
-
-    model = tmp_path_factory.mktemp("think") / "tiny-think"
-    shutil.copytree(tiny_model, model)
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
-    tokenizer.save(str(model / "tokenizer.json"))
-    return model
+    """The tiny model with <think> and </think> added to its tokenizer (the scripted backend never runs it)."""
+    return with_thinking_tokens(tiny_model, tmp_path_factory.mktemp("think") / "tiny-think")
 
 
 @pytest.fixture

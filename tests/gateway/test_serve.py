@@ -26,6 +26,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from modelcopies import with_thinking_tokens
 
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer
 from llumdask.clusters.instances import worker_statuses
@@ -652,12 +653,18 @@ def test_metrics_count_what_was_served(server):
 
 
 def test_a_second_gateway_serves_the_same_cluster(server, cache, tmp_path):
-    # The second gateway also renders chat with an operator's template, given as a file.
+    # The second gateway also renders chat with an operator's template, given as a file, and uses a
+    # tokenizer of its own (`--tokenizer`: the tiny one with two tokens added past the instances' draws).
     template = tmp_path / "operator.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    tokenizer = with_thinking_tokens(server.model_dir, tmp_path / "tokenizer")
     with (tmp_path / "second.log").open("w+") as log:
-        second = start_serve(["--scheduler", server.scheduler, "--chat-template", str(template)], cache, log)
+        second = start_serve(["--scheduler", server.scheduler, "--chat-template", str(template),
+                              "--tokenizer", str(tokenizer)], cache, log)
         try:
+            tokenized = [httpx.post(f"{s.url}/tokenize", json={"model": MODEL, "prompt": "<think>"}, headers=s.auth,
+                                    timeout=30).json()["tokens"] for s in (second, server)]
+            assert tokenized[0] == [512] and tokenized[1] != [512]
             prompt = "Hello world"
             result = second.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
             expected = reference(server, server.tokenizer.encode(prompt), 8)

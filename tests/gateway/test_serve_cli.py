@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
 
-from llumdask.api.serve import (banner, build_parser, dashed, engine_generation_args, engine_overrides, parse_engine_args,
-                                serve_main)
+from llumdask.api.serve import (banner, build_parser, dashed, engine_generation_args, engine_overrides,
+                                engine_tokenizer_args, gateway_tokenizer, parse_engine_args, serve_main)
 
 
 def test_defaults_are_two_instances_on_localhost_8000():
@@ -157,3 +158,25 @@ def test_local_instances_share_their_device_unless_the_user_chose():
     assert memory_share(VllmEngineConfig(), 2, cpu) == {}
     with pytest.raises(ValueError, match="cannot share the cpu device"):
         memory_share(model, 8, VllmCheck(device="cpu", free_bytes=gib, total_bytes=24 * gib))
+
+
+def test_a_tokenizer_of_its_own_serves_the_gateway_and_reaches_the_vllm_engines(tmp_path, monkeypatch):
+    """`--tokenizer`, as vLLM's flag: the gateway encodes with it (the engines get it as their own);
+    a revision of a hub model is refused (the gateway would read the default one's files)."""
+    from modelcopies import with_thinking_tokens
+
+    from llumdask.api.gateway.tokenizer import model_location
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = model_location(None)
+    other = with_thinking_tokens(Path(model), tmp_path / "other")
+    monkeypatch.chdir(tmp_path)
+    source, tokenizer = gateway_tokenizer(model, "other", {}, None)
+    assert source == str(other.resolve()) and tokenizer.encode("<think>", add_special_tokens=False) == [512]
+    assert gateway_tokenizer(model, None, {}, None)[1].encode("<think>", add_special_tokens=False) != [512]
+    assert engine_tokenizer_args("other", source) == {"tokenizer": source} and engine_tokenizer_args(None, model) == {}
+    assert gateway_tokenizer(model, None, {"revision": "v2"}, None)[0] == model  # a directory has no revisions
+    with pytest.raises(ValueError, match="--revision: the gateway reads the default revision of some-org/model"):
+        gateway_tokenizer("some-org/model", None, {"revision": "v2"}, None)
+    with pytest.raises(ValueError, match="--tokenizer-revision: the gateway reads the default revision of org/tok"):
+        gateway_tokenizer(model, "org/tok", {"tokenizer-revision": "v2"}, None)
