@@ -182,6 +182,12 @@ def gateway_tokenizer(model: str, tokenizer: str | None, engine_args: dict[str, 
     return source, load_tokenizer(source, chat_template)
 
 
+def engine_reasoning_args(reasoning_parser: str | None) -> dict[str, Any]:
+    """The vLLM engine argument a `--reasoning-parser` needs: vLLM's engine applies a structured
+    output's grammar only once the thinking it reads has ended (`vllm serve` gives it the parser)."""
+    return {} if reasoning_parser is None else {"reasoning-parser": reasoning_parser}
+
+
 def engine_tokenizer_args(tokenizer: str | None, source: str) -> dict[str, Any]:
     """The vLLM engine argument a `--tokenizer` needs (a directory made absolute, as the model's)."""
     return {} if tokenizer is None else {"tokenizer": source}
@@ -371,7 +377,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     if local_vllm:
         vllm_config = load_config(cluster_overrides("vllm", configured_model, tokenizer.vocab_size,
                                                     {**engine_args, **engine_tokenizer_args(args.tokenizer, tokenizer_source),
-                                                     **engine_generation_args(args.generation_config)},
+                                                     **engine_generation_args(args.generation_config),
+                                                     **engine_reasoning_args(settings.reasoning_parser)},
                                                     args.max_model_len)).vllm_engine
     with vllm_check(vllm_config) if local_vllm else contextlib.nullcontext() as checked:
         parsers = [f"--{flag} {name}" for flag, name in (("tool-call-parser", settings.tool_call_parser),
@@ -407,7 +414,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                       f"{' (all that max-num-seqs sequences of max-model-len tokens can fill)' if fills else ''}; "
                       "pass --kv-cache-memory-bytes or --gpu-memory-utilization to choose", file=sys.stderr, flush=True)
             given = {**engine_args, **share, **({**engine_tokenizer_args(args.tokenizer, tokenizer_source),
-                                                 **engine_generation_args(args.generation_config)}
+                                                 **engine_generation_args(args.generation_config),
+                                                 **engine_reasoning_args(settings.reasoning_parser)}
                                                 if engine == "vllm" else {})}
             overrides = cluster_overrides(engine, configured_model, tokenizer.vocab_size, given, args.max_model_len)
             print(f"llumdask serve: starting {args.instances} {engine} instances...", file=sys.stderr, flush=True)
@@ -431,7 +439,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         app = create_app(
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
             tokenizer, settings, AnswerReading(tokenizer_source, settings.tool_call_parser, engine,
-                                                          settings.reasoning_parser), generation)
+                                                          settings.reasoning_parser, engines_reason=engine == "vllm"), generation)
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)

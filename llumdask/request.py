@@ -107,6 +107,10 @@ class SamplingParams:
     regex: str | None = None
     choice: tuple[str, ...] = ()
     grammar: str | None = None
+    # With a structured output on an engine that reads reasoning (vLLM's reasoning parser): whether
+    # the thinking ended before the first token, so the grammar applies from it; False: from the
+    # end of the thinking the output writes; None: the engine reads the prompt.
+    reasoning_ended: bool | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -149,6 +153,8 @@ class SamplingParams:
                 raise ValueError(f"json_schema must be the JSON text of a schema object, got {self.json_schema!r:.80}")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
+        if self.reasoning_ended is not None and not isinstance(self.reasoning_ended, bool):
+            raise ValueError(f"reasoning_ended must be a boolean or None, got {self.reasoning_ended!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value and _is_text(value)):

@@ -139,12 +139,16 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
                                    use.tools if use is not None else None)
     prompt_ids = truncated(prompt_ids, options, gateway.backend.model.max_context)
     if answers.reads(use):
-        if answers.reasoning_parser is not None and STRUCTURED_KINDS & options.sampling.keys():
-            raise InvalidRequest("structured outputs are not served with a reasoning parser yet: the output's grammar "
-                                 "would constrain the reasoning too", param="response_format",
+        structured = answers.reasoning_parser is not None and bool(STRUCTURED_KINDS & options.sampling.keys())
+        if structured and not answers.engines_reason:
+            raise InvalidRequest("structured outputs with a reasoning parser need the instances started with it (its "
+                                 "grammar then applies once the thinking ends), as this gateway starts them; the "
+                                 "cluster at --scheduler may not be", param="response_format",
                                  code="unsupported_parameter")
         schema, keep_special, readers = await answers.readers(use, options.best_of, prompt_ids,
                                                               parsed.rendering.variables, parsed.include_reasoning)
+        if structured:  # vLLM's server tells its engine where the grammar starts
+            options = replace(options, sampling={**options.sampling, "reasoning_ended": readers[0].thinking_ended()})
         if schema is not None:  # tool_choice overrides response_format, as in vLLM
             sampling = {k: v for k, v in options.sampling.items() if k not in STRUCTURED_KINDS}
             options = replace(options, sampling={**sampling, "json_schema": schema})

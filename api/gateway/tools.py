@@ -266,6 +266,11 @@ class AnswerReader:
         self._made_calls = self._made_calls or bool(calls)
         return Piece(message.reasoning, message.content, calls)
 
+    def thinking_ended(self) -> bool:
+        """Whether the thinking ended before the answer's first token (vLLM's `reasoning_ended`:
+        the prompt closed it, or the request leaves reasoning out), so a grammar applies from it."""
+        return not self._request.include_reasoning or self._parser.is_reasoning_end(self._prompt_ids)
+
     def reasoning_tokens(self, token_ids: Sequence[int]) -> int:
         """How many of the answer's tokens are reasoning (vLLM's count; 0 without a reasoning parser)."""
         return 0 if self._parser is None else self._parser.count_reasoning_tokens(list(token_ids))
@@ -299,14 +304,17 @@ class AnswerReading:
     the reasoning parser `reasoning_parser` (every chat answer)."""
 
     def __init__(self, model: str | None = None, parser: str | None = None, engine: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, engines_reason: bool = False) -> None:
         """`model`: where the served model's tokenizer is (a parser reads its vocabulary);
-        `engine`: the cluster's engine when known ("sim" models no tools)."""
+        `engine`: the cluster's engine when known ("sim" models no tools); `engines_reason`: the
+        instances were started with the reasoning parser too, so they apply a structured output's
+        grammar only once the thinking ends (as `vllm serve`'s engine)."""
         if (parser is not None or reasoning_parser is not None) and model is None:
             raise ValueError("a parser needs the model's tokenizer: give the model too")
         self.model = model
         self.parser = parser
         self.reasoning_parser = reasoning_parser
+        self.engines_reason = engines_reason
         self.engine = engine
         self._vllm: _Vllm | None = None
         self._loading: asyncio.Lock | None = None
@@ -337,8 +345,8 @@ class AnswerReading:
         constrained = use is not None and use.constrained
         if constrained and self.reasoning_parser is not None:
             raise InvalidRequest('tool_choice "required" or a named function is not served with a reasoning parser '
-                                 "yet: the output's grammar would constrain the reasoning too", param="tool_choice",
-                                 code="unsupported_parameter")
+                                 "yet (the calls would be read from the thinking too); use \"auto\"",
+                                 param="tool_choice", code="unsupported_parameter")
         vllm = await self._load()
         request = vllm.request(use, include_reasoning, template_kwargs)
         schema = vllm.schema(request) if constrained else None

@@ -136,15 +136,32 @@ def test_the_parser_reads_whether_the_template_turned_thinking_on(thinking, back
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),  # instances not known to read thinking
     ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
 ])
-def test_a_grammar_over_the_answer_is_refused_with_a_reasoning_parser(thinking, backend, body, param):
+def test_a_grammar_over_the_answer_is_refused_where_it_would_take_in_the_thinking(thinking, backend, body, param):
     r = chat(thinking(), **body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and "reasoning parser" in error["message"]
     assert backend.submitted == []
+
+
+def test_a_structured_answer_follows_the_thinking_on_instances_that_read_it(make_client, backend, tokenizer,
+                                                                          tiny_model):
+    """Instances started with the reasoning parser apply the grammar once the thinking ends; the
+    gateway tells them whether it ended before the first token (vLLM's reasoning_ended: here the
+    prompt does not close it; hiding the reasoning constrains from the start, as vLLM)."""
+    client = make_client(backend, answers=AnswerReading(str(tiny_model), reasoning_parser="qwen3",
+                                                        engines_reason=True))
+    scripted(backend, tokenizer, '<think>Needs an object.</think>{"city": "Paris"}')
+    message = chat(client, response_format={"type": "json_object"}).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": '{"city": "Paris"}', "reasoning": "Needs an object."}
+    assert backend.submitted[-1].sampling.json_object and backend.submitted[-1].sampling.reasoning_ended is False
+    chat(client, response_format={"type": "json_object"}, include_reasoning=False)
+    assert backend.submitted[-1].sampling.reasoning_ended is True
+    chat(client)  # no grammar: nothing to tell
+    assert backend.submitted[-1].sampling.reasoning_ended is None
 
 
 def test_a_gateway_without_a_reasoning_parser_leaves_the_thinking_in_the_content(client, backend, tokenizer):
@@ -220,7 +237,7 @@ def r1(think_model, backend):
     """A gateway with DeepSeek-R1's reasoning parser over the tokenizer that has thinking tokens."""
     tokenizer = load_tokenizer(think_model)
     app = create_app(backend.open, tokenizer, GatewayConfig(),
-                     AnswerReading(str(think_model), reasoning_parser="deepseek_r1"))
+                     AnswerReading(str(think_model), reasoning_parser="deepseek_r1", engines_reason=True))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client, tokenizer
 
@@ -238,13 +255,17 @@ def test_deepseek_r1_reads_and_counts_the_thinking_tokens(r1, backend):
 
 def test_thinking_the_prompt_closed_leaves_the_stream_all_content(r1, backend):
     """DeepSeek-R1's rule: an answer is thinking until </think>, unless the prompt closed it (a
-    prefilled answer here): the stream's parser is given the prompt."""
+    prefilled answer here): the stream's parser is given the prompt, and a grammar starts at once."""
     client, tokenizer = r1
     scripted(backend, tokenizer, CONTENT)
     assert streamed(sse_payloads(chat(client, stream=True))) == (CONTENT, "")
     prefilled = [*ASK, {"role": "assistant", "content": "<think>Easy.</think>"}]
     chunks = sse_payloads(chat(client, stream=True, messages=prefilled, continue_final_message=True))
     assert streamed(chunks) == ("", CONTENT)
+    for messages, ended in ((ASK, False), (prefilled, True)):
+        chat(client, messages=messages, continue_final_message=messages is prefilled,
+             structured_outputs={"regex": "[A-Za-z .]+"})
+        assert backend.submitted[-1].sampling.reasoning_ended is ended
 
 
 class _Parser:

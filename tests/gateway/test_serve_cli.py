@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from llumdask.api.serve import (banner, build_parser, dashed, engine_generation_args, engine_overrides,
-                                engine_tokenizer_args, gateway_tokenizer, parse_engine_args, serve_main)
+                                engine_reasoning_args, engine_tokenizer_args, gateway_tokenizer, parse_engine_args,
+                                serve_main)
 
 
 def test_defaults_are_two_instances_on_localhost_8000():
@@ -91,6 +92,13 @@ def test_a_generation_config_directory_reaches_the_vllm_engines_too(tmp_path):
     assert engine_generation_args("auto") == engine_generation_args("vllm") == engine_generation_args(None) == {}
     assert engine_overrides("vllm", None, 512, engine_generation_args(str(tmp_path)))["vllm-engine"]["engine-args"] == {
         "generation_config": str(tmp_path.resolve())}
+
+
+def test_a_reasoning_parser_reaches_the_vllm_engines_too():
+    """vLLM's engine applies a structured output's grammar once the thinking it reads has ended."""
+    assert engine_reasoning_args("qwen3") == {"reasoning-parser": "qwen3"} and engine_reasoning_args(None) == {}
+    assert engine_overrides("vllm", None, 512, engine_reasoning_args("qwen3"))["vllm-engine"]["engine-args"] == {
+        "reasoning_parser": "qwen3"}
 
 
 def test_banner_shows_urls_and_a_working_curl():

@@ -114,6 +114,18 @@ def tight_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Itera
 
 
 @pytest.fixture(scope="session")
+def reasoning_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Iterator["VllmEngine"]:  # noqa: F821
+    """An instance started with vLLM's qwen3 reasoning parser, as `llumdask serve --reasoning-parser`
+    starts them. (Session-scoped as the others: closing one in-process engine tears down the
+    parallel state every engine of the process shares.)"""
+    from llumdask.engine.vllm.engine import VllmEngine
+
+    engine = VllmEngine(str(tiny_model), {**engine_args, "reasoning_parser": "qwen3"})
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
 def blind_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Iterator["VllmEngine"]:  # noqa: F821
     """KV-cache events off: nothing reported to the scheduler's prefix index."""
     from llumdask.engine.vllm.engine import VllmEngine

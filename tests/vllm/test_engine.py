@@ -279,3 +279,21 @@ def test_vllm_still_gives_requests_sharing_a_step_with_named_logprobs_the_named_
     assert any(not math.isfinite(lp) for *_, every in together[0] for _, lp in every)
     # The named request itself gets its tokens.
     assert all({5, 17} <= {t for t, _ in every} for *_, every in together[1])
+
+
+def test_with_a_reasoning_parser_a_grammar_starts_where_the_thinking_ended(vllm_engine, reasoning_engine) -> None:
+    """vLLM's engine applies a structured output's grammar once the thinking ends: at once where
+    the request says it ended before the first token (`reasoning_ended`, which vLLM's server sets
+    and `LLMEngine.add_request` does not take), else from the end of the thinking the output
+    writes, which the tiny model never writes. (A pinned part of vLLM: this is its contract test.)"""
+    def answer(engine, request_id: str, **sampling) -> list[int]:
+        request = Request(request_id, prompt_of(6), SamplingParams(max_tokens=24, json_object=True, **sampling))
+        engine.add_request(request)
+        run_to_completion(engine)
+        assert engine.snapshot().free_blocks == engine.total_blocks
+        return request.output_token_ids
+
+    constrained = answer(vllm_engine, "json-plain")
+    assert answer(reasoning_engine, "json-ended", reasoning_ended=True) == constrained
+    thinking = answer(reasoning_engine, "json-thinking", reasoning_ended=False)
+    assert thinking != constrained and answer(reasoning_engine, "json-prompt") == thinking

@@ -261,10 +261,19 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
 
         try:
+            prompt: Any = _prompt_of(request)
+            params = to_vllm_sampling(request, migration_id)
+            if request.sampling.reasoning_ended is not None:
+                # `add_request` takes no reasoning_ended (vLLM's server passes it to its async
+                # engine): the request is processed here and handed over whole, as it may be.
+                prompt = self._llm.input_processor.process_inputs(
+                    request.request_id, prompt, params, supported_tasks=self._llm.get_supported_tasks(),
+                    arrival_time=request.arrival_time, priority=self._vllm_priority(request))
+                prompt.reasoning_ended = request.sampling.reasoning_ended
             self._internal_ids[request.request_id] = self._llm.add_request(
                 request.request_id,
-                _prompt_of(request),
-                to_vllm_sampling(request, migration_id),
+                prompt,
+                params,
                 arrival_time=request.arrival_time,
                 priority=self._vllm_priority(request),
             )
