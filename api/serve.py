@@ -174,7 +174,9 @@ def gateway_tokenizer(model: str, tokenizer: str | None, engine_args: dict[str, 
     from llumdask.api.gateway.tokenizer import load_tokenizer, model_location
 
     source = model if tokenizer is None else model_location(tokenizer)
-    for key, where in (("revision", model), ("tokenizer-revision", source)):
+    # vLLM reads the tokenizer at the model's revision unless told another.
+    for key, where in (("revision", model), ("tokenizer-revision" if "tokenizer-revision" in engine_args else "revision",
+                                              source)):
         if engine_args.get(key) is not None and not Path(where).is_dir():
             raise ValueError(f"--{key}: the gateway reads the default revision of {where} from the hub (its "
                              "tokenizer, chat template and generation config), not another; download that revision "
@@ -182,15 +184,13 @@ def gateway_tokenizer(model: str, tokenizer: str | None, engine_args: dict[str, 
     return source, load_tokenizer(source, chat_template)
 
 
-def engine_reasoning_args(reasoning_parser: str | None) -> dict[str, Any]:
-    """The vLLM engine argument a `--reasoning-parser` needs: vLLM's engine applies a structured
-    output's grammar only once the thinking it reads has ended (`vllm serve` gives it the parser)."""
-    return {} if reasoning_parser is None else {"reasoning-parser": reasoning_parser}
-
-
-def engine_tokenizer_args(tokenizer: str | None, source: str) -> dict[str, Any]:
-    """The vLLM engine argument a `--tokenizer` needs (a directory made absolute, as the model's)."""
-    return {} if tokenizer is None else {"tokenizer": source}
+def gateway_engine_args(tokenizer: str | None, generation_config: str | None,
+                        reasoning_parser: str | None) -> dict[str, Any]:
+    """The vLLM engine arguments the gateway's own options give local instances, as `vllm serve`
+    gives its engine: the tokenizer (`gateway_tokenizer`'s source), the generation config, and the
+    reasoning parser (vLLM's engine applies a structured output's grammar once the thinking ends)."""
+    return {**({} if tokenizer is None else {"tokenizer": tokenizer}), **engine_generation_args(generation_config),
+            **({} if reasoning_parser is None else {"reasoning-parser": reasoning_parser})}
 
 
 def engine_generation_args(source: str | None) -> dict[str, Any]:
@@ -363,7 +363,11 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     model = model_location(configured_model)
     if configured_model is not None:  # the same directory for every instance, whatever its cwd
         configured_model = model
-    tokenizer_source, tokenizer = gateway_tokenizer(model, args.tokenizer, engine_args, args.chat_template)
+    # The engine options as the instances get them: the config's, then the command line's.
+    configured = {k.replace("_", "-"): v for k, v in load_config().vllm_engine.engine_args.items()}
+    effective = {**configured, **engine_args}
+    tokenizer_source, tokenizer = gateway_tokenizer(model, args.tokenizer or effective.get("tokenizer"), effective,
+                                                    args.chat_template)
     max_context = args.max_model_len or declared_context(model)
     if max_context is None:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
@@ -373,12 +377,12 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
              "write-timeout": args.write_timeout,
              "send-buffer-bytes": args.send_buffer_bytes}
     settings = load_config({"gateway": {k: v for k, v in given.items() if v is not None}}).gateway
+    own_engine_args = gateway_engine_args(None if args.tokenizer is None else tokenizer_source, args.generation_config,
+                                          settings.reasoning_parser)
     local_vllm = args.scheduler is None and args.engine != "sim"
     if local_vllm:
         vllm_config = load_config(cluster_overrides("vllm", configured_model, tokenizer.vocab_size,
-                                                    {**engine_args, **engine_tokenizer_args(args.tokenizer, tokenizer_source),
-                                                     **engine_generation_args(args.generation_config),
-                                                     **engine_reasoning_args(settings.reasoning_parser)},
+                                                    {**engine_args, **own_engine_args},
                                                     args.max_model_len)).vllm_engine
     with vllm_check(vllm_config) if local_vllm else contextlib.nullcontext() as checked:
         parsers = [f"--{flag} {name}" for flag, name in (("tool-call-parser", settings.tool_call_parser),
@@ -413,10 +417,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                       f"({check.free_bytes / 2**30:.1f} of {check.total_bytes / 2**30:.1f} GiB free): {chosen} each"
                       f"{' (all that max-num-seqs sequences of max-model-len tokens can fill)' if fills else ''}; "
                       "pass --kv-cache-memory-bytes or --gpu-memory-utilization to choose", file=sys.stderr, flush=True)
-            given = {**engine_args, **share, **({**engine_tokenizer_args(args.tokenizer, tokenizer_source),
-                                                 **engine_generation_args(args.generation_config),
-                                                 **engine_reasoning_args(settings.reasoning_parser)}
-                                                if engine == "vllm" else {})}
+            given = {**engine_args, **share, **(own_engine_args if engine == "vllm" else {})}
             overrides = cluster_overrides(engine, configured_model, tokenizer.vocab_size, given, args.max_model_len)
             print(f"llumdask serve: starting {args.instances} {engine} instances...", file=sys.stderr, flush=True)
             try:

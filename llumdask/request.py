@@ -111,6 +111,9 @@ class SamplingParams:
     # the thinking ended before the first token, so the grammar applies from it; False: from the
     # end of the thinking the output writes; None: the engine reads the prompt.
     reasoning_ended: bool | None = None
+    # With it, JSON text of the chat template kwargs the request was rendered with: the engine's
+    # reasoning parser reads whether thinking is on there (vLLM's reasoning_parser_kwargs).
+    reasoning_kwargs: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -155,6 +158,8 @@ class SamplingParams:
             raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
         if self.reasoning_ended is not None and not isinstance(self.reasoning_ended, bool):
             raise ValueError(f"reasoning_ended must be a boolean or None, got {self.reasoning_ended!r}")
+        if self.reasoning_kwargs is not None and not isinstance(self.reasoning_kwargs, str):
+            raise ValueError(f"reasoning_kwargs must be JSON text or None, got {self.reasoning_kwargs!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value and _is_text(value)):

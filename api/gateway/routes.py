@@ -147,8 +147,10 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
                                  code="unsupported_parameter")
         schema, keep_special, readers = await answers.readers(use, options.best_of, prompt_ids,
                                                               parsed.rendering.variables, parsed.include_reasoning)
-        if structured:  # vLLM's server tells its engine where the grammar starts
-            options = replace(options, sampling={**options.sampling, "reasoning_ended": readers[0].thinking_ended()})
+        if structured:  # vLLM's server tells its engine where the grammar starts, and the template's switches
+            variables = parsed.rendering.variables
+            options = replace(options, sampling={**options.sampling, "reasoning_ended": readers[0].thinking_ended(),
+                                                 "reasoning_kwargs": json.dumps(dict(variables)) if variables else None})
         if schema is not None:  # tool_choice overrides response_format, as in vLLM
             sampling = {k: v for k, v in options.sampling.items() if k not in STRUCTURED_KINDS}
             options = replace(options, sampling={**sampling, "json_schema": schema})

@@ -158,8 +158,12 @@ def test_a_structured_answer_follows_the_thinking_on_instances_that_read_it(make
     message = chat(client, response_format={"type": "json_object"}).json()["choices"][0]["message"]
     assert message == {"role": "assistant", "content": '{"city": "Paris"}', "reasoning": "Needs an object."}
     assert backend.submitted[-1].sampling.json_object and backend.submitted[-1].sampling.reasoning_ended is False
-    chat(client, response_format={"type": "json_object"}, include_reasoning=False)
-    assert backend.submitted[-1].sampling.reasoning_ended is True
+    assert backend.submitted[-1].sampling.reasoning_kwargs is None
+    chat(client, response_format={"type": "json_object"}, include_reasoning=False,
+         chat_template_kwargs={"enable_thinking": True})
+    sampling = backend.submitted[-1].sampling
+    # The template's switches too: the engine's parser reads them (vLLM's reasoning_parser_kwargs).
+    assert sampling.reasoning_ended is True and json.loads(sampling.reasoning_kwargs) == {"enable_thinking": True}
     chat(client)  # no grammar: nothing to tell
     assert backend.submitted[-1].sampling.reasoning_ended is None
 

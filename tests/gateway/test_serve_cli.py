@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from llumdask.api.serve import (banner, build_parser, dashed, engine_generation_args, engine_overrides,
-                                engine_reasoning_args, engine_tokenizer_args, gateway_tokenizer, parse_engine_args,
+                                gateway_engine_args, gateway_tokenizer, parse_engine_args,
                                 serve_main)
 
 
@@ -94,11 +94,39 @@ def test_a_generation_config_directory_reaches_the_vllm_engines_too(tmp_path):
         "generation_config": str(tmp_path.resolve())}
 
 
-def test_a_reasoning_parser_reaches_the_vllm_engines_too():
-    """vLLM's engine applies a structured output's grammar once the thinking it reads has ended."""
-    assert engine_reasoning_args("qwen3") == {"reasoning-parser": "qwen3"} and engine_reasoning_args(None) == {}
-    assert engine_overrides("vllm", None, 512, engine_reasoning_args("qwen3"))["vllm-engine"]["engine-args"] == {
-        "reasoning_parser": "qwen3"}
+def test_the_gateway_s_own_options_reach_the_vllm_engines_too(tmp_path):
+    """The tokenizer, generation config and reasoning parser, as `vllm serve` gives its engine them
+    (its engine applies a structured output's grammar once the thinking it reads has ended)."""
+    assert gateway_engine_args(None, None, None) == {}
+    given = gateway_engine_args("/t", str(tmp_path), "qwen3")
+    assert engine_overrides("vllm", None, 512, given)["vllm-engine"]["engine-args"] == {
+        "tokenizer": "/t", "generation_config": str(tmp_path.resolve()), "reasoning_parser": "qwen3"}
+
+
+@pytest.mark.vllm
+def test_serve_starts_its_vllm_instances_with_the_gateway_s_options(capsys, tmp_path, monkeypatch):
+    """What `llumdask serve` hands the local cluster (stopped there): the tokenizer and reasoning
+    parser it reads answers with."""
+    from modelcopies import with_thinking_tokens
+
+    import llumdask.clusters.local
+    from llumdask.clusters.instances import InstanceStartupError
+    from llumdask.tiny_model import build_tiny_model, default_model_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tokenizer = with_thinking_tokens(build_tiny_model(default_model_dir()), tmp_path / "tokenizer")
+    started: list[dict] = []
+
+    def local_cluster(instances, engine, overrides, **kwargs):
+        started.append(overrides)
+        raise InstanceStartupError("stopped by the test")
+
+    monkeypatch.setattr(llumdask.clusters.local, "local_cluster", local_cluster)
+    assert serve_main(["--port", "0", "--engine", "vllm", "--tokenizer", str(tokenizer),
+                       "--reasoning-parser", "qwen3"]) == 1
+    assert "stopped by the test" in capsys.readouterr().err
+    engine_args = started[-1]["vllm-engine"]["engine-args"]
+    assert engine_args["tokenizer"] == str(tokenizer) and engine_args["reasoning_parser"] == "qwen3"
 
 
 def test_banner_shows_urls_and_a_working_curl():
@@ -182,9 +210,11 @@ def test_a_tokenizer_of_its_own_serves_the_gateway_and_reaches_the_vllm_engines(
     source, tokenizer = gateway_tokenizer(model, "other", {}, None)
     assert source == str(other.resolve()) and tokenizer.encode("<think>", add_special_tokens=False) == [512]
     assert gateway_tokenizer(model, None, {}, None)[1].encode("<think>", add_special_tokens=False) != [512]
-    assert engine_tokenizer_args("other", source) == {"tokenizer": source} and engine_tokenizer_args(None, model) == {}
     assert gateway_tokenizer(model, None, {"revision": "v2"}, None)[0] == model  # a directory has no revisions
     with pytest.raises(ValueError, match="--revision: the gateway reads the default revision of some-org/model"):
         gateway_tokenizer("some-org/model", None, {"revision": "v2"}, None)
     with pytest.raises(ValueError, match="--tokenizer-revision: the gateway reads the default revision of org/tok"):
         gateway_tokenizer(model, "org/tok", {"tokenizer-revision": "v2"}, None)
+    # vLLM reads the tokenizer at the model's revision unless told another.
+    with pytest.raises(ValueError, match="--revision: the gateway reads the default revision of org/tok"):
+        gateway_tokenizer(model, "org/tok", {"revision": "v2"}, None)

@@ -114,13 +114,19 @@ def tight_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Itera
 
 
 @pytest.fixture(scope="session")
-def reasoning_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Iterator["VllmEngine"]:  # noqa: F821
-    """An instance started with vLLM's qwen3 reasoning parser, as `llumdask serve --reasoning-parser`
-    starts them. (Session-scoped as the others: closing one in-process engine tears down the
-    parallel state every engine of the process shares.)"""
+def reasoning_engine(vllm_ready: None, tiny_model: Path, engine_args: dict,
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator["VllmEngine"]:  # noqa: F821
+    """An instance started with vLLM's deepseek_v3 reasoning parser, as `llumdask serve
+    --reasoning-parser` starts them, over the tiny tokenizer with <think> and </think> added (ids
+    the model never draws). That parser thinks only where the template kwargs say `thinking`.
+    (Session-scoped as the others: closing one in-process engine tears down the parallel state
+    every engine of the process shares.)"""
+    from modelcopies import with_thinking_tokens
+
     from llumdask.engine.vllm.engine import VllmEngine
 
-    engine = VllmEngine(str(tiny_model), {**engine_args, "reasoning_parser": "qwen3"})
+    tokenizer = with_thinking_tokens(tiny_model, tmp_path_factory.mktemp("think") / "tokenizer")
+    engine = VllmEngine(str(tiny_model), {**engine_args, "reasoning_parser": "deepseek_v3", "tokenizer": str(tokenizer)})
     yield engine
     engine.close()
 

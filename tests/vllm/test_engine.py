@@ -281,19 +281,23 @@ def test_vllm_still_gives_requests_sharing_a_step_with_named_logprobs_the_named_
     assert all({5, 17} <= {t for t, _ in every} for *_, every in together[1])
 
 
-def test_with_a_reasoning_parser_a_grammar_starts_where_the_thinking_ended(vllm_engine, reasoning_engine) -> None:
+def test_with_a_reasoning_parser_a_grammar_starts_where_the_thinking_ended(reasoning_engine) -> None:
     """vLLM's engine applies a structured output's grammar once the thinking ends: at once where
     the request says it ended before the first token (`reasoning_ended`, which vLLM's server sets
     and `LLMEngine.add_request` does not take), else from the end of the thinking the output
-    writes, which the tiny model never writes. (A pinned part of vLLM: this is its contract test.)"""
-    def answer(engine, request_id: str, **sampling) -> list[int]:
+    writes, which the tiny model never writes; whether the request thinks at all its parser reads
+    from the template kwargs (`reasoning_kwargs`). (A pinned part of vLLM: its contract test.)"""
+    thinks = json.dumps({"thinking": True})
+
+    def answer(request_id: str, **sampling) -> list[int]:
         request = Request(request_id, prompt_of(6), SamplingParams(max_tokens=24, json_object=True, **sampling))
-        engine.add_request(request)
-        run_to_completion(engine)
-        assert engine.snapshot().free_blocks == engine.total_blocks
+        reasoning_engine.add_request(request)
+        run_to_completion(reasoning_engine)
+        assert reasoning_engine.snapshot().free_blocks == reasoning_engine.total_blocks
         return request.output_token_ids
 
-    constrained = answer(vllm_engine, "json-plain")
-    assert answer(reasoning_engine, "json-ended", reasoning_ended=True) == constrained
-    thinking = answer(reasoning_engine, "json-thinking", reasoning_ended=False)
-    assert thinking != constrained and answer(reasoning_engine, "json-prompt") == thinking
+    constrained = answer("json-ended", reasoning_ended=True, reasoning_kwargs=thinks)
+    thinking = answer("json-thinking", reasoning_ended=False, reasoning_kwargs=thinks)
+    assert thinking != constrained
+    # Without the kwargs this parser reads no thinking, and the grammar does not wait for its end.
+    assert answer("json-no-kwargs", reasoning_ended=False) != thinking

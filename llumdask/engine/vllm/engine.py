@@ -270,6 +270,8 @@ class VllmEngine:
                     request.request_id, prompt, params, supported_tasks=self._llm.get_supported_tasks(),
                     arrival_time=request.arrival_time, priority=self._vllm_priority(request))
                 prompt.reasoning_ended = request.sampling.reasoning_ended
+                if request.sampling.reasoning_kwargs is not None:
+                    prompt.reasoning_parser_kwargs = {"chat_template_kwargs": json.loads(request.sampling.reasoning_kwargs)}
             self._internal_ids[request.request_id] = self._llm.add_request(
                 request.request_id,
                 prompt,
