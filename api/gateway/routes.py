@@ -333,8 +333,7 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
     choices = [beam_choice(gateway.tokenizer, fmt, beam, options, echo, readers[i] if readers else None)
                for i, beam in enumerate(beams)]
     usage = Usage(len(prompt_ids), sum(len(c.token_ids) for c in choices),
-                  reasoning_tokens=None if gateway.answers.reasoning_parser is None or not readers else
-                  sum(r.reasoning_tokens(c.token_ids) for r, c in zip(readers, choices)))
+                  reasoning_tokens=reasoning_tokens(gateway, readers, [c.token_ids for c in choices]))
     if not options.stream:
         return JSONResponse(fmt.body(choices, usage))
 
@@ -399,10 +398,16 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
 def usage(gateway: Gateway, generations: Sequence[Generation], readers: Sequence[AnswerReader] | None) -> Usage:
     """The response's usage: every choice's tokens, and of them the reasoning where the gateway
     reads it (vLLM's completion_tokens_details)."""
-    used = total_usage(generations)
-    if gateway.answers.reasoning_parser is None or readers is None:
-        return used
-    return replace(used, reasoning_tokens=sum(r.reasoning_tokens(g.token_ids) for r, g in zip(readers, generations)))
+    return replace(total_usage(generations),
+                   reasoning_tokens=reasoning_tokens(gateway, readers, [g.token_ids for g in generations]))
+
+
+def reasoning_tokens(gateway: Gateway, readers: Sequence[AnswerReader] | None,
+                     outputs: Sequence[Sequence[int]]) -> int | None:
+    """Of the choices' output tokens, those a reasoning parser counts as reasoning; None without one."""
+    if gateway.answers.reasoning_parser is None or not readers:
+        return None
+    return sum(r.reasoning_tokens(ids) for r, ids in zip(readers, outputs))
 
 
 async def finish(gateway: Gateway, generations: Sequence[Generation], charge: Charge) -> None:

@@ -197,7 +197,7 @@ class AnswerReader:
         self._new_id = new_id
         self._prompt_ids = list(prompt_ids)
         self._auto_tools = auto_tools
-        self._text = ""
+        self._text = ""  # a required answer's, read at its end
         self._named_id: str | None = None
         self._made_calls = False
         self._last_calls = False  # the latest delta carried calls
@@ -223,7 +223,6 @@ class AnswerReader:
 
     def delta(self, text: str, token_ids: Sequence[int]) -> Piece:
         """What `text` (made of `token_ids`) adds to the stream."""
-        self._text += text
         if self._choice == "function":  # the arguments, as they come
             first = self._named_id is None
             if first:
@@ -233,6 +232,7 @@ class AnswerReader:
             return Piece(calls=(ToolCallDelta(0, self._named_id if first else None,
                                               self._use.function if first else None, text),))  # type: ignore[union-attr]
         if self._choice == "required":  # whole calls, once the list is complete: at the end
+            self._text += text
             return Piece()
         piece = self._read(self._parser.parse_delta(text, list(token_ids), self._request, self._prompt_ids,
                                                     finished=False))

@@ -37,10 +37,13 @@ def backend(script: list[int]) -> FakeBackend:
 
 @pytest.fixture
 def thinking(make_client, backend, tiny_model):
-    """A gateway reading answers with vLLM's qwen3 reasoning parser (and hermes for tool calls)."""
-    def make(batch_size: int = 1):
+    """`thinking(batch_size, tool_parser, reasoning_parser, **options)`: a gateway reading answers with
+    vLLM's parsers (by default qwen3's reasoning and hermes' tool calls), its backend sending
+    `batch_size` tokens at a time."""
+    def make(batch_size: int = 1, tool_parser: str | None = "hermes", reasoning_parser: str = "qwen3", **options):
         backend.batch_size = batch_size
-        return make_client(backend, answers=AnswerReading(str(tiny_model), "hermes", reasoning_parser="qwen3"))
+        return make_client(backend, answers=AnswerReading(str(tiny_model), tool_parser,
+                                                          reasoning_parser=reasoning_parser, **options))
     return make
 
 
@@ -147,13 +150,11 @@ def test_a_grammar_over_the_answer_is_refused_where_it_would_take_in_the_thinkin
     assert backend.submitted == []
 
 
-def test_a_structured_answer_follows_the_thinking_on_instances_that_read_it(make_client, backend, tokenizer,
-                                                                          tiny_model):
+def test_a_structured_answer_follows_the_thinking_on_instances_that_read_it(thinking, backend, tokenizer):
     """Instances started with the reasoning parser apply the grammar once the thinking ends; the
     gateway tells them whether it ended before the first token (vLLM's reasoning_ended: here the
     prompt does not close it; hiding the reasoning constrains from the start, as vLLM)."""
-    client = make_client(backend, answers=AnswerReading(str(tiny_model), reasoning_parser="qwen3",
-                                                        engines_reason=True))
+    client = thinking(tool_parser=None, engines_reason=True)
     scripted(backend, tokenizer, '<think>Needs an object.</think>{"city": "Paris"}')
     message = chat(client, response_format={"type": "json_object"}).json()["choices"][0]["message"]
     assert message == {"role": "assistant", "content": '{"city": "Paris"}', "reasoning": "Needs an object."}
@@ -180,24 +181,19 @@ XML_CALL = ("<think>abc def</think>Hello world <tool_call>\n<function=get_weathe
             "</parameter>\n</function>\n</tool_call>")
 
 
-@pytest.fixture
-def coder(make_client, backend, tiny_model):
-    """Qwen3-Coder's tool-call parser (an engine-based one: it takes its markup out of any answer)."""
-    def make(batch_size: int = 1):
-        backend.batch_size = batch_size
-        return make_client(backend, answers=AnswerReading(str(tiny_model), "qwen3_coder", reasoning_parser="qwen3"))
-    return make
+# Qwen3-Coder's tool-call parser is an engine-based one: it takes its markup out of any answer.
+CODER = "qwen3_coder"
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("body, content", [({}, "Hello world"),
                                            ({"tools": [WEATHER], "tool_choice": "none"}, "Hello world ")])
-def test_without_auto_the_tool_parser_still_takes_its_markup_out(coder, backend, tokenizer, body, content,
+def test_without_auto_the_tool_parser_still_takes_its_markup_out(thinking, backend, tokenizer, body, content,
                                                                   batch_size):
     """As `vllm serve` with the same parsers: every answer goes through them, so a call the model
     writes unasked is no content (and no call). (vLLM's parser keeps the space before the markup
     where the request offered tools, whole; and always in a stream.)"""
-    client = coder(batch_size)
+    client = thinking(batch_size, CODER)
     scripted(backend, tokenizer, XML_CALL)
     choice = chat(client, **body).json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": content, "reasoning": "abc def"}
@@ -208,10 +204,10 @@ def test_without_auto_the_tool_parser_still_takes_its_markup_out(coder, backend,
 
 @pytest.mark.parametrize("batch_size", [1, 3, 100])
 @pytest.mark.parametrize("closed", [True, False])
-def test_a_call_the_parser_holds_back_comes_at_the_end_of_the_stream(coder, backend, tokenizer, batch_size, closed):
+def test_a_call_the_parser_holds_back_comes_at_the_end_of_the_stream(thinking, backend, tokenizer, batch_size, closed):
     """The arguments an engine-based parser buffers (a call cut off after its last parameter too)
     come with the end of the stream, so the streamed call equals the whole answer's."""
-    client = coder(batch_size)
+    client = thinking(batch_size, CODER)
     text = XML_CALL if closed else XML_CALL[:XML_CALL.index("</parameter>") + len("</parameter>\n")]
     scripted(backend, tokenizer, text)
     [call] = chat(client, tools=[WEATHER]).json()["choices"][0]["message"]["tool_calls"]
@@ -220,10 +216,10 @@ def test_a_call_the_parser_holds_back_comes_at_the_end_of_the_stream(coder, back
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call["function"]["arguments"])]
 
 
-def test_the_parsers_read_the_request_s_template_kwargs(make_client, backend, tokenizer, tiny_model):
+def test_the_parsers_read_the_request_s_template_kwargs(thinking, backend, tokenizer):
     """Nemotron 3's parser reads force_nonempty_content from the request: thinking that is all
     there is becomes the content."""
-    client = make_client(backend, answers=AnswerReading(str(tiny_model), reasoning_parser="nemotron_v3"))
+    client = thinking(tool_parser=None, reasoning_parser="nemotron_v3")
     scripted(backend, tokenizer, "<think>The answer is 4.</think>")
     assert chat(client).json()["choices"][0]["message"]["reasoning"] == "The answer is 4."
     forced = chat(client, chat_template_kwargs={"force_nonempty_content": True}).json()["choices"][0]["message"]
