@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dask.config
 import yaml
@@ -39,9 +39,6 @@ from distributed import Client, WorkerPlugin
 from llumdask.api.gateway.generation_config import SOURCES as GENERATION_SOURCES
 from llumdask.config import ConfigError, VllmEngineConfig, load_config
 from llumdask.plugins.dashboard import page_link
-
-if TYPE_CHECKING:
-    from llumdask.api.gateway.tokenizer import Tokenizer
 
 DEFAULT_INSTANCES = 2
 DEFAULT_PORT = 8000
@@ -167,27 +164,10 @@ def engine_overrides(engine: str, model: str | None, vocab_size: int, engine_arg
     return {"engine": "vllm", "vllm-engine": {"model": model, **section, "engine-args": passed}}
 
 
-def gateway_tokenizer(model: str, tokenizer: str | None, engine_args: dict[str, Any],
-                      chat_template: str | None) -> tuple[str, "Tokenizer"]:
-    """Where the gateway's tokenizer is (`--tokenizer`, else the model's), and the tokenizer. A
-    revision of a model or tokenizer on the hub is refused: the gateway reads the default one."""
-    from llumdask.api.gateway.tokenizer import load_tokenizer, model_location
-
-    source = model if tokenizer is None else model_location(tokenizer)
-    # vLLM reads the tokenizer at the model's revision unless told another.
-    for key, where in (("revision", model), ("tokenizer-revision" if "tokenizer-revision" in engine_args else "revision",
-                                              source)):
-        if engine_args.get(key) is not None and not Path(where).is_dir():
-            raise ValueError(f"--{key}: the gateway reads the default revision of {where} from the hub (its "
-                             "tokenizer, chat template and generation config), not another; download that revision "
-                             "and pass its directory")
-    return source, load_tokenizer(source, chat_template)
-
-
 def gateway_engine_args(tokenizer: str | None, generation_config: str | None,
                         reasoning_parser: str | None) -> dict[str, Any]:
     """The vLLM engine arguments the gateway's own options give local instances, as `vllm serve`
-    gives its engine: the tokenizer (`gateway_tokenizer`'s source), the generation config, and the
+    gives its engine: the tokenizer (`served_tokenizer`'s source), the generation config, and the
     reasoning parser (vLLM's engine applies a structured output's grammar once the thinking ends)."""
     return {**({} if tokenizer is None else {"tokenizer": tokenizer}), **engine_generation_args(generation_config),
             **({} if reasoning_parser is None else {"reasoning-parser": reasoning_parser})}
@@ -353,7 +333,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from llumdask.api.gateway import ModelInfo, create_app
     from llumdask.api.gateway.dask_backend import DaskBackend
     from llumdask.api.gateway.generation_config import default_source, read_generation_config
-    from llumdask.api.gateway.tokenizer import model_location
+    from llumdask.api.gateway.tokenizer import files_at, model_location, served_tokenizer
     from llumdask.api.gateway.tools import AnswerReading, parser_class
 
     if args.config is not None:
@@ -366,9 +346,11 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     # The engine options as the instances get them: the config's, then the command line's.
     configured = {k.replace("_", "-"): v for k, v in load_config().vllm_engine.engine_args.items()}
     effective = {**configured, **engine_args}
-    tokenizer_source, tokenizer = gateway_tokenizer(model, args.tokenizer or effective.get("tokenizer"), effective,
-                                                    args.chat_template)
-    max_context = args.max_model_len or declared_context(model)
+    served = served_tokenizer(model, args.tokenizer or effective.get("tokenizer"), effective, args.chat_template)
+    tokenizer = served.tokenizer
+    # The model's own files (context, generation config) at the revision its instances load.
+    model_files = files_at(model, effective.get("revision"))
+    max_context = args.max_model_len or declared_context(model_files)
     if max_context is None:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
     model_info = ModelInfo(args.served_model_name or default_name, max_context)
@@ -377,7 +359,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
              "write-timeout": args.write_timeout,
              "send-buffer-bytes": args.send_buffer_bytes}
     settings = load_config({"gateway": {k: v for k, v in given.items() if v is not None}}).gateway
-    own_engine_args = gateway_engine_args(None if args.tokenizer is None else tokenizer_source, args.generation_config,
+    own_engine_args = gateway_engine_args(None if args.tokenizer is None else served.source, args.generation_config,
                                           settings.reasoning_parser)
     local_vllm = args.scheduler is None and args.engine != "sim"
     if local_vllm:
@@ -391,13 +373,13 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             try:
                 from vllm.tokenizers import get_tokenizer
 
-                parser_class(settings.tool_call_parser, settings.reasoning_parser, get_tokenizer(tokenizer_source),
-                             tokenizer_source)
+                parser_class(settings.tool_call_parser, settings.reasoning_parser, get_tokenizer(served.files),
+                             served.files)
             except ImportError as exc:
                 raise ValueError(f"{' and '.join(parsers)}: vLLM is needed where the gateway runs: {exc}") from None
         engine, check = pick_engine(args.engine, checked) if checked else ("sim", None)
     # Read (and checked) before any instance starts; a cluster at --scheduler runs engines unknown here.
-    generation = read_generation_config(model, args.generation_config or default_source(
+    generation = read_generation_config(model_files, args.generation_config or default_source(
         None if args.scheduler is not None else engine), args.override_generation_config)
 
     with contextlib.ExitStack() as stack:
@@ -439,7 +421,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
         app = create_app(
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
-            tokenizer, settings, AnswerReading(tokenizer_source, settings.tool_call_parser, engine,
+            tokenizer, settings, AnswerReading(served.files, settings.tool_call_parser, engine,
                                                           settings.reasoning_parser, engines_reason=engine == "vllm"), generation)
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)

@@ -114,6 +114,9 @@ class SamplingParams:
     # With it, JSON text of the chat template kwargs the request was rendered with: the engine's
     # reasoning parser reads whether thinking is on there (vLLM's reasoning_parser_kwargs).
     reasoning_kwargs: str | None = None
+    # The most tokens the thinking may take before the engine writes its end (vLLM's
+    # thinking_token_budget, on an engine started with a reasoning parser); None (or -1): no limit.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -160,6 +163,12 @@ class SamplingParams:
             raise ValueError(f"reasoning_ended must be a boolean or None, got {self.reasoning_ended!r}")
         if self.reasoning_kwargs is not None and not isinstance(self.reasoning_kwargs, str):
             raise ValueError(f"reasoning_kwargs must be JSON text or None, got {self.reasoning_kwargs!r}")
+        if _is_int(self.thinking_token_budget) and self.thinking_token_budget == -1:  # vLLM's "no limit"
+            object.__setattr__(self, "thinking_token_budget", None)
+        if self.thinking_token_budget is not None and not (_is_int(self.thinking_token_budget)
+                                                           and self.thinking_token_budget >= 0):
+            raise ValueError("thinking_token_budget must be an integer >= 0, or -1 for no limit, got "
+                             f"{self.thinking_token_budget!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value and _is_text(value)):

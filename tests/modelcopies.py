@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 THINKING = ("<think>", "</think>")
 
 
-def with_thinking_tokens(model: Path, target: Path) -> Path:
+def with_thinking_tokens(model: Path, target: Path, *, in_weights: bool = False) -> Path:
     """`model` copied to `target` with <think> and </think> added to its tokenizer (ids 512 and 513
-    on the tiny model: past its weights, so only for tests that never run them on an engine)."""
+    on the tiny model). Past its weights, so only for tests that never run them on an engine, unless
+    `in_weights`: then the embedding and output rows grow by two (existing rows negated: no logit
+    ties with those), so that an engine can draw and be made to write them."""
     from tokenizers import AddedToken, Tokenizer
 
     shutil.copytree(model, target)
     tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINKING])
     tokenizer.save(str(target / "tokenizer.json"))
+    if in_weights:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(target / "model.safetensors"))
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            weights[name] = torch.cat([weights[name], -weights[name][100:100 + len(THINKING)]])
+        save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((target / "config.json").read_text())
+        config["vocab_size"] = tokenizer.get_vocab_size()
+        (target / "config.json").write_text(json.dumps(config))
     return target

@@ -41,10 +41,18 @@ from llumdask.request import Request, SamplingParams
     ({"regex": ""}, "regex must be a non-empty string"),
     ({"grammar": 5}, "grammar must be a non-empty string"),
     ({"choice": "ab"}, "choice must be a list of strings"),
+    ({"thinking_token_budget": -2}, r"thinking_token_budget must be an integer >= 0, or -1"),
+    ({"thinking_token_budget": -1.0}, "thinking_token_budget must be an integer"),
+    ({"thinking_token_budget": True}, "thinking_token_budget must be an integer"),
 ])
 def test_bad_options_name_themselves(fields, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams(**fields)
+
+
+def test_a_thinking_budget_of_minus_one_is_no_limit_as_in_vllm():
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
+    assert SamplingParams(thinking_token_budget=0).thinking_token_budget == 0
 
 
 def test_logit_bias_is_sorted_pairs_from_a_mapping_or_pairs():

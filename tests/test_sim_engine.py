@@ -354,7 +354,7 @@ def test_min_tokens_migrate_exactly(make_engine):
 
 @pytest.mark.parametrize("option", [{"repetition_penalty": 1.2}, {"presence_penalty": 0.5},
                                     {"frequency_penalty": -1.0}, {"logit_bias": {5: 10.0}}, {"allowed_token_ids": (5, 6)}, {"logprobs": 0},
-                                    {"prompt_logprobs": 2}], ids=str)
+                                    {"prompt_logprobs": 2}, {"thinking_token_budget": 4}], ids=str)
 def test_options_that_need_logits_are_refused_by_name(make_engine, option):
     engine = make_engine()
     (name,) = option

@@ -523,6 +523,10 @@ def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tok
     if "logit_bias" in extra:
         check_token_ids([int(t) for t in extra["logit_bias"]], gateway.tokenizer.vocab_size, "logit_bias")
     check_token_ids(extra.get("allowed_token_ids", ()), gateway.tokenizer.vocab_size, "allowed_token_ids")
+    if extra.get("thinking_token_budget", -1) != -1 and gateway.answers.reasoning_parser is None:
+        raise InvalidRequest("thinking_token_budget needs a reasoning parser to tell the thinking: serve with "
+                             "--reasoning-parser (as vLLM's server asks)", param="thinking_token_budget",
+                             code="unsupported_parameter")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
                               seed=options.seed, ignore_eos=options.ignore_eos,

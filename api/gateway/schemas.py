@@ -8,6 +8,7 @@ honour (`UNHONOURED_VLLM_OPTIONS`) unless at their defaults. Fields that ask not
 accepted by vLLM's server (clients send them through ``extra_body``): ``stop_token_ids``,
 ``ignore_eos``, ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``structured_outputs``, ``prompt_logprobs``,
+``thinking_token_budget`` (with a reasoning parser),
 ``use_beam_search`` with ``length_penalty``, ``repetition_detection``, and for chat ``return_prompt_text``
 and how the conversation renders (``chat_template_kwargs``, ``documents``, ``reasoning_effort``,
 ``continue_final_message``, ``add_generation_prompt``, ``add_special_tokens``); llumdask's own:
@@ -47,6 +48,7 @@ SAMPLING_OPTIONS: dict[str, str] = {
     "logit_bias": "object",
     "allowed_token_ids": "token ids",
     "bad_words": "strings",
+    "thinking_token_budget": "integer",
 }
 
 
@@ -157,7 +159,7 @@ class ChatRequest:
 # clients' requests on that instance would be lost.
 UNHONOURED_VLLM_OPTIONS: dict[str, Any] = {
     "logprob_token_ids": None,
-    "spaces_between_special_tokens": True, "thinking_token_budget": None,
+    "spaces_between_special_tokens": True,
     "return_token_offsets": False,
     "return_prompt_text": False, "return_mm_kwargs": False, "kv_transfer_params": None,
     "ec_transfer_params": None, "vllm_xargs": None, "prompt_embeds": None, "media_io_kwargs": None,
@@ -444,9 +446,10 @@ def _check_beam_search(options: GenerationOptions, body: Mapping[str, Any], *, c
 
 def _asks(sampling_option: str, value: Any) -> bool:
     """Whether a sampling option's value changes anything: not its default, nor an empty list or
-    object, nor top_k's -1 (no limit, as its 0)."""
+    object, nor the -1 of top_k and thinking_token_budget (no limit, as their defaults)."""
     default = SamplingParams.__dataclass_fields__[sampling_option].default
-    return value != default and value not in ({}, [], ()) and not (sampling_option == "top_k" and value == -1)
+    return (value != default and value not in ({}, [], ())
+            and not (sampling_option in ("top_k", "thinking_token_budget") and value == -1))
 
 
 def _prompt_logprobs(body: Mapping[str, Any], stream: bool) -> int | None:

@@ -18,6 +18,7 @@ a slow tokenizer) goes through transformers' AutoTokenizer.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -196,6 +197,46 @@ def model_location(model: str | None) -> str:
 
         return str(build_tiny_model(default_model_dir()))
     return str(Path(model).resolve()) if Path(model).is_dir() else model
+
+
+# What the gateway never reads of a model: its weights (the instances fetch those themselves).
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack", "*.onnx",
+                "original/*")
+
+
+def files_at(location: str, revision: str | None) -> str:
+    """Where to read the tokenizer, templates and configs of `location` (`model_location`'s) at a
+    revision on the hub (vLLM's `--revision`: a branch, tag or commit): its snapshot in the hub
+    cache, fetched without the weights. A directory, or no revision: `location` as it is."""
+    if revision is None or Path(location).is_dir():
+        return location
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(location, revision=revision, ignore_patterns=list(WEIGHT_FILES))
+    except (OSError, ValueError) as exc:  # the hub's: no such model or revision, or offline without it cached
+        raise ValueError(f"cannot read {location} at revision {revision}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class ServedTokenizer:
+    """The tokenizer a model is served with: `source` as vLLM's engines get it (`--tokenizer`, else
+    the model), `files` where the gateway reads it (at its revision), and the tokenizer itself."""
+
+    source: str
+    files: str
+    tokenizer: Tokenizer
+
+
+def served_tokenizer(model: str, tokenizer: str | None, engine_args: Mapping[str, Any],
+                     chat_template: str | Path | None = None) -> ServedTokenizer:
+    """The tokenizer of `model` (a `model_location`), or `tokenizer` instead (vLLM's
+    `--tokenizer`), at the revision vLLM's engines read it: `engine_args`' tokenizer revision,
+    else the model's revision (either spelling: the command line's dashes, Python's underscores)."""
+    source = model if tokenizer is None else model_location(tokenizer)
+    args = {name.replace("_", "-"): value for name, value in engine_args.items()}
+    files = files_at(source, args.get("tokenizer-revision") or args.get("revision"))
+    return ServedTokenizer(source, files, load_tokenizer(files, chat_template))
 
 
 def stop_token_ids(tokenizer: Tokenizer, requested: Sequence[int], ignore_eos: bool,

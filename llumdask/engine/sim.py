@@ -177,6 +177,8 @@ def unmodelled_option(sampling: SamplingParams) -> str:
         return "prompt_logprobs"
     if sampling.structured_kinds:
         return "structured outputs"
+    if sampling.thinking_token_budget is not None:
+        return "thinking_token_budget"
     return ""
 
 

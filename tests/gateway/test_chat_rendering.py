@@ -203,11 +203,10 @@ def test_rendering_matches_transformers(tiny_model, tmp_path):
     ("/v1/chat/completions", {"messages": ASK}),
 ])
 def test_vllm_options_the_gateway_does_not_honour_are_400_unless_at_their_default(rendering, path, body):
-    """Named tokens' logprobs, token offsets, a thinking budget: a request asking for them is
-    refused rather than answered as if it had not; their defaults pass."""
+    """Named tokens' logprobs, token offsets: a request asking for them is refused rather than
+    answered as if it had not; their defaults pass."""
     client, backend, _ = rendering
-    for name, value in (("logprob_token_ids", [1]),
-                        ("return_token_offsets", True), ("thinking_token_budget", 8),
+    for name, value in (("logprob_token_ids", [1]), ("return_token_offsets", True),
                         ("spaces_between_special_tokens", False)):
         r = client.post(path, json={"model": MODEL, "max_tokens": 2, **body, name: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text

@@ -176,6 +176,41 @@ def test_a_gateway_without_a_reasoning_parser_leaves_the_thinking_in_the_content
     assert "completion_tokens_details" not in body["usage"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_thinking_budget_goes_to_the_engine_on_either_endpoint(thinking, backend, tokenizer, path):
+    """vLLM's thinking_token_budget: the engine ends the thinking after that many tokens (its
+    reasoning parser tells the markers); -1 is no limit, as in vLLM."""
+    client = thinking(tool_parser=None)
+    scripted(backend, tokenizer, THOUGHT)
+    prompt = {"messages": ASK} if "chat" in path else {"prompt": "Why?"}
+    for budget, sent in ((0, 0), (12, 12), (-1, None)):
+        r = client.post(path, json={"model": MODEL, "max_tokens": 50, **prompt, "thinking_token_budget": budget})
+        assert r.status_code == 200, r.text
+        assert backend.submitted[-1].sampling.thinking_token_budget == sent
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("budget, message", [(-2, "integer >= 0"), (1.5, "must be an integer"), (True, "must be an integer"),
+                                             ("8", "must be an integer")])
+def test_a_thinking_budget_that_is_no_count_is_a_400(thinking, backend, path, budget, message):
+    prompt = {"messages": ASK} if "chat" in path else {"prompt": "Why?"}
+    r = thinking(tool_parser=None).post(path, json={"model": MODEL, **prompt, "thinking_token_budget": budget})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget", r.text
+    assert message in r.json()["error"]["message"]
+    assert backend.submitted == []
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_thinking_budget_without_a_reasoning_parser_is_a_400(client, backend, path):
+    """As vLLM's server: without a reasoning parser nothing tells where the thinking ends (the sim
+    engine, which models no thinking, never has one); no limit (-1) asks nothing."""
+    prompt = {"messages": ASK} if "chat" in path else {"prompt": "Why?"}
+    r = client.post(path, json={"model": MODEL, "max_tokens": 2, **prompt, "thinking_token_budget": 8})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget", r.text
+    assert "--reasoning-parser" in r.json()["error"]["message"] and backend.submitted == []
+    assert client.post(path, json={"model": MODEL, "max_tokens": 2, **prompt, "thinking_token_budget": -1}).status_code == 200
+
+
 # ------------------------------------------------------------------ parsers that read tokens, and tool markup
 XML_CALL = ("<think>abc def</think>Hello world <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
             "</parameter>\n</function>\n</tool_call>")

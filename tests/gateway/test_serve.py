@@ -995,6 +995,12 @@ def test_a_gateway_with_a_reasoning_parser_answers_the_thinking_apart_on_vllm(vl
             off = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=12, temperature=0,
                                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
             assert off.choices[0].message.content == text and off.choices[0].message.reasoning is None
+            # These instances were started without the parser: their engines refuse a thinking
+            # budget (vLLM's own check), a 400 that names it. (Served and moved exactly on instances
+            # that have it: tests/vllm/test_migration.py.)
+            with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+                client.chat.completions.create(model=MODEL, messages=ask, max_tokens=12,
+                                               extra_body={"thinking_token_budget": 4})
         finally:
             stop_serve(gateway)
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
+from llumdask.api.gateway.tokenizer import served_tokenizer
 from llumdask.api.serve import (banner, build_parser, dashed, engine_generation_args, engine_overrides,
-                                gateway_engine_args, gateway_tokenizer, parse_engine_args,
-                                serve_main)
+                                gateway_engine_args, parse_engine_args, serve_main)
 
 
 def test_defaults_are_two_instances_on_localhost_8000():
@@ -197,8 +197,7 @@ def test_local_instances_share_their_device_unless_the_user_chose():
 
 
 def test_a_tokenizer_of_its_own_serves_the_gateway_and_reaches_the_vllm_engines(tmp_path, monkeypatch):
-    """`--tokenizer`, as vLLM's flag: the gateway encodes with it (the engines get it as their own);
-    a revision of a hub model is refused (the gateway would read the default one's files)."""
+    """`--tokenizer`, as vLLM's flag: the gateway encodes with it (the engines get it as their own)."""
     from modelcopies import with_thinking_tokens
 
     from llumdask.api.gateway.tokenizer import model_location
@@ -207,14 +206,101 @@ def test_a_tokenizer_of_its_own_serves_the_gateway_and_reaches_the_vllm_engines(
     model = model_location(None)
     other = with_thinking_tokens(Path(model), tmp_path / "other")
     monkeypatch.chdir(tmp_path)
-    source, tokenizer = gateway_tokenizer(model, "other", {}, None)
-    assert source == str(other.resolve()) and tokenizer.encode("<think>", add_special_tokens=False) == [512]
-    assert gateway_tokenizer(model, None, {}, None)[1].encode("<think>", add_special_tokens=False) != [512]
-    assert gateway_tokenizer(model, None, {"revision": "v2"}, None)[0] == model  # a directory has no revisions
-    with pytest.raises(ValueError, match="--revision: the gateway reads the default revision of some-org/model"):
-        gateway_tokenizer("some-org/model", None, {"revision": "v2"}, None)
-    with pytest.raises(ValueError, match="--tokenizer-revision: the gateway reads the default revision of org/tok"):
-        gateway_tokenizer(model, "org/tok", {"tokenizer-revision": "v2"}, None)
-    # vLLM reads the tokenizer at the model's revision unless told another.
-    with pytest.raises(ValueError, match="--revision: the gateway reads the default revision of org/tok"):
-        gateway_tokenizer(model, "org/tok", {"revision": "v2"}, None)
+    served = served_tokenizer(model, "other", {})
+    assert served.source == served.files == str(other.resolve())
+    assert served.tokenizer.encode("<think>", add_special_tokens=False) == [512]
+    assert served_tokenizer(model, None, {}).tokenizer.encode("<think>", add_special_tokens=False) != [512]
+    assert served_tokenizer(model, None, {"revision": "v2"}).files == model  # a directory has no revisions
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch) -> Path:
+    """A hub cache, read offline, holding some-org/tiny at two revisions: main (the tiny model) and
+    the branch v2 (with thinking tokens, a generation config of its own and a shorter context)."""
+    import json
+    import shutil
+
+    import huggingface_hub.constants
+    from modelcopies import with_thinking_tokens
+
+    from llumdask.api.gateway.tokenizer import model_location
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    repo = tmp_path / "hub" / "models--some-org--tiny"
+    for branch, commit in (("main", "a" * 40), ("v2", "b" * 40)):
+        snapshot = repo / "snapshots" / commit
+        if branch == "main":
+            shutil.copytree(model_location(None), snapshot)
+        else:
+            with_thinking_tokens(Path(model_location(None)), snapshot)
+            (snapshot / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "eos_token_id": [1, 7]}))
+            config = json.loads((snapshot / "config.json").read_text())
+            (snapshot / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / branch).write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    # And for the processes serve starts (vLLM's check of the engine arguments).
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return repo
+
+
+def test_a_hub_model_is_read_at_the_revision_its_engines_load(hub):
+    """vLLM's `--revision` (and `--tokenizer-revision`, else the model's): the gateway reads the
+    tokenizer, context and generation config of that revision, from its snapshot in the hub cache."""
+    from llumdask.api.gateway.generation_config import read_generation_config
+    from llumdask.api.gateway.tokenizer import files_at
+    from llumdask.api.serve import declared_context
+
+    think = [512]
+    at_v2 = served_tokenizer("some-org/tiny", None, {"revision": "v2"})
+    assert at_v2.source == "some-org/tiny" and at_v2.files == str(hub / "snapshots" / ("b" * 40))
+    assert at_v2.tokenizer.encode("<think>", add_special_tokens=False) == think
+    assert served_tokenizer("some-org/tiny", None, {"revision": "main"}).tokenizer.encode(
+        "<think>", add_special_tokens=False) != think
+    assert served_tokenizer("some-org/tiny", None, {"revision": "main", "tokenizer_revision": "v2"}).tokenizer.encode(
+        "<think>", add_special_tokens=False) == think
+    assert served_tokenizer("some-org/tiny", None, {"revision": "b" * 40}).files == at_v2.files  # a commit too
+    files = files_at("some-org/tiny", "v2")
+    assert declared_context(files) == 1024 and declared_context(files_at("some-org/tiny", "main")) == 4096
+    assert read_generation_config(files).eos_token_ids == (1, 7)
+    with pytest.raises(ValueError, match="cannot read some-org/tiny at revision v3"):
+        served_tokenizer("some-org/tiny", None, {"revision": "v3"})
+
+
+@pytest.mark.vllm
+def test_serve_reads_a_hub_model_at_its_revision_and_starts_its_instances_there(hub, capsys, monkeypatch):
+    """`llumdask serve --model NAME --revision R` (stopped where it starts the local cluster): the
+    gateway reads that revision's files, and the instances get the name and the revision, which
+    vLLM's check of the engine arguments resolved in the same cache."""
+    import llumdask.clusters.local
+    from llumdask.clusters.instances import InstanceStartupError
+
+    started: list[dict] = []
+
+    def local_cluster(instances, engine, overrides, **kwargs):
+        started.append(overrides)
+        raise InstanceStartupError("stopped by the test")
+
+    monkeypatch.setattr(llumdask.clusters.local, "local_cluster", local_cluster)
+    assert serve_main(["--port", "0", "--engine", "vllm", "--model", "some-org/tiny", "--revision", "v2"]) == 1
+    err = capsys.readouterr().err
+    assert "stopped by the test" in err, err[-3000:]
+    engine = started[-1]["vllm-engine"]
+    assert engine["model"] == "some-org/tiny" and engine["engine-args"]["revision"] == "v2"
+
+
+def test_the_notebook_client_reads_the_configured_tokenizer_at_its_revision(hub):
+    """Without a model given, the client reads the configured model with the tokenizer and
+    revisions its engine arguments name, as `llumdask serve` does."""
+    import dask.config
+    from distributed import Client
+
+    from llumdask.api.client import LlumdaskClient
+
+    with Client(processes=False, n_workers=0, dashboard_address=None) as dask_client:
+        for engine_args, think in (({"revision": "v2"}, True), ({}, False), ({"tokenizer-revision": "v2"}, True)):
+            with dask.config.set({"llumdask.vllm-engine": {"model": "some-org/tiny", "engine-args": engine_args}}):
+                encoded = LlumdaskClient(dask_client).tokenizer.encode("<think>", add_special_tokens=False)
+            assert (encoded == [512]) is think, engine_args

@@ -132,6 +132,23 @@ def reasoning_engine(vllm_ready: None, tiny_model: Path, engine_args: dict,
 
 
 @pytest.fixture(scope="session")
+def budget_engines(vllm_ready: None, tiny_model: Path, engine_args: dict,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple["VllmEngine", "VllmEngine"]]:  # noqa: F821
+    """Two instances with vLLM's deepseek_r1 reasoning parser over a copy of the tiny model whose
+    vocabulary and weights have <think> and </think> (ids 512 and 513, one token each): a thinking
+    budget's forced end is a token the model can write. The two ends of migrations."""
+    from modelcopies import with_thinking_tokens
+
+    from llumdask.engine.vllm.engine import VllmEngine
+
+    model = with_thinking_tokens(tiny_model, tmp_path_factory.mktemp("budget") / "model", in_weights=True)
+    engines = [VllmEngine(str(model), {**engine_args, "reasoning_parser": "deepseek_r1"}) for _ in range(2)]
+    yield engines[0], engines[1]
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture(scope="session")
 def blind_engine(vllm_ready: None, tiny_model: Path, engine_args: dict) -> Iterator["VllmEngine"]:  # noqa: F821
     """KV-cache events off: nothing reported to the scheduler's prefix index."""
     from llumdask.engine.vllm.engine import VllmEngine

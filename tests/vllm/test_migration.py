@@ -198,8 +198,8 @@ def test_seeded_random_sampling_is_refused_on_the_cpu_and_pinned_elsewhere(vllm_
         vllm_engine.add_request(seeded)
     assert vllm_engine.get_request("seeded") is None
     # On a GPU it runs, and stays where it runs: its generator would restart from the seed.
-    assert "seed" in migration_refusal(seeded)
-    assert migration_refusal(make_request("greedy", 20, 50, seed=7)) == ""
+    assert "seed" in migration_refusal(seeded, True)
+    assert migration_refusal(make_request("greedy", 20, 50, seed=7), True) == ""
 
 
 @pytest.mark.parametrize("cache_salt", [None, "tenant-a"])
@@ -315,6 +315,75 @@ def test_options_that_cannot_move_exactly_are_pinned(vllm_engine, option, reason
         vllm_engine.pause("pinned")
     vllm_engine.abort_request("pinned")
     drain(vllm_engine, {})
+
+
+# The budget engines' <think> and </think> (tests/vllm/conftest.py::budget_engines).
+THINK, THOUGHT_END = 512, 513
+
+
+def thinking_request(request_id: str, max_tokens: int, output: tuple[int, ...] = (), **sampling) -> Request:
+    """A prompt that opens the thinking (as a reasoning model's chat template ends), and what the
+    request has generated so far (`output`: a request resumed elsewhere)."""
+    prompt = [10 + (5 * i + 3) % 400 for i in range(60)] + [THINK]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+                   output_token_ids=list(output))
+
+
+def test_a_thinking_budget_migrates_exactly_where_the_markers_are_one_token(budget_engines):
+    """vLLM writes the thinking's end once the budget is spent; it counts the thinking a prompt
+    ends in against the budget, so a request resumed with its output as prompt goes on counting.
+    Migrated before, at and after the forced end, and resumed there (failover), the tokens are
+    an unmigrated run's; no block leaks."""
+    source, destination = budget_engines
+    free = (source.snapshot().free_blocks, destination.snapshot().free_blocks)
+
+    def alone(request: Request) -> list[int]:
+        source.add_request(request)
+        drain(source, {})
+        return request.output_token_ids
+
+    budget = 6
+    free_thinking = alone(thinking_request("free", 16))
+    budgeted = alone(thinking_request("budgeted", 16, thinking_token_budget=budget))
+    # The budget acts: the end of the thinking written where it ran out, the rest follows it.
+    assert budgeted[:budget] == free_thinking[:budget] and THOUGHT_END not in free_thinking
+    assert budgeted[budget] == THOUGHT_END and budgeted[budget + 1:] != free_thinking[budget + 1:]
+    for decode_before in (2, budget, budget + 1, budget + 3):
+        streams = ({}, {})
+        source.add_request(thinking_request(f"mig-{decode_before}", 16, thinking_token_budget=budget))
+        for _ in range(decode_before):
+            step(source, streams[0])
+        migrate(source, destination, f"mig-{decode_before}", f"m-budget-{decode_before}", 1, streams)
+        drain(destination, streams[1])
+        drain(source, streams[0])
+        assert received_tokens(list(streams), f"mig-{decode_before}") == budgeted, decode_before
+        resumed = thinking_request(f"resumed-{decode_before}", 16, tuple(budgeted[:decode_before]),
+                                   thinking_token_budget=budget)
+        destination.add_request(resumed)
+        drain(destination, {})
+        assert resumed.output_token_ids == budgeted, decode_before
+    assert (source.snapshot().free_blocks, destination.snapshot().free_blocks) == free
+
+
+def test_a_thinking_budget_is_pinned_where_a_marker_is_several_tokens():
+    """With a marker of several tokens vLLM's count of a resumed request's thinking (and its forced
+    end, a token a step) start over: such requests stay where they run."""
+    from vllm.config import ReasoningConfig
+
+    from llumdask.engine.vllm.engine import migration_refusal, thinking_budget_moves
+
+    def config(start: list[int], end: list[int]) -> ReasoningConfig:
+        reasoning = ReasoningConfig()
+        reasoning._reasoning_start_token_ids, reasoning._reasoning_end_token_ids = start, end
+        reasoning._natural_reasoning_end_token_ids, reasoning._enabled = end, True
+        return reasoning
+
+    assert thinking_budget_moves(config([THINK], [THOUGHT_END]))
+    assert not thinking_budget_moves(config([30, 86], [THOUGHT_END])) and not thinking_budget_moves(config([THINK], [30, 17]))
+    assert not thinking_budget_moves(None) and not thinking_budget_moves(ReasoningConfig())
+    budgeted, plain = thinking_request("b", 8, thinking_token_budget=4), thinking_request("p", 8)
+    assert "several tokens" in migration_refusal(budgeted, False)
+    assert migration_refusal(budgeted, True) == "" and migration_refusal(plain, False) == ""
 
 
 def received_logprobs(streams: list[dict[str, list[TokenOutput]]], request_id: str) -> dict[int, TokenLogprob]:

@@ -82,8 +82,9 @@ Seeded random sampling (the generator restarts from the seed) and presence / fre
 penalties (they count output tokens only) would change the continuation, so such requests are
 not migratable. Everything else moves exactly: greedy and unseeded sampling, top_k, min_p and
 logit_bias (they look at the logits of one step), the repetition penalty (prompt and output
-alike), stop token ids (they look only at the new token) and min_tokens (lowered by the
-tokens already generated).
+alike), stop token ids (they look only at the new token), min_tokens (lowered by the
+tokens already generated) and a thinking budget where the model's thinking markers are one token
+each (vLLM counts the thinking a prompt ends in against it).
 
 vLLM symbols this relies on are pinned by tests/vllm/test_contract.py.
 """

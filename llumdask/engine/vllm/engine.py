@@ -93,17 +93,30 @@ def engine_args_for(model: str, overrides: Mapping[str, Any] | None = None) -> d
     }
 
 
-def migration_refusal(request: Request) -> str:
+def migration_refusal(request: Request, budget_moves: bool) -> str:
     """Why the request cannot move exactly ("" when it can). A resumed request restarts vLLM's
     per-request sampling state, so a seeded random sampler would replay its seed, and it resumes
     with its output as prompt, which presence and frequency penalties do not count (the
-    repetition penalty counts prompt and output alike, so it moves exactly)."""
+    repetition penalty counts prompt and output alike, so it moves exactly). A thinking budget
+    moves where `budget_moves` (`thinking_budget_moves`)."""
     s = request.sampling
     if s.seeded_random:
         return "seeded random sampling restarts its generator on the destination"
     if option := s.counts_own_output:
         return f"{option} counts only the tokens generated where the request runs"
+    if s.thinking_token_budget is not None and not budget_moves:
+        return "this engine's thinking markers are several tokens, whose budget count would start over"
     return s.resume_breaks
+
+
+def thinking_budget_moves(reasoning_config: Any) -> bool:
+    """Whether vLLM goes on exactly with a resumed request's thinking budget (its ReasoningConfig).
+    It counts the thinking that a request's prompt ends in against the budget, so a request
+    resumed with its output as prompt goes on counting where it was; but with a start or end
+    marker of several tokens its count (and the forced end, written a token a step) start over."""
+    return (reasoning_config is not None and reasoning_config.enabled
+            and len(reasoning_config.reasoning_start_token_ids or ()) == 1
+            and len(reasoning_config.reasoning_end_token_ids or ()) == 1)
 
 
 def to_vllm_sampling(request: Request, migration_id: str | None = None) -> "vllm.SamplingParams":
@@ -135,6 +148,7 @@ def to_vllm_sampling(request: Request, migration_id: str | None = None) -> "vllm
         bad_words=list(s.bad_words) or None,
         logprobs=s.logprobs,
         structured_outputs=structured_outputs(s),
+        thinking_token_budget=s.thinking_token_budget,
         # The prompt's come with the first output: a request that has output already had them.
         prompt_logprobs=s.prompt_logprobs if request.num_output_tokens == 0 else None,
         seed=s.seed,
@@ -187,6 +201,7 @@ class VllmEngine:
         self._clock = clock
         self._max_model_len: int = self._llm.vllm_config.model_config.max_model_len
         self._on_cpu = self._llm.vllm_config.device_config.device_type == "cpu"
+        self._budget_moves = thinking_budget_moves(self._llm.vllm_config.reasoning_config)
         self._connector = self._scheduler.get_kv_connector()
         self._prefix: PrefixTracker | None = PrefixTracker(self.block_size, self.total_blocks)
         if not internals.tap_kv_events(self._scheduler, self._prefix.apply):
@@ -347,7 +362,7 @@ class VllmEngine:
             running=[(request.execution_priority, blocks) for request, blocks, _ in holders],
             waiting_tokens=[self._requests[_our_id(r)].num_tokens for r in internals.waiting_requests(self._scheduler)],
             num_preemptions=self._num_preemptions,
-            num_pinned=sum(1 for request, _, _ in holders if migration_refusal(request)),
+            num_pinned=sum(1 for request, _, _ in holders if self._refusal(request)),
         )
 
     def prefix_events(self) -> PrefixEvents | None:
@@ -422,7 +437,7 @@ class VllmEngine:
             return self._hand_over(request)
         if request_id in self._paused or self._running_vllm_request(request_id) is None:
             raise MigrationRefused(f"request {request_id!r} is not in the running batch")
-        refusal = migration_refusal(request)
+        refusal = self._refusal(request)
         if refusal:
             raise MigrationRefused(f"request {request_id!r}: {refusal}")
         internal_id = self._internal_ids[request_id]
@@ -435,7 +450,7 @@ class VllmEngine:
         request_id = request.request_id
         if request_id in self._handed or not self._waits_holding_nothing(request_id):
             raise MigrationRefused(f"request {request_id!r} is not waiting without blocks")
-        refusal = migration_refusal(request)
+        refusal = self._refusal(request)
         if refusal:
             raise MigrationRefused(f"request {request_id!r}: {refusal}")
         self._llm.abort_request([request_id])
@@ -706,9 +721,11 @@ class VllmEngine:
     def _num_blocks(self, vllm_request: "VllmRequest") -> int:
         return len(internals.request_block_ids(self._scheduler, vllm_request.request_id))
 
-    @staticmethod
-    def _load(request: Request, num_blocks: int, *, running: bool, can_move: bool) -> RequestLoad:
-        pinned = bool(migration_refusal(request))
+    def _refusal(self, request: Request) -> str:
+        return migration_refusal(request, self._budget_moves)
+
+    def _load(self, request: Request, num_blocks: int, *, running: bool, can_move: bool) -> RequestLoad:
+        pinned = bool(self._refusal(request))
         return RequestLoad(
             request_id=request.request_id,
             running=running,
