@@ -143,7 +143,7 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
         if structured and not answers.engines_reason:
             raise InvalidRequest("structured outputs with a reasoning parser need the instances started with it (its "
                                  "grammar then applies once the thinking ends), as this gateway starts them; the "
-                                 "cluster at --scheduler may not be", param="response_format",
+                                 "cluster at --scheduler may not be", param=options.structured_field,
                                  code="unsupported_parameter")
         schema, keep_special, readers = await answers.readers(use, options.best_of, prompt_ids,
                                                               parsed.rendering.variables, parsed.include_reasoning)

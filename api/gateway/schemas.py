@@ -81,6 +81,8 @@ class GenerationOptions:
     echo: bool
     # The SAMPLING_OPTIONS given, each checked on its own (min_tokens against max_tokens later).
     sampling: Mapping[str, Any]
+    # The request field a structured output came from (response_format or structured_outputs), if any.
+    structured_field: str | None = None
     # vLLM's: prompt blocks are shared from the prefix cache only with requests of the same salt.
     cache_salt: str | None = None
     # vLLM's: the response carries the prompt's and the answer's token ids; log probabilities name
@@ -325,6 +327,7 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
                                  code="invalid_value")
         if not isinstance(stream_options, Mapping):
             raise _wrong_type("stream_options", "an object", stream_options)
+    structured, structured_field = _structured(body)
     max_tokens = max_tokens_default
     for name in max_tokens_fields:  # the first one given wins (max_completion_tokens over max_tokens)
         if body.get(name) is not None:
@@ -348,7 +351,8 @@ def _options(body: Mapping[str, Any], *, max_tokens_default: int | None, max_tok
         logprobs=logprobs,
         echo=echo,
         sampling={**{name: _sampling_option(body, name, kind) for name, kind in SAMPLING_OPTIONS.items()
-                     if body.get(name) is not None}, **_structured(body)},
+                     if body.get(name) is not None}, **structured},
+        structured_field=structured_field,
         cache_salt=_cache_salt(body.get("cache_salt")),
         return_token_ids=_bool(body, "return_token_ids", False),
         return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
@@ -373,11 +377,9 @@ def with_model_defaults(options: GenerationOptions, defaults: GenerationDefaults
         sampling={**{k: v for k, v in model.items() if k not in ("temperature", "top_p")}, **options.sampling})
 
 
-def _field_of(sampling_option: str, body: Mapping[str, Any]) -> str:
+def _field_of(sampling_option: str, options: GenerationOptions) -> str:
     """The request field a SamplingParams option came from (a structured output's kind from either field)."""
-    if sampling_option not in STRUCTURED_KINDS:
-        return sampling_option
-    return "response_format" if body.get("response_format") is not None else "structured_outputs"
+    return options.structured_field or sampling_option if sampling_option in STRUCTURED_KINDS else sampling_option
 
 
 def _repetition_detection(value: Any) -> RepetitionDetection | None:
@@ -436,7 +438,7 @@ def _check_beam_search(options: GenerationOptions, body: Mapping[str, Any], *, c
                  "prompt_logprobs": options.prompt_logprobs is not None,
                  "repetition_detection": options.repetition_detection is not None,
                  "tool_choice": tools and body.get("tool_choice") not in (None, "auto"),
-                 **{_field_of(name, body): _asks(name, value) for name, value in options.sampling.items()}}
+                 **{_field_of(name, options): _asks(name, value) for name, value in options.sampling.items()}}
     for name, asked in unapplied.items():
         if asked:
             raise InvalidRequest(f"beam search does not apply {name}; leave it out", param=name,
@@ -473,14 +475,16 @@ def _cache_salt(value: Any) -> str | None:
     return value
 
 
-def _structured(body: Mapping[str, Any]) -> dict[str, Any]:
+def _structured(body: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
     """The structured output asked for, by OpenAI's response_format or vLLM's structured_outputs
-    (one of them), as SamplingParams fields."""
+    (one of them), as SamplingParams fields, and the field that asked (None: neither)."""
     formats, vllm = _response_format(body.get("response_format")), _structured_outputs(body.get("structured_outputs"))
     if formats and vllm:
         raise InvalidRequest("response_format and structured_outputs each ask for a structured output; send one",
                              param="structured_outputs", code="invalid_value")
-    return formats or vllm
+    if formats:
+        return formats, "response_format"
+    return vllm, "structured_outputs" if vllm else None
 
 
 # vLLM's structured-output kinds the gateway honours (json becomes SamplingParams' json_schema), and

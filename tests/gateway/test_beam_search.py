@@ -215,9 +215,12 @@ def test_a_beam_the_end_of_sequence_ended_names_it_as_its_stop_reason(beam_clien
     ({"n": 2, "best_of": 3}, "best_of", "does not apply"),
     ({"echo": True, "logprobs": 1}, "echo", "prompt's log probabilities"),
     ({"response_format": {"type": "json_object"}}, "response_format", "does not apply"),
+    ({"structured_outputs": {"json_object": True}, "response_format": {"type": "text"}}, "structured_outputs",
+     "does not apply"),
+    ({"thinking_token_budget": 8}, "thinking_token_budget", "does not apply"),
 ])
 def test_what_beam_search_does_not_apply_is_a_400(beam_client, backend, fields, param, words):
-    chat = "response_format" in fields or fields.pop("messages", False)
+    chat = "response_format" in fields or bool(fields.pop("messages", False))
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = {"model": MODEL, "max_tokens": 2, "use_beam_search": True, **fields}
     body |= {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}

@@ -140,6 +140,7 @@ def test_the_parser_reads_whether_the_template_turned_thinking_on(thinking, back
 
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_object"}}, "response_format"),  # instances not known to read thinking
+    ({"structured_outputs": {"json_object": True}, "response_format": {"type": "text"}}, "structured_outputs"),
     ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
 ])
 def test_a_grammar_over_the_answer_is_refused_where_it_would_take_in_the_thinking(thinking, backend, body, param):
