@@ -139,11 +139,14 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
                                    use.tools if use is not None else None)
     prompt_ids = truncated(prompt_ids, options, gateway.backend.model.max_context)
     if answers.reads(use):
-        structured = answers.reasoning_parser is not None and bool(STRUCTURED_KINDS & options.sampling.keys())
+        constrained = use is not None and use.constrained  # its calls are a structured output too
+        structured = answers.reasoning_parser is not None and (constrained
+                                                                or bool(STRUCTURED_KINDS & options.sampling.keys()))
         if structured and not answers.engines_reason:
             raise InvalidRequest("structured outputs with a reasoning parser need the instances started with it (its "
                                  "grammar then applies once the thinking ends), as this gateway starts them; the "
-                                 "cluster at --scheduler may not be", param=options.structured_field,
+                                 "cluster at --scheduler may not be",
+                                 param="tool_choice" if constrained else options.structured_field,
                                  code="unsupported_parameter")
         schema, keep_special, readers = await answers.readers(use, options.best_of, prompt_ids,
                                                               parsed.rendering.variables, parsed.include_reasoning)

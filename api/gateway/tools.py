@@ -183,14 +183,17 @@ class Piece(NamedTuple):
 class AnswerReader:
     """Reads one choice's chat answer (one per choice: vLLM's parsers keep stream state).
 
-    tool_choice "required" or a named function: the JSON its grammar allowed, read here. Otherwise
-    vLLM's `Parser`, composed as `vllm serve` composes it, reads the reasoning (a reasoning parser)
-    and, from what follows, the tool calls in the model's syntax (a tool-call parser; for "auto";
-    with "none" or no tools, an engine-based one still takes its markup out of the content)."""
+    tool_choice "required" or a named function: the JSON its grammar allowed, read here, after the
+    thinking where a reasoning parser reads that (the grammar then starts where the thinking ends).
+    Otherwise vLLM's `Parser`, composed as `vllm serve` composes it, reads the reasoning (a
+    reasoning parser) and, from what follows, the tool calls in the model's syntax (a tool-call
+    parser; for "auto"; with "none" or no tools, an engine-based one still takes its markup out of
+    the content)."""
 
     def __init__(self, use: ToolUse | None, parser: Any, request: Any, new_id: Any, prompt_ids: Sequence[int],
                  auto_tools: bool = False) -> None:
-        """`auto_tools`: the gateway reads calls in the model's syntax (vLLM's enable_auto_tools)."""
+        """`parser`: vLLM's composed parser (for a constrained answer, one reading only the thinking,
+        or None); `auto_tools`: the gateway reads calls in the model's syntax (vLLM's enable_auto_tools)."""
         self._use = use
         self._parser = parser
         self._request = request
@@ -206,48 +209,51 @@ class AnswerReader:
     def _choice(self) -> str:
         return "none" if self._use is None else self._use.choice
 
+    @property
+    def _constrained(self) -> bool:
+        return self._choice in ("function", "required")
+
     def whole(self, text: str, token_ids: Sequence[int]) -> Answer:
-        if self._choice == "function":
-            return Answer(None, (self._call(self._use.function, text),))  # type: ignore[union-attr]
-        if self._choice == "required":
-            return Answer(None, tuple(self._call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                                      for c in _json_calls(text)))
-        self._parser.set_prompt_token_ids(self._prompt_ids)
-        reasoning, content, found = self._parser.parse(text, self._request, enable_auto_tools=self._auto_tools,
-                                                       model_output_token_ids=list(token_ids))
-        calls = tuple({"id": getattr(c, "id", None) or self._new_id(), "type": "function",
-                       "function": {"name": c.name, "arguments": c.arguments}} for c in found or ())
-        self._made_calls = bool(calls)
-        return Answer(content or None if calls else content, calls,
-                      reasoning if self._request.include_reasoning else None)
+        if self._parser is not None:
+            self._parser.set_prompt_token_ids(self._prompt_ids)
+            reasoning, content, found = self._parser.parse(text, self._request, enable_auto_tools=self._auto_tools,
+                                                           model_output_token_ids=list(token_ids))
+            reasoning = reasoning if self._request.include_reasoning else None
+            if self._constrained:  # only the thinking was read: the calls are what follows it
+                return Answer(None, self._json_calls(content or ""), reasoning)
+            calls = tuple({"id": getattr(c, "id", None) or self._new_id(), "type": "function",
+                           "function": {"name": c.name, "arguments": c.arguments}} for c in found or ())
+            self._made_calls = bool(calls)
+            return Answer(content or None if calls else content, calls, reasoning)
+        return Answer(None, self._json_calls(text))
 
     def delta(self, text: str, token_ids: Sequence[int]) -> Piece:
         """What `text` (made of `token_ids`) adds to the stream."""
-        if self._choice == "function":  # the arguments, as they come
-            first = self._named_id is None
-            if first:
-                self._named_id = self._new_id()
-            if not text and not first:
-                return Piece()
-            return Piece(calls=(ToolCallDelta(0, self._named_id if first else None,
-                                              self._use.function if first else None, text),))  # type: ignore[union-attr]
-        if self._choice == "required":  # whole calls, once the list is complete: at the end
-            self._text += text
-            return Piece()
+        if self._constrained:
+            if self._parser is None:
+                return self._json_delta(text)
+            read = self._read(self._parser.parse_delta(text, list(token_ids), self._request, self._prompt_ids,
+                                                       finished=False))
+            return Piece(read.reasoning, None, self._json_delta(read.content or "").calls)
         piece = self._read(self._parser.parse_delta(text, list(token_ids), self._request, self._prompt_ids,
                                                     finished=False))
         self._last_calls = bool(piece.calls)
         return piece
 
     def last(self) -> Piece:
-        """What the stream still owes at its end: a required answer's calls, or what vLLM's parser
-        held back (an auto call's arguments, text an engine-based parser buffered)."""
-        if self._choice == "required":
-            return Piece(calls=tuple(ToolCallDelta(i, c["id"], c["function"]["name"], c["function"]["arguments"])
-                                     for i, c in enumerate(self.whole(self._text, ()).calls)))
-        if self._choice == "function":
-            return Piece()
-        flushed = self._read(self._parser.parse_delta("", [], self._request, self._prompt_ids, finished=True))
+        """What the stream still owes at its end: a required answer's calls (a named function's
+        opening, if no argument came), or what vLLM's parser held back (an auto call's arguments,
+        text an engine-based parser buffered)."""
+        flushed = Piece() if self._parser is None else self._read(
+            self._parser.parse_delta("", [], self._request, self._prompt_ids, finished=True))
+        if self._constrained:
+            calls = self._json_delta(flushed.content or "").calls
+            if self._choice == "required":
+                calls = tuple(ToolCallDelta(i, c["id"], c["function"]["name"], c["function"]["arguments"])
+                              for i, c in enumerate(self._json_calls(self._text)))
+            elif self._named_id is None:
+                calls = self._json_delta("", opening=True).calls
+            return Piece(flushed.reasoning or None, None, calls)
         calls, tools = flushed.calls, self._parser.tool_parser
         if not calls and self._last_calls and tools is not None:
             # vLLM's parser adds the arguments it held back to the last delta if that one carries
@@ -257,6 +263,28 @@ class AnswerReader:
                 calls = (ToolCallDelta(len(tools.prev_tool_call_arr) - 1, arguments=rest),)
         # An empty flush is no chunk of its own.
         return Piece(flushed.reasoning or None, flushed.content or None, calls)
+
+    def _json_calls(self, text: str) -> tuple[dict[str, Any], ...]:
+        """A constrained answer's calls: the named function's with `text` as its arguments, or the
+        required list's."""
+        if self._choice == "function":
+            return (self._call(self._use.function, text),)  # type: ignore[union-attr]
+        return tuple(self._call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in _json_calls(text))
+
+    def _json_delta(self, text: str, opening: bool = False) -> Piece:
+        """A constrained answer's `text` in a stream: a named function's arguments as they come (its
+        id and name with the first; without a reasoning parser at once, even before any argument,
+        else with the first argument or `opening`), a required list's kept for its end."""
+        if self._choice == "required":
+            self._text += text
+            return Piece()
+        first = self._named_id is None
+        if not text and not (first and (opening or self._parser is None)):
+            return Piece()
+        if first:
+            self._named_id = self._new_id()
+        return Piece(calls=(ToolCallDelta(0, self._named_id if first else None,
+                                          self._use.function if first else None, text),))  # type: ignore[union-attr]
 
     def _read(self, message: Any) -> Piece:
         if message is None:
@@ -343,16 +371,14 @@ class AnswerReading:
                                  '(vLLM\'s parser for the model\'s tool-call syntax); "required" and a named '
                                  "function need none", param="tool_choice", code="unsupported_parameter")
         constrained = use is not None and use.constrained
-        if constrained and self.reasoning_parser is not None:
-            raise InvalidRequest('tool_choice "required" or a named function is not served with a reasoning parser '
-                                 "yet (the calls would be read from the thinking too); use \"auto\"",
-                                 param="tool_choice", code="unsupported_parameter")
         vllm = await self._load()
         request = vllm.request(use, include_reasoning, template_kwargs)
         schema = vllm.schema(request) if constrained else None
         keep_special = False
         parsers: list[Any] = [None] * count
-        if not constrained:
+        if constrained:  # the calls are read here; a parser reads only the thinking before them
+            request = request.model_copy(update={"tool_choice": "none"})
+        if not constrained or self.reasoning_parser is not None:
             parsers = [vllm.parser(request, template_kwargs) for _ in range(count)]
             keep_special = not parsers[0].adjust_request(request).skip_special_tokens
         return schema, keep_special, [AnswerReader(use, p, request, vllm.new_id, prompt_ids, self.parser is not None)

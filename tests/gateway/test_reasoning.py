@@ -170,6 +170,53 @@ def test_a_structured_answer_follows_the_thinking_on_instances_that_read_it(thin
     assert backend.submitted[-1].sampling.reasoning_ended is None
 
 
+REQUIRED = '<think>Pick a tool.</think>[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+NAMED = '<think>Pick a city.</think>{"city": "Paris"}'
+PICK_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("tool_choice, script, thought", [("required", REQUIRED, "Pick a tool."),
+                                                          (PICK_WEATHER, NAMED, "Pick a city.")], ids=["required", "named"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_a_constrained_call_is_read_after_the_thinking(thinking, backend, tokenizer, tool_choice, script, thought,
+                                                       batch_size):
+    """tool_choice "required" or a named function on instances that read the thinking: their grammar
+    applies once it ends (the gateway tells them where, vLLM's reasoning_ended), and the calls are
+    read from what follows it, whole and streamed (a named function's arguments after the thinking's
+    deltas, never with them); hidden reasoning leaves the calls."""
+    client = thinking(batch_size, tool_parser=None, engines_reason=True)
+    scripted(backend, tokenizer, script)
+    choice = chat(client, tools=[WEATHER], tool_choice=tool_choice).json()["choices"][0]
+    sampling = backend.submitted[-1].sampling
+    assert json.loads(sampling.json_schema) and sampling.reasoning_ended is False
+    assert choice["message"]["reasoning"] == thought and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert choice["finish_reason"] == ("tool_calls" if tool_choice == "required" else "stop")
+    chunks = sse_payloads(chat(client, tools=[WEATHER], tool_choice=tool_choice, stream=True))
+    assert streamed(chunks) == (thought, "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in tool_deltas(chunks).values()] == [
+        ("get_weather", {"city": "Paris"})]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any(d.get("reasoning") and d.get("tool_calls") for d in deltas)
+    assert [k for d in deltas for k in ("reasoning", "tool_calls") if d.get(k)][-1] == "tool_calls"
+    hidden = chat(client, tools=[WEATHER], tool_choice=tool_choice, include_reasoning=False).json()["choices"][0]
+    assert hidden["message"]["reasoning"] is None and hidden["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert backend.submitted[-1].sampling.reasoning_ended is True
+
+
+def test_a_named_call_cut_off_in_the_thinking_still_opens_its_call(thinking, backend, tokenizer):
+    """Cut off by max_tokens before the thinking ended: the named function's call comes, with no
+    arguments, as it does when cut off before its first argument without a reasoning parser."""
+    client = thinking(tool_parser=None, engines_reason=True)
+    scripted(backend, tokenizer, NAMED)
+    body = {"tools": [WEATHER], "tool_choice": PICK_WEATHER, "max_tokens": 3}
+    whole = chat(client, **body).json()["choices"][0]
+    assert whole["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    chunks = sse_payloads(chat(client, stream=True, **body))
+    assert [(c["name"], c["arguments"]) for c in tool_deltas(chunks).values()] == [("get_weather", "")]
+
+
 def test_a_gateway_without_a_reasoning_parser_leaves_the_thinking_in_the_content(client, backend, tokenizer):
     scripted(backend, tokenizer, THOUGHT)
     body = chat(client, messages=ASK).json()
