@@ -325,7 +325,7 @@ def thinking_request(request_id: str, max_tokens: int, output: tuple[int, ...] =
     """A prompt that opens the thinking (as a reasoning model's chat template ends), and what the
     request has generated so far (`output`: a request resumed elsewhere)."""
     prompt = [10 + (5 * i + 3) % 400 for i in range(60)] + [THINK]
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **{"ignore_eos": True, **sampling}),
                    output_token_ids=list(output))
 
 
@@ -363,6 +363,31 @@ def test_a_thinking_budget_migrates_exactly_where_the_markers_are_one_token(budg
         drain(destination, {})
         assert resumed.output_token_ids == budgeted, decode_before
     assert (source.snapshot().free_blocks, destination.snapshot().free_blocks) == free
+
+
+def test_a_grammar_applies_from_the_end_the_thinking_budget_wrote(budget_engines):
+    """Reasoning, a budget and a structured output together, as a reasoning model's request with
+    tool_choice "required" runs: the engine thinks up to the budget, writes the end of the thinking,
+    and only then constrains the output to the grammar."""
+    from tokenizers import Tokenizer
+
+    engine = budget_engines[0]
+    tokenizer = Tokenizer.from_file(f"{engine.llm_engine.vllm_config.model_config.model}/tokenizer.json")
+    free = thinking_request("free-thinking", 3)
+    engine.add_request(free)
+    drain(engine, {})
+    request = thinking_request("choice-after-budget", 30, thinking_token_budget=3, choice=("Paris", "Rome"),
+                               reasoning_ended=False, ignore_eos=False)
+    engine.add_request(request)
+    deadline = time.monotonic() + 120  # the grammar compiles in a thread first
+    while engine.has_work():
+        assert time.monotonic() < deadline, "the request never finished"
+        engine.step()
+    output = request.output_token_ids
+    # The thinking is the model's own (the grammar waited), then its end, then one of the choices.
+    assert output[:3] == free.output_token_ids and output[3] == THOUGHT_END
+    assert tokenizer.decode(output[4:]) in ("Paris", "Rome")
+    assert engine.snapshot().free_blocks == engine.total_blocks
 
 
 def test_a_thinking_budget_is_pinned_where_a_marker_is_several_tokens():
