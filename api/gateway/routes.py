@@ -149,7 +149,8 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
                                  param="tool_choice" if constrained else options.structured_field,
                                  code="unsupported_parameter")
         schema, keep_special, readers = await answers.readers(use, options.best_of, prompt_ids,
-                                                              parsed.rendering.variables, parsed.include_reasoning)
+                                                              parsed.rendering.variables, parsed.include_reasoning,
+                                                              structured)
         if structured:  # vLLM's server tells its engine where the grammar starts, and the template's switches
             variables = parsed.rendering.variables
             options = replace(options, sampling={**options.sampling, "reasoning_ended": readers[0].thinking_ended(),
@@ -528,8 +529,7 @@ def sampling_params(gateway: Gateway, options: GenerationOptions, num_prompt_tok
     check_token_ids(extra.get("allowed_token_ids", ()), gateway.tokenizer.vocab_size, "allowed_token_ids")
     if extra.get("thinking_token_budget", -1) != -1 and gateway.answers.reasoning_parser is None:
         raise InvalidRequest("thinking_token_budget needs a reasoning parser to tell the thinking: serve with "
-                             "--reasoning-parser (as vLLM's server asks)", param="thinking_token_budget",
-                             code="unsupported_parameter")
+                             "--reasoning-parser", param="thinking_token_budget", code="unsupported_parameter")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
                               seed=options.seed, ignore_eos=options.ignore_eos,

@@ -199,21 +199,32 @@ def model_location(model: str | None) -> str:
     return str(Path(model).resolve()) if Path(model).is_dir() else model
 
 
-# What the gateway never reads of a model: its weights (the instances fetch those themselves).
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack", "*.onnx",
-                "original/*")
+# What the gateway reads of a model on the hub: its tokenizer, chat templates and configs (vLLM's
+# engines fetch the weights themselves). Names, not wildcards: a pattern would take in files of
+# other formats in subfolders, which nothing else fetches, and a cache filled by vLLM lacks.
+GATEWAY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                 "merges.txt", "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
+                 "preprocessor_config.json", "processor_config.json")
 
 
 def files_at(location: str, revision: str | None) -> str:
     """Where to read the tokenizer, templates and configs of `location` (`model_location`'s) at a
     revision on the hub (vLLM's `--revision`: a branch, tag or commit): its snapshot in the hub
-    cache, fetched without the weights. A directory, or no revision: `location` as it is."""
+    cache, fetched without the weights. Offline, what the cache holds of it (a snapshot the hub
+    cache knows to lack some of the files reads as it is: what a tokenizer needs fails clearly
+    when it loads). A directory, or no revision: `location` as it is."""
     if revision is None or Path(location).is_dir():
         return location
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError
 
     try:
-        return snapshot_download(location, revision=revision, ignore_patterns=list(WEIGHT_FILES))
+        # Offline, from the cache alone (for a commit it would otherwise try to fetch what it lacks).
+        return snapshot_download(location, revision=revision, allow_patterns=list(GATEWAY_FILES),
+                                 local_files_only=constants.HF_HUB_OFFLINE)
+    except IncompleteSnapshotError as exc:
+        return exc.snapshot_path
     except (OSError, ValueError) as exc:  # the hub's: no such model or revision, or offline without it cached
         raise ValueError(f"cannot read {location} at revision {revision}: {exc}") from None
 

@@ -191,9 +191,10 @@ class AnswerReader:
     the content)."""
 
     def __init__(self, use: ToolUse | None, parser: Any, request: Any, new_id: Any, prompt_ids: Sequence[int],
-                 auto_tools: bool = False) -> None:
+                 auto_tools: bool = False, structured: bool = False) -> None:
         """`parser`: vLLM's composed parser (for a constrained answer, one reading only the thinking,
-        or None); `auto_tools`: the gateway reads calls in the model's syntax (vLLM's enable_auto_tools)."""
+        or None); `auto_tools`: the gateway reads calls in the model's syntax (vLLM's enable_auto_tools);
+        `structured`: a grammar holds the answer from where the thinking ends."""
         self._use = use
         self._parser = parser
         self._request = request
@@ -204,6 +205,9 @@ class AnswerReader:
         self._named_id: str | None = None
         self._made_calls = False
         self._last_calls = False  # the latest delta carried calls
+        # Whether the answer may hold thinking to read: not where the grammar held from its first
+        # token (the thinking ended before it): all of it is the structured output then.
+        self._thinks = parser is not None and not (structured and self.thinking_ended())
 
     @property
     def _choice(self) -> str:
@@ -214,7 +218,7 @@ class AnswerReader:
         return self._choice in ("function", "required")
 
     def whole(self, text: str, token_ids: Sequence[int]) -> Answer:
-        if self._parser is not None:
+        if self._thinks:
             self._parser.set_prompt_token_ids(self._prompt_ids)
             reasoning, content, found = self._parser.parse(text, self._request, enable_auto_tools=self._auto_tools,
                                                            model_output_token_ids=list(token_ids))
@@ -225,13 +229,13 @@ class AnswerReader:
                            "function": {"name": c.name, "arguments": c.arguments}} for c in found or ())
             self._made_calls = bool(calls)
             return Answer(content or None if calls else content, calls, reasoning)
-        return Answer(None, self._json_calls(text))
+        return Answer(None, self._json_calls(text)) if self._constrained else Answer(text, ())
 
     def delta(self, text: str, token_ids: Sequence[int]) -> Piece:
         """What `text` (made of `token_ids`) adds to the stream."""
+        if not self._thinks:
+            return self._json_delta(text) if self._constrained else Piece(content=text)
         if self._constrained:
-            if self._parser is None:
-                return self._json_delta(text)
             read = self._read(self._parser.parse_delta(text, list(token_ids), self._request, self._prompt_ids,
                                                        finished=False))
             return Piece(read.reasoning, None, self._json_delta(read.content or "").calls)
@@ -244,7 +248,7 @@ class AnswerReader:
         """What the stream still owes at its end: a required answer's calls (a named function's
         opening, if no argument came), or what vLLM's parser held back (an auto call's arguments,
         text an engine-based parser buffered)."""
-        flushed = Piece() if self._parser is None else self._read(
+        flushed = Piece() if not self._thinks else self._read(
             self._parser.parse_delta("", [], self._request, self._prompt_ids, finished=True))
         if self._constrained:
             calls = self._json_delta(flushed.content or "").calls
@@ -254,6 +258,8 @@ class AnswerReader:
             elif self._named_id is None:
                 calls = self._json_delta("", opening=True).calls
             return Piece(flushed.reasoning or None, None, calls)
+        if not self._thinks:
+            return Piece()
         calls, tools = flushed.calls, self._parser.tool_parser
         if not calls and self._last_calls and tools is not None:
             # vLLM's parser adds the arguments it held back to the last delta if that one carries
@@ -279,7 +285,7 @@ class AnswerReader:
             self._text += text
             return Piece()
         first = self._named_id is None
-        if not text and not (first and (opening or self._parser is None)):
+        if not text and not (first and (opening or not self._thinks)):
             return Piece()
         if first:
             self._named_id = self._new_id()
@@ -301,7 +307,7 @@ class AnswerReader:
 
     def reasoning_tokens(self, token_ids: Sequence[int]) -> int:
         """How many of the answer's tokens are reasoning (vLLM's count; 0 without a reasoning parser)."""
-        return 0 if self._parser is None else self._parser.count_reasoning_tokens(list(token_ids))
+        return self._parser.count_reasoning_tokens(list(token_ids)) if self._thinks else 0
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's, once the answer was read: "tool_calls" where "auto" called a tool or
@@ -357,7 +363,7 @@ class AnswerReading:
         return self.parses or (use is not None and use.reads_calls)
 
     async def readers(self, use: ToolUse | None, count: int, prompt_ids: Sequence[int],
-                      template_kwargs: Mapping[str, Any], include_reasoning: bool = True,
+                      template_kwargs: Mapping[str, Any], include_reasoning: bool = True, structured: bool = False,
                       ) -> tuple[str | None, bool, list[AnswerReader]]:
         """(the JSON schema to constrain the output to, or None; whether special tokens must stay
         in the text for the parsers; a reader per choice). 400 when the request cannot be served here.
@@ -381,8 +387,8 @@ class AnswerReading:
         if not constrained or self.reasoning_parser is not None:
             parsers = [vllm.parser(request, template_kwargs) for _ in range(count)]
             keep_special = not parsers[0].adjust_request(request).skip_special_tokens
-        return schema, keep_special, [AnswerReader(use, p, request, vllm.new_id, prompt_ids, self.parser is not None)
-                                      for p in parsers]
+        return schema, keep_special, [AnswerReader(use, p, request, vllm.new_id, prompt_ids, self.parser is not None,
+                                                   structured or constrained) for p in parsers]
 
     async def _load(self) -> _Vllm:
         if self._vllm is None:

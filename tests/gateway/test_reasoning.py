@@ -170,6 +170,8 @@ def test_a_structured_answer_follows_the_thinking_on_instances_that_read_it(thin
     assert backend.submitted[-1].sampling.reasoning_ended is None
 
 
+# Qwen3-Coder's tool-call parser is an engine-based one: it takes its markup out of any answer.
+CODER = "qwen3_coder"
 REQUIRED = '<think>Pick a tool.</think>[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
 NAMED = '<think>Pick a city.</think>{"city": "Paris"}'
 PICK_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
@@ -177,14 +179,15 @@ PICK_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.mark.parametrize("tool_choice, script, thought", [("required", REQUIRED, "Pick a tool."),
                                                           (PICK_WEATHER, NAMED, "Pick a city.")], ids=["required", "named"])
-@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("batch_size, tool_parser", [(1, None), (3, None), (8, None), (3, "hermes"), (3, CODER)])
 def test_a_constrained_call_is_read_after_the_thinking(thinking, backend, tokenizer, tool_choice, script, thought,
-                                                       batch_size):
+                                                       batch_size, tool_parser):
     """tool_choice "required" or a named function on instances that read the thinking: their grammar
     applies once it ends (the gateway tells them where, vLLM's reasoning_ended), and the calls are
     read from what follows it, whole and streamed (a named function's arguments after the thinking's
-    deltas, never with them); hidden reasoning leaves the calls."""
-    client = thinking(batch_size, tool_parser=None, engines_reason=True)
+    deltas, never with them, where a delta does not span the thinking's end); hidden reasoning
+    leaves the calls."""
+    client = thinking(batch_size, tool_parser=tool_parser, engines_reason=True)
     scripted(backend, tokenizer, script)
     choice = chat(client, tools=[WEATHER], tool_choice=tool_choice).json()["choices"][0]
     sampling = backend.submitted[-1].sampling
@@ -200,6 +203,9 @@ def test_a_constrained_call_is_read_after_the_thinking(thinking, backend, tokeni
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert not any(d.get("reasoning") and d.get("tool_calls") for d in deltas)
     assert [k for d in deltas for k in ("reasoning", "tool_calls") if d.get(k)][-1] == "tool_calls"
+    # Hidden reasoning: the grammar holds from the first token (vLLM's reasoning_ended), so the
+    # answer is the JSON alone; so it reads.
+    scripted(backend, tokenizer, script.split("</think>")[1])
     hidden = chat(client, tools=[WEATHER], tool_choice=tool_choice, include_reasoning=False).json()["choices"][0]
     assert hidden["message"]["reasoning"] is None and hidden["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert backend.submitted[-1].sampling.reasoning_ended is True
@@ -264,8 +270,6 @@ XML_CALL = ("<think>abc def</think>Hello world <tool_call>\n<function=get_weathe
             "</parameter>\n</function>\n</tool_call>")
 
 
-# Qwen3-Coder's tool-call parser is an engine-based one: it takes its markup out of any answer.
-CODER = "qwen3_coder"
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
@@ -334,6 +338,37 @@ def test_deepseek_r1_reads_and_counts_the_thinking_tokens(r1, backend):
     # The tokens between the two: the thinking's own (the added tokens split the text there).
     assert body["usage"]["completion_tokens_details"] == {
         "reasoning_tokens": len(tokenizer.encode(REASONING, add_special_tokens=False))}
+
+
+@pytest.mark.parametrize("body, script", [
+    ({"tools": [WEATHER], "tool_choice": "required"}, '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'),
+    ({"tools": [WEATHER], "tool_choice": PICK_WEATHER}, '{"city": "Paris"}'),
+    ({"response_format": {"type": "json_object"}}, '{"city": "Paris"}'),
+], ids=["required", "named", "json_object"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_from_the_first_token_leaves_no_thinking_to_read(r1, backend, body, script, stream):
+    """Hidden reasoning tells the engine the thinking ended before the answer (vLLM's rule), so the
+    grammar holds from its first token and nothing of the answer is thinking: DeepSeek-R1's parser,
+    which reads an answer as thinking until </think>, would take the JSON for thinking and hide it."""
+    client, tokenizer = r1
+    scripted(backend, tokenizer, script)
+    r = chat(client, include_reasoning=False, stream=stream, **body)
+    assert backend.submitted[-1].sampling.reasoning_ended is True
+    if stream:
+        chunks = sse_payloads(r)
+        calls = [(c["name"], json.loads(c["arguments"])) for c in tool_deltas(chunks).values()]
+        content = streamed(chunks)[1]
+        assert not any(c["choices"][0]["delta"].get("reasoning") for c in chunks if c["choices"])
+    else:
+        message = r.json()["choices"][0]["message"]
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or ()]
+        content = message["content"] or ""
+        assert message["reasoning"] is None and r.json()["usage"].get("completion_tokens_details") in (
+            None, {"reasoning_tokens": 0})
+    if "tools" in body:
+        assert calls == [("get_weather", {"city": "Paris"})] and not content
+    else:
+        assert json.loads(content) == {"city": "Paris"} and not calls
 
 
 def test_thinking_the_prompt_closed_leaves_the_stream_all_content(r1, backend):

@@ -227,17 +227,27 @@ def hub(tmp_path, monkeypatch) -> Path:
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     repo = tmp_path / "hub" / "models--some-org--tiny"
-    for branch, commit in (("main", "a" * 40), ("v2", "b" * 40)):
+    for branch, commit in (("main", "a" * 40), ("v2", "b" * 40), ("nameless", "c" * 40)):
         snapshot = repo / "snapshots" / commit
-        if branch == "main":
-            shutil.copytree(model_location(None), snapshot)
-        else:
+        if branch == "v2":
             with_thinking_tokens(Path(model_location(None)), snapshot)
             (snapshot / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "eos_token_id": [1, 7]}))
             config = json.loads((snapshot / "config.json").read_text())
             (snapshot / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+        else:
+            shutil.copytree(model_location(None), snapshot)
+        if branch == "nameless":  # declares no context length
+            for name, key in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
+                config = json.loads((snapshot / name).read_text())
+                (snapshot / name).write_text(json.dumps({k: v for k, v in config.items() if k != key}))
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / branch).write_text(commit)
+    # The listing of v2's files the hub cache keeps from an earlier download: files the gateway
+    # does not read (a README) or that nothing fetched (vocab.txt) are not in the cache.
+    listing = {p.name: {"size": p.stat().st_size, "blob_id": "0" * 40} for p in (repo / "snapshots" / ("b" * 40)).iterdir()}
+    (repo / "trees").mkdir()
+    (repo / "trees" / f"{'b' * 40}.json").write_text(json.dumps({"format_version": 1, "files": {
+        **listing, "README.md": {"size": 9, "blob_id": "1" * 40}, "vocab.txt": {"size": 9, "blob_id": "2" * 40}}}))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     # And for the processes serve starts (vLLM's check of the engine arguments).
@@ -267,6 +277,14 @@ def test_a_hub_model_is_read_at_the_revision_its_engines_load(hub):
     assert read_generation_config(files).eos_token_ids == (1, 7)
     with pytest.raises(ValueError, match="cannot read some-org/tiny at revision v3"):
         served_tokenizer("some-org/tiny", None, {"revision": "v3"})
+
+
+def test_serve_reads_the_model_s_own_files_at_its_revision(hub, capsys):
+    """The context length too: a revision that declares none stops serve (the default one declares one;
+    read there, serve would go on to vLLM's check of a misspelt option, which stops it too)."""
+    assert serve_main(["--port", "0", "--engine", "vllm", "--model", "some-org/tiny", "--revision", "nameless",
+                       "--no-such-vllm-option", "1"]) == 2
+    assert "declares no context length; pass --max-model-len" in capsys.readouterr().err
 
 
 @pytest.mark.vllm

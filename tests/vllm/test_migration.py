@@ -329,7 +329,8 @@ def thinking_request(request_id: str, max_tokens: int, output: tuple[int, ...] =
                    output_token_ids=list(output))
 
 
-def test_a_thinking_budget_migrates_exactly_where_the_markers_are_one_token(budget_engines):
+@pytest.mark.parametrize("budget", [0, 6])
+def test_a_thinking_budget_migrates_exactly_where_the_markers_are_one_token(budget_engines, budget):
     """vLLM writes the thinking's end once the budget is spent; it counts the thinking a prompt
     ends in against the budget, so a request resumed with its output as prompt goes on counting.
     Migrated before, at and after the forced end, and resumed there (failover), the tokens are
@@ -342,22 +343,22 @@ def test_a_thinking_budget_migrates_exactly_where_the_markers_are_one_token(budg
         drain(source, {})
         return request.output_token_ids
 
-    budget = 6
-    free_thinking = alone(thinking_request("free", 16))
-    budgeted = alone(thinking_request("budgeted", 16, thinking_token_budget=budget))
+    free_thinking = alone(thinking_request(f"free-{budget}", 16))
+    budgeted = alone(thinking_request(f"budgeted-{budget}", 16, thinking_token_budget=budget))
     # The budget acts: the end of the thinking written where it ran out, the rest follows it.
     assert budgeted[:budget] == free_thinking[:budget] and THOUGHT_END not in free_thinking
     assert budgeted[budget] == THOUGHT_END and budgeted[budget + 1:] != free_thinking[budget + 1:]
-    for decode_before in (2, budget, budget + 1, budget + 3):
+    for decode_before in sorted({max(1, budget - 4), budget, budget + 1, budget + 3} - {0}):
         streams = ({}, {})
-        source.add_request(thinking_request(f"mig-{decode_before}", 16, thinking_token_budget=budget))
+        name = f"{budget}-{decode_before}"
+        source.add_request(thinking_request(f"mig-{name}", 16, thinking_token_budget=budget))
         for _ in range(decode_before):
             step(source, streams[0])
-        migrate(source, destination, f"mig-{decode_before}", f"m-budget-{decode_before}", 1, streams)
+        migrate(source, destination, f"mig-{name}", f"m-budget-{name}", 1, streams)
         drain(destination, streams[1])
         drain(source, streams[0])
-        assert received_tokens(list(streams), f"mig-{decode_before}") == budgeted, decode_before
-        resumed = thinking_request(f"resumed-{decode_before}", 16, tuple(budgeted[:decode_before]),
+        assert received_tokens(list(streams), f"mig-{name}") == budgeted, decode_before
+        resumed = thinking_request(f"resumed-{name}", 16, tuple(budgeted[:decode_before]),
                                    thinking_token_budget=budget)
         destination.add_request(resumed)
         drain(destination, {})
@@ -390,25 +391,48 @@ def test_a_grammar_applies_from_the_end_the_thinking_budget_wrote(budget_engines
     assert engine.snapshot().free_blocks == engine.total_blocks
 
 
-def test_a_thinking_budget_is_pinned_where_a_marker_is_several_tokens():
+def test_a_thinking_budget_is_pinned_where_it_would_not_go_on_exactly(budget_engines):
     """With a marker of several tokens vLLM's count of a resumed request's thinking (and its forced
-    end, a token a step) start over: such requests stay where they run."""
+    end, a token a step) start over; with a forced end other than the model's own its count misses
+    the model's; spec decoding forces within drafts. Such requests stay where they run: never
+    offered, refused if asked to move, counted as pinned."""
+    from types import SimpleNamespace
+
     from vllm.config import ReasoningConfig
 
     from llumdask.engine.vllm.engine import migration_refusal, thinking_budget_moves
 
-    def config(start: list[int], end: list[int]) -> ReasoningConfig:
+    def config(start: list[int], end: list[int], natural: list[int] | None = None, speculative: object = None):
         reasoning = ReasoningConfig()
         reasoning._reasoning_start_token_ids, reasoning._reasoning_end_token_ids = start, end
-        reasoning._natural_reasoning_end_token_ids, reasoning._enabled = end, True
-        return reasoning
+        reasoning._natural_reasoning_end_token_ids, reasoning._enabled = natural or end, True
+        return SimpleNamespace(reasoning_config=reasoning, speculative_config=speculative)
 
     assert thinking_budget_moves(config([THINK], [THOUGHT_END]))
-    assert not thinking_budget_moves(config([30, 86], [THOUGHT_END])) and not thinking_budget_moves(config([THINK], [30, 17]))
-    assert not thinking_budget_moves(None) and not thinking_budget_moves(ReasoningConfig())
+    assert thinking_budget_moves(budget_engines[0].llm_engine.vllm_config)  # the budget engines' own
+    assert not thinking_budget_moves(config([30, 86], [THOUGHT_END]))
+    assert not thinking_budget_moves(config([THINK], [30, 17]))
+    assert not thinking_budget_moves(config([THINK], [30], natural=[THOUGHT_END]))
+    assert not thinking_budget_moves(config([THINK], [THOUGHT_END], speculative=object()))
+    assert not thinking_budget_moves(SimpleNamespace(reasoning_config=None, speculative_config=None))
     budgeted, plain = thinking_request("b", 8, thinking_token_budget=4), thinking_request("p", 8)
-    assert "several tokens" in migration_refusal(budgeted, False)
+    assert "thinking budget" in migration_refusal(budgeted, False)
     assert migration_refusal(budgeted, True) == "" and migration_refusal(plain, False) == ""
+    # On an engine where it would not: pinned, and a move is refused.
+    engine = budget_engines[0]
+    engine._budget_moves = False
+    try:
+        engine.add_request(thinking_request("pinned-budget", 20, thinking_token_budget=4))
+        for _ in range(3):
+            step(engine, {})
+        (load,) = engine.snapshot().running
+        assert load.pinned and not load.migratable and engine.load_totals().num_pinned == 1
+        with pytest.raises(MigrationRefused, match="thinking budget"):
+            engine.pause("pinned-budget")
+        engine.abort_request("pinned-budget")
+        drain(engine, {})
+    finally:
+        engine._budget_moves = True
 
 
 def received_logprobs(streams: list[dict[str, list[TokenOutput]]], request_id: str) -> dict[int, TokenLogprob]:

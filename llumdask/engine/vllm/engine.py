@@ -105,18 +105,23 @@ def migration_refusal(request: Request, budget_moves: bool) -> str:
     if option := s.counts_own_output:
         return f"{option} counts only the tokens generated where the request runs"
     if s.thinking_token_budget is not None and not budget_moves:
-        return "this engine's thinking markers are several tokens, whose budget count would start over"
+        return "this engine's thinking budget would not go on exactly elsewhere (`thinking_budget_moves`)"
     return s.resume_breaks
 
 
-def thinking_budget_moves(reasoning_config: Any) -> bool:
-    """Whether vLLM goes on exactly with a resumed request's thinking budget (its ReasoningConfig).
-    It counts the thinking that a request's prompt ends in against the budget, so a request
-    resumed with its output as prompt goes on counting where it was; but with a start or end
-    marker of several tokens its count (and the forced end, written a token a step) start over."""
-    return (reasoning_config is not None and reasoning_config.enabled
-            and len(reasoning_config.reasoning_start_token_ids or ()) == 1
-            and len(reasoning_config.reasoning_end_token_ids or ()) == 1)
+def thinking_budget_moves(vllm_config: Any) -> bool:
+    """Whether vLLM goes on exactly with a resumed request's thinking budget (its VllmConfig). Its
+    runner counts the thinking a request's prompt ends in against the budget, so a request resumed
+    with its output as prompt goes on counting where it was, provided the markers are one token
+    each and the end it forces is the model's own (its count looks for the forced end; one the
+    model wrote itself, if another, would leave a resumed request's thinking open). Spec decoding
+    forces ends within its drafts: not relied on."""
+    reasoning = vllm_config.reasoning_config
+    if reasoning is None or not reasoning.enabled or vllm_config.speculative_config is not None:
+        return False
+    end = list(reasoning.reasoning_end_token_ids or ())
+    return (len(reasoning.reasoning_start_token_ids or ()) == 1 and len(end) == 1
+            and end == list(reasoning.natural_reasoning_end_token_ids or ()))
 
 
 def to_vllm_sampling(request: Request, migration_id: str | None = None) -> "vllm.SamplingParams":
@@ -201,7 +206,7 @@ class VllmEngine:
         self._clock = clock
         self._max_model_len: int = self._llm.vllm_config.model_config.max_model_len
         self._on_cpu = self._llm.vllm_config.device_config.device_type == "cpu"
-        self._budget_moves = thinking_budget_moves(self._llm.vllm_config.reasoning_config)
+        self._budget_moves = thinking_budget_moves(self._llm.vllm_config)
         self._connector = self._scheduler.get_kv_connector()
         self._prefix: PrefixTracker | None = PrefixTracker(self.block_size, self.total_blocks)
         if not internals.tap_kv_events(self._scheduler, self._prefix.apply):
