@@ -203,7 +203,7 @@ def model_location(model: str | None) -> str:
 # engines fetch the weights themselves). Names, not wildcards: a pattern would take in files of
 # other formats in subfolders, which nothing else fetches, and a cache filled by vLLM lacks.
 GATEWAY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                 "special_tokens_map.json", "added_tokens.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt",
                  "merges.txt", "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
                  "preprocessor_config.json", "processor_config.json")
 
@@ -221,12 +221,16 @@ def files_at(location: str, revision: str | None) -> str:
 
     try:
         # Offline, from the cache alone (for a commit it would otherwise try to fetch what it lacks).
-        return snapshot_download(location, revision=revision, allow_patterns=list(GATEWAY_FILES),
-                                 local_files_only=constants.HF_HUB_OFFLINE)
+        snapshot = snapshot_download(location, revision=revision, allow_patterns=list(GATEWAY_FILES),
+                                     local_files_only=constants.HF_HUB_OFFLINE)
     except IncompleteSnapshotError as exc:
-        return exc.snapshot_path
+        snapshot = exc.snapshot_path
     except (OSError, ValueError) as exc:  # the hub's: no such model or revision, or offline without it cached
         raise ValueError(f"cannot read {location} at revision {revision}: {exc}") from None
+    if not Path(snapshot).is_dir():  # the hub names a snapshot it fetched nothing for
+        raise ValueError(f"{location} at revision {revision} has none of the files the gateway reads (a "
+                         "tokenizer, the model's config)")
+    return snapshot
 
 
 @dataclass(frozen=True)

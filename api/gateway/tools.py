@@ -205,9 +205,12 @@ class AnswerReader:
         self._named_id: str | None = None
         self._made_calls = False
         self._last_calls = False  # the latest delta carried calls
-        # Whether the answer may hold thinking to read: not where the grammar held from its first
-        # token (the thinking ended before it): all of it is the structured output then.
-        self._thinks = parser is not None and not (structured and self.thinking_ended())
+        # Whether the answer goes through the parser: not where the grammar held from its first
+        # token (the thinking ended before it), so all of it is the structured output, unless a
+        # tool-call parser still reads it for calls (then vLLM's composed parser reads it all, as
+        # vLLM's server does).
+        self._thinks = parser is not None and not (
+            structured and self.thinking_ended() and (self._constrained or parser.tool_parser is None))
 
     @property
     def _choice(self) -> str:

@@ -381,9 +381,28 @@ def test_thinking_the_prompt_closed_leaves_the_stream_all_content(r1, backend):
     chunks = sse_payloads(chat(client, stream=True, messages=prefilled, continue_final_message=True))
     assert streamed(chunks) == ("", CONTENT)
     for messages, ended in ((ASK, False), (prefilled, True)):
-        chat(client, messages=messages, continue_final_message=messages is prefilled,
-             structured_outputs={"regex": "[A-Za-z .]+"})
+        r = chat(client, messages=messages, continue_final_message=messages is prefilled,
+                 structured_outputs={"regex": "[A-Za-z .]+"})
         assert backend.submitted[-1].sampling.reasoning_ended is ended
+        # Whole, too: where the grammar held from the first token the answer is all content.
+        message = r.json()["choices"][0]["message"]
+        assert (message["content"], message["reasoning"]) == ((CONTENT, None) if ended else (None, CONTENT))
+
+
+def test_with_auto_a_structured_answer_without_thinking_is_still_read_for_calls(thinking, backend, tokenizer):
+    """tool_choice "auto" beside a structured output, the thinking off: the grammar holds from the
+    first token, and the tool-call parser still reads the answer (vLLM's composed parser, as
+    vLLM's server reads it)."""
+    client = thinking(tool_parser="xlam", engines_reason=True)
+    scripted(backend, tokenizer, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+    body = {"tools": [WEATHER], "tool_choice": "auto", "response_format": {"type": "json_object"},
+            "chat_template_kwargs": {"enable_thinking": False}}
+    choice = chat(client, **body).json()["choices"][0]
+    assert backend.submitted[-1].sampling.reasoning_ended is True
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert choice["finish_reason"] == "tool_calls"
+    chunks = sse_payloads(chat(client, stream=True, **body))
+    assert [c["name"] for c in tool_deltas(chunks).values()] == ["get_weather"]
 
 
 class _Parser:

@@ -279,6 +279,18 @@ def test_a_hub_model_is_read_at_the_revision_its_engines_load(hub):
         served_tokenizer("some-org/tiny", None, {"revision": "v3"})
 
 
+def test_a_revision_with_none_of_the_files_the_gateway_reads_is_named(tmp_path, monkeypatch):
+    """Online, the hub names the snapshot of a repository holding only weights (GGUF files, say)
+    though it fetched nothing into it: a clear error, not a failure to read that path."""
+    import huggingface_hub
+
+    from llumdask.api.gateway.tokenizer import files_at
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *args, **kwargs: str(tmp_path / "never-made"))
+    with pytest.raises(ValueError, match="some-org/gguf at revision v1 has none of the files the gateway reads"):
+        files_at("some-org/gguf", "v1")
+
+
 def test_serve_reads_the_model_s_own_files_at_its_revision(hub, capsys):
     """The context length too: a revision that declares none stops serve (the default one declares one;
     read there, serve would go on to vLLM's check of a misspelt option, which stops it too)."""

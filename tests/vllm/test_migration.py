@@ -429,9 +429,9 @@ def test_a_thinking_budget_is_pinned_where_it_would_not_go_on_exactly(budget_eng
         assert load.pinned and not load.migratable and engine.load_totals().num_pinned == 1
         with pytest.raises(MigrationRefused, match="thinking budget"):
             engine.pause("pinned-budget")
+    finally:
         engine.abort_request("pinned-budget")
         drain(engine, {})
-    finally:
         engine._budget_moves = True
 
 
