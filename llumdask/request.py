@@ -66,7 +66,7 @@ MAX_TOKEN_LIST = 1024
 # Stop tokens it masks while min_tokens holds them back: the same sampler's bound.
 MAX_MASKED_STOPS = 128
 # The SamplingParams fields that ask for a structured output, one kind each.
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,15 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     # Structured output, one kind at most: JSON text of a JSON schema the output must satisfy, any
-    # JSON object, a regular expression it must match, one of `choice`, or a grammar (EBNF / Lark).
+    # JSON object, a regular expression it must match, one of `choice`, a grammar (EBNF / Lark), or
+    # JSON text of a structural tag (xgrammar's: free text and constrained parts, such as a model's
+    # own tool-call markup around a JSON schema).
     json_schema: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] = ()
     grammar: str | None = None
+    structural_tag: str | None = None
     # With a structured output on an engine that reads reasoning (vLLM's reasoning parser): whether
     # the thinking ended before the first token, so the grammar applies from it; False: from the
     # end of the thinking the output writes; None: the engine reads the prompt.
@@ -157,6 +160,10 @@ class SamplingParams:
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str) or not isinstance(_json_or_none(self.json_schema), dict):
                 raise ValueError(f"json_schema must be the JSON text of a schema object, got {self.json_schema!r:.80}")
+        if self.structural_tag is not None and not (isinstance(self.structural_tag, str)
+                                                    and isinstance(_json_or_none(self.structural_tag), dict)):
+            raise ValueError(f"structural_tag must be the JSON text of a structural tag object, got "
+                             f"{self.structural_tag!r:.80}")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
         if self.reasoning_ended is not None and not isinstance(self.reasoning_ended, bool):

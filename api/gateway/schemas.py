@@ -489,7 +489,7 @@ def _structured(body: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
 
 # vLLM's structured-output kinds the gateway honours (json becomes SamplingParams' json_schema), and
 # its options honoured as their defaults only.
-_VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 _STRUCTURED_DEFAULTS = {"disable_any_whitespace": False, "disable_additional_properties": False,
                         "whitespace_pattern": None}
 
@@ -527,7 +527,7 @@ def _structured_outputs(value: Any) -> dict[str, Any]:
         return {"json_object": True}
     if kind == "choice" and not (isinstance(given, list) and given and all(isinstance(c, str) for c in given)):
         raise _wrong_type(param, "a non-empty list of strings", given)
-    if kind in ("regex", "grammar") and not (isinstance(given, str) and given):
+    if kind in ("regex", "grammar", "structural_tag") and not (isinstance(given, str) and given):
         raise _wrong_type(param, "a non-empty string", given)
     try:
         SamplingParams(**{kind: given})

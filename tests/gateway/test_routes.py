@@ -87,6 +87,11 @@ def test_penalties_filters_and_biases_reach_the_backend(client, backend, path):
     assert s.bad_words == ("cat", "the dog")
 
 
+# A structural tag (xgrammar's format, as vLLM takes it): one call in Hermes' markup around a schema.
+TAG = json.dumps({"type": "structural_tag", "format": {"type": "tag", "begin": "<tool_call>", "end": "</tool_call>",
+                                                       "content": {"type": "json_schema", "json_schema": {"type": "object"}}}})
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_vllm_structured_outputs_reach_the_backend(client, backend, path):
     """Each kind of vLLM's structured_outputs, as the engine's parameters (a JSON schema given as an
@@ -100,7 +105,8 @@ def test_vllm_structured_outputs_reach_the_backend(client, backend, path):
                                    ({"json": schema}, "json_schema", json.dumps(schema)),
                                    ({"json": json.dumps(schema), "disable_any_whitespace": False}, "json_schema",
                                     json.dumps(schema)),
-                                   ({"json_object": True}, "json_object", True)):
+                                   ({"json_object": True}, "json_object", True),
+                                   ({"structural_tag": TAG}, "structural_tag", TAG)):
         assert client.post(path, json={**body, "structured_outputs": given}).status_code == 200
         sampling = backend.submitted[-1].sampling
         assert getattr(sampling, field) == expected and sampling.structured_kinds == (field,)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -301,3 +302,33 @@ def test_with_a_reasoning_parser_a_grammar_starts_where_the_thinking_ended(reaso
     assert thinking != constrained
     # Without the kwargs this parser reads no thinking, and the grammar does not wait for its end.
     assert answer("json-no-kwargs", reasoning_ended=False) != thinking
+
+
+def test_a_structural_tag_constrains_the_marked_part_as_vllm_builds_it(vllm_engine) -> None:
+    """vLLM's structural tag for Hermes-style tool calls (its own registry builds it from the tools,
+    as its parsers do for "required"): the output holds a call in that markup whose arguments
+    satisfy the schema. A tag xgrammar cannot read is refused up front."""
+    from tokenizers import Tokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag
+    from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
+
+    weather = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+    request = ChatCompletionRequest(messages=[], tools=[weather], tool_choice="required")
+    tag = get_model_structural_tag(model="hermes", tools=request.tools, tool_choice=request.tool_choice,
+                                   reasoning=False, strict_level=ToolStrictLevel.AUTO)
+    constrained = Request("tag", prompt_of(20), SamplingParams(max_tokens=160, structural_tag=json.dumps(tag.model_dump())))
+    vllm_engine.add_request(constrained)
+    run_to_completion(vllm_engine)
+    tokenizer = Tokenizer.from_file(f"{vllm_engine.llm_engine.vllm_config.model_config.model}/tokenizer.json")
+    text = tokenizer.decode(constrained.output_token_ids)
+    # (The tiny tokenizer has no newline: the markup's come back as nothing.)
+    call = re.search(r'<tool_call>\s*\{"name": "get_weather", "arguments": (.*)\}\s*</tool_call>', text, re.S)
+    assert call is not None, text
+    assert json.loads(call.group(1))["city"] in ("Paris", "Rome")
+    with pytest.raises(ValueError, match="vLLM refused it"):
+        vllm_engine.add_request(Request("bad-tag", prompt_of(20), SamplingParams(
+            max_tokens=4, structural_tag=json.dumps({"type": "structural_tag", "format": {"type": "no-such-format"}}))))
+    assert vllm_engine.get_request("bad-tag") is None
+    assert vllm_engine.snapshot().free_blocks == vllm_engine.total_blocks

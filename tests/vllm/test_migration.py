@@ -4,6 +4,7 @@ decodes, a paused last stage, resume on the destination, and the rollback paths.
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -299,7 +300,9 @@ def test_min_tokens_count_what_was_generated_before_the_migration(vllm_engine, p
     ({"json_schema": '{"type": "object"}'}, "grammar"),
     ({"regex": "[a-z ]{60}"}, "grammar"),
     ({"bad_words": ("cat",)}, "bad_words"),
-], ids=["presence_penalty", "frequency_penalty", "json_schema", "regex", "bad_words"])
+    ({"structural_tag": json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<a>", "end": "</a>", "content": {"type": "any_text"}}})}, "grammar"),
+], ids=["presence_penalty", "frequency_penalty", "json_schema", "regex", "bad_words", "structural_tag"])
 def test_options_that_cannot_move_exactly_are_pinned(vllm_engine, option, reason):
     vllm_engine.add_request(make_request("pinned", 20, 50, **option))
     # A grammar compiles (in a thread) before its request is scheduled: step until it decodes,

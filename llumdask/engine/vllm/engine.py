@@ -177,6 +177,8 @@ def structured_outputs(s: SamplingParams) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(regex=s.regex)
     if s.choice:
         return StructuredOutputsParams(choice=list(s.choice))
+    if s.structural_tag is not None:
+        return StructuredOutputsParams(structural_tag=s.structural_tag)
     return StructuredOutputsParams(grammar=s.grammar) if s.grammar is not None else None
 
 
