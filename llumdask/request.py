@@ -160,7 +160,7 @@ class SamplingParams:
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str) or not isinstance(_json_or_none(self.json_schema), dict):
                 raise ValueError(f"json_schema must be the JSON text of a schema object, got {self.json_schema!r:.80}")
-        if self.structural_tag is not None and not (isinstance(self.structural_tag, str)
+        if self.structural_tag is not None and not (isinstance(self.structural_tag, str) and _is_text(self.structural_tag)
                                                     and isinstance(_json_or_none(self.structural_tag), dict)):
             raise ValueError(f"structural_tag must be the JSON text of a structural tag object, got "
                              f"{self.structural_tag!r:.80}")
@@ -246,7 +246,7 @@ def _is_text(value: str) -> bool:
 def _json_or_none(text: str) -> object:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return None
 
 

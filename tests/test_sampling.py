@@ -43,6 +43,8 @@ from llumdask.request import Request, SamplingParams
     ({"choice": "ab"}, "choice must be a list of strings"),
     ({"structural_tag": "[1]"}, "structural_tag must be the JSON text of a structural tag object"),
     ({"structural_tag": "{", "regex": "a"}, "structural_tag must be the JSON text"),
+    ({"structural_tag": '{"a": "\ud800"}'}, "structural_tag must be the JSON text"),
+    ({"structural_tag": "[" * 5000 + "]" * 5000}, "structural_tag must be the JSON text"),
     ({"structural_tag": '{"type": "structural_tag"}', "regex": "a"}, "regex and structural_tag exclude each other"),
     ({"thinking_token_budget": -2}, r"thinking_token_budget must be an integer >= 0, or -1"),
     ({"thinking_token_budget": -1.0}, "thinking_token_budget must be an integer"),

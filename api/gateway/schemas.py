@@ -496,7 +496,7 @@ _STRUCTURED_DEFAULTS = {"disable_any_whitespace": False, "disable_additional_pro
 
 def _structured_outputs(value: Any) -> dict[str, Any]:
     """vLLM's structured_outputs: exactly one of json (a schema, checked against its metaschema),
-    json_object, regex, choice or grammar."""
+    json_object, regex, choice, grammar or structural_tag (JSON text; the engine reads the tag)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -537,8 +537,9 @@ def _structured_outputs(value: Any) -> dict[str, Any]:
 
 
 def _response_format(value: Any) -> dict[str, Any]:
-    """OpenAI's response_format as SamplingParams fields: text (nothing), json_object, or
-    json_schema with a schema that must itself be valid (checked against its metaschema)."""
+    """OpenAI's response_format as SamplingParams fields: text (nothing), json_object, json_schema
+    with a schema that must itself be valid (checked against its metaschema), or vLLM's
+    structural_tag (the engine reads the tag)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -548,9 +549,15 @@ def _response_format(value: Any) -> dict[str, Any]:
         return {}
     if kind == "json_object":
         return {"json_object": True}
+    if kind == "structural_tag":  # vLLM's: the object itself is the tag, read by the engine
+        try:
+            return {"structural_tag": SamplingParams(structural_tag=json.dumps(value)).structural_tag}
+        except (ValueError, RecursionError):
+            raise InvalidRequest("response_format of type structural_tag must be a structural tag object of text",
+                                 param="response_format", code="invalid_value") from None
     if kind != "json_schema":
-        raise InvalidRequest(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                             param="response_format.type", code="invalid_value")
+        raise InvalidRequest("response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+                             f"got {kind!r}", param="response_format.type", code="invalid_value")
     spec = value.get("json_schema")
     if not isinstance(spec, Mapping):
         raise _wrong_type("response_format.json_schema", "an object", spec)

@@ -110,6 +110,10 @@ def test_vllm_structured_outputs_reach_the_backend(client, backend, path):
         assert client.post(path, json={**body, "structured_outputs": given}).status_code == 200
         sampling = backend.submitted[-1].sampling
         assert getattr(sampling, field) == expected and sampling.structured_kinds == (field,)
+    # vLLM's response_format of type structural_tag: the object is the tag.
+    tag = json.loads(TAG)
+    assert client.post(path, json={**body, "response_format": tag}).status_code == 200
+    assert json.loads(backend.submitted[-1].sampling.structural_tag) == tag
 
 
 def test_chat_renders_the_template_and_answers_as_assistant(client, backend, tokenizer, script):

@@ -107,6 +107,8 @@ CASES = [
      400, "invalid_type", "structured_outputs.structural_tag", "non-empty string"),
     ("structured_outputs tag no object", C, ok(structured_outputs={"structural_tag": "[1]"}), 400, "invalid_value",
      "structured_outputs.structural_tag", "JSON text of a structural tag object"),
+    ("structured_outputs tag nested deep", C, ok(structured_outputs={"structural_tag": "[" * 5000 + "]" * 5000}), 400,
+     "invalid_value", "structured_outputs.structural_tag", "JSON text of a structural tag object"),
     ("structured_outputs whitespace", C, ok(structured_outputs={"regex": "a", "whitespace_pattern": " "}), 400,
      "unsupported_parameter", "structured_outputs.whitespace_pattern", "not honoured"),
     ("structured_outputs empty choice", C, ok(structured_outputs={"choice": []}), 400, "invalid_type",
