@@ -28,7 +28,7 @@ from distributed.deploy.cluster import Cluster
 from tqdm.auto import tqdm
 
 from llumdask.api.gateway.detok import IncrementalText, check_stop
-from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer, model_location, served_tokenizer, stop_token_ids
+from llumdask.api.gateway.tokenizer import Tokenizer, model_location, served_tokenizer, stop_token_ids
 from llumdask.config import load_config
 from llumdask.engine.base import TokenLogprob
 from llumdask.plugins.control import MigrationNotStarted, MigrationPinned, NoLlumdaskScheduler, Op, RequestRejected, call
@@ -323,11 +323,9 @@ class LlumdaskClient:
         """The served model's tokenizer (loaded on first use of text): `model` given to `connect`,
         else llumdask's configured vLLM model with the tokenizer and revisions its engine arguments
         name, else the offline tiny model, as `llumdask serve` picks."""
-        if self._model is not None:
-            return load_tokenizer(model_location(self._model), self._chat_template)
         engine = load_config().vllm_engine
-        return served_tokenizer(model_location(engine.model), engine.engine_args.get("tokenizer"), engine.engine_args,
-                                self._chat_template).tokenizer
+        model, args = (self._model, {}) if self._model is not None else (engine.model, engine.engine_args)
+        return served_tokenizer(model_location(model), args.get("tokenizer"), args, self._chat_template).tokenizer
 
     @property
     def dask_client(self) -> Client:

@@ -227,12 +227,12 @@ class AnswerReader:
                                                            model_output_token_ids=list(token_ids))
             reasoning = reasoning if self._request.include_reasoning else None
             if self._constrained:  # only the thinking was read: the calls are what follows it
-                return Answer(None, self._json_calls(content or ""), reasoning)
+                return Answer(None, self._constrained_calls(content or ""), reasoning)
             calls = tuple({"id": getattr(c, "id", None) or self._new_id(), "type": "function",
                            "function": {"name": c.name, "arguments": c.arguments}} for c in found or ())
             self._made_calls = bool(calls)
             return Answer(content or None if calls else content, calls, reasoning)
-        return Answer(None, self._json_calls(text)) if self._constrained else Answer(text, ())
+        return Answer(None, self._constrained_calls(text)) if self._constrained else Answer(text, ())
 
     def delta(self, text: str, token_ids: Sequence[int]) -> Piece:
         """What `text` (made of `token_ids`) adds to the stream."""
@@ -254,12 +254,12 @@ class AnswerReader:
         flushed = Piece() if not self._thinks else self._read(
             self._parser.parse_delta("", [], self._request, self._prompt_ids, finished=True))
         if self._constrained:
-            calls = self._json_delta(flushed.content or "").calls
             if self._choice == "required":
+                self._text += flushed.content or ""
                 calls = tuple(ToolCallDelta(i, c["id"], c["function"]["name"], c["function"]["arguments"])
-                              for i, c in enumerate(self._json_calls(self._text)))
-            elif self._named_id is None:
-                calls = self._json_delta("", opening=True).calls
+                              for i, c in enumerate(self._constrained_calls(self._text)))
+            else:
+                calls = self._json_delta(flushed.content or "", opening=True).calls
             return Piece(flushed.reasoning or None, None, calls)
         if not self._thinks:
             return Piece()
@@ -273,7 +273,7 @@ class AnswerReader:
         # An empty flush is no chunk of its own.
         return Piece(flushed.reasoning or None, flushed.content or None, calls)
 
-    def _json_calls(self, text: str) -> tuple[dict[str, Any], ...]:
+    def _constrained_calls(self, text: str) -> tuple[dict[str, Any], ...]:
         """A constrained answer's calls: the named function's with `text` as its arguments, or the
         required list's."""
         if self._choice == "function":
