@@ -37,6 +37,7 @@ import yaml
 from distributed import Client, WorkerPlugin
 
 from llumdask.api.gateway.generation_config import SOURCES as GENERATION_SOURCES
+from llumdask.api.gateway.tools import TOOL_STRICT_LEVELS
 from llumdask.config import ConfigError, VllmEngineConfig, load_config
 from llumdask.plugins.dashboard import page_link
 
@@ -104,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "read holds (default: llumdask.gateway.send-buffer-bytes, null: the kernel's)")
     p.add_argument("--tool-call-parser", metavar="NAME", default=None,
                    help="vLLM's tool-call parser for the model (e.g. hermes): chat requests with tool_choice "
-                        "\"auto\" get their tool calls read with it (default: llumdask.gateway.tool-call-parser)")
+                        "\"auto\" get their tool calls read with it; one with a structural tag for the model's markup "
+                        "constrains \"required\" and named calls to it (default: llumdask.gateway.tool-call-parser)")
+    p.add_argument("--tool-strict-level", choices=TOOL_STRICT_LEVELS, default=None,
+                   help="vLLM's: what the tool-call parser's structural tag constrains at least: the calls "
+                        "tool_choice forces and strict tools' arguments (auto), every call (function), every "
+                        "call's arguments too (parameter) (default: llumdask.gateway.tool-strict-level, auto)")
     p.add_argument("--reasoning-parser", metavar="NAME", default=None,
                    help="vLLM's reasoning parser for the model (e.g. deepseek_r1, qwen3): chat answers carry the "
                         "model's thinking as message.reasoning, apart from the content "
@@ -355,7 +361,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
     model_info = ModelInfo(args.served_model_name or default_name, max_context)
     given = {"api-keys": args.api_key, "max-in-flight": args.max_in_flight, "placement-timeout": args.placement_timeout,
-             "tool-call-parser": args.tool_call_parser, "reasoning-parser": args.reasoning_parser,
+             "tool-call-parser": args.tool_call_parser, "tool-strict-level": args.tool_strict_level,
+             "reasoning-parser": args.reasoning_parser,
              "write-timeout": args.write_timeout,
              "send-buffer-bytes": args.send_buffer_bytes}
     settings = load_config({"gateway": {k: v for k, v in given.items() if v is not None}}).gateway
@@ -374,7 +381,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                 from vllm.tokenizers import get_tokenizer
 
                 parser_class(settings.tool_call_parser, settings.reasoning_parser, get_tokenizer(served.files),
-                             served.files)
+                             served.files, settings.tool_strict_level)
             except ImportError as exc:
                 raise ValueError(f"{' and '.join(parsers)}: vLLM is needed where the gateway runs: {exc}") from None
         engine, check = pick_engine(args.engine, checked) if checked else ("sim", None)
@@ -422,7 +429,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         app = create_app(
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
             tokenizer, settings, AnswerReading(served.files, settings.tool_call_parser, engine,
-                                                          settings.reasoning_parser, engines_reason=engine == "vllm"), generation)
+                                               settings.reasoning_parser, engines_reason=engine == "vllm",
+                                               tool_strict_level=settings.tool_strict_level), generation)
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)

@@ -135,6 +135,7 @@ class GatewayConfig:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     tool_call_parser: str | None = None
+    tool_strict_level: str = "auto"
     reasoning_parser: str | None = None
     write_timeout: float = 30.0
     send_buffer_bytes: int | None = None

@@ -139,26 +139,22 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
                                    use.tools if use is not None else None)
     prompt_ids = truncated(prompt_ids, options, gateway.backend.model.max_context)
     if answers.reads(use):
-        constrained = use is not None and use.constrained  # its calls are a structured output too
-        structured = answers.reasoning_parser is not None and (constrained
-                                                                or bool(STRUCTURED_KINDS & options.sampling.keys()))
-        if structured and not answers.engines_reason:
-            raise InvalidRequest("structured outputs with a reasoning parser need the instances started with it (its "
-                                 "grammar then applies once the thinking ends), as this gateway starts them; the "
-                                 "cluster at --scheduler may not be",
-                                 param="tool_choice" if constrained else options.structured_field,
-                                 code="unsupported_parameter")
-        schema, keep_special, readers = await answers.readers(use, options.best_of, prompt_ids,
-                                                              parsed.rendering.variables, parsed.include_reasoning,
-                                                              structured)
-        if structured:  # vLLM's server tells its engine where the grammar starts, and the template's switches
+        own = {k: v for k, v in options.sampling.items() if k in STRUCTURED_KINDS}
+        reading = await answers.readers(use, options.best_of, prompt_ids, parsed.rendering.variables,
+                                        parsed.include_reasoning, own, options.structured_field)
+        readers = reading.readers
+        if reading.grammar is not None and options.use_beam_search:  # each step would start the grammar over
+            raise InvalidRequest("beam search does not apply the grammar a strict tool (or the gateway's "
+                                 "--tool-strict-level) puts on tool calls; leave use_beam_search or strict out",
+                                 param="tools", code="unsupported_parameter")
+        if reading.grammar is not None:  # the tools' grammar replaces response_format, as in vLLM
+            sampling = {k: v for k, v in options.sampling.items() if k not in STRUCTURED_KINDS}
+            options = replace(options, sampling={**sampling, **reading.grammar})
+        if reading.structured:  # vLLM's server tells its engine where the grammar starts, and the template's switches
             variables = parsed.rendering.variables
             options = replace(options, sampling={**options.sampling, "reasoning_ended": readers[0].thinking_ended(),
                                                  "reasoning_kwargs": json.dumps(dict(variables)) if variables else None})
-        if schema is not None:  # tool_choice overrides response_format, as in vLLM
-            sampling = {k: v for k, v in options.sampling.items() if k not in STRUCTURED_KINDS}
-            options = replace(options, sampling={**sampling, "json_schema": schema})
-        if keep_special:
+        if reading.keep_special:
             options = replace(options, skip_special_tokens=False)
     # vLLM's: reasoning left out shows no log probabilities nor output ids (their tokens would tell it).
     hidden = answers.parses and not parsed.include_reasoning

@@ -2,13 +2,18 @@
 answer read as reasoning, content and calls.
 
 The model's chat template renders the tools. The answer is read the way vLLM's server reads it:
-- tool_choice "required" or a named function constrains the output, through structured outputs,
-  to the JSON schema vLLM derives from the tools (a list of {"name", "parameters"}, or the named
-  function's arguments); the gateway turns that JSON into calls. No parser is needed.
-- otherwise vLLM's parser, composed as `vllm serve` composes it, reads the answer whole or as
+- with one of vLLM's tool-call parsers (``--tool-call-parser``) that has a structural tag for the
+  model's syntax (hermes, llama, qwen3_coder, ...), its composed parser constrains the calls: for
+  "required", a named function, a tool with ``strict: true``, or "auto" beside a response format
+  (calls or the format), the output follows a structural tag in the model's own markup, and the
+  parser reads the calls back from it as for "auto".
+- otherwise tool_choice "required" or a named function constrains the output, through structured
+  outputs, to the JSON schema vLLM derives from the tools (a list of {"name", "parameters"}, or the
+  named function's arguments); the gateway turns that JSON into calls. No parser is needed.
+- whatever is not such JSON, vLLM's parser, composed as `vllm serve` composes it, reads whole or as
   streaming deltas: one of vLLM's reasoning parsers (``--reasoning-parser``) takes out what the
-  model thought before answering, and for "auto" one of its tool-call parsers
-  (``--tool-call-parser``) finds the calls in the model's own syntax in what follows.
+  model thought before answering, and the tool-call parser finds the calls in the model's own
+  syntax in what follows.
 - "none" renders the tools and reads no calls.
 vLLM's protocol, parsers and the tokenizer they take are imported in a thread on the first request
 that needs them (about ten seconds), so a gateway that never sees one never pays for them.
@@ -27,6 +32,10 @@ from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.api.gateway.json_schema import check_schema
 
 TOOL_CHOICES = ("none", "auto", "required")
+# vLLM's --tool-strict-level: what its parsers' structural tags constrain at least (auto: the
+# calls tool_choice forces, and the arguments of tools marked strict; function: every call's
+# envelope; parameter: every call's arguments too).
+TOOL_STRICT_LEVELS = ("auto", "function", "parameter")
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -111,8 +120,13 @@ def _tool(tool: Any, param: str) -> dict[str, Any]:
     parameters = function.get("parameters")
     if parameters is not None:
         check_schema(parameters, f"{param}.function.parameters")
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequest(f"{param}.function.strict must be a boolean", param=f"{param}.function.strict",
+                             code="invalid_type")
     out = {"name": name, **({"description": description} if description is not None else {}),
-           **({"parameters": dict(parameters)} if parameters is not None else {})}
+           **({"parameters": dict(parameters)} if parameters is not None else {}),
+           **({"strict": strict} if strict is not None else {})}
     return {"type": "function", "function": out}
 
 
@@ -183,17 +197,18 @@ class Piece(NamedTuple):
 class AnswerReader:
     """Reads one choice's chat answer (one per choice: vLLM's parsers keep stream state).
 
-    tool_choice "required" or a named function: the JSON its grammar allowed, read here, after the
-    thinking where a reasoning parser reads that (the grammar then starts where the thinking ends).
-    Otherwise vLLM's `Parser`, composed as `vllm serve` composes it, reads the reasoning (a
-    reasoning parser) and, from what follows, the tool calls in the model's syntax (a tool-call
-    parser; for "auto"; with "none" or no tools, an engine-based one still takes its markup out of
+    Calls constrained to vLLM's JSON (`reads_json`: tool_choice "required" or a named function
+    without a tool-call parser that reads them in the model's syntax): the JSON its grammar allowed,
+    read here, after the thinking where a reasoning parser reads that (the grammar then starts where
+    the thinking ends). Otherwise vLLM's `Parser`, composed as `vllm serve` composes it, reads the
+    reasoning (a reasoning parser) and, from what follows, the tool calls in the model's syntax (a
+    tool-call parser; with "none" or no tools, an engine-based one still takes its markup out of
     the content)."""
 
     def __init__(self, use: ToolUse | None, parser: Any, request: Any, new_id: Any, prompt_ids: Sequence[int],
-                 auto_tools: bool = False, structured: bool = False) -> None:
-        """`parser`: vLLM's composed parser (for a constrained answer, one reading only the thinking,
-        or None); `auto_tools`: the gateway reads calls in the model's syntax (vLLM's enable_auto_tools);
+                 auto_tools: bool = False, structured: bool = False, reads_json: bool = False) -> None:
+        """`parser`: vLLM's composed parser (with `reads_json`, one reading only the thinking, or None);
+        `auto_tools`: the gateway reads calls in the model's syntax (vLLM's enable_auto_tools);
         `structured`: a grammar holds the answer from where the thinking ends."""
         self._use = use
         self._parser = parser
@@ -201,6 +216,7 @@ class AnswerReader:
         self._new_id = new_id
         self._prompt_ids = list(prompt_ids)
         self._auto_tools = auto_tools
+        self._reads_json = reads_json
         self._text = ""  # a required answer's, read at its end
         self._named_id: str | None = None
         self._made_calls = False
@@ -210,15 +226,11 @@ class AnswerReader:
         # tool-call parser still reads it for calls (then vLLM's composed parser reads it all, as
         # vLLM's server does).
         self._thinks = parser is not None and not (
-            structured and self.thinking_ended() and (self._constrained or parser.tool_parser is None))
+            structured and self.thinking_ended() and (reads_json or parser.tool_parser is None))
 
     @property
     def _choice(self) -> str:
         return "none" if self._use is None else self._use.choice
-
-    @property
-    def _constrained(self) -> bool:
-        return self._choice in ("function", "required")
 
     def whole(self, text: str, token_ids: Sequence[int]) -> Answer:
         if self._thinks:
@@ -226,19 +238,19 @@ class AnswerReader:
             reasoning, content, found = self._parser.parse(text, self._request, enable_auto_tools=self._auto_tools,
                                                            model_output_token_ids=list(token_ids))
             reasoning = reasoning if self._request.include_reasoning else None
-            if self._constrained:  # only the thinking was read: the calls are what follows it
+            if self._reads_json:  # only the thinking was read: the calls are what follows it
                 return Answer(None, self._constrained_calls(content or ""), reasoning)
             calls = tuple({"id": getattr(c, "id", None) or self._new_id(), "type": "function",
                            "function": {"name": c.name, "arguments": c.arguments}} for c in found or ())
             self._made_calls = bool(calls)
             return Answer(content or None if calls else content, calls, reasoning)
-        return Answer(None, self._constrained_calls(text)) if self._constrained else Answer(text, ())
+        return Answer(None, self._constrained_calls(text)) if self._reads_json else Answer(text, ())
 
     def delta(self, text: str, token_ids: Sequence[int]) -> Piece:
         """What `text` (made of `token_ids`) adds to the stream."""
         if not self._thinks:
-            return self._json_delta(text) if self._constrained else Piece(content=text)
-        if self._constrained:
+            return self._json_delta(text) if self._reads_json else Piece(content=text)
+        if self._reads_json:
             read = self._read(self._parser.parse_delta(text, list(token_ids), self._request, self._prompt_ids,
                                                        finished=False))
             return Piece(read.reasoning, None, self._json_delta(read.content or "").calls)
@@ -253,7 +265,7 @@ class AnswerReader:
         text an engine-based parser buffered)."""
         flushed = Piece() if not self._thinks else self._read(
             self._parser.parse_delta("", [], self._request, self._prompt_ids, finished=True))
-        if self._constrained:
+        if self._reads_json:
             if self._choice == "required":
                 self._text += flushed.content or ""
                 calls = tuple(ToolCallDelta(i, c["id"], c["function"]["name"], c["function"]["arguments"])
@@ -314,8 +326,8 @@ class AnswerReader:
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's, once the answer was read: "tool_calls" where "auto" called a tool or
-        "required" stopped (a named function's call stops as "stop", as OpenAI's does)."""
-        if reason == "stop" and (self._choice == "required" or self._made_calls):
+        "required" stopped (a named function's call stops as "stop", as OpenAI's and vLLM's do)."""
+        if reason == "stop" and (self._choice == "required" or (self._made_calls and self._choice == "auto")):
             return "tool_calls"
         return reason
 
@@ -335,21 +347,39 @@ def _json_calls(text: str) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ vLLM's side
+class Reading(NamedTuple):
+    """How a chat's answers are constrained and read."""
+
+    # The tools' structured output, SamplingParams' fields (it replaces the request's own), or None.
+    grammar: dict[str, Any] | None
+    # A grammar holds the answer once a reasoning parser's thinking ends (vLLM's reasoning_ended).
+    structured: bool
+    # The parsers need special tokens left in the text.
+    keep_special: bool
+    readers: list[AnswerReader]
+
+
 class AnswerReading:
     """A gateway's machinery for reading chat answers: vLLM's schema derivation for tools, and its
     parsers as `vllm serve` composes them: the tool-call parser `parser` (tool_choice "auto") and
     the reasoning parser `reasoning_parser` (every chat answer)."""
 
     def __init__(self, model: str | None = None, parser: str | None = None, engine: str | None = None,
-                 reasoning_parser: str | None = None, engines_reason: bool = False) -> None:
+                 reasoning_parser: str | None = None, engines_reason: bool = False,
+                 tool_strict_level: str = "auto") -> None:
         """`model`: where the served model's tokenizer is (a parser reads its vocabulary);
         `engine`: the cluster's engine when known ("sim" models no tools); `engines_reason`: the
         instances were started with the reasoning parser too, so they apply a structured output's
-        grammar only once the thinking ends (as `vllm serve`'s engine)."""
+        grammar only once the thinking ends (as `vllm serve`'s engine); `tool_strict_level`:
+        vLLM's floor for the calls its parsers constrain (one of TOOL_STRICT_LEVELS)."""
         if (parser is not None or reasoning_parser is not None) and model is None:
             raise ValueError("a parser needs the model's tokenizer: give the model too")
+        if tool_strict_level not in TOOL_STRICT_LEVELS:
+            raise ValueError(f"tool_strict_level must be one of {', '.join(TOOL_STRICT_LEVELS)}, "
+                             f"got {tool_strict_level!r}")
         self.model = model
         self.parser = parser
+        self.tool_strict_level = tool_strict_level
         self.reasoning_parser = reasoning_parser
         self.engines_reason = engines_reason
         self.engine = engine
@@ -366,11 +396,12 @@ class AnswerReading:
         return self.parses or (use is not None and use.reads_calls)
 
     async def readers(self, use: ToolUse | None, count: int, prompt_ids: Sequence[int],
-                      template_kwargs: Mapping[str, Any], include_reasoning: bool = True, structured: bool = False,
-                      ) -> tuple[str | None, bool, list[AnswerReader]]:
-        """(the JSON schema to constrain the output to, or None; whether special tokens must stay
-        in the text for the parsers; a reader per choice). 400 when the request cannot be served here.
-        `template_kwargs`: what the prompt was rendered with (a parser reads whether thinking is on)."""
+                      template_kwargs: Mapping[str, Any], include_reasoning: bool = True,
+                      own: Mapping[str, Any] | None = None, own_field: str | None = None) -> Reading:
+        """How a chat's answers are constrained and read; 400 when the request cannot be served here.
+        `template_kwargs`: what the prompt was rendered with (a parser reads whether thinking is on);
+        `own`: the request's own structured output as SamplingParams' fields, from the body's field
+        `own_field` (vLLM's parsers may widen it to "calls or the format")."""
         calls = use is not None and use.reads_calls
         if calls and self.engine == "sim":
             raise InvalidRequest("the sim engine does not model tools (its tokens are random draws)",
@@ -379,19 +410,30 @@ class AnswerReading:
             raise InvalidRequest('tool_choice "auto" needs the gateway started with --tool-call-parser NAME '
                                  '(vLLM\'s parser for the model\'s tool-call syntax); "required" and a named '
                                  "function need none", param="tool_choice", code="unsupported_parameter")
-        constrained = use is not None and use.constrained
         vllm = await self._load()
-        request = vllm.request(use, include_reasoning, template_kwargs)
-        schema = vllm.schema(request) if constrained else None
-        keep_special = False
-        parsers: list[Any] = [None] * count
-        if constrained:  # the calls are read here; a parser reads only the thinking before them
+        request = vllm.request(use, include_reasoning, template_kwargs, own or {})
+        reads_json = use is not None and use.constrained and vllm.reads_json
+        grammar, keep_special, parsers = None, False, [None] * count
+        if reads_json:  # the calls are read here; a parser reads only the thinking before them
+            grammar = {"json_schema": vllm.schema(request)}
             request = request.model_copy(update={"tool_choice": "none"})
-        if not constrained or self.reasoning_parser is not None:
+        if not reads_json or self.reasoning_parser is not None:
             parsers = [vllm.parser(request, template_kwargs) for _ in range(count)]
-            keep_special = not parsers[0].adjust_request(request).skip_special_tokens
-        return schema, keep_special, [AnswerReader(use, p, request, vllm.new_id, prompt_ids, self.parser is not None,
-                                                   structured or constrained) for p in parsers]
+            # (A format vLLM cannot fold into the tools' tag is left as it is, as vLLM leaves it.)
+            adjusted = parsers[0].adjust_request(request.model_copy())
+            keep_special = not adjusted.skip_special_tokens
+            if not reads_json:  # vLLM's parser constrains the calls in the model's syntax, and reads the adjusted request
+                grammar, request = vllm.grammar(adjusted, request), adjusted
+        structured = self.reasoning_parser is not None and (grammar is not None or bool(own))
+        if structured and not self.engines_reason:
+            raise InvalidRequest("structured outputs with a reasoning parser need the instances started with it (its "
+                                 "grammar then applies once the thinking ends), as this gateway starts them; the "
+                                 "cluster at --scheduler may not be",
+                                 param="tool_choice" if grammar is not None else own_field,
+                                 code="unsupported_parameter")
+        return Reading(grammar, structured, keep_special, [
+            AnswerReader(use, p, request, vllm.new_id, prompt_ids, self.parser is not None, structured or reads_json,
+                         reads_json) for p in parsers])
 
     async def _load(self) -> _Vllm:
         if self._vllm is None:
@@ -400,7 +442,8 @@ class AnswerReading:
             async with self._loading:
                 if self._vllm is None:
                     try:
-                        self._vllm = await asyncio.to_thread(_Vllm, self.model, self.parser, self.reasoning_parser)
+                        self._vllm = await asyncio.to_thread(_Vllm, self.model, self.parser, self.reasoning_parser,
+                                                             self.tool_strict_level)
                     except ImportError as exc:
                         raise InvalidRequest(f"tools and reasoning need vLLM installed where the gateway runs: {exc}",
                                              param="tools", code="unsupported_parameter") from None
@@ -410,12 +453,15 @@ class AnswerReading:
 class _Vllm:
     """vLLM's pieces, imported once."""
 
-    def __init__(self, model: str | None, parser: str | None, reasoning_parser: str | None) -> None:
+    def __init__(self, model: str | None, parser: str | None, reasoning_parser: str | None,
+                 tool_strict_level: str) -> None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.renderers.chat_utils import make_tool_call_id
+        from vllm.sampling_params import StructuredOutputsParams
         from vllm.tool_parsers.utils import get_json_schema_from_tools
 
         self._request_type = ChatCompletionRequest
+        self._outputs_type = StructuredOutputsParams
         self._derive = get_json_schema_from_tools
         self.new_id = make_tool_call_id
         self._tokenizer = None
@@ -424,14 +470,35 @@ class _Vllm:
             from vllm.tokenizers import get_tokenizer
 
             self._tokenizer = get_tokenizer(model)
-            self._parser_type = parser_class(parser, reasoning_parser, self._tokenizer, model)
+            self._parser_type = parser_class(parser, reasoning_parser, self._tokenizer, model, tool_strict_level)
+        tool_parser = getattr(self._parser_type, "tool_parser_cls", None)
+        # Whether "required" and named calls come as vLLM's JSON (read here): not where the tool-call
+        # parser reads them in the model's syntax (vLLM's supports_required_and_named).
+        self.reads_json = tool_parser is None or tool_parser.supports_required_and_named
 
-    def request(self, use: ToolUse | None, include_reasoning: bool, template_kwargs: Mapping[str, Any]) -> Any:
-        """vLLM's request as its parsers read it (some read the template kwargs from it)."""
+    def request(self, use: ToolUse | None, include_reasoning: bool, template_kwargs: Mapping[str, Any],
+                own: Mapping[str, Any]) -> Any:
+        """vLLM's request as its parsers read it (some read the template kwargs from it), with the
+        request's own structured output."""
         tools: dict[str, Any] = {"tool_choice": "none"} if use is None else {
             "tools": list(use.tools), "tool_choice": use.choice_param(), "parallel_tool_calls": use.parallel}
+        if own:
+            tools["structured_outputs"] = self._outputs_type(**{_VLLM_FIELDS.get(k, k): list(v) if k == "choice" else v
+                                                                for k, v in own.items()})
         return self._request_type(messages=[], include_reasoning=include_reasoning,
                                   chat_template_kwargs=dict(template_kwargs) or None, **tools)
+
+    @staticmethod
+    def grammar(adjusted: Any, request: Any) -> dict[str, Any] | None:
+        """The structured output vLLM's parser set in `adjusted` for the tools, as SamplingParams'
+        fields; None where it left `request`'s own (or none)."""
+        chosen = adjusted.structured_outputs
+        if chosen is None or chosen is request.structured_outputs:
+            return None
+        fields = {ours: getattr(chosen, theirs) for ours, theirs in _OUR_FIELDS.items()}
+        if isinstance(fields["json_schema"], dict):
+            fields["json_schema"] = json.dumps(fields["json_schema"])
+        return {k: tuple(v) if k == "choice" else v for k, v in fields.items() if v not in (None, False)}
 
     def schema(self, request: Any) -> str:
         return json.dumps(self._derive(request.tool_choice, request.tools, request.parallel_tool_calls))
@@ -441,8 +508,14 @@ class _Vllm:
         return self._parser_type(self._tokenizer, request.tools, chat_template_kwargs=dict(template_kwargs))
 
 
+# SamplingParams' structured-output fields by vLLM's StructuredOutputsParams' names, and back.
+_VLLM_FIELDS = {"json_schema": "json"}
+_OUR_FIELDS = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+               "grammar": "grammar", "structural_tag": "structural_tag"}
+
+
 def parser_class(tool_parser: str | None, reasoning_parser: str | None, tokenizer: Any = None,
-                 model: str | None = None) -> Any:
+                 model: str | None = None, tool_strict_level: str = "auto") -> Any:
     """vLLM's parser composed of the named tool-call and reasoning parsers (None: neither), checked
     against `tokenizer` when given, as `vllm serve` checks them at start; ValueError naming the
     known ones for an unknown name, or saying what the tokenizer lacks."""
@@ -457,6 +530,6 @@ def parser_class(tool_parser: str | None, reasoning_parser: str | None, tokenize
     try:
         return ParserManager.get_parser(tool_parser_name=tool_parser, reasoning_parser_name=reasoning_parser,
                                         enable_auto_tools=tool_parser is not None, model_name=model,
-                                        tokenizer=tokenizer)
+                                        tool_strict_level=tool_strict_level, tokenizer=tokenizer)
     except TypeError as exc:
         raise ValueError(str(exc)) from None

@@ -179,19 +179,20 @@ PICK_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.mark.parametrize("tool_choice, script, thought", [("required", REQUIRED, "Pick a tool."),
                                                           (PICK_WEATHER, NAMED, "Pick a city.")], ids=["required", "named"])
-@pytest.mark.parametrize("batch_size, tool_parser", [(1, None), (3, None), (8, None), (3, "hermes"), (3, CODER)])
+# xLAM's parser reads "required" and named calls as vLLM's JSON (it has no structural tag).
+@pytest.mark.parametrize("batch_size, tool_parser", [(1, None), (3, None), (8, None), (3, "xlam")])
 def test_a_constrained_call_is_read_after_the_thinking(thinking, backend, tokenizer, tool_choice, script, thought,
                                                        batch_size, tool_parser):
     """tool_choice "required" or a named function on instances that read the thinking: their grammar
-    applies once it ends (the gateway tells them where, vLLM's reasoning_ended), and the calls are
-    read from what follows it, whole and streamed (a named function's arguments after the thinking's
-    deltas, never with them, where a delta does not span the thinking's end); hidden reasoning
-    leaves the calls."""
+    (vLLM's JSON schema) applies once it ends (the gateway tells them where, vLLM's reasoning_ended),
+    and the calls are read from what follows it, whole and streamed (a named function's arguments
+    after the thinking's deltas, never with them, where a delta does not span the thinking's end);
+    hidden reasoning leaves the calls."""
     client = thinking(batch_size, tool_parser=tool_parser, engines_reason=True)
     scripted(backend, tokenizer, script)
     choice = chat(client, tools=[WEATHER], tool_choice=tool_choice).json()["choices"][0]
     sampling = backend.submitted[-1].sampling
-    assert json.loads(sampling.json_schema) and sampling.reasoning_ended is False
+    assert json.loads(sampling.json_schema) and sampling.structural_tag is None and sampling.reasoning_ended is False
     assert choice["message"]["reasoning"] == thought and choice["message"]["content"] is None
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
@@ -209,6 +210,72 @@ def test_a_constrained_call_is_read_after_the_thinking(thinking, backend, tokeni
     hidden = chat(client, tools=[WEATHER], tool_choice=tool_choice, include_reasoning=False).json()["choices"][0]
     assert hidden["message"]["reasoning"] is None and hidden["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert backend.submitted[-1].sampling.reasoning_ended is True
+
+
+HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+CODER_CALL = "<tool_call><function=get_weather><parameter=city>Paris</parameter></function></tool_call>"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", PICK_WEATHER], ids=["required", "named"])
+@pytest.mark.parametrize("tool_parser, call", [("hermes", HERMES_CALL), (CODER, CODER_CALL)])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_parser_with_a_structural_tag_constrains_and_reads_calls_in_the_models_syntax(
+        thinking, backend, tokenizer, tool_choice, tool_parser, call, batch_size):
+    """vLLM 0.32's tool calling: a tool-call parser with a structural tag for its model's markup
+    (hermes, qwen3_coder) constrains "required" and named calls to that markup rather than JSON
+    (the grammar applies once the thinking ends), and reads them back as it reads "auto" (text
+    before a required call is content); a named call finishes "stop", as OpenAI's does."""
+    client = thinking(batch_size, tool_parser=tool_parser, engines_reason=True)
+    scripted(backend, tokenizer, f"<think>Pick a tool.</think>Let me look. {call}")
+    choice = chat(client, tools=[WEATHER], tool_choice=tool_choice).json()["choices"][0]
+    sampling = backend.submitted[-1].sampling
+    assert sampling.json_schema is None and "<tool_call>" in sampling.structural_tag
+    assert sampling.reasoning_ended is False
+    assert choice["message"]["reasoning"] == "Pick a tool." and choice["message"]["content"].strip() == "Let me look."
+    [read] = choice["message"]["tool_calls"]
+    assert read["function"]["name"] == "get_weather" and json.loads(read["function"]["arguments"]) == {"city": "Paris"}
+    assert choice["finish_reason"] == ("tool_calls" if tool_choice == "required" else "stop")
+    chunks = sse_payloads(chat(client, tools=[WEATHER], tool_choice=tool_choice, stream=True))
+    assert streamed(chunks)[0] == "Pick a tool." and streamed(chunks)[1].strip() == "Let me look."
+    assert [(c["name"], json.loads(c["arguments"])) for c in tool_deltas(chunks).values()] == [
+        ("get_weather", {"city": "Paris"})]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == choice["finish_reason"]
+
+
+@pytest.mark.parametrize("level, strict, constrained", [
+    ("auto", None, False), ("auto", True, True), ("function", None, True), ("parameter", False, True)])
+def test_auto_is_constrained_as_vllms_tool_strict_level_and_the_tools_strict_say(
+        thinking, backend, tokenizer, level, strict, constrained):
+    """tool_choice "auto": left free unless a tool is marked strict (its arguments then follow its
+    schema) or the gateway's tool strict level asks for the calls' envelope (function) or every
+    tool's arguments (parameter), as vLLM's --tool-strict-level."""
+    client = thinking(tool_parser="hermes", engines_reason=True, tool_strict_level=level)
+    scripted(backend, tokenizer, HERMES_CALL)
+    tool = {"type": "function", "function": {**WEATHER["function"], **({} if strict is None else {"strict": strict})}}
+    [read] = chat(client, tools=[tool]).json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(read["function"]["arguments"]) == {"city": "Paris"}
+    tag = backend.submitted[-1].sampling.structural_tag
+    assert (tag is not None) == constrained
+    if constrained:  # the arguments are held to the schema where the tool is strict or the level is "parameter"
+        assert ('"city"' in tag) == (strict is True or level == "parameter")
+
+
+def test_auto_beside_a_response_format_gets_calls_or_the_format(thinking, backend, tokenizer):
+    """vLLM's "auto" with a response format and a strict tool: the grammar admits a call in the
+    model's markup or the format; the gateway's grammar is that tag, in place of the format's."""
+    client = thinking(tool_parser="hermes", engines_reason=True)
+    scripted(backend, tokenizer, HERMES_CALL)
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    body = {"tools": [strict], "response_format": {"type": "json_object"}}
+    [read] = chat(client, **body).json()["choices"][0]["message"]["tool_calls"]
+    assert read["function"]["name"] == "get_weather"
+    sampling = backend.submitted[-1].sampling
+    assert sampling.json_object is False and sampling.json_schema is None
+    tag = json.loads(sampling.structural_tag)
+    assert tag["format"]["type"] == "or" and len(tag["format"]["elements"]) == 2
+    # Without a strict tool vLLM leaves the format alone.
+    chat(client, tools=[WEATHER], response_format={"type": "json_object"})
+    assert backend.submitted[-1].sampling.json_object is True and backend.submitted[-1].sampling.structural_tag is None
 
 
 def test_a_named_call_cut_off_in_the_thinking_still_opens_its_call(thinking, backend, tokenizer):

@@ -914,31 +914,39 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
                    "required": ["city"], "additionalProperties": False}}}
+# Strict: vLLM's Hermes tag then holds the arguments to the schema too, not only the call's markup.
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
 
 
 @pytest.mark.vllm
 def test_a_tool_call_round_trip_through_the_openai_client_on_vllm(vllm_server):
-    """required and a named function constrain the tiny model's answer into calls (whole and
-    streamed); the call and its result go back as messages, and "auto" (vLLM's hermes parser)
-    returns the model's free answer as text: the same tokens as with the tools not read, streamed
-    or not, and in each of three choices."""
+    """required and a named function constrain the tiny model's answer into calls in Hermes' markup
+    (vLLM's structural tag for the hermes parser, which reads them back), whole and streamed; the
+    call and its result go back as messages, and "auto" returns the model's free answer as text:
+    the same tokens as with the tools not read, streamed or not, and in each of three choices."""
     client = vllm_server.openai()
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     parameters = WEATHER["function"]["parameters"]
-    # (A random model may write whitespace within a grammar for a long while: this prompt closes in ~150 tokens.)
-    required = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
-                                              max_tokens=300, temperature=0).choices[0]
-    assert required.finish_reason == "tool_calls" and not required.message.content
+    # One call (parallel calls off): the tag then ends with it; a random model would go on calling.
+    one = {"tools": [STRICT_WEATHER], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 300,
+           "temperature": 0}
+    required = client.chat.completions.create(model=MODEL, messages=ask, **one).choices[0]
+    assert required.finish_reason == "tool_calls"
     [call] = required.message.tool_calls
     assert call.function.name == "get_weather" and call.id
     jsonschema.validate(json.loads(call.function.arguments), parameters)
+    # Streamed: the same call (Hermes' parser sends its name, then its arguments in pieces) and text.
     streamed: dict[int, list[str]] = {}
-    for chunk in client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
-                                                max_tokens=300, temperature=0, stream=True):
+    content = ""
+    for chunk in client.chat.completions.create(model=MODEL, messages=ask, stream=True, **one):
+        content += (chunk.choices[0].delta.content or "") if chunk.choices else ""
         for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
             streamed.setdefault(delta.index, []).append((delta.function.name or "") + "|" + (delta.function.arguments or ""))
-    assert streamed == {0: [f"get_weather|{call.function.arguments}"]}
-    named = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], max_tokens=300, temperature=0,
+    assert list(streamed) == [0] and streamed[0][0].startswith("get_weather|")
+    assert json.loads("".join(piece.partition("|")[2] for piece in streamed[0])) == json.loads(call.function.arguments)
+    assert content.strip() == (required.message.content or "").strip()
+    named = client.chat.completions.create(model=MODEL, messages=ask, tools=[STRICT_WEATHER], max_tokens=300,
+                                           temperature=0,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert named.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(named.choices[0].message.tool_calls[0].function.arguments), parameters)
@@ -1080,12 +1088,9 @@ def test_on_vllm_min_tokens_skip_special_tokens_suffix_and_parallel_tool_calls_d
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt="def add(a, b):", suffix="print(add(1, 2))", max_tokens=4)
     assert refused.value.body["param"] == "suffix" and "fill in the middle" in refused.value.body["message"]
-    # Parallel calls off: vLLM takes the grammar that allows one call (an array of at most one) and
-    # answers with one. (That it is at most one is the gateway's grammar, tested in test_tools.py;
-    # this model writes one call either way. A random model may write whitespace within a grammar
-    # for a long while: this prompt closes in ~150 tokens.)
+    # Parallel calls off: vLLM's Hermes tag allows one call, and the answer has one.
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    single = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
+    single = client.chat.completions.create(model=MODEL, messages=ask, tools=[STRICT_WEATHER], tool_choice="required",
                                             parallel_tool_calls=False, max_tokens=300, temperature=0).choices[0]
     assert single.finish_reason == "tool_calls" and len(single.message.tool_calls) == 1
     jsonschema.validate(json.loads(single.message.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])

@@ -12,6 +12,7 @@ from test_routes import sse_payloads
 
 from llumdask.api.gateway import ModelInfo
 from llumdask.api.gateway.tools import AnswerReading
+from llumdask.api.serve import build_parser
 from llumdask.engine.base import TokenLogprob
 
 WEATHER = {"type": "function", "function": {
@@ -52,6 +53,8 @@ def tool_deltas(chunks: list[dict]) -> dict[int, dict]:
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name", "letters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
      "tools[0].function.parameters", "not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict",
+     "boolean"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
     ({"functions": [WEATHER["function"]]}, "functions", "deprecated"),
@@ -75,6 +78,14 @@ def test_auto_without_a_parser_is_400_and_says_which_option(client, backend):
     error = chat(client, tools=[WEATHER]).json()["error"]
     assert error["param"] == "tool_choice" and "--tool-call-parser" in error["message"]
     assert backend.submitted == []
+
+
+def test_a_tool_strict_level_vllm_does_not_know_is_refused(capsys):
+    with pytest.raises(ValueError, match="one of auto, function, parameter"):
+        AnswerReading(tool_strict_level="strictest")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--tool-strict-level", "strictest"])
+    assert "invalid choice: 'strictest'" in capsys.readouterr().err
 
 
 def test_tools_on_the_sim_engine_are_400(make_client, backend):
@@ -215,6 +226,10 @@ def test_a_beam_searched_answer_is_read_for_calls(hermes, backend, tokenizer):
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look. "
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    # A strict tool puts a grammar on the calls, which beam search would start over at every step.
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    error = chat(client, tools=[strict], use_beam_search=True).json()["error"]
+    assert error["param"] == "tools" and "beam search" in error["message"]
 
 
 @pytest.mark.vllm
