@@ -32,3 +32,22 @@ def with_thinking_tokens(model: Path, target: Path, *, in_weights: bool = False)
         config["vocab_size"] = tokenizer.get_vocab_size()
         (target / "config.json").write_text(json.dumps(config))
     return target
+
+
+FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")  # StarCoder's spelling
+
+
+def with_fim_tokens(model: Path, target: Path) -> Path:
+    """`model` copied to `target` with its tokenizer's last three ids read as StarCoder's FIM tokens
+    (the last three merges undone, their ids given to the tokens): a tokenizer for a gateway over
+    the tiny model's engines, whose vocabulary the ids stay within."""
+    shutil.copytree(model, target)
+    spec = json.loads((target / "tokenizer.json").read_text())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    ids = sorted(vocab.values())[-len(FIM):]
+    spec["model"]["vocab"] = {token: i for token, i in vocab.items() if i not in ids}
+    spec["model"]["merges"] = merges[:-len(FIM)]
+    spec["added_tokens"] += [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for i, token in zip(ids, FIM)]
+    (target / "tokenizer.json").write_text(json.dumps(spec))
+    return target

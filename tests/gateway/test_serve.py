@@ -26,7 +26,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from modelcopies import with_thinking_tokens
+from modelcopies import FIM, with_fim_tokens, with_thinking_tokens
 
 from llumdask.api.gateway.tokenizer import Tokenizer, load_tokenizer
 from llumdask.clusters.instances import worker_statuses
@@ -1009,6 +1009,34 @@ def test_a_gateway_with_a_reasoning_parser_answers_the_thinking_apart_on_vllm(vl
             with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
                 client.chat.completions.create(model=MODEL, messages=ask, max_tokens=12,
                                                extra_body={"thinking_token_budget": 4})
+        finally:
+            stop_serve(gateway)
+
+
+@pytest.mark.vllm
+def test_a_suffix_asks_a_fim_model_for_the_middle_on_vllm(vllm_server, tmp_path):
+    """A second gateway on the same vLLM instances, its tokenizer reading the tiny model's last
+    three ids as StarCoder's FIM tokens: a completion with a suffix is vLLM's greedy answer to the
+    prompt in FIM order (the prefix, the suffix, then the middle to write), whole and streamed."""
+    model = with_fim_tokens(vllm_server.model_dir, tmp_path / "fim")
+    prefix, suffix = "def add(a, b):", "print(add(1, 2))"
+    ordered = f"{FIM[0]}{prefix}{FIM[1]}{suffix}{FIM[2]}"
+    with (tmp_path / "gateway.log").open("w+") as log:
+        gateway = start_serve(["--scheduler", vllm_server.scheduler, "--model", str(model),
+                               "--served-model-name", MODEL], vllm_server.model_dir.parents[1], log)
+        try:
+            client = gateway.openai()
+            asked = {"model": MODEL, "max_tokens": 8, "temperature": 0, "extra_body": {"return_token_ids": True}}
+            middle = client.completions.create(prompt=prefix, suffix=suffix, **asked)
+            direct = client.completions.create(prompt=ordered, **asked)
+            tokenizer = load_tokenizer(str(model))
+            [fim_ids] = zip(*(tokenizer.encode(token, add_special_tokens=False) for token in FIM))
+            prompt_ids = middle.choices[0].model_extra["prompt_token_ids"]
+            assert [i for i in prompt_ids if i in fim_ids] == list(fim_ids)  # once each, in FIM order
+            assert middle.choices[0].model_extra["prompt_token_ids"] == direct.choices[0].model_extra["prompt_token_ids"]
+            assert middle.choices[0].text == direct.choices[0].text and middle.usage.completion_tokens == 8
+            streamed = client.completions.create(prompt=prefix, suffix=suffix, stream=True, **asked)
+            assert "".join(c.choices[0].text for c in streamed if c.choices) == middle.choices[0].text
         finally:
             stop_serve(gateway)
 
