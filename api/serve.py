@@ -380,8 +380,9 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             try:
                 from vllm.tokenizers import get_tokenizer
 
-                parser_class(settings.tool_call_parser, settings.reasoning_parser, get_tokenizer(served.files),
-                             served.files, settings.tool_strict_level)
+                parser_class(settings.tool_call_parser, settings.reasoning_parser,
+                             get_tokenizer(served.files, trust_remote_code=served.trusts_code), served.files,
+                             settings.tool_strict_level)
             except ImportError as exc:
                 raise ValueError(f"{' and '.join(parsers)}: vLLM is needed where the gateway runs: {exc}") from None
         engine, check = pick_engine(args.engine, checked) if checked else ("sim", None)
@@ -430,7 +431,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             lambda: DaskBackend.connect(address, model_info, placement_timeout=settings.placement_timeout),
             tokenizer, settings, AnswerReading(served.files, settings.tool_call_parser, engine,
                                                settings.reasoning_parser, engines_reason=engine == "vllm",
-                                               tool_strict_level=settings.tool_strict_level), generation)
+                                               tool_strict_level=settings.tool_strict_level,
+                                               trust_remote_code=served.trusts_code), generation)
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)

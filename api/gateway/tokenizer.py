@@ -138,10 +138,11 @@ class TransformersTokenizer:
             hf_tokenizer.chat_template = chosen_template(hf_tokenizer.chat_template, chat_template)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, chat_template: str | Path | None = None) -> "TransformersTokenizer":
+    def from_pretrained(cls, name_or_path: str, chat_template: str | Path | None = None,
+                        trust_remote_code: bool = False) -> "TransformersTokenizer":
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(name_or_path), chat_template)
+        return cls(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code), chat_template)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -176,16 +177,26 @@ class TransformersTokenizer:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
 
 
-def load_tokenizer(name_or_path: str | Path, chat_template: str | Path | None = None) -> Tokenizer:
-    """The fast path for a directory with tokenizer.json, transformers otherwise.
+def load_tokenizer(name_or_path: str | Path, chat_template: str | Path | None = None,
+                   trust_remote_code: bool = False) -> Tokenizer:
+    """The fast path for a directory with tokenizer.json, transformers otherwise, and where the
+    model's own tokenizer code is trusted (vLLM's `--trust-remote-code`) and it names some, that
+    code through transformers, as vLLM's engines load it.
 
     `chat_template` overrides the model's own: a template file, the template text itself, or the
     name of one of the model's templates.
     """
     path = Path(name_or_path)
-    if (path / "tokenizer.json").is_file():
+    if (path / "tokenizer.json").is_file() and not (trust_remote_code and _has_tokenizer_code(path)):
         return FastTokenizer(path, chat_template)
-    return TransformersTokenizer.from_pretrained(str(name_or_path), chat_template)
+    return TransformersTokenizer.from_pretrained(str(name_or_path), chat_template, trust_remote_code)
+
+
+def _has_tokenizer_code(directory: Path) -> bool:
+    """Whether a model directory names tokenizer code of its own, where transformers looks for it
+    (the tokenizer config's auto_map, older ones a list; else the model config's)."""
+    maps = [_read_json(directory / config).get("auto_map") for config in ("tokenizer_config.json", "config.json")]
+    return any(isinstance(m, list) or (isinstance(m, dict) and "AutoTokenizer" in m) for m in maps)
 
 
 def model_location(model: str | None) -> str:
@@ -200,12 +211,13 @@ def model_location(model: str | None) -> str:
 
 
 # What the gateway reads of a model on the hub: its tokenizer, chat templates and configs (vLLM's
-# engines fetch the weights themselves). Names, not wildcards: a pattern would take in files of
-# other formats in subfolders, which nothing else fetches, and a cache filled by vLLM lacks.
+# engines fetch the weights themselves), and the tokenizer's own code for a model whose code is
+# trusted. Names where possible: a wide pattern would take in files of other formats in
+# subfolders, which nothing else fetches, and a cache filled by vLLM lacks.
 GATEWAY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt",
                  "merges.txt", "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
-                 "preprocessor_config.json", "processor_config.json")
+                 "preprocessor_config.json", "processor_config.json", "tokenization_*.py")
 
 
 def files_at(location: str, revision: str | None) -> str:
@@ -236,22 +248,26 @@ def files_at(location: str, revision: str | None) -> str:
 @dataclass(frozen=True)
 class ServedTokenizer:
     """The tokenizer a model is served with: `source` as vLLM's engines get it (`--tokenizer`, else
-    the model), `files` where the gateway reads it (at its revision), and the tokenizer itself."""
+    the model), `files` where the gateway reads it (at its revision), the tokenizer itself, and
+    whether the model's own code is trusted (vLLM's `--trust-remote-code`: its tokenizer code runs)."""
 
     source: str
     files: str
     tokenizer: Tokenizer
+    trusts_code: bool = False
 
 
 def served_tokenizer(model: str, tokenizer: str | None, engine_args: Mapping[str, Any],
                      chat_template: str | Path | None = None) -> ServedTokenizer:
     """The tokenizer of `model` (a `model_location`), or `tokenizer` instead (vLLM's
     `--tokenizer`), at the revision vLLM's engines read it: `engine_args`' tokenizer revision,
-    else the model's revision (either spelling: the command line's dashes, Python's underscores)."""
+    else the model's revision (either spelling: the command line's dashes, Python's underscores),
+    with the model's own tokenizer code where they trust it."""
     source = model if tokenizer is None else model_location(tokenizer)
     args = {name.replace("_", "-"): value for name, value in engine_args.items()}
     files = files_at(source, args.get("tokenizer-revision") or args.get("revision"))
-    return ServedTokenizer(source, files, load_tokenizer(files, chat_template))
+    trusts_code = bool(args.get("trust-remote-code"))
+    return ServedTokenizer(source, files, load_tokenizer(files, chat_template, trusts_code), trusts_code)
 
 
 def stop_token_ids(tokenizer: Tokenizer, requested: Sequence[int], ignore_eos: bool,

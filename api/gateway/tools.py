@@ -366,12 +366,13 @@ class AnswerReading:
 
     def __init__(self, model: str | None = None, parser: str | None = None, engine: str | None = None,
                  reasoning_parser: str | None = None, engines_reason: bool = False,
-                 tool_strict_level: str = "auto") -> None:
+                 tool_strict_level: str = "auto", trust_remote_code: bool = False) -> None:
         """`model`: where the served model's tokenizer is (a parser reads its vocabulary);
         `engine`: the cluster's engine when known ("sim" models no tools); `engines_reason`: the
         instances were started with the reasoning parser too, so they apply a structured output's
         grammar only once the thinking ends (as `vllm serve`'s engine); `tool_strict_level`:
-        vLLM's floor for the calls its parsers constrain (one of TOOL_STRICT_LEVELS)."""
+        vLLM's floor for the calls its parsers constrain (one of TOOL_STRICT_LEVELS);
+        `trust_remote_code`: the parsers' tokenizer runs the model's own tokenizer code (vLLM's flag)."""
         if (parser is not None or reasoning_parser is not None) and model is None:
             raise ValueError("a parser needs the model's tokenizer: give the model too")
         if tool_strict_level not in TOOL_STRICT_LEVELS:
@@ -380,6 +381,7 @@ class AnswerReading:
         self.model = model
         self.parser = parser
         self.tool_strict_level = tool_strict_level
+        self.trust_remote_code = trust_remote_code
         self.reasoning_parser = reasoning_parser
         self.engines_reason = engines_reason
         self.engine = engine
@@ -443,7 +445,7 @@ class AnswerReading:
                 if self._vllm is None:
                     try:
                         self._vllm = await asyncio.to_thread(_Vllm, self.model, self.parser, self.reasoning_parser,
-                                                             self.tool_strict_level)
+                                                             self.tool_strict_level, self.trust_remote_code)
                     except ImportError as exc:
                         raise InvalidRequest(f"tools and reasoning need vLLM installed where the gateway runs: {exc}",
                                              param="tools", code="unsupported_parameter") from None
@@ -454,7 +456,7 @@ class _Vllm:
     """vLLM's pieces, imported once."""
 
     def __init__(self, model: str | None, parser: str | None, reasoning_parser: str | None,
-                 tool_strict_level: str) -> None:
+                 tool_strict_level: str, trust_remote_code: bool) -> None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.renderers.chat_utils import make_tool_call_id
         from vllm.sampling_params import StructuredOutputsParams
@@ -469,7 +471,7 @@ class _Vllm:
         if parser is not None or reasoning_parser is not None:
             from vllm.tokenizers import get_tokenizer
 
-            self._tokenizer = get_tokenizer(model)
+            self._tokenizer = get_tokenizer(model, trust_remote_code=trust_remote_code)
             self._parser_type = parser_class(parser, reasoning_parser, self._tokenizer, model, tool_strict_level)
         tool_parser = getattr(self._parser_type, "tool_parser_cls", None)
         # Whether "required" and named calls come as vLLM's JSON (read here): not where the tool-call

@@ -15,6 +15,7 @@ from llumdask.api.gateway.tokenizer import (
     TransformersTokenizer,
     load_tokenizer,
     max_context_of,
+    served_tokenizer,
 )
 from llumdask.tiny_model import CHAT_TEMPLATE
 
@@ -219,3 +220,32 @@ def test_tools_and_tool_calls_render_as_transformers_renders_them(tiny_model, to
     assert rendered == reference.render_chat(conversation, tools=tools)
     assert "<things> & 'stuff' \u00e9" in rendered and '<tool_call>{"name": "lookup", "arguments": {"q": "cats"}}' in rendered
     assert tokenizer.render_chat(conversation[:1], tools=None) == reference.render_chat(conversation[:1])
+
+
+SHOUTING = '''from transformers import PreTrainedTokenizerFast
+
+
+class ShoutingTokenizer(PreTrainedTokenizerFast):
+    """The model's own tokenizer code: its text comes back in capitals."""
+
+    def _decode(self, token_ids, **kwargs):
+        return super()._decode(token_ids, **kwargs).upper()
+'''
+
+
+@pytest.mark.slow
+def test_the_models_own_tokenizer_code_runs_only_where_it_is_trusted(tiny_model, tmp_path):
+    """vLLM's --trust-remote-code: a model naming tokenizer code of its own (auto_map) gets it, through
+    transformers, as vLLM's engines load it; untrusted, its tokenizer.json is read as it stands."""
+    model = tmp_path / "own-code"
+    shutil.copytree(tiny_model, model)
+    (model / "tokenization_shouting.py").write_text(SHOUTING)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_shouting.ShoutingTokenizer"]}
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    ids = load_tokenizer(tiny_model).encode("Hello world", add_special_tokens=False)
+    assert load_tokenizer(model).decode(ids) == "Hello world"
+    assert load_tokenizer(model, trust_remote_code=True).decode(ids) == "HELLO WORLD"
+    served = served_tokenizer(str(model), None, {"trust-remote-code": True})
+    assert served.tokenizer.decode(ids) == "HELLO WORLD"
+    assert served_tokenizer(str(model), None, {"trust_remote_code": False}).tokenizer.decode(ids) == "Hello world"
