@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", metavar="NAME", default=None,
                    help="vLLM's tool-call parser for the model (e.g. hermes): chat requests with tool_choice "
                         "\"auto\" get their tool calls read with it; one with a structural tag for the model's markup "
-                        "constrains \"required\" and named calls to it (default: llumdask.gateway.tool-call-parser)")
+                        "constrains \"required\" and named calls to it, their arguments to the tool's schema for "
+                        "strict tools (default: llumdask.gateway.tool-call-parser)")
     p.add_argument("--tool-strict-level", choices=TOOL_STRICT_LEVELS, default=None,
                    help="vLLM's: what the tool-call parser's structural tag constrains at least: the calls "
                         "tool_choice forces and strict tools' arguments (auto), every call (function), every "

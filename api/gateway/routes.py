@@ -144,9 +144,10 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
                                         parsed.include_reasoning, own, options.structured_field)
         readers = reading.readers
         if reading.grammar is not None and options.use_beam_search:  # each step would start the grammar over
-            raise InvalidRequest("beam search does not apply the grammar a strict tool (or the gateway's "
-                                 "--tool-strict-level) puts on tool calls; leave use_beam_search or strict out",
-                                 param="tools", code="unsupported_parameter")
+            raise InvalidRequest("beam search does not apply the grammar vLLM's tool-call parser puts on this "
+                                 "request's calls (for a strict tool, parallel_tool_calls false, or the gateway's "
+                                 "--tool-strict-level); leave use_beam_search out", param="tools",
+                                 code="unsupported_parameter")
         if reading.grammar is not None:  # the tools' grammar replaces response_format, as in vLLM
             sampling = {k: v for k, v in options.sampling.items() if k not in STRUCTURED_KINDS}
             options = replace(options, sampling={**sampling, **reading.grammar})

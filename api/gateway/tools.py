@@ -2,14 +2,16 @@
 answer read as reasoning, content and calls.
 
 The model's chat template renders the tools. The answer is read the way vLLM's server reads it:
-- with one of vLLM's tool-call parsers (``--tool-call-parser``) that has a structural tag for the
-  model's syntax (hermes, llama, qwen3_coder, ...), its composed parser constrains the calls: for
-  "required", a named function, a tool with ``strict: true``, or "auto" beside a response format
-  (calls or the format), the output follows a structural tag in the model's own markup, and the
-  parser reads the calls back from it as for "auto".
-- otherwise tool_choice "required" or a named function constrains the output, through structured
-  outputs, to the JSON schema vLLM derives from the tools (a list of {"name", "parameters"}, or the
-  named function's arguments); the gateway turns that JSON into calls. No parser is needed.
+- with one of vLLM's tool-call parsers (``--tool-call-parser``) that reads "required" and named
+  calls in the model's own syntax, its composed parser decides the grammar, as in `vllm serve`: a
+  structural tag in the model's markup where the parser has one (hermes, llama, qwen3_coder, ...:
+  for "required", a named function, and "auto" with a strict tool, parallel_tool_calls false or a
+  strict level; beside a response format, a call or the format), none otherwise; the parser reads
+  the calls back as for "auto".
+- without a tool-call parser, or with one that reads vLLM's JSON (xlam, pythonic, ...), tool_choice
+  "required" or a named function constrains the output, through structured outputs, to the JSON
+  schema vLLM derives from the tools (a list of {"name", "parameters"}, or the named function's
+  arguments); the gateway turns that JSON into calls.
 - whatever is not such JSON, vLLM's parser, composed as `vllm serve` composes it, reads whole or as
   streaming deltas: one of vLLM's reasoning parsers (``--reasoning-parser``) takes out what the
   model thought before answering, and the tool-call parser finds the calls in the model's own
@@ -242,6 +244,7 @@ class AnswerReader:
                 return Answer(None, self._constrained_calls(content or ""), reasoning)
             calls = tuple({"id": getattr(c, "id", None) or self._new_id(), "type": "function",
                            "function": {"name": c.name, "arguments": c.arguments}} for c in found or ())
+            calls = calls[:1] if self._one_call else calls
             self._made_calls = bool(calls)
             return Answer(content or None if calls else content, calls, reasoning)
         return Answer(None, self._constrained_calls(text)) if self._reads_json else Answer(text, ())
@@ -257,7 +260,7 @@ class AnswerReader:
         piece = self._read(self._parser.parse_delta(text, list(token_ids), self._request, self._prompt_ids,
                                                     finished=False))
         self._last_calls = bool(piece.calls)
-        return piece
+        return piece._replace(calls=self._first_call(piece.calls))
 
     def last(self) -> Piece:
         """What the stream still owes at its end: a required answer's calls (a named function's
@@ -283,7 +286,15 @@ class AnswerReader:
             if rest:
                 calls = (ToolCallDelta(len(tools.prev_tool_call_arr) - 1, arguments=rest),)
         # An empty flush is no chunk of its own.
-        return Piece(flushed.reasoning or None, flushed.content or None, calls)
+        return Piece(flushed.reasoning or None, flushed.content or None, self._first_call(calls))
+
+    @property
+    def _one_call(self) -> bool:
+        """parallel_tool_calls false: vLLM's server keeps the first call the parser reads, and only it."""
+        return self._use is not None and not self._use.parallel
+
+    def _first_call(self, calls: tuple[ToolCallDelta, ...]) -> tuple[ToolCallDelta, ...]:
+        return tuple(c for c in calls if c.index == 0) if self._one_call else calls
 
     def _constrained_calls(self, text: str) -> tuple[dict[str, Any], ...]:
         """A constrained answer's calls: the named function's with `text` as its arguments, or the
@@ -431,7 +442,8 @@ class AnswerReading:
             raise InvalidRequest("structured outputs with a reasoning parser need the instances started with it (its "
                                  "grammar then applies once the thinking ends), as this gateway starts them; the "
                                  "cluster at --scheduler may not be",
-                                 param="tool_choice" if grammar is not None else own_field,
+                                 param="tool_choice" if use is not None and use.constrained
+                                 else "tools" if grammar is not None else own_field,
                                  code="unsupported_parameter")
         return Reading(grammar, structured, keep_special, [
             AnswerReader(use, p, request, vllm.new_id, prompt_ids, self.parser is not None, structured or reads_json,
@@ -481,14 +493,17 @@ class _Vllm:
     def request(self, use: ToolUse | None, include_reasoning: bool, template_kwargs: Mapping[str, Any],
                 own: Mapping[str, Any]) -> Any:
         """vLLM's request as its parsers read it (some read the template kwargs from it), with the
-        request's own structured output."""
+        request's own structured output, set past vLLM's request checks: the gateway has checked it,
+        a named function's schema replaces it (vLLM's server refuses the two together), and the
+        engine reads a structural tag's content (refusing one it cannot read)."""
         tools: dict[str, Any] = {"tool_choice": "none"} if use is None else {
             "tools": list(use.tools), "tool_choice": use.choice_param(), "parallel_tool_calls": use.parallel}
-        if own:
-            tools["structured_outputs"] = self._outputs_type(**{_VLLM_FIELDS.get(k, k): list(v) if k == "choice" else v
-                                                                for k, v in own.items()})
-        return self._request_type(messages=[], include_reasoning=include_reasoning,
-                                  chat_template_kwargs=dict(template_kwargs) or None, **tools)
+        request = self._request_type(messages=[], include_reasoning=include_reasoning,
+                                     chat_template_kwargs=dict(template_kwargs) or None, **tools)
+        if not own:
+            return request
+        return request.model_copy(update={"structured_outputs": self._outputs_type(
+            **{_VLLM_FIELDS.get(k, k): list(v) if k == "choice" else v for k, v in own.items()})})
 
     @staticmethod
     def grammar(adjusted: Any, request: Any) -> dict[str, Any] | None:

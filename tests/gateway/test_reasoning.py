@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 from test_routes import sse_payloads
-from test_tools import ASK, WEATHER, chat, scripted, tool_deltas
+from test_tools import ASK, TIME, WEATHER, chat, scripted, tool_deltas
 
 from gatewayfakes import MODEL, FakeBackend
 from modelcopies import with_thinking_tokens
@@ -217,7 +217,8 @@ CODER_CALL = "<tool_call><function=get_weather><parameter=city>Paris</parameter>
 
 
 @pytest.mark.parametrize("tool_choice", ["required", PICK_WEATHER], ids=["required", "named"])
-@pytest.mark.parametrize("tool_parser, call", [("hermes", HERMES_CALL), (CODER, CODER_CALL)])
+# Qwen3-Coder's tag lets text come before a required call; Hermes' does not.
+@pytest.mark.parametrize("tool_parser, call", [("hermes", HERMES_CALL), (CODER, f"Let me look. {CODER_CALL}")])
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_a_parser_with_a_structural_tag_constrains_and_reads_calls_in_the_models_syntax(
         thinking, backend, tokenizer, tool_choice, tool_parser, call, batch_size):
@@ -226,33 +227,36 @@ def test_a_parser_with_a_structural_tag_constrains_and_reads_calls_in_the_models
     (the grammar applies once the thinking ends), and reads them back as it reads "auto" (text
     before a required call is content); a named call finishes "stop", as OpenAI's does."""
     client = thinking(batch_size, tool_parser=tool_parser, engines_reason=True)
-    scripted(backend, tokenizer, f"<think>Pick a tool.</think>Let me look. {call}")
+    scripted(backend, tokenizer, f"<think>Pick a tool.</think>{call}")
+    text = call[:call.index("<tool_call>")].strip()
     choice = chat(client, tools=[WEATHER], tool_choice=tool_choice).json()["choices"][0]
     sampling = backend.submitted[-1].sampling
     assert sampling.json_schema is None and "<tool_call>" in sampling.structural_tag
     assert sampling.reasoning_ended is False
-    assert choice["message"]["reasoning"] == "Pick a tool." and choice["message"]["content"].strip() == "Let me look."
+    assert choice["message"]["reasoning"] == "Pick a tool." and (choice["message"]["content"] or "").strip() == text
     [read] = choice["message"]["tool_calls"]
     assert read["function"]["name"] == "get_weather" and json.loads(read["function"]["arguments"]) == {"city": "Paris"}
     assert choice["finish_reason"] == ("tool_calls" if tool_choice == "required" else "stop")
     chunks = sse_payloads(chat(client, tools=[WEATHER], tool_choice=tool_choice, stream=True))
-    assert streamed(chunks)[0] == "Pick a tool." and streamed(chunks)[1].strip() == "Let me look."
+    assert streamed(chunks)[0] == "Pick a tool." and streamed(chunks)[1].strip() == text
     assert [(c["name"], json.loads(c["arguments"])) for c in tool_deltas(chunks).values()] == [
         ("get_weather", {"city": "Paris"})]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == choice["finish_reason"]
 
 
-@pytest.mark.parametrize("level, strict, constrained", [
-    ("auto", None, False), ("auto", True, True), ("function", None, True), ("parameter", False, True)])
+@pytest.mark.parametrize("level, strict, parallel, constrained", [
+    ("auto", None, True, False), ("auto", True, True, True), ("auto", None, False, True),
+    ("function", None, True, True), ("parameter", False, True, True)])
 def test_auto_is_constrained_as_vllms_tool_strict_level_and_the_tools_strict_say(
-        thinking, backend, tokenizer, level, strict, constrained):
+        thinking, backend, tokenizer, level, strict, parallel, constrained):
     """tool_choice "auto": left free unless a tool is marked strict (its arguments then follow its
-    schema) or the gateway's tool strict level asks for the calls' envelope (function) or every
-    tool's arguments (parameter), as vLLM's --tool-strict-level."""
+    schema), parallel calls are off (the tag admits one call), or the gateway's tool strict level
+    asks for the calls' envelope (function) or every tool's arguments (parameter), as vLLM's
+    --tool-strict-level."""
     client = thinking(tool_parser="hermes", engines_reason=True, tool_strict_level=level)
     scripted(backend, tokenizer, HERMES_CALL)
     tool = {"type": "function", "function": {**WEATHER["function"], **({} if strict is None else {"strict": strict})}}
-    [read] = chat(client, tools=[tool]).json()["choices"][0]["message"]["tool_calls"]
+    [read] = chat(client, tools=[tool], parallel_tool_calls=parallel).json()["choices"][0]["message"]["tool_calls"]
     assert json.loads(read["function"]["arguments"]) == {"city": "Paris"}
     tag = backend.submitted[-1].sampling.structural_tag
     assert (tag is not None) == constrained
@@ -276,6 +280,50 @@ def test_auto_beside_a_response_format_gets_calls_or_the_format(thinking, backen
     # Without a strict tool vLLM leaves the format alone.
     chat(client, tools=[WEATHER], response_format={"type": "json_object"})
     assert backend.submitted[-1].sampling.json_object is True and backend.submitted[-1].sampling.structural_tag is None
+
+
+@pytest.mark.parametrize("tool_parser", [None, "xlam", "hermes"])
+@pytest.mark.parametrize("own", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+    {"structured_outputs": {"regex": "[a-z]+"}}, {"structured_outputs": {"choice": ["a"]}}], ids=["schema", "regex", "choice"])
+def test_a_named_function_beside_a_format_takes_the_place_of_the_format(thinking, backend, tokenizer, tool_parser, own):
+    """The named function's grammar replaces the request's own (vLLM's server refuses the two
+    together only for its structured_outputs field)."""
+    client = thinking(tool_parser=tool_parser, engines_reason=True)
+    scripted(backend, tokenizer, '{"city": "Paris"}')
+    assert chat(client, tools=[WEATHER], tool_choice=PICK_WEATHER, **own).status_code == 200
+    sampling = backend.submitted[-1].sampling
+    assert sampling.regex is None and sampling.choice == () and (sampling.json_schema or sampling.structural_tag)
+
+
+@pytest.mark.parametrize("tool_parser, reasoning_parser", [("hermes", "qwen3"), (None, "qwen3")])
+@pytest.mark.parametrize("tag", [{"type": "structural_tag", "format": {"type": "nonsense"}},
+                                 {"type": "structural_tag", "format": json.loads("[" * 90 + "]" * 90)}],
+                         ids=["unreadable", "deep"])
+def test_a_structural_tag_goes_to_the_engine_to_read_whatever_parsers_the_gateway_has(
+        thinking, backend, tokenizer, tool_parser, reasoning_parser, tag):
+    """A structural tag is the engine's to read (its refusal is a 400 request_rejected): parsers
+    configured at the gateway do not read it first."""
+    client = thinking(tool_parser=tool_parser, reasoning_parser=reasoning_parser, engines_reason=True)
+    scripted(backend, tokenizer, "abc")
+    assert chat(client, response_format=tag).status_code == 200
+    assert json.loads(backend.submitted[-1].sampling.structural_tag) == tag
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_with_parallel_calls_off_only_the_first_call_the_parser_reads_is_answered(thinking, backend, tokenizer,
+                                                                                  batch_size):
+    """vLLM's server keeps the first call alone where parallel_tool_calls is false, whole and
+    streamed, for parsers whose grammar does not limit the calls (xLAM's under "auto")."""
+    client = thinking(batch_size, tool_parser="xlam")
+    scripted(backend, tokenizer, '<think>Both.</think>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                                 '{"name": "get_time", "arguments": {}}]')
+    for parallel, names in ((True, ["get_weather", "get_time"]), (False, ["get_weather"])):
+        body = {"tools": [WEATHER, TIME], "parallel_tool_calls": parallel}
+        choice = chat(client, **body).json()["choices"][0]
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == names
+        assert choice["finish_reason"] == "tool_calls"
+        assert [c["name"] for c in tool_deltas(sse_payloads(chat(client, stream=True, **body))).values()] == names
 
 
 def test_a_named_call_cut_off_in_the_thinking_still_opens_its_call(thinking, backend, tokenizer):
