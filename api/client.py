@@ -311,20 +311,24 @@ class LlumdaskClient:
     """
 
     def __init__(self, client: Client, *, owns_client: bool = False, model: str | None = None,
-                 chat_template: str | None = None, **requester_options: Any) -> None:
+                 chat_template: str | None = None, trust_remote_code: bool = False, **requester_options: Any) -> None:
         self._client = client
         self._owns_client = owns_client
         self._model = model
         self._chat_template = chat_template
+        self._trust_remote_code = trust_remote_code
         self.requester = Requester(client, load_config({"requester": requester_options}).requester)
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
         """The served model's tokenizer (loaded on first use of text): `model` given to `connect`,
         else llumdask's configured vLLM model with the tokenizer and revisions its engine arguments
-        name, else the offline tiny model, as `llumdask serve` picks."""
+        name, else the offline tiny model, as `llumdask serve` picks; the model's own tokenizer code
+        runs where `connect` was told to trust it, or the configured engine arguments trust it."""
         engine = load_config().vllm_engine
         model, args = (self._model, {}) if self._model is not None else (engine.model, engine.engine_args)
+        if self._trust_remote_code:
+            args = {**args, "trust-remote-code": True}
         return served_tokenizer(model_location(model), args.get("tokenizer"), args, self._chat_template).tokenizer
 
     @property
@@ -563,21 +567,22 @@ class LlumdaskClient:
 
 
 def connect(target: "Cluster | Client | str", *, model: str | None = None, chat_template: str | None = None,
-            **requester_options: Any) -> LlumdaskClient:
+            trust_remote_code: bool = False, **requester_options: Any) -> LlumdaskClient:
     """A `LlumdaskClient` for a cluster object, an existing Dask client, or a scheduler address.
 
     For a cluster or an address a synchronous Dask client is made (and closed by `close()`); for
     asyncio, pass an asynchronous `Client` you awaited. `model` (a directory or hub name) and
     `chat_template` (a file, the template, or one of the model's by name) are the served model's, for text prompts, as
-    `llumdask serve` takes them. `requester_options`: see `LlumdaskClient`.
+    `llumdask serve` takes them; `trust_remote_code`: the model's own tokenizer code runs, as with
+    vLLM's flag. `requester_options`: see `LlumdaskClient`.
     """
+    served = {"model": model, "chat_template": chat_template, "trust_remote_code": trust_remote_code}
     if isinstance(target, Client):
-        return LlumdaskClient(target, model=model, chat_template=chat_template, **requester_options)
+        return LlumdaskClient(target, **served, **requester_options)
     if isinstance(target, (Cluster, str)):
         client = Client(target)
         try:
-            return LlumdaskClient(client, owns_client=True, model=model, chat_template=chat_template,
-                                  **requester_options)
+            return LlumdaskClient(client, owns_client=True, **served, **requester_options)
         except BaseException:
             client.close()
             raise

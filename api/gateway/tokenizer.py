@@ -156,6 +156,10 @@ class TransformersTokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """As vLLM's engines write text: a fast tokenizer's Rust decoder (a class's own decode, and
+        transformers' clean-up, never run there), a slow tokenizer's decode."""
+        if getattr(self._tokenizer, "is_fast", False):
+            return self._tokenizer.backend_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
@@ -211,21 +215,21 @@ def model_location(model: str | None) -> str:
 
 
 # What the gateway reads of a model on the hub: its tokenizer, chat templates and configs (vLLM's
-# engines fetch the weights themselves), and the tokenizer's own code for a model whose code is
-# trusted. Names where possible: a wide pattern would take in files of other formats in
-# subfolders, which nothing else fetches, and a cache filled by vLLM lacks.
+# engines fetch the weights themselves). Names, not wildcards: a pattern would take in files of
+# other formats in subfolders, which nothing else fetches, and a cache filled by vLLM lacks.
 GATEWAY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt",
                  "merges.txt", "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
-                 "preprocessor_config.json", "processor_config.json", "tokenization_*.py")
+                 "preprocessor_config.json", "processor_config.json")
 
 
-def files_at(location: str, revision: str | None) -> str:
+def files_at(location: str, revision: str | None, code: bool = False) -> str:
     """Where to read the tokenizer, templates and configs of `location` (`model_location`'s) at a
     revision on the hub (vLLM's `--revision`: a branch, tag or commit): its snapshot in the hub
-    cache, fetched without the weights. Offline, what the cache holds of it (a snapshot the hub
-    cache knows to lack some of the files reads as it is: what a tokenizer needs fails clearly
-    when it loads). A directory, or no revision: `location` as it is."""
+    cache, fetched without the weights, with the model's Python modules where its `code` is
+    trusted (a tokenizer's code imports its neighbours). Offline, what the cache holds of it (a
+    snapshot the hub cache knows to lack some of the files reads as it is: what a tokenizer needs
+    fails clearly when it loads). A directory, or no revision: `location` as it is."""
     if revision is None or Path(location).is_dir():
         return location
     from huggingface_hub import constants, snapshot_download
@@ -233,7 +237,8 @@ def files_at(location: str, revision: str | None) -> str:
 
     try:
         # Offline, from the cache alone (for a commit it would otherwise try to fetch what it lacks).
-        snapshot = snapshot_download(location, revision=revision, allow_patterns=list(GATEWAY_FILES),
+        snapshot = snapshot_download(location, revision=revision,
+                                     allow_patterns=[*GATEWAY_FILES, *(["*.py"] if code else [])],
                                      local_files_only=constants.HF_HUB_OFFLINE)
     except IncompleteSnapshotError as exc:
         snapshot = exc.snapshot_path
@@ -265,8 +270,8 @@ def served_tokenizer(model: str, tokenizer: str | None, engine_args: Mapping[str
     with the model's own tokenizer code where they trust it."""
     source = model if tokenizer is None else model_location(tokenizer)
     args = {name.replace("_", "-"): value for name, value in engine_args.items()}
-    files = files_at(source, args.get("tokenizer-revision") or args.get("revision"))
     trusts_code = bool(args.get("trust-remote-code"))
+    files = files_at(source, args.get("tokenizer-revision") or args.get("revision"), trusts_code)
     return ServedTokenizer(source, files, load_tokenizer(files, chat_template, trusts_code), trusts_code)
 
 

@@ -222,11 +222,17 @@ def test_tools_and_tool_calls_render_as_transformers_renders_them(tiny_model, to
     assert tokenizer.render_chat(conversation[:1], tools=None) == reference.render_chat(conversation[:1])
 
 
-SHOUTING = '''from transformers import PreTrainedTokenizerFast
+QUIET = '''from tokenizers import normalizers
+from transformers import PreTrainedTokenizerFast
 
 
-class ShoutingTokenizer(PreTrainedTokenizerFast):
-    """The model's own tokenizer code: its text comes back in capitals."""
+class QuietTokenizer(PreTrainedTokenizerFast):
+    """The model's own tokenizer code: it reads text in lower case, and writes it in capitals
+    where its own decode runs (vLLM's engines never run it: they decode with the Rust tokenizer)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.backend_tokenizer.normalizer = normalizers.Lowercase()
 
     def _decode(self, token_ids, **kwargs):
         return super()._decode(token_ids, **kwargs).upper()
@@ -234,18 +240,53 @@ class ShoutingTokenizer(PreTrainedTokenizerFast):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_the_models_own_tokenizer_code_runs_only_where_it_is_trusted(tiny_model, tmp_path):
-    """vLLM's --trust-remote-code: a model naming tokenizer code of its own (auto_map) gets it, through
-    transformers, as vLLM's engines load it; untrusted, its tokenizer.json is read as it stands."""
+    """vLLM's --trust-remote-code: a model naming tokenizer code of its own (auto_map) is tokenized
+    by it as vLLM loads it, and its text decoded as vLLM's engines decode it (the Rust tokenizer's,
+    never the class's own decode); untrusted, its tokenizer.json is read as it stands. The
+    notebook client trusts it when told to."""
+    from vllm.tokenizers import get_tokenizer
+
+    from llumdask.api.client import LlumdaskClient
+
     model = tmp_path / "own-code"
     shutil.copytree(tiny_model, model)
-    (model / "tokenization_shouting.py").write_text(SHOUTING)
+    (model / "tokenization_quiet.py").write_text(QUIET)
     config = json.loads((model / "tokenizer_config.json").read_text())
-    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_shouting.ShoutingTokenizer"]}
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_quiet.QuietTokenizer"]}
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    ids = load_tokenizer(tiny_model).encode("Hello world", add_special_tokens=False)
-    assert load_tokenizer(model).decode(ids) == "Hello world"
-    assert load_tokenizer(model, trust_remote_code=True).decode(ids) == "HELLO WORLD"
-    served = served_tokenizer(str(model), None, {"trust-remote-code": True})
-    assert served.tokenizer.decode(ids) == "HELLO WORLD"
-    assert served_tokenizer(str(model), None, {"trust_remote_code": False}).tokenizer.decode(ids) == "Hello world"
+    vllms = get_tokenizer(str(model), trust_remote_code=True)
+    expected = vllms.encode("HELLO World", add_special_tokens=False)
+    untrusted, trusted = load_tokenizer(model), load_tokenizer(model, trust_remote_code=True)
+    assert isinstance(trusted, TransformersTokenizer) and isinstance(untrusted, FastTokenizer)
+    assert trusted.encode("HELLO World", add_special_tokens=False) == expected
+    assert untrusted.encode("HELLO World", add_special_tokens=False) != expected
+    decoded = trusted.decode(expected)
+    assert decoded == vllms.backend_tokenizer.decode(expected) and decoded.islower()  # not the class's capitals
+    assert served_tokenizer(str(model), None, {"trust-remote-code": True}).tokenizer.encode(
+        "HELLO World", add_special_tokens=False) == expected
+    assert served_tokenizer(str(model), None, {"trust_remote_code": False}).tokenizer.encode(
+        "HELLO World", add_special_tokens=False) != expected
+    for trust in (True, False):
+        client = LlumdaskClient(None, model=str(model), trust_remote_code=trust)  # its tokenizer needs no cluster
+        assert (client.tokenizer.encode("HELLO World", add_special_tokens=False) == expected) is trust
+
+
+@pytest.mark.parametrize("code", [True, False])
+def test_a_hub_snapshot_takes_the_models_python_modules_only_where_its_code_is_trusted(tmp_path, monkeypatch, code):
+    """A tokenizer's own code imports its neighbours (Kimi's tokenizer its tool declarations): with
+    the code trusted, the snapshot the gateway fetches holds every module of the model's."""
+    import huggingface_hub
+
+    from llumdask.api.gateway.tokenizer import files_at
+
+    asked: list[list[str]] = []
+
+    def snapshot_download(repo_id: str, *, revision: str, allow_patterns: list[str], local_files_only: bool) -> str:
+        asked.append(allow_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert files_at("some-org/tiny", "main", code) == str(tmp_path)
+    assert ("*.py" in asked[0]) is code and "tokenizer.json" in asked[0]
