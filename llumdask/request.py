@@ -124,22 +124,22 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (_is_number(self.temperature) and self.temperature >= 0):
+        if not (is_number(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1: no limit), got {self.top_k!r}")
-        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+        if not (is_number(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):  # vLLM's range
+        if not (is_number(self.repetition_penalty) and self.repetition_penalty > 0):  # vLLM's range
             raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not (_is_number(value) and -2 <= value <= 2):
+            if not (is_number(value) and -2 <= value <= 2):
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
@@ -254,8 +254,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def is_number(value: object) -> bool:
+    """A finite JSON number (an integer past a float's range is none: vLLM reads floats)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _logit_bias(pairs: object) -> tuple[tuple[int, float], ...]:
@@ -267,7 +273,7 @@ def _logit_bias(pairs: object) -> tuple[tuple[int, float], ...]:
         for token, bias in items:
             if isinstance(token, str) and token.isdecimal():
                 token = int(token)
-            if not (_is_int(token) and token >= 0 and _is_number(bias) and -100 <= bias <= 100):
+            if not (_is_int(token) and token >= 0 and is_number(bias) and -100 <= bias <= 100):
                 raise ValueError(f"logit_bias: {token!r} -> {bias!r}")
             out[token] = float(bias)
     except (TypeError, ValueError):

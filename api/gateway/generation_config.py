@@ -12,13 +12,12 @@ request gets the answer ``vllm serve`` would give it, on either engine.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llumdask.request import SamplingParams
+from llumdask.request import SamplingParams, is_number
 
 # The sampling options vLLM's server takes from a generation config, by their request names.
 SAMPLING_DEFAULTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
@@ -44,7 +43,7 @@ class GenerationDefaults:
         if unknown:
             raise ValueError(f"generation defaults for {sorted(unknown)}: only {', '.join(SAMPLING_DEFAULTS)} are taken")
         for name, value in self.sampling.items():
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            if not is_number(value):
                 raise ValueError(f"generation config {name} must be a finite number, got {value!r}")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):

@@ -22,6 +22,9 @@ def check_schema(schema: Any, param: str) -> None:
     if nesting(schema) > MAX_NESTING:
         raise InvalidRequest(f"{param} nests objects and arrays deeper than {MAX_NESTING} levels", param=param,
                              code="invalid_value")
+    if not isinstance(schema.get("$schema", ""), str):
+        raise InvalidRequest(f"{param}.$schema must be the URI of a JSON schema dialect", param=param,
+                             code="invalid_value")
     from jsonschema import SchemaError, validators
 
     try:
@@ -29,6 +32,8 @@ def check_schema(schema: Any, param: str) -> None:
     except SchemaError as exc:
         raise InvalidRequest(f"{param} is not a valid JSON schema: {exc.message}", param=param,
                              code="invalid_value") from None
+    except Exception as exc:  # what jsonschema's own checks let through (a pattern's repeat count past re's)
+        raise InvalidRequest(f"{param} is not a valid JSON schema: {exc}", param=param, code="invalid_value") from None
 
 
 def nesting(value: Any) -> int:

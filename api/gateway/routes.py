@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
@@ -598,11 +599,42 @@ async def read_json(request: Request, limit: int) -> object:
         if len(body) > limit:
             raise RequestTooLarge(limit)
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        parsed = json.loads(body, parse_constant=_reject_constant)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # arrays or objects nested deeper than the parser recurses
         raise InvalidRequest("The request body nests JSON arrays or objects too deeply", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(body):  # only an escape makes one; a pair of them is a character
+        where = _lone_surrogate(parsed)
+        if where is not None:  # (a key may hold it: named with the escape)
+            where = where.encode("utf-8", "backslashreplace").decode("utf-8")
+            raise InvalidRequest(f"{where or 'The request body'} holds a lone surrogate (a \\ud800-\\udfff escape "
+                                 "without its pair), which is no text", param=where or None, code="invalid_value")
+    return parsed
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where in `value` a string (or key) holds half a UTF-16 pair, as a param ('' for the body
+    itself); None where none does."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                path = f"{where}.{key}" if where else str(key)
+                stack.append((child, path))
+                stack.append((key, path))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+    return None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def _reject_constant(name: str) -> None:

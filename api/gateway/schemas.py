@@ -30,7 +30,7 @@ from llumdask.api.gateway.generation_config import GenerationDefaults
 from llumdask.api.gateway.json_schema import check_schema
 from llumdask.api.gateway.repetition import MAX_PATTERN_SIZE, RepetitionDetection
 from llumdask.api.gateway.tools import ToolUse, assistant_calls, parse_tool_use
-from llumdask.request import MAX_LOGPROBS, STRUCTURED_KINDS, Priority, SamplingParams, check_cache_salt
+from llumdask.request import MAX_LOGPROBS, STRUCTURED_KINDS, Priority, SamplingParams, check_cache_salt, is_number
 
 MAX_SEED = (1 << 63) - 1
 # OpenAI's bound on choices per request.
@@ -753,7 +753,7 @@ def _number(body: Mapping[str, Any], name: str, default: float | None, *, minimu
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+    if not is_number(value):
         raise _wrong_type(name, "a number", value)
     if value < minimum or value > maximum or (exclusive_minimum and value == minimum):
         low = "(" if exclusive_minimum else "["

@@ -92,12 +92,12 @@ def parse_tool_use(body: Mapping[str, Any]) -> ToolUse | None:
         raise InvalidRequest("parallel_tool_calls must be a boolean", param="parallel_tool_calls", code="invalid_type")
     if choice is None or choice in TOOL_CHOICES:
         return ToolUse(checked, choice or "auto", None, parallel)
-    if isinstance(choice, str):
-        raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}",
+    if not isinstance(choice, Mapping):
+        raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r:.80}",
                              param="tool_choice", code="invalid_value")
-    function = choice.get("function") if isinstance(choice, Mapping) else None
+    function = choice.get("function")
     name = function.get("name") if isinstance(function, Mapping) else None
-    if choice.get("type") != "function" or not isinstance(name, str):  # type: ignore[union-attr]
+    if choice.get("type") != "function" or not isinstance(name, str):
         raise InvalidRequest("tool_choice must name a function as {'type': 'function', 'function': {'name': ...}}",
                              param="tool_choice", code="invalid_value")
     if name not in names:
@@ -147,7 +147,7 @@ def assistant_calls(calls: Any, param: str) -> list[dict[str, Any]]:
                                  param=where, code="invalid_value")
         try:
             arguments = json.loads(function["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):
             raise InvalidRequest(f"{where}.function.arguments is not JSON", param=f"{where}.function.arguments",
                                  code="invalid_value") from None
         out.append({"id": str(call.get("id", "")), "type": "function",
@@ -424,16 +424,27 @@ class AnswerReading:
                                  '(vLLM\'s parser for the model\'s tool-call syntax); "required" and a named '
                                  "function need none", param="tool_choice", code="unsupported_parameter")
         vllm = await self._load()
-        request = vllm.request(use, include_reasoning, template_kwargs, own or {})
+        # In a thread: vLLM's parsers may compile a request's format with xgrammar, seconds for some.
+        return await asyncio.to_thread(self._reading, vllm, use, count, prompt_ids, template_kwargs,
+                                       include_reasoning, own or {}, own_field)
+
+    def _reading(self, vllm: _Vllm, use: ToolUse | None, count: int, prompt_ids: Sequence[int],
+                 template_kwargs: Mapping[str, Any], include_reasoning: bool, own: Mapping[str, Any],
+                 own_field: str | None) -> Reading:
+        request = vllm.request(use, include_reasoning, template_kwargs, own)
         reads_json = use is not None and use.constrained and vllm.reads_json
         grammar, keep_special, parsers = None, False, [None] * count
         if reads_json:  # the calls are read here; a parser reads only the thinking before them
-            grammar = {"json_schema": vllm.schema(request)}
+            grammar = {"json_schema": vllm.for_tools(lambda: vllm.schema(request))}
             request = request.model_copy(update={"tool_choice": "none"})
         if not reads_json or self.reasoning_parser is not None:
-            parsers = [vllm.parser(request, template_kwargs) for _ in range(count)]
+            try:
+                parsers = [vllm.parser(request, template_kwargs) for _ in range(count)]
+            except (TypeError, ValueError) as exc:  # a parser that reads the template's switches (enable_thinking)
+                raise InvalidRequest(f"vLLM's parser cannot read chat_template_kwargs: {exc}",
+                                     param="chat_template_kwargs", code="invalid_value") from None
             # (A format vLLM cannot fold into the tools' tag is left as it is, as vLLM leaves it.)
-            adjusted = parsers[0].adjust_request(request.model_copy())
+            adjusted = vllm.for_tools(lambda: parsers[0].adjust_request(request.model_copy()))
             keep_special = not adjusted.skip_special_tokens
             if not reads_json:  # vLLM's parser constrains the calls in the model's syntax, and reads the adjusted request
                 grammar, request = vllm.grammar(adjusted, request), adjusted
@@ -470,11 +481,13 @@ class _Vllm:
     def __init__(self, model: str | None, parser: str | None, reasoning_parser: str | None,
                  tool_strict_level: str, trust_remote_code: bool) -> None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.exceptions import VLLMValidationError
         from vllm.renderers.chat_utils import make_tool_call_id
         from vllm.sampling_params import StructuredOutputsParams
         from vllm.tool_parsers.utils import get_json_schema_from_tools
 
         self._request_type = ChatCompletionRequest
+        self._refusals = (ValueError, VLLMValidationError)
         self._outputs_type = StructuredOutputsParams
         self._derive = get_json_schema_from_tools
         self.new_id = make_tool_call_id
@@ -516,6 +529,14 @@ class _Vllm:
         if isinstance(fields["json_schema"], dict):
             fields["json_schema"] = json.dumps(fields["json_schema"])
         return {k: tuple(v) if k == "choice" else v for k, v in fields.items() if v not in (None, False)}
+
+    def for_tools(self, derive: Any) -> Any:
+        """`derive()`, vLLM's grammar for a request's tools; a 400 naming them where vLLM refuses
+        them (two tools defining one $defs entry differently)."""
+        try:
+            return derive()
+        except self._refusals as exc:
+            raise InvalidRequest(f"tools: {exc}", param="tools", code="invalid_value") from None
 
     def schema(self, request: Any) -> str:
         return json.dumps(self._derive(request.tool_choice, request.tools, request.parallel_tool_calls))

@@ -326,6 +326,21 @@ def test_with_parallel_calls_off_only_the_first_call_the_parser_reads_is_answere
         assert [c["name"] for c in tool_deltas(sse_payloads(chat(client, stream=True, **body))).values()] == names
 
 
+@pytest.mark.parametrize("tool_parser", [None, "xlam"])
+def test_tools_vllm_refuses_and_template_switches_its_parser_cannot_read_are_400(thinking, backend, tool_parser):
+    """What vLLM's schema derivation and parsers refuse is a 400 naming the field, not a failure
+    here: two tools defining one $defs entry differently; an enable_thinking Qwen3's parser cannot
+    read."""
+    client = thinking(tool_parser=tool_parser, engines_reason=True)
+    defining = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "$defs": {
+        "A": {"type": kind}}}}} for name, kind in (("a", "string"), ("b", "integer"))]
+    error = chat(client, tools=defining, tool_choice="required").json()["error"]
+    assert error["param"] == "tools" and "multiple schemas" in error["message"]
+    error = chat(client, chat_template_kwargs={"enable_thinking": {"a": 1}}).json()["error"]
+    assert error["param"] == "chat_template_kwargs" and "parser" in error["message"]
+    assert backend.submitted == []
+
+
 def test_a_named_call_cut_off_in_the_thinking_still_opens_its_call(thinking, backend, tokenizer):
     """Cut off by max_tokens before the thinking ended: the named function's call comes, with no
     arguments, as it does when cut off before its first argument without a reasoning parser."""

@@ -19,6 +19,7 @@ def _nested(levels: int) -> dict:
 
 
 DEEP = _nested(70)  # vLLM refuses schemas nested past 64 levels
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
 def ok(**fields):
@@ -170,6 +171,19 @@ CASES = [
      400, "invalid_value", "response_format.json_schema.schema", "not a valid JSON schema"),
     ("chat too long", CHAT, chat(max_completion_tokens=MAX_CONTEXT), 400, "context_length_exceeded",
      "max_tokens", "maximum context length"),
+    # Integers past a float's range are no numbers (vLLM reads floats).
+    ("temperature past a float", C, ok(temperature=10**400), 400, "invalid_type", "temperature", "number"),
+    ("penalty past a float", C, ok(frequency_penalty=-10**400), 400, "invalid_value", "frequency_penalty", "[-2, 2]"),
+    ("logit bias past a float", C, ok(logit_bias={"5": 10**400}), 400, "invalid_value", "logit_bias", "[-100, 100]"),
+    ("tool_choice neither text nor object", CHAT, chat(tools=[WEATHER], tool_choice=True), 400, "invalid_value",
+     "tool_choice", "'none', 'auto', 'required' or a function"),
+    ("schema dialect not text", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$schema": 5}}}), 400, "invalid_value", "response_format.json_schema.schema", "$schema"),
+    ("pattern repeat past re's", CHAT, chat(structured_outputs={"json": {"type": "string", "pattern": "a{4294967296}"}}),
+     400, "invalid_value", "structured_outputs.json", "not a valid JSON schema"),
+    ("tool call arguments nested past the parser", CHAT, chat(messages=[*USER, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[" * 3000}}]}]), 400, "invalid_value",
+     "messages[1].tool_calls[0].function.arguments", "not JSON"),
 ]
 
 
@@ -185,14 +199,27 @@ def test_bad_input(client, backend, path, body, status, code, param, words):
     assert backend.submitted == []  # refused before anything reached the cluster
 
 
-@pytest.mark.parametrize("field, value", [("regex", "a\ud800"), ("choice", ["yes", "\udfff"]),
-                                          ("grammar", 'root ::= "\ud800"')])
-def test_a_lone_surrogate_in_a_grammar_is_400(client, backend, field, value):
-    """JSON escapes may spell half a UTF-16 pair, which no comm can carry: refused here, not failed there."""
-    body = json.dumps(ok(structured_outputs={field: value})).encode("ascii")  # \ud800 escaped, as clients send it
-    r = client.post(C, content=body, headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == f"structured_outputs.{field}", r.text
-    assert "of text" in r.json()["error"]["message"] and backend.submitted == []
+@pytest.mark.parametrize("path, body, param", [
+    (C, ok(structured_outputs={"regex": "a\ud800"}), "structured_outputs.regex"),
+    (C, ok(structured_outputs={"choice": ["yes", "\udfff"]}), "structured_outputs.choice[1]"),
+    (C, ok(structured_outputs={"grammar": 'root ::= "\ud800"'}), "structured_outputs.grammar"),
+    (C, ok(prompt="\ud800"), "prompt"),
+    ("/tokenize", {"prompt": "a\udc00"}, "prompt"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]),
+     "messages[0].content[0].text"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "description": "\ud800"}}]),
+     "tools[0].function.description"),
+    (CHAT, chat(metadata={"\ud800": "x"}), r"metadata.\ud800"),
+], ids=["regex", "choice", "grammar", "prompt", "tokenize", "content part", "tool description", "key"])
+def test_a_lone_surrogate_anywhere_is_400_naming_where(client, backend, path, body, param):
+    """JSON escapes may spell half a UTF-16 pair, which is no text: no tokenizer takes it and no comm
+    can carry it. Refused as the body is read, naming where it is; a whole pair is a character."""
+    raw = json.dumps(body).encode("ascii")  # \ud800 escaped, as clients send it
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "lone surrogate" in r.json()["error"]["message"] and backend.submitted == []
+    emoji = json.dumps(ok(prompt="\U0001f600")).encode("ascii")  # \ud83d\ude00: a pair
+    assert client.post(C, content=emoji, headers={"content-type": "application/json"}).status_code == 200
 
 
 @pytest.mark.parametrize("raw", [b"{", b"{'a': 1}", b"", b"\xff\xfe", b'{"model": NaN}', b"[" * 200_000,
