@@ -599,42 +599,58 @@ async def read_json(request: Request, limit: int) -> object:
         if len(body) > limit:
             raise RequestTooLarge(limit)
     try:
-        parsed = json.loads(body, parse_constant=_reject_constant)
+        # RFC 8259: JSON exchanged is UTF-8. Decoded strictly here (json.loads of bytes would take
+        # UTF-16 and UTF-32 too, and let encoded surrogates through).
+        text = bytes(body).decode("utf-8")
+        parsed = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # arrays or objects nested deeper than the parser recurses
         raise InvalidRequest("The request body nests JSON arrays or objects too deeply", code="invalid_json") from None
-    if _SURROGATE_ESCAPE.search(body):  # only an escape makes one; a pair of them is a character
-        where = _lone_surrogate(parsed)
-        if where is not None:  # (a key may hold it: named with the escape)
-            where = where.encode("utf-8", "backslashreplace").decode("utf-8")
-            raise InvalidRequest(f"{where or 'The request body'} holds a lone surrogate (a \\ud800-\\udfff escape "
-                                 "without its pair), which is no text", param=where or None, code="invalid_value")
+    if _SURROGATE_ESCAPE.search(text) and not _is_text(parsed):  # only an escape makes one now
+        where = _lone_surrogate(parsed).encode("utf-8", "backslashreplace").decode("utf-8")  # a key may hold it
+        raise InvalidRequest(f"{where or 'The request body'} holds a lone surrogate (a \\ud800-\\udfff escape "
+                             "without its pair), which is no text", param=where or None, code="invalid_value")
     return parsed
+
+
+def _is_text(parsed: Any) -> bool:
+    """Whether every string of a parsed body (keys too) is text: no half of a UTF-16 pair."""
+    try:
+        json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    except RecursionError:  # as deep as the parser allowed: the string check alone
+        return _lone_surrogate(parsed) is None
+    return True
 
 
 def _lone_surrogate(value: Any) -> str | None:
     """Where in `value` a string (or key) holds half a UTF-16 pair, as a param ('' for the body
-    itself); None where none does."""
-    stack: list[tuple[Any, str]] = [(value, "")]
+    itself); None where none does. Each node keeps only its parent and its step; the path is
+    written for the one found."""
+    stack: list[tuple[Any, tuple | None]] = [(value, None)]
     while stack:
-        item, where = stack.pop()
+        item, at = stack.pop()
         if isinstance(item, str):
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
-                return where
+                steps = []
+                while at is not None:
+                    at, step = at
+                    steps.append(step)
+                return "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in reversed(steps)).lstrip(".")
         elif isinstance(item, dict):
             for key, child in item.items():
-                path = f"{where}.{key}" if where else str(key)
-                stack.append((child, path))
-                stack.append((key, path))
+                stack.append((child, (at, key)))
+                stack.append((key, (at, key)))
         elif isinstance(item, list):
-            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+            stack.extend((child, (at, i)) for i, child in enumerate(item))
     return None
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def _reject_constant(name: str) -> None:

@@ -197,10 +197,10 @@ def load_tokenizer(name_or_path: str | Path, chat_template: str | Path | None = 
 
 
 def _has_tokenizer_code(directory: Path) -> bool:
-    """Whether a model directory names tokenizer code of its own, where transformers looks for it
-    (the tokenizer config's auto_map, older ones a list; else the model config's)."""
-    maps = [_read_json(directory / config).get("auto_map") for config in ("tokenizer_config.json", "config.json")]
-    return any(isinstance(m, list) or (isinstance(m, dict) and "AutoTokenizer" in m) for m in maps)
+    """Whether a model directory names tokenizer code of its own where transformers' AutoTokenizer
+    looks for it: the tokenizer config's auto_map (older ones a list)."""
+    auto_map = _read_json(directory / "tokenizer_config.json").get("auto_map")
+    return isinstance(auto_map, list) or (isinstance(auto_map, dict) and "AutoTokenizer" in auto_map)
 
 
 def model_location(model: str | None) -> str:

@@ -441,8 +441,9 @@ class AnswerReading:
             try:
                 parsers = [vllm.parser(request, template_kwargs) for _ in range(count)]
             except (TypeError, ValueError) as exc:  # a parser that reads the template's switches (enable_thinking)
-                raise InvalidRequest(f"vLLM's parser cannot read chat_template_kwargs: {exc}",
-                                     param="chat_template_kwargs", code="invalid_value") from None
+                raise InvalidRequest(f"vLLM's parser cannot read the template's switches (chat_template_kwargs, "
+                                     f"reasoning_effort): {exc}", param="chat_template_kwargs",
+                                     code="invalid_value") from None
             # (A format vLLM cannot fold into the tools' tag is left as it is, as vLLM leaves it.)
             adjusted = vllm.for_tools(lambda: parsers[0].adjust_request(request.model_copy()))
             keep_special = not adjusted.skip_special_tokens
@@ -531,12 +532,13 @@ class _Vllm:
         return {k: tuple(v) if k == "choice" else v for k, v in fields.items() if v not in (None, False)}
 
     def for_tools(self, derive: Any) -> Any:
-        """`derive()`, vLLM's grammar for a request's tools; a 400 naming them where vLLM refuses
-        them (two tools defining one $defs entry differently)."""
+        """`derive()`, vLLM's grammar for a request's tools; a 400 naming the field vLLM names where
+        it refuses them (two tools defining one $defs entry differently), else the tools."""
         try:
             return derive()
         except self._refusals as exc:
-            raise InvalidRequest(f"tools: {exc}", param="tools", code="invalid_value") from None
+            param = getattr(exc, "parameter", None) or "tools"
+            raise InvalidRequest(f"{param}: {exc}", param=param, code="invalid_value") from None
 
     def schema(self, request: Any) -> str:
         return json.dumps(self._derive(request.tool_choice, request.tools, request.parallel_tool_calls))

@@ -210,7 +210,8 @@ def test_bad_input(client, backend, path, body, status, code, param, words):
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "description": "\ud800"}}]),
      "tools[0].function.description"),
     (CHAT, chat(metadata={"\ud800": "x"}), r"metadata.\ud800"),
-], ids=["regex", "choice", "grammar", "prompt", "tokenize", "content part", "tool description", "key"])
+    (CHAT, chat(metadata={"a": [[0, {"b": "\udc00"}]]}), "metadata.a[0][1].b"),
+], ids=["regex", "choice", "grammar", "prompt", "tokenize", "content part", "tool description", "key", "nested"])
 def test_a_lone_surrogate_anywhere_is_400_naming_where(client, backend, path, body, param):
     """JSON escapes may spell half a UTF-16 pair, which is no text: no tokenizer takes it and no comm
     can carry it. Refused as the body is read, naming where it is; a whole pair is a character."""
@@ -220,6 +221,17 @@ def test_a_lone_surrogate_anywhere_is_400_naming_where(client, backend, path, bo
     assert "lone surrogate" in r.json()["error"]["message"] and backend.submitted == []
     emoji = json.dumps(ok(prompt="\U0001f600")).encode("ascii")  # \ud83d\ude00: a pair
     assert client.post(C, content=emoji, headers={"content-type": "application/json"}).status_code == 200
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "tiny-test", "prompt": "a\xed\xa0\x80"}',
+                                 '{"model": "tiny-test", "prompt": "a"}'.encode("utf-16"),
+                                 '{"model": "tiny-test", "prompt": "a"}'.encode("utf-32")],
+                         ids=["a surrogate encoded in UTF-8", "UTF-16", "UTF-32"])
+def test_a_body_is_utf_8(client, backend, raw):
+    """RFC 8259: JSON exchanged is UTF-8, strictly (no encoded surrogates, which no tokenizer takes)."""
+    r = client.post(C, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert backend.submitted == []
 
 
 @pytest.mark.parametrize("raw", [b"{", b"{'a': 1}", b"", b"\xff\xfe", b'{"model": NaN}', b"[" * 200_000,
