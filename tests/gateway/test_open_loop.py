@@ -47,9 +47,10 @@ def test_requests_arrive_on_schedule_however_slow_the_server(backend, tokenizer)
     with served(create_app(backend.open, tokenizer, GatewayConfig())) as url:
         runs = [asyncio.run(level.run(url, work, seconds=seconds, settle=settle, first_number=7)) for _ in range(2)]
     # The requests go out at the times their numbers drew (the same in both runs), not when an
-    # earlier one was answered: answered one after another, the 0.4 s answers would put most of them
-    # seconds behind. The median, and the last send's bound, leave a loaded machine's event-loop
-    # stalls (up to 0.45 s seen in a full suite) their room.
+    # earlier one was answered: answered one after another, the 0.4 s answers would put the median
+    # request about 5 s behind (0.35 s more per request). The median's bound, a tenth of that, and
+    # the last send's leave a loaded machine's event-loop stalls (up to 0.9 s seen in a full suite,
+    # delaying every send due meanwhile) their room.
     drawn = arrivals_within(np.random.default_rng(7), level.rate, settle + seconds)
     for run in runs:
         assert not run.errors
@@ -59,7 +60,7 @@ def test_requests_arrive_on_schedule_however_slow_the_server(backend, tokenizer)
         assert max(sent) < settle + seconds + 1.0
         assert all(s.end - s.start >= 0.35 for s in run.samples)
         assert len(sent) == len(drawn)
-        assert float(np.median([abs(a - b) for a, b in zip(sent, drawn)])) < 0.1
+        assert float(np.median([abs(a - b) for a, b in zip(sent, drawn)])) < 0.5
     summary = row(level.rate, runs)
     assert summary["successful"] > 0 and summary["decoding_mean"] > 1  # several decode at once
     assert str(level) == "20 requests/s" and str(Level(streams=3)) == "3 streams"
