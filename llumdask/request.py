@@ -151,7 +151,7 @@ class SamplingParams:
             if len(getattr(self, name)) > MAX_TOKEN_LIST:
                 raise ValueError(f"{name} may name at most {MAX_TOKEN_LIST} tokens, got {len(getattr(self, name))}")
         if not isinstance(self.bad_words, (list, tuple)) or not all(
-                isinstance(w, str) and w.strip() and _is_text(w) for w in self.bad_words):
+                isinstance(w, str) and w.strip() and is_text(w) for w in self.bad_words):
             raise ValueError(f"bad_words must be a list of words (non-empty text), got {self.bad_words!r:.80}")
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if self.min_tokens and len(self.stop_token_ids) > MAX_MASKED_STOPS:
@@ -160,7 +160,7 @@ class SamplingParams:
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str) or not isinstance(_json_or_none(self.json_schema), dict):
                 raise ValueError(f"json_schema must be the JSON text of a schema object, got {self.json_schema!r:.80}")
-        if self.structural_tag is not None and not (isinstance(self.structural_tag, str) and _is_text(self.structural_tag)
+        if self.structural_tag is not None and not (isinstance(self.structural_tag, str) and is_text(self.structural_tag)
                                                     and isinstance(_json_or_none(self.structural_tag), dict)):
             raise ValueError(f"structural_tag must be the JSON text of a structural tag object, got "
                              f"{self.structural_tag!r:.80}")
@@ -178,9 +178,9 @@ class SamplingParams:
                              f"{self.thinking_token_budget!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, str) and value and _is_text(value)):
+            if value is not None and not (isinstance(value, str) and value and is_text(value)):
                 raise ValueError(f"{name} must be a non-empty string of text, got {value!r:.80}")
-        if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) and _is_text(c) for c in self.choice):
+        if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) and is_text(c) for c in self.choice):
             raise ValueError(f"choice must be a list of strings of text, got {self.choice!r:.80}")
         object.__setattr__(self, "choice", tuple(self.choice))
         kinds = self.structured_kinds
@@ -234,7 +234,7 @@ def _token_ids(values: object, name: str) -> tuple[int, ...]:
     return ids
 
 
-def _is_text(value: str) -> bool:
+def is_text(value: str) -> bool:
     """Encodable as UTF-8 (no lone surrogate), as every string that crosses comms must be."""
     try:
         value.encode("utf-8")
@@ -396,7 +396,7 @@ def check_cache_salt(cache_salt: Any) -> None:
     if len(cache_salt) > MAX_CACHE_SALT_LENGTH or not _CACHE_SALT_FORBIDDEN.isdisjoint(cache_salt):
         raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_LENGTH} characters and must not contain "
                          "'@', '/', '\\' or NUL")
-    if not _is_text(cache_salt):
+    if not is_text(cache_salt):
         raise ValueError("cache_salt must be valid Unicode text (it has a lone surrogate)")
 
 

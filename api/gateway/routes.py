@@ -52,7 +52,7 @@ from llumdask.api.gateway.tokenizer import ChatTemplateError, Tokenizer, named_s
 from llumdask.api.gateway.tools import AnswerReader, AnswerReading, Piece
 from llumdask.config import GatewayConfig
 from llumdask.engine.base import TokenLogprob
-from llumdask.request import STRUCTURED_KINDS, Priority, SamplingParams, new_request_id
+from llumdask.request import STRUCTURED_KINDS, Priority, SamplingParams, is_text, new_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -607,14 +607,14 @@ async def read_json(request: Request, limit: int) -> object:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # arrays or objects nested deeper than the parser recurses
         raise InvalidRequest("The request body nests JSON arrays or objects too deeply", code="invalid_json") from None
-    if _SURROGATE_ESCAPE.search(text) and not _is_text(parsed):  # only an escape makes one now
+    if _SURROGATE_ESCAPE.search(text) and not _all_text(parsed):  # only an escape makes one now
         where = _lone_surrogate(parsed).encode("utf-8", "backslashreplace").decode("utf-8")  # a key may hold it
         raise InvalidRequest(f"{where or 'The request body'} holds a lone surrogate (a \\ud800-\\udfff escape "
                              "without its pair), which is no text", param=where or None, code="invalid_value")
     return parsed
 
 
-def _is_text(parsed: Any) -> bool:
+def _all_text(parsed: Any) -> bool:
     """Whether every string of a parsed body (keys too) is text: no half of a UTF-16 pair."""
     try:
         json.dumps(parsed, ensure_ascii=False).encode("utf-8")
@@ -633,9 +633,7 @@ def _lone_surrogate(value: Any) -> str | None:
     while stack:
         item, at = stack.pop()
         if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
+            if not is_text(item):
                 steps = []
                 while at is not None:
                     at, step = at

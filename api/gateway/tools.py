@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.api.gateway.json_schema import check_schema
+from llumdask.request import SamplingParams
 
 TOOL_CHOICES = ("none", "auto", "required")
 # vLLM's --tool-strict-level: what its parsers' structural tags constrain at least (auto: the
@@ -458,8 +459,8 @@ class AnswerReading:
                                  else "tools" if grammar is not None else own_field,
                                  code="unsupported_parameter")
         return Reading(grammar, structured, keep_special, [
-            AnswerReader(use, p, request, vllm.new_id, prompt_ids, self.parser is not None, structured or reads_json,
-                         reads_json) for p in parsers])
+            AnswerReader(use, p, request, vllm.new_id, prompt_ids, self.parser is not None, structured, reads_json)
+            for p in parsers])
 
     async def _load(self) -> _Vllm:
         if self._vllm is None:
@@ -484,12 +485,13 @@ class _Vllm:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.exceptions import VLLMValidationError
         from vllm.renderers.chat_utils import make_tool_call_id
-        from vllm.sampling_params import StructuredOutputsParams
         from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+        from llumdask.engine.vllm.engine import structured_outputs
 
         self._request_type = ChatCompletionRequest
         self._refusals = (ValueError, VLLMValidationError)
-        self._outputs_type = StructuredOutputsParams
+        self._structured_outputs = structured_outputs
         self._derive = get_json_schema_from_tools
         self.new_id = make_tool_call_id
         self._tokenizer = None
@@ -516,8 +518,8 @@ class _Vllm:
                                      chat_template_kwargs=dict(template_kwargs) or None, **tools)
         if not own:
             return request
-        return request.model_copy(update={"structured_outputs": self._outputs_type(
-            **{_VLLM_FIELDS.get(k, k): list(v) if k == "choice" else v for k, v in own.items()})})
+        # As the instances' engine adapter hands it to vLLM.
+        return request.model_copy(update={"structured_outputs": self._structured_outputs(SamplingParams(**own))})
 
     @staticmethod
     def grammar(adjusted: Any, request: Any) -> dict[str, Any] | None:
@@ -548,8 +550,7 @@ class _Vllm:
         return self._parser_type(self._tokenizer, request.tools, chat_template_kwargs=dict(template_kwargs))
 
 
-# SamplingParams' structured-output fields by vLLM's StructuredOutputsParams' names, and back.
-_VLLM_FIELDS = {"json_schema": "json"}
+# SamplingParams' structured-output fields and vLLM's StructuredOutputsParams' names for them.
 _OUR_FIELDS = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
                "grammar": "grammar", "structural_tag": "structural_tag"}
 
