@@ -44,10 +44,11 @@ daemons:
 	  echo "no sshd or SLURM here (Debian's openssh-server, slurmctld, slurmd, munge): the SSH and SLURM tests will be skipped"
 
 # Test files run side by side on TEST_WORKERS processes (pytest-xdist), each file whole on one of
-# them: a file's shared engines and clusters start once. Each worker may hold a vLLM engine and a
+# them: a file's shared engines and clusters start once. Files go out in collection order, which
+# tests/conftest.py makes heaviest first. Each worker may hold a vLLM engine and a
 # local cluster at once, so raise it only with the cores and memory to match.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP) browser daemons
 	$(PYTEST)
