@@ -341,6 +341,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from llumdask.api.gateway.dask_backend import DaskBackend
     from llumdask.api.gateway.generation_config import default_source, read_generation_config
     from llumdask.api.gateway.tokenizer import files_at, model_location, served_tokenizer
+    from llumdask.api.gateway.parser_model import parser_model_config
     from llumdask.api.gateway.tools import AnswerReading, parser_class
 
     if args.config is not None:
@@ -352,11 +353,12 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         configured_model = model
     # The engine options as the instances get them: the config's, then the command line's.
     configured = {k.replace("_", "-"): v for k, v in load_config().vllm_engine.engine_args.items()}
-    effective = {**configured, **engine_args}
+    effective = {k.replace("_", "-"): v for k, v in {**configured, **engine_args}.items()}
     served = served_tokenizer(model, args.tokenizer or effective.get("tokenizer"), effective, args.chat_template)
     tokenizer = served.tokenizer
-    # The model's own files (context, generation config) at the revision its instances load.
-    model_files = files_at(model, effective.get("revision"))
+    # The model's own files (context, generation config, the config vLLM's parsers read) at the
+    # revision its instances load.
+    model_files = files_at(model, effective.get("revision"), served.trusts_code)
     max_context = args.max_model_len or declared_context(model_files)
     if max_context is None:
         raise ValueError(f"{model} declares no context length; pass --max-model-len")
@@ -384,6 +386,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                 parser_class(settings.tool_call_parser, settings.reasoning_parser,
                              get_tokenizer(served.files, trust_remote_code=served.trusts_code), served.files,
                              settings.tool_strict_level)
+                parser_model_config(model_files, served.trusts_code, effective.get("hf-overrides"))
             except ImportError as exc:
                 raise ValueError(f"{' and '.join(parsers)}: vLLM is needed where the gateway runs: {exc}") from None
         engine, check = pick_engine(args.engine, checked) if checked else ("sim", None)
@@ -433,7 +436,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             tokenizer, settings, AnswerReading(served.files, settings.tool_call_parser, engine,
                                                settings.reasoning_parser, engines_reason=engine == "vllm",
                                                tool_strict_level=settings.tool_strict_level,
-                                               trust_remote_code=served.trusts_code), generation)
+                                               trust_remote_code=served.trusts_code, model_files=model_files,
+                                               hf_overrides=effective.get("hf-overrides")), generation)
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)

@@ -51,3 +51,12 @@ def with_fim_tokens(model: Path, target: Path) -> Path:
                               "normalized": False, "special": True} for i, token in zip(ids, FIM)]
     (target / "tokenizer.json").write_text(json.dumps(spec))
     return target
+
+
+def with_model_type(model: Path, target: Path, model_type: str) -> Path:
+    """`model` copied to `target` with its config naming another model type (a family vLLM treats
+    apart by its type, as Kimi's); the weights and tokenizer stay the tiny model's."""
+    shutil.copytree(model, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    return target

@@ -142,7 +142,7 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
     if answers.reads(use):
         own = {k: v for k, v in options.sampling.items() if k in STRUCTURED_KINDS}
         reading = await answers.readers(use, options.best_of, prompt_ids, parsed.rendering.variables,
-                                        parsed.include_reasoning, own, options.structured_field)
+                                        parsed.include_reasoning, own, options.structured_field, parsed.messages)
         readers = reading.readers
         if reading.grammar is not None and options.use_beam_search:  # each step would start the grammar over
             raise InvalidRequest("beam search does not apply the grammar vLLM's tool-call parser puts on this "

@@ -24,14 +24,16 @@ that needs them (about ten seconds), so a gateway that never sees one never pays
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.api.gateway.json_schema import check_schema
+from llumdask.api.gateway.parser_model import parser_model_config
 from llumdask.request import SamplingParams
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -208,9 +210,12 @@ class AnswerReader:
     tool-call parser; with "none" or no tools, an engine-based one still takes its markup out of
     the content)."""
 
-    def __init__(self, use: ToolUse | None, parser: Any, request: Any, new_id: Any, prompt_ids: Sequence[int],
-                 auto_tools: bool = False, structured: bool = False, reads_json: bool = False) -> None:
+    def __init__(self, use: ToolUse | None, parser: Any, request: Any, new_id: Callable[[str | None], str],
+                 prompt_ids: Sequence[int], auto_tools: bool = False, structured: bool = False,
+                 reads_json: bool = False) -> None:
         """`parser`: vLLM's composed parser (with `reads_json`, one reading only the thinking, or None);
+        `new_id(name)`: the id of a call of `name` read here from JSON (None: one the parser read
+        without an id);
         `auto_tools`: the gateway reads calls in the model's syntax (vLLM's enable_auto_tools);
         `structured`: a grammar holds the answer from where the thinking ends."""
         self._use = use
@@ -243,7 +248,7 @@ class AnswerReader:
             reasoning = reasoning if self._request.include_reasoning else None
             if self._reads_json:  # only the thinking was read: the calls are what follows it
                 return Answer(None, self._constrained_calls(content or ""), reasoning)
-            calls = tuple({"id": getattr(c, "id", None) or self._new_id(), "type": "function",
+            calls = tuple({"id": getattr(c, "id", None) or self._new_id(None), "type": "function",
                            "function": {"name": c.name, "arguments": c.arguments}} for c in found or ())
             calls = calls[:1] if self._one_call else calls
             self._made_calls = bool(calls)
@@ -315,7 +320,7 @@ class AnswerReader:
         if not text and not (first and (opening or not self._thinks)):
             return Piece()
         if first:
-            self._named_id = self._new_id()
+            self._named_id = self._new_id(self._use.function)  # type: ignore[union-attr]
         return Piece(calls=(ToolCallDelta(0, self._named_id if first else None,
                                           self._use.function if first else None, text),))  # type: ignore[union-attr]
 
@@ -344,7 +349,7 @@ class AnswerReader:
         return reason
 
     def _call(self, name: str | None, arguments: str) -> dict[str, Any]:
-        return {"id": self._new_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+        return {"id": self._new_id(name), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _json_calls(text: str) -> list[dict[str, Any]]:
@@ -378,8 +383,11 @@ class AnswerReading:
 
     def __init__(self, model: str | None = None, parser: str | None = None, engine: str | None = None,
                  reasoning_parser: str | None = None, engines_reason: bool = False,
-                 tool_strict_level: str = "auto", trust_remote_code: bool = False) -> None:
+                 tool_strict_level: str = "auto", trust_remote_code: bool = False,
+                 model_files: str | None = None, hf_overrides: Mapping[str, Any] | None = None) -> None:
         """`model`: where the served model's tokenizer is (a parser reads its vocabulary);
+        `model_files`: where its config is (`model` if None; a parser reads its model type and
+        architecture, with the instances' `hf_overrides`, as `parser_model_config`);
         `engine`: the cluster's engine when known ("sim" models no tools); `engines_reason`: the
         instances were started with the reasoning parser too, so they apply a structured output's
         grammar only once the thinking ends (as `vllm serve`'s engine); `tool_strict_level`:
@@ -394,6 +402,8 @@ class AnswerReading:
         self.parser = parser
         self.tool_strict_level = tool_strict_level
         self.trust_remote_code = trust_remote_code
+        self.model_files = model if model_files is None else model_files
+        self.hf_overrides = hf_overrides
         self.reasoning_parser = reasoning_parser
         self.engines_reason = engines_reason
         self.engine = engine
@@ -411,8 +421,10 @@ class AnswerReading:
 
     async def readers(self, use: ToolUse | None, count: int, prompt_ids: Sequence[int],
                       template_kwargs: Mapping[str, Any], include_reasoning: bool = True,
-                      own: Mapping[str, Any] | None = None, own_field: str | None = None) -> Reading:
+                      own: Mapping[str, Any] | None = None, own_field: str | None = None,
+                      messages: Sequence[Mapping[str, Any]] = ()) -> Reading:
         """How a chat's answers are constrained and read; 400 when the request cannot be served here.
+        `messages`: the conversation (Kimi's call ids count the calls in it);
         `template_kwargs`: what the prompt was rendered with (a parser reads whether thinking is on);
         `own`: the request's own structured output as SamplingParams' fields, from the body's field
         `own_field` (vLLM's parsers may widen it to "calls or the format")."""
@@ -427,12 +439,12 @@ class AnswerReading:
         vllm = await self._load()
         # In a thread: vLLM's parsers may compile a request's format with xgrammar, seconds for some.
         return await asyncio.to_thread(self._reading, vllm, use, count, prompt_ids, template_kwargs,
-                                       include_reasoning, own or {}, own_field)
+                                       include_reasoning, own or {}, own_field, messages)
 
     def _reading(self, vllm: _Vllm, use: ToolUse | None, count: int, prompt_ids: Sequence[int],
                  template_kwargs: Mapping[str, Any], include_reasoning: bool, own: Mapping[str, Any],
-                 own_field: str | None) -> Reading:
-        request = vllm.request(use, include_reasoning, template_kwargs, own)
+                 own_field: str | None, messages: Sequence[Mapping[str, Any]]) -> Reading:
+        request = vllm.request(use, include_reasoning, template_kwargs, own, messages)
         reads_json = use is not None and use.constrained and vllm.reads_json
         grammar, keep_special, parsers = None, False, [None] * count
         if reads_json:  # the calls are read here; a parser reads only the thinking before them
@@ -459,7 +471,8 @@ class AnswerReading:
                                  else "tools" if grammar is not None else own_field,
                                  code="unsupported_parameter")
         return Reading(grammar, structured, keep_special, [
-            AnswerReader(use, p, request, vllm.new_id, prompt_ids, self.parser is not None, structured, reads_json)
+            AnswerReader(use, p, request, vllm.call_ids(request), prompt_ids, self.parser is not None, structured,
+                         reads_json)
             for p in parsers])
 
     async def _load(self) -> _Vllm:
@@ -470,7 +483,8 @@ class AnswerReading:
                 if self._vllm is None:
                     try:
                         self._vllm = await asyncio.to_thread(_Vllm, self.model, self.parser, self.reasoning_parser,
-                                                             self.tool_strict_level, self.trust_remote_code)
+                                                             self.tool_strict_level, self.trust_remote_code,
+                                                             self.model_files, self.hf_overrides)
                     except ImportError as exc:
                         raise InvalidRequest(f"tools and reasoning need vLLM installed where the gateway runs: {exc}",
                                              param="tools", code="unsupported_parameter") from None
@@ -481,10 +495,12 @@ class _Vllm:
     """vLLM's pieces, imported once."""
 
     def __init__(self, model: str | None, parser: str | None, reasoning_parser: str | None,
-                 tool_strict_level: str, trust_remote_code: bool) -> None:
+                 tool_strict_level: str, trust_remote_code: bool, model_files: str | None = None,
+                 hf_overrides: Mapping[str, Any] | None = None) -> None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.exceptions import VLLMValidationError
-        from vllm.renderers.chat_utils import make_tool_call_id
+        from vllm.parser.utils import count_history_tool_calls
+        from vllm.renderers.chat_utils import get_tool_call_id_type, make_tool_call_id
         from vllm.tool_parsers.utils import get_json_schema_from_tools
 
         from llumdask.engine.vllm.engine import structured_outputs
@@ -493,33 +509,48 @@ class _Vllm:
         self._refusals = (ValueError, VLLMValidationError)
         self._structured_outputs = structured_outputs
         self._derive = get_json_schema_from_tools
-        self.new_id = make_tool_call_id
+        self._new_id = make_tool_call_id
+        self._history_calls = count_history_tool_calls
         self._tokenizer = None
         self._parser_type = None  # vLLM's parser class composed of both, as `vllm serve` composes it
+        self._model_config = None
         if parser is not None or reasoning_parser is not None:
             from vllm.tokenizers import get_tokenizer
 
             self._tokenizer = get_tokenizer(model, trust_remote_code=trust_remote_code)
             self._parser_type = parser_class(parser, reasoning_parser, self._tokenizer, model, tool_strict_level)
+            self._model_config = parser_model_config(model_files or model, trust_remote_code, hf_overrides)
         tool_parser = getattr(self._parser_type, "tool_parser_cls", None)
         # Whether "required" and named calls come as vLLM's JSON (read here): not where the tool-call
         # parser reads them in the model's syntax (vLLM's supports_required_and_named).
         self.reads_json = tool_parser is None or tool_parser.supports_required_and_named
+        # The form of the ids vLLM's tool-call parser gives the calls it reads from JSON.
+        self._id_type = "random" if tool_parser is None else get_tool_call_id_type(self._model_config)
+
+    def call_ids(self, request: Any) -> Callable[[str | None], str]:
+        """Ids for one answer's calls as vLLM's tool-call parser makes them for the JSON it reads:
+        Kimi's models number them `functions.NAME:INDEX` after the calls earlier in the conversation,
+        others get random ones, as does a call a parser read without an id (`name` None), as vLLM's
+        server gives it."""
+        if self._id_type == "random":
+            return lambda name: self._new_id()
+        index = itertools.count(self._history_calls(request))
+        return lambda name: self._new_id() if name is None else self._new_id(self._id_type, name, next(index))
 
     def request(self, use: ToolUse | None, include_reasoning: bool, template_kwargs: Mapping[str, Any],
-                own: Mapping[str, Any]) -> Any:
-        """vLLM's request as its parsers read it (some read the template kwargs from it), with the
-        request's own structured output, set past vLLM's request checks: the gateway has checked it,
-        a named function's schema replaces it (vLLM's server refuses the two together), and the
-        engine reads a structural tag's content (refusing one it cannot read)."""
+                own: Mapping[str, Any], messages: Sequence[Mapping[str, Any]] = ()) -> Any:
+        """vLLM's request as its parsers read it (some read the template kwargs from it, Kimi's the
+        calls in the conversation), with the request's own structured output; the messages and the
+        output set past vLLM's request checks: the gateway has checked both, a named function's
+        schema replaces the output (vLLM's server refuses the two together), and the engine reads a
+        structural tag's content (refusing one it cannot read)."""
         tools: dict[str, Any] = {"tool_choice": "none"} if use is None else {
             "tools": list(use.tools), "tool_choice": use.choice_param(), "parallel_tool_calls": use.parallel}
         request = self._request_type(messages=[], include_reasoning=include_reasoning,
                                      chat_template_kwargs=dict(template_kwargs) or None, **tools)
-        if not own:
-            return request
         # As the instances' engine adapter hands it to vLLM.
-        return request.model_copy(update={"structured_outputs": self._structured_outputs(SamplingParams(**own))})
+        checked = {"structured_outputs": self._structured_outputs(SamplingParams(**own))} if own else {}
+        return request.model_copy(update={"messages": list(messages), **checked})
 
     @staticmethod
     def grammar(adjusted: Any, request: Any) -> dict[str, Any] | None:
@@ -547,7 +578,8 @@ class _Vllm:
 
     def parser(self, request: Any, template_kwargs: Mapping[str, Any]) -> Any:
         assert self._parser_type is not None, "a reader needs one of vLLM's parsers"
-        return self._parser_type(self._tokenizer, request.tools, chat_template_kwargs=dict(template_kwargs))
+        return self._parser_type(self._tokenizer, request.tools, chat_template_kwargs=dict(template_kwargs),
+                                 model_config=self._model_config)
 
 
 # SamplingParams' structured-output fields and vLLM's StructuredOutputsParams' names for them.

@@ -563,7 +563,7 @@ def test_the_arguments_a_parser_held_back_go_with_the_last_delta_that_carried_ca
     from llumdask.api.gateway.tools import AnswerReader, ToolUse
 
     parser = _Parser([_message(last_had_calls), _message(flush_has_calls)], rest="1}")
-    reader = AnswerReader(ToolUse((WEATHER,), "auto", None, True), parser, None, lambda: "id", [], auto_tools=True)
+    reader = AnswerReader(ToolUse((WEATHER,), "auto", None, True), parser, None, lambda name: "id", [], auto_tools=True)
     reader.delta("x", [1])
     rest = [c.arguments for c in reader.last().calls if c.arguments == "1}"]
     assert rest == (["1}"] if appended else [])

@@ -8,6 +8,7 @@ import json
 
 import pytest
 from gatewayfakes import MODEL, FakeBackend
+from modelcopies import with_model_type
 from test_routes import sse_payloads
 
 from llumdask.api.gateway import ModelInfo
@@ -156,6 +157,43 @@ def test_a_named_function_gets_its_arguments_streamed(make_client, backend, toke
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city": "Paris"}')]
     assert calls[0]["id"] and sum(1 for c in chunks if c["choices"] and "tool_calls" in c["choices"][0]["delta"]) > 2
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("kimi", ["config", "hf_overrides"])
+def test_a_kimi_model_numbers_its_calls_after_the_conversation_s_as_vllm_does(make_client, backend, tokenizer,
+                                                                              tiny_model, tmp_path, kimi):
+    """vLLM's tool-call parser gives the calls it reads from JSON ids of the form Kimi's models use
+    (`functions.NAME:INDEX`, counting on from the calls earlier in the conversation) where the
+    model's config, or the instances' hf_overrides, says Kimi; random ones otherwise."""
+    from vllm.renderers.chat_utils import make_tool_call_id
+
+    model = tiny_model if kimi == "hf_overrides" else with_model_type(tiny_model, tmp_path / "kimi", "kimi_k2")
+    overrides = {"model_type": "kimi_k2"} if kimi == "hf_overrides" else None
+    backend.batch_size = 2
+    client = make_client(backend, answers=AnswerReading(str(tiny_model), "xlam", model_files=str(model),
+                                                        hf_overrides=overrides))
+    earlier = [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "functions.get_time:0", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "functions.get_time:0", "content": "noon"}]
+    scripted(backend, tokenizer, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                                 '{"name": "get_time", "parameters": {}}]')
+    required = chat(client, messages=earlier, tools=[WEATHER, TIME], tool_choice="required", n=2).json()
+    for choice in required["choices"]:  # each choice counts on from the conversation's calls
+        assert [c["id"] for c in choice["message"]["tool_calls"]] == [
+            make_tool_call_id("kimi_k2", "get_weather", 1), make_tool_call_id("kimi_k2", "get_time", 2)]
+    assert make_tool_call_id("kimi_k2", "get_time", 2) == "functions.get_time:2"
+    scripted(backend, tokenizer, '{"city": "Paris"}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = chat(client, tools=[WEATHER], tool_choice=named).json()["choices"][0]["message"]["tool_calls"]
+    assert [c["id"] for c in whole] == ["functions.get_weather:0"]
+    streamed = tool_deltas(sse_payloads(chat(client, messages=earlier, tools=[WEATHER], tool_choice=named,
+                                             stream=True)))
+    assert [c["id"] for c in streamed.values()] == ["functions.get_weather:1"]
+    plain = make_client(backend, answers=AnswerReading(str(tiny_model), "xlam"))
+    [call] = chat(plain, messages=earlier, tools=[WEATHER], tool_choice=named).json()["choices"][0]["message"][
+        "tool_calls"]
+    assert call["id"].startswith("chatcmpl-tool-")
 
 
 @pytest.mark.vllm
