@@ -140,6 +140,12 @@ class TransformersTokenizer:
     @classmethod
     def from_pretrained(cls, name_or_path: str, chat_template: str | Path | None = None,
                         trust_remote_code: bool = False) -> "TransformersTokenizer":
+        """AutoTokenizer's, or transformers' generic fast tokenizer for the model types vLLM reads
+        with it (`GENERIC_TOKENIZER_TYPES`)."""
+        if _model_type(name_or_path) in GENERIC_TOKENIZER_TYPES:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return cls(TokenizersBackend.from_pretrained(name_or_path), chat_template)
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code), chat_template)
@@ -196,11 +202,36 @@ def load_tokenizer(name_or_path: str | Path, chat_template: str | Path | None = 
     return TransformersTokenizer.from_pretrained(str(name_or_path), chat_template, trust_remote_code)
 
 
+# Model types whose tokenizer vLLM reads with transformers' generic fast tokenizer whatever class or
+# code the model names (vLLM's _MODEL_TYPES_WITH_INCORRECT_TOKENIZER_CLASS: their hub classes are
+# wrong), kept equal to vLLM's by a test, so the gateway need not import vLLM. vLLM reads the type
+# through the model's config code where the code is trusted; untrusted, its engines cannot load
+# such a model at all, so the gateway reads the type from config.json as it stands.
+GENERIC_TOKENIZER_TYPES = frozenset({"internlm2", "step3_vl", "step3p7", "unlimited-ocr", "unlimited_ocr"})
+
+
 def _has_tokenizer_code(directory: Path) -> bool:
     """Whether a model directory names tokenizer code of its own where transformers' AutoTokenizer
-    looks for it: the tokenizer config's auto_map (older ones a list)."""
+    looks for it, and vLLM runs it: the tokenizer config's auto_map (older ones a list)."""
     auto_map = _read_json(directory / "tokenizer_config.json").get("auto_map")
-    return isinstance(auto_map, list) or (isinstance(auto_map, dict) and "AutoTokenizer" in auto_map)
+    named = isinstance(auto_map, list) or (isinstance(auto_map, dict) and "AutoTokenizer" in auto_map)
+    return named and _model_type(directory) not in GENERIC_TOKENIZER_TYPES
+
+
+def _model_type(name_or_path: str | Path) -> str | None:
+    """The model type a directory's or a hub model's config names (the hub's from its cache or the
+    hub, as transformers reads it); None where there is no config to read."""
+    path = Path(name_or_path) / "config.json"
+    if not path.is_file() and not Path(name_or_path).is_dir():
+        from transformers.utils import cached_file
+
+        try:
+            found = cached_file(str(name_or_path), "config.json", _raise_exceptions_for_missing_entries=False)
+        except (OSError, ValueError):  # offline without it, or not a hub name
+            return None
+        path = Path(found) if found else path
+    model_type = _read_json(path).get("model_type") if path.is_file() else None
+    return model_type if isinstance(model_type, str) else None
 
 
 def model_location(model: str | None) -> str:

@@ -273,6 +273,58 @@ def test_the_models_own_tokenizer_code_runs_only_where_it_is_trusted(tiny_model,
         assert (client.tokenizer.encode("HELLO World", add_special_tokens=False) == expected) is trust
 
 
+def internlm_like(tiny_model: Path, target: Path) -> Path:
+    """The tiny model as a model type whose hub tokenizer class vLLM overrides (InternLM2's), with
+    code of its own, as InternLM2's repositories: a config class (vLLM reads the type through it,
+    where the code is trusted) and a tokenizer class AutoTokenizer would run."""
+    shutil.copytree(tiny_model, target)
+    (target / "tokenization_quiet.py").write_text(QUIET)
+    (target / "configuration_quiet.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass QuietConfig(LlamaConfig):\n    model_type = 'internlm2'\n")
+    tokenizer_config = json.loads((target / "tokenizer_config.json").read_text())
+    tokenizer_config.update(auto_map={"AutoTokenizer": [None, "tokenization_quiet.QuietTokenizer"]},
+                            tokenizer_class="QuietTokenizer")
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(
+        {**config, "model_type": "internlm2", "auto_map": {"AutoConfig": "configuration_quiet.QuietConfig"}}))
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_model_type_vllm_reads_with_the_generic_tokenizer_is_read_so_here(tiny_model, tmp_path, monkeypatch):
+    """vLLM reads some model types' tokenizers (InternLM2's, ...) with transformers' generic fast
+    tokenizer whatever class or code they name: so does the gateway, trusted or not, from a directory
+    or the hub (where AutoTokenizer, untrusted, would refuse to start)."""
+    import huggingface_hub.constants
+    from vllm.tokenizers import get_tokenizer
+
+    model = internlm_like(tiny_model, tmp_path / "internlm-like")
+    expected = get_tokenizer(str(model), trust_remote_code=True).encode("HELLO World", add_special_tokens=False)
+    assert expected == load_tokenizer(tiny_model).encode("HELLO World", add_special_tokens=False)  # not the code's
+    for trust in (True, False):
+        assert load_tokenizer(model, trust_remote_code=trust).encode("HELLO World", add_special_tokens=False) == expected
+    snapshot = tmp_path / "hub" / "models--some-org--internlm-like" / "snapshots" / ("a" * 40)
+    shutil.copytree(model, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub = load_tokenizer("some-org/internlm-like", trust_remote_code=True)
+    assert isinstance(hub, TransformersTokenizer) and hub.encode("HELLO World", add_special_tokens=False) == expected
+
+
+@pytest.mark.vllm
+def test_the_generic_tokenizer_types_are_vllm_s():
+    from vllm.tokenizers.registry import _MODEL_TYPES_WITH_INCORRECT_TOKENIZER_CLASS
+
+    from llumdask.api.gateway.tokenizer import GENERIC_TOKENIZER_TYPES
+
+    assert GENERIC_TOKENIZER_TYPES == _MODEL_TYPES_WITH_INCORRECT_TOKENIZER_CLASS
+
+
 @pytest.mark.parametrize("code", [True, False])
 def test_a_hub_snapshot_takes_the_models_python_modules_only_where_its_code_is_trusted(tmp_path, monkeypatch, code):
     """A tokenizer's own code imports its neighbours (Kimi's tokenizer its tool declarations): with
