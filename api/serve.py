@@ -379,6 +379,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     with vllm_check(vllm_config) if local_vllm else contextlib.nullcontext() as checked:
         parsers = [f"--{flag} {name}" for flag, name in (("tool-call-parser", settings.tool_call_parser),
                                                           ("reasoning-parser", settings.reasoning_parser)) if name]
+        parsed_config = None
         if parsers:  # a wrong name, or a tokenizer without what a parser needs, fails now, not at the first request
             try:
                 from vllm.tokenizers import get_tokenizer
@@ -386,7 +387,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                 parser_class(settings.tool_call_parser, settings.reasoning_parser,
                              get_tokenizer(served.files, trust_remote_code=served.trusts_code), served.files,
                              settings.tool_strict_level)
-                parser_model_config(model_files, served.trusts_code, effective.get("hf-overrides"))
+                # What the parsers read of the model's config, as the instances read it.
+                parsed_config = parser_model_config(model_files, effective)
             except ImportError as exc:
                 raise ValueError(f"{' and '.join(parsers)}: vLLM is needed where the gateway runs: {exc}") from None
         engine, check = pick_engine(args.engine, checked) if checked else ("sim", None)
@@ -436,8 +438,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
             tokenizer, settings, AnswerReading(served.files, settings.tool_call_parser, engine,
                                                settings.reasoning_parser, engines_reason=engine == "vllm",
                                                tool_strict_level=settings.tool_strict_level,
-                                               trust_remote_code=served.trusts_code, model_files=model_files,
-                                               hf_overrides=effective.get("hf-overrides")), generation)
+                                               trust_remote_code=served.trusts_code,
+                                               model_config=parsed_config), generation)
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)

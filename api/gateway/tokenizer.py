@@ -220,7 +220,8 @@ def _has_tokenizer_code(directory: Path) -> bool:
 
 def _model_type(name_or_path: str | Path) -> str | None:
     """The model type a directory's or a hub model's config names (the hub's from its cache or the
-    hub, as transformers reads it); None where there is no config to read."""
+    hub, as transformers reads it); None where there is none to read (vLLM's tokenizer loader reads
+    no type from a config it cannot read either)."""
     path = Path(name_or_path) / "config.json"
     if not path.is_file() and not Path(name_or_path).is_dir():
         from transformers.utils import cached_file
@@ -230,7 +231,11 @@ def _model_type(name_or_path: str | Path) -> str | None:
         except (OSError, ValueError):  # offline without it, or not a hub name
             return None
         path = Path(found) if found else path
-    model_type = _read_json(path).get("model_type") if path.is_file() else None
+    try:
+        config = _read_json(path) if path.is_file() else {}
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
     return model_type if isinstance(model_type, str) else None
 
 
@@ -251,7 +256,7 @@ def model_location(model: str | None) -> str:
 GATEWAY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt",
                  "merges.txt", "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
-                 "preprocessor_config.json", "processor_config.json")
+                 "preprocessor_config.json", "processor_config.json", "params.json")
 
 
 def files_at(location: str, revision: str | None, code: bool = False) -> str:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from llumdask.api.gateway.errors import InvalidRequest
 from llumdask.api.gateway.json_schema import check_schema
-from llumdask.api.gateway.parser_model import parser_model_config
+from llumdask.api.gateway.parser_model import ParserModelConfig, parser_model_config
 from llumdask.request import SamplingParams
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -384,10 +384,10 @@ class AnswerReading:
     def __init__(self, model: str | None = None, parser: str | None = None, engine: str | None = None,
                  reasoning_parser: str | None = None, engines_reason: bool = False,
                  tool_strict_level: str = "auto", trust_remote_code: bool = False,
-                 model_files: str | None = None, hf_overrides: Mapping[str, Any] | None = None) -> None:
+                 model_config: ParserModelConfig | None = None) -> None:
         """`model`: where the served model's tokenizer is (a parser reads its vocabulary);
-        `model_files`: where its config is (`model` if None; a parser reads its model type and
-        architecture, with the instances' `hf_overrides`, as `parser_model_config`);
+        `model_config`: the served model's config as the instances read it (`parser_model_config`;
+        None: read from `model` when a parser needs it);
         `engine`: the cluster's engine when known ("sim" models no tools); `engines_reason`: the
         instances were started with the reasoning parser too, so they apply a structured output's
         grammar only once the thinking ends (as `vllm serve`'s engine); `tool_strict_level`:
@@ -402,8 +402,7 @@ class AnswerReading:
         self.parser = parser
         self.tool_strict_level = tool_strict_level
         self.trust_remote_code = trust_remote_code
-        self.model_files = model if model_files is None else model_files
-        self.hf_overrides = hf_overrides
+        self.model_config = model_config
         self.reasoning_parser = reasoning_parser
         self.engines_reason = engines_reason
         self.engine = engine
@@ -484,7 +483,7 @@ class AnswerReading:
                     try:
                         self._vllm = await asyncio.to_thread(_Vllm, self.model, self.parser, self.reasoning_parser,
                                                              self.tool_strict_level, self.trust_remote_code,
-                                                             self.model_files, self.hf_overrides)
+                                                             self.model_config)
                     except ImportError as exc:
                         raise InvalidRequest(f"tools and reasoning need vLLM installed where the gateway runs: {exc}",
                                              param="tools", code="unsupported_parameter") from None
@@ -495,8 +494,8 @@ class _Vllm:
     """vLLM's pieces, imported once."""
 
     def __init__(self, model: str | None, parser: str | None, reasoning_parser: str | None,
-                 tool_strict_level: str, trust_remote_code: bool, model_files: str | None = None,
-                 hf_overrides: Mapping[str, Any] | None = None) -> None:
+                 tool_strict_level: str, trust_remote_code: bool,
+                 model_config: ParserModelConfig | None = None) -> None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.exceptions import VLLMValidationError
         from vllm.parser.utils import count_history_tool_calls
@@ -519,7 +518,7 @@ class _Vllm:
 
             self._tokenizer = get_tokenizer(model, trust_remote_code=trust_remote_code)
             self._parser_type = parser_class(parser, reasoning_parser, self._tokenizer, model, tool_strict_level)
-            self._model_config = parser_model_config(model_files or model, trust_remote_code, hf_overrides)
+            self._model_config = model_config or parser_model_config(model, {"trust-remote-code": trust_remote_code})
         tool_parser = getattr(self._parser_type, "tool_parser_cls", None)
         # Whether "required" and named calls come as vLLM's JSON (read here): not where the tool-call
         # parser reads them in the model's syntax (vLLM's supports_required_and_named).

@@ -12,6 +12,7 @@ from modelcopies import with_model_type
 from test_routes import sse_payloads
 
 from llumdask.api.gateway import ModelInfo
+from llumdask.api.gateway.parser_model import parser_model_config
 from llumdask.api.gateway.tools import AnswerReading
 from llumdask.api.serve import build_parser
 from llumdask.engine.base import TokenLogprob
@@ -160,19 +161,16 @@ def test_a_named_function_gets_its_arguments_streamed(make_client, backend, toke
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("kimi", ["config", "hf_overrides"])
 def test_a_kimi_model_numbers_its_calls_after_the_conversation_s_as_vllm_does(make_client, backend, tokenizer,
-                                                                              tiny_model, tmp_path, kimi):
+                                                                              tiny_model, tmp_path):
     """vLLM's tool-call parser gives the calls it reads from JSON ids of the form Kimi's models use
     (`functions.NAME:INDEX`, counting on from the calls earlier in the conversation) where the
-    model's config, or the instances' hf_overrides, says Kimi; random ones otherwise."""
+    model's config says Kimi; random ones otherwise."""
     from vllm.renderers.chat_utils import make_tool_call_id
 
-    model = tiny_model if kimi == "hf_overrides" else with_model_type(tiny_model, tmp_path / "kimi", "kimi_k2")
-    overrides = {"model_type": "kimi_k2"} if kimi == "hf_overrides" else None
     backend.batch_size = 2
-    client = make_client(backend, answers=AnswerReading(str(tiny_model), "xlam", model_files=str(model),
-                                                        hf_overrides=overrides))
+    read = parser_model_config(str(with_model_type(tiny_model, tmp_path / "kimi", "kimi_k2")))
+    client = make_client(backend, answers=AnswerReading(str(tiny_model), "xlam", model_config=read))
     earlier = [*ASK, {"role": "assistant", "tool_calls": [
         {"id": "functions.get_time:0", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
                {"role": "tool", "tool_call_id": "functions.get_time:0", "content": "noon"}]
