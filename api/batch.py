@@ -70,7 +70,7 @@ def _generate_partition(prompts: Iterable[Any], model: str | None, chat_template
     prompts = list(prompts)
     if not prompts:
         return []
-    return worker_llm(model, chat_template).generate(prompts, progress=False, **options)
+    return worker_llm(model, chat_template).generate_batch(prompts, progress=False, **options)
 
 
 def worker_llm(model: str | None, chat_template: str | None) -> "LlumdaskClient":

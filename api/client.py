@@ -28,13 +28,17 @@ from distributed.deploy.cluster import Cluster
 from tqdm.auto import tqdm
 
 from llumdask.api.gateway.detok import IncrementalText, check_stop
+from llumdask.api.gateway.errors import InvalidRequest
+from llumdask.api.gateway.schemas import check_messages
 from llumdask.api.gateway.tokenizer import Tokenizer, model_location, served_tokenizer, stop_token_ids
 from llumdask.config import load_config
 from llumdask.engine.base import TokenLogprob
 from llumdask.plugins.control import MigrationNotStarted, MigrationPinned, NoLlumdaskScheduler, Op, RequestRejected, call
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
-from llumdask.request import FinishReason, Priority, Request, SamplingParams, check_cache_salt, new_request_id
+from llumdask.request import (
+    FinishReason, Priority, Request, SamplingParams, check_cache_salt, is_number, is_text, is_token_id, new_request_id,
+)
 
 if TYPE_CHECKING:
     import dask.bag
@@ -296,10 +300,18 @@ Messages = Sequence[Mapping[str, Any]]
 class _Chat:
     """A conversation as a prompt: the chat template renders it when its request is made."""
 
-    messages: tuple[Mapping[str, Any], ...]
+    messages: Any
 
     def __bool__(self) -> bool:
         return bool(self.messages)
+
+    def checked(self) -> list[dict[str, Any]]:
+        """The messages as the gateway's chat endpoint checks them; ValueError naming the bad part."""
+        messages = list(self.messages) if isinstance(self.messages, (list, tuple)) else self.messages
+        try:
+            return list(check_messages(messages))
+        except InvalidRequest as exc:
+            raise ValueError(str(exc)) from None
 
 
 class LlumdaskClient:
@@ -362,16 +374,29 @@ class LlumdaskClient:
         prompt shares cached blocks only with requests given the same salt (vLLM's, for tenants).
         """
         if _is_batch(prompt):
-            jobs = [self._job(p, max_tokens, priority, stop, sampling, cache_salt) for p in prompt]
-            return self._sync(self._generate_many, jobs, timeout, _positive("concurrency", concurrency), progress)
-        return self._sync(self._generate, *self._job(prompt, max_tokens, priority, stop, sampling, cache_salt), timeout)
+            return self.generate_batch(prompt, max_tokens, priority=priority, timeout=timeout, stop=stop,
+                                       concurrency=concurrency, progress=progress, cache_salt=cache_salt, **sampling)
+        return self._sync(self._generate, *self._job(prompt, max_tokens, priority, stop, sampling, cache_salt),
+                          _timeout(timeout))
+
+    def generate_batch(self, prompts: Sequence[Any], max_tokens: int = 16, *, priority: Priority | str = "normal",
+                       timeout: float | None = None, stop: Sequence[str] = (), concurrency: int = 64,
+                       progress: bool = True, cache_salt: str | None = None, **sampling: Any) -> Any:
+        """`generate` on each element of `prompts` as a prompt of its own (a list of token ids too,
+        and a single id: an invalid prompt), its result in its place: a prompt that fails, its
+        checks included, as its exception, the others run. The options are checked first, for all."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        concurrency = self._check_options(max_tokens, priority, timeout, stop, concurrency, cache_salt, sampling)
+        jobs = [_attempt(self._job, p, max_tokens, priority, stop, sampling, cache_salt) for p in prompts]
+        return self._sync(self._generate_many, jobs, timeout, concurrency, progress)
 
     def chat(self, messages: Messages | Sequence[Messages], max_tokens: int = 16, **options: Any) -> Any:
         """`generate` on the prompt the model's chat template makes of `messages` (a list of
         {"role", "content"} dicts, or a list of such conversations for a batch)."""
         if _is_conversation_batch(messages):
-            return self.generate([_Chat(tuple(m)) for m in messages], max_tokens, **options)
-        return self.generate(_Chat(tuple(messages)), max_tokens, **options)
+            return self.generate_batch([_Chat(m) for m in messages], max_tokens, **options)
+        return self.generate(_Chat(messages), max_tokens, **options)
 
     def map(self, prompts: "dask.bag.Bag | dask.dataframe.Series", max_tokens: int = 16, *,
             priority: Priority | str = "normal", timeout: float | None = None, stop: Sequence[str] = (),
@@ -388,13 +413,9 @@ class LlumdaskClient:
 
         from llumdask.api.batch import generate_bag, generate_column
 
-        Priority.parse(priority)
-        check_cache_salt(cache_salt)
-        SamplingParams(max_tokens=max_tokens, **sampling)
-        if stop:  # stop strings mean text: their rules are the detokenizer's
-            IncrementalText(self.tokenizer, _stop_strings(stop))
+        concurrency = self._check_options(max_tokens, priority, timeout, stop, concurrency, cache_salt, sampling)
         options = dict(max_tokens=max_tokens, priority=priority, timeout=timeout, stop=stop,
-                       concurrency=_positive("concurrency", concurrency), cache_salt=cache_salt, **sampling)
+                       concurrency=concurrency, cache_salt=cache_salt, **sampling)
         if isinstance(prompts, dask.bag.Bag):
             return generate_bag(prompts, model=self._model, chat_template=self._chat_template, options=options)
         try:
@@ -482,20 +503,22 @@ class LlumdaskClient:
                           "".join(parts), prompt_tokens, deltas.logprobs, deltas.prompt_logprobs,
                           tokens.cached_tokens)
 
-    async def _generate_many(self, jobs: list[tuple[Request, IncrementalText | None]], timeout: float | None,
-                             concurrency: int, progress: bool) -> list[Generation | BaseException]:
+    async def _generate_many(self, jobs: list[tuple[Request, IncrementalText | None] | ValueError],
+                             timeout: float | None, concurrency: int, progress: bool) -> list[Generation | BaseException]:
         gate = asyncio.Semaphore(concurrency)
         bar = tqdm(total=len(jobs), unit="req", disable=not progress)
 
-        async def one(request: Request, text: IncrementalText | None) -> Generation:
+        async def one(job: tuple[Request, IncrementalText | None] | ValueError) -> Generation:
             async with gate:
                 try:
-                    return await self._generate(request, text, timeout)
+                    if isinstance(job, ValueError):  # the prompt's checks failed: its result
+                        raise job
+                    return await self._generate(*job, timeout)
                 finally:
                     bar.update(1)
 
         try:
-            return await asyncio.gather(*(one(*job) for job in jobs), return_exceptions=True)
+            return await asyncio.gather(*(one(job) for job in jobs), return_exceptions=True)
         finally:
             bar.close()
 
@@ -524,6 +547,18 @@ class LlumdaskClient:
             await self._client.close()
 
     # ------------------------------------------------------------------ plumbing
+    def _check_options(self, max_tokens: int, priority: Priority | str, timeout: float | None, stop: Sequence[str],
+                       concurrency: int, cache_salt: str | None, sampling: dict[str, Any]) -> int:
+        """A batch's options, checked once before any prompt is: a ValueError naming the first
+        bad one; the concurrency."""
+        Priority.parse(priority)
+        check_cache_salt(cache_salt)
+        SamplingParams(max_tokens=max_tokens, **sampling)
+        _timeout(timeout)
+        if stop:  # stop strings mean text: their rules are the detokenizer's
+            IncrementalText(self.tokenizer, _stop_strings(stop))
+        return _positive("concurrency", concurrency)
+
     def _job(self, prompt: Prompt, max_tokens: int, priority: Priority | str, stop: Sequence[str],
              sampling: dict[str, Any], cache_salt: str | None) -> tuple[Request, IncrementalText | None]:
         """The request for one prompt, and for text its detokenizer (stop strings applied)."""
@@ -531,10 +566,12 @@ class LlumdaskClient:
         if isinstance(prompt, (str, _Chat)):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if isinstance(prompt, str) and not is_text(prompt):
+                raise ValueError("prompt must be text (it holds a lone surrogate, which no tokenizer reads)")
             tokenizer = self.tokenizer
             # A rendered template carries its own special tokens, as the gateway encodes it.
             ids = (tokenizer.encode(prompt) if isinstance(prompt, str)
-                   else tokenizer.encode(tokenizer.render_chat(list(prompt.messages)), add_special_tokens=False))
+                   else tokenizer.encode(tokenizer.render_chat(prompt.checked()), add_special_tokens=False))
             sampling = {**sampling, "stop_token_ids": stop_token_ids(
                 tokenizer, sampling.get("stop_token_ids", ()), sampling.get("ignore_eos", False))}
             request = self._make_request(ids, max_tokens, priority, sampling, cache_salt)
@@ -546,11 +583,12 @@ class LlumdaskClient:
             raise ValueError("stop strings need a text prompt; with token ids pass stop_token_ids")
         return self._make_request(prompt, max_tokens, priority, sampling, cache_salt), None
 
-    def _make_request(self, prompt: Sequence[int], max_tokens: int, priority: Priority | str,
+    def _make_request(self, prompt: Any, max_tokens: int, priority: Priority | str,
                       sampling: dict[str, Any], cache_salt: str | None) -> Request:
-        ids = list(prompt)
-        if not ids or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ValueError("prompt must be text or a non-empty list of token ids (integers >= 0)")
+        ids = list(prompt) if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)) else []
+        if not ids or not all(isinstance(t, numbers.Integral) and is_token_id(int(t)) for t in ids):
+            raise ValueError(f"prompt must be text or a non-empty list of token ids (integers >= 0), "
+                             f"got {prompt!r:.80}")
         return Request.arriving(new_request_id(), [int(t) for t in ids], SamplingParams(max_tokens=max_tokens, **sampling),
                                 priority, time.time(), cache_salt)
 
@@ -607,6 +645,21 @@ def _is_conversation_batch(messages: Any) -> bool:
 def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
     """`stop` as OpenAI clients give it: one string or several, within the detokenizer's bounds."""
     return check_stop((stop,) if isinstance(stop, str) else tuple(stop))
+
+
+def _attempt(fn: Callable[..., T], *args: Any) -> T | ValueError:
+    """`fn(*args)`, or the ValueError it raised."""
+    try:
+        return fn(*args)
+    except ValueError as exc:
+        return exc
+
+
+def _timeout(timeout: Any) -> float | None:
+    """A request's bound in seconds: None (none), or a finite number > 0."""
+    if timeout is not None and not (is_number(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be None or a number of seconds > 0, got {timeout!r}")
+    return timeout
 
 
 def _positive(name: str, value: Any) -> int:

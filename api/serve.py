@@ -80,11 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "'{\"temperature\": 0.5}'; its max_new_tokens caps every request)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length, for the gateway and the vLLM engine (default: what the model declares)")
-    p.add_argument("--startup-timeout", type=float, default=600.0,
+    p.add_argument("--startup-timeout", type=_positive_seconds, default=600.0,
                    help="seconds the local instances may take to start, model download and load included "
                         "(default 600)")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gateway port, 0 for any (default {DEFAULT_PORT})")
+    p.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"gateway port, 0 for any (default {DEFAULT_PORT})")
     p.add_argument("--scheduler", metavar="ADDRESS", default=None,
                    help="attach to the Dask scheduler at ADDRESS instead of starting a local cluster")
     p.add_argument("--config", metavar="FILE", type=Path, default=None,
@@ -345,7 +345,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from llumdask.api.gateway.tools import AnswerReading, parser_class
 
     if args.config is not None:
-        dask.config.update(dask.config.config, yaml.safe_load(args.config.read_text()) or {}, priority="new")
+        dask.config.update(dask.config.config, _config_file(args.config), priority="new")
     configured_model = args.model if args.model is not None else load_config().vllm_engine.model
     default_name = TINY_MODEL_NAME if configured_model is None else configured_model
     model = model_location(configured_model)
@@ -521,6 +521,33 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0-65535 (0: any free one), got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _config_file(path: Path) -> dict[str, Any]:
+    """A --config file: Dask-style YAML, a mapping whose llumdask: section is one too."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: not YAML: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("llumdask") or {}, dict):
+        raise ValueError(f"--config {path}: must be a mapping with a llumdask: mapping in it, as llumdask.yaml")
+    if data.get("llumdask", {}) is None:  # an empty section
+        del data["llumdask"]
+    return data
 
 
 if __name__ == "__main__":

@@ -230,8 +230,8 @@ def _validate(section: Mapping[str, Any]) -> None:
     if error is not None:
         raise _schema_error(error)
     for key, value in _leaves(section, _SECTION):
-        if isinstance(value, float) and math.isnan(value):
-            raise ConfigError(key, "is NaN")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, f"is {value}, not a finite number")
     _check_relations(section)
 
 

@@ -14,6 +14,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+# Integers cross comms as 64-bit ones (msgpack); seeds are vLLM's 64-bit range.
+INT64 = 2**63
+
 
 class Priority(enum.IntEnum):
     """Scheduling priority orders queues; execution priority sets headroom (paper section 4.4.1)."""
@@ -128,9 +131,11 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.seed is not None and not (_is_int(self.seed) and -INT64 <= self.seed < INT64):
+            raise ValueError(f"seed must be a 64-bit integer or None (vLLM's range), got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1: no limit), got {self.top_k!r}")
         if not (is_number(self.min_p) and 0 <= self.min_p <= 1):
@@ -229,9 +234,15 @@ class SamplingParams:
 def _token_ids(values: object, name: str) -> tuple[int, ...]:
     """Token ids (integers >= 0) from any iterable of them but text or a mapping."""
     ids = None if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable) else tuple(values)
-    if ids is None or not all(_is_int(t) and t >= 0 for t in ids):
+    if ids is None or not all(is_token_id(t) for t in ids):
         raise ValueError(f"{name} must be a list of token ids (integers >= 0), got {values!r:.80}")
     return ids
+
+
+
+def is_token_id(value: object) -> bool:
+    """An integer >= 0 that comms carry."""
+    return _is_int(value) and 0 <= value < INT64
 
 
 def is_text(value: str) -> bool:
@@ -344,8 +355,8 @@ class Request:
             raise ValueError("request_id must be a non-empty string")
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.prompt_token_ids):
-            raise ValueError(f"request {self.request_id}: prompt tokens must be non-negative integers")
+        if not all(is_token_id(t) for t in self.prompt_token_ids):
+            raise ValueError(f"request {self.request_id}: prompt tokens must be non-negative 64-bit integers")
         self.prompt_token_ids = list(self.prompt_token_ids)
         check_cache_salt(self.cache_salt)
         self.scheduling_priority = Priority.parse(self.scheduling_priority)

@@ -172,6 +172,8 @@ def test_pickles_for_shipping_to_workers():
         ({"migration": {"low-treshold": 1.0}}, "llumdask.migration.low-treshold"),
         ({"migration": {"low-threshold": 16.0}}, "llumdask.migration.low-threshold"),
         ({"migration": {"interval": float("nan")}}, "llumdask.migration.interval"),
+        ({"report-interval": float("inf")}, "llumdask.report-interval"),
+        ({"migration": {"handshake-timeout": float("-inf")}}, "llumdask.migration.handshake-timeout"),
         ({"migration": {"max-concurrent": 0}}, "llumdask.migration.max-concurrent"),
         ({"migration": 3}, "llumdask.migration"),
         ({"scaling": {"band": [60, 10]}}, "llumdask.scaling.band"),

@@ -49,6 +49,14 @@ from llumdask.request import Request, SamplingParams
     ({"thinking_token_budget": -2}, r"thinking_token_budget must be an integer >= 0, or -1"),
     ({"thinking_token_budget": -1.0}, "thinking_token_budget must be an integer"),
     ({"thinking_token_budget": True}, "thinking_token_budget must be an integer"),
+    ({"seed": 2**70}, "seed must be a 64-bit integer"),
+    ({"stop_token_ids": [1.9]}, "stop_token_ids must be a list of token ids"),
+    ({"stop_token_ids": ["7"]}, "stop_token_ids must be a list of token ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids must be a list of token ids"),
+    ({"stop_token_ids": None}, "stop_token_ids must be a list of token ids"),
+    ({"allowed_token_ids": [2**63]}, "allowed_token_ids must be a list of token ids"),
+    ({"ignore_eos": "no"}, "ignore_eos must be a boolean"),
 ])
 def test_bad_options_name_themselves(fields, words):
     with pytest.raises(ValueError, match=words):
@@ -104,3 +112,11 @@ def test_a_cache_salt_is_checked_and_travels_with_the_request_on_the_wire_and_in
     for bad in ("", 5, b"salt", "\ud800", "a/b", "a@b", "a\\b", "a\0b", "s" * 129):
         with pytest.raises(ValueError, match="cache_salt"):
             Request("r", [1], cache_salt=bad)
+
+
+@pytest.mark.parametrize("prompt", [[], [1, -1], [1, True], [1, 2.0], [2**63]])
+def test_a_prompt_is_token_ids_comms_carry(prompt):
+    from llumdask.request import Request
+
+    with pytest.raises(ValueError, match="the prompt is empty|prompt tokens must be non-negative 64-bit integers"):
+        Request("r", prompt, SamplingParams())

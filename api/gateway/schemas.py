@@ -654,6 +654,12 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages")
     if messages is None:
         raise InvalidRequest("you must provide messages", param="messages", code="missing_required_parameter")
+    return check_messages(messages)
+
+
+def check_messages(messages: Any) -> tuple[dict[str, Any], ...]:
+    """A conversation as the chat endpoint takes it (OpenAI's message shapes); InvalidRequest
+    naming the first bad part."""
     if not isinstance(messages, list):
         raise _wrong_type("messages", "a list of messages", messages)
     if not messages:

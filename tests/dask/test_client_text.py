@@ -151,14 +151,34 @@ def test_bad_input_is_refused_before_anything_is_sent(clean):
         clean.generate(["a", "b"], concurrency=0)
     with pytest.raises(ValueError, match="prompt must"):
         clean.generate([])
-    with pytest.raises(ValueError, match="prompt must not be empty"):
-        clean.generate(["fine", ""])
     with pytest.raises(ValueError, match="temperature"):
         clean.generate("Hello", temperature=-1)
+    for timeout in ("5", -1, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be None or a number of seconds > 0"):
+            clean.generate(["a", "b"], timeout=timeout)
+        with pytest.raises(ValueError, match="timeout"):
+            clean.generate("a", timeout=timeout)
+    with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
+        clean.generate([1, 2], temperature=1, seed=2**70)
+    with pytest.raises(ValueError, match="token ids"):
+        clean.generate([2**70])
     with pytest.raises(ValueError, match="stop strings must be non-empty"):
         clean.generate("Hello", stop=[""])
     with pytest.raises(ValueError, match="messages"):
         clean.chat([])
+
+
+def test_a_prompt_that_is_none_fails_in_its_place_and_the_others_run(clean, overrides, tokenizer):
+    """Each element of a batch is a prompt: one that fails its checks (an empty text, a single id,
+    a message without a role, a lone surrogate, bytes) is its ValueError in its place."""
+    bad = ["", 5, [{"content": "hi"}], "a\ud800", b"hi", None]
+    results = clean.generate_batch(["fine", *bad, [5, 6, 7]], max_tokens=4, progress=False, timeout=60)
+    assert results[0].text == tokenizer.decode(expected(overrides, tokenizer, "fine", 4))
+    assert all(isinstance(r, ValueError) for r in results[1:-1]) and len(results[-1].token_ids) >= 1
+    chats = clean.chat([[{"role": "user", "content": "hi"}], [{"role": "bogus", "content": "x"}], [None]],
+                       max_tokens=4, progress=False, timeout=60)
+    assert chats[0].text is not None and all(isinstance(r, ValueError) for r in chats[1:])
+    assert "role" in str(chats[1])
 
 
 def test_tokens_from_another_vocabulary_are_a_clear_error(clean):
@@ -205,6 +225,11 @@ def test_a_dask_bag_of_prompts_becomes_a_bag_of_generations_in_order(clean, over
         clean.map(db.from_sequence(["a"]), temperature=-1)
     with pytest.raises(ValueError, match="cache_salt"):
         clean.map(db.from_sequence(["a"]), cache_salt="a/b")
+    # Every element is a prompt of its own, however the partitions fall: a single id is none.
+    ids = clean.dask_client.compute(clean.map(db.from_sequence([5, [5, 6], 7, ""], npartitions=2),
+                                              max_tokens=2)).result(timeout=120)
+    assert len(ids) == 4 and isinstance(ids[0], ValueError) and len(ids[1].token_ids) >= 1
+    assert isinstance(ids[2], ValueError) and isinstance(ids[3], ValueError)
 
 
 def _partition_listeners() -> list[str | None]:
@@ -228,6 +253,11 @@ def test_a_dataframe_column_of_prompts_becomes_a_frame_of_completions(clean, ove
     assert list(scored["prompt_tokens"]) == [len(tokenizer.encode(p)) for p in prompts]
     with pytest.raises(TypeError, match="dask.bag.Bag or a dask.dataframe Series"):
         clean.map(["not", "a", "collection"])
+    # A row that is no prompt is its error row; the partition's other rows are scored.
+    rows = pd.Series(["hello", None, "world", ""], index=list("abcd"), name="prompt")
+    mixed = clean.map(dd.from_pandas(rows, npartitions=1), max_tokens=4).compute()
+    assert mixed["error"].isna().tolist() == [True, False, True, False]
+    assert mixed.loc["b", "error"].startswith("ValueError: prompt must")
 
 
 def test_an_asynchronous_dask_client_gets_awaitables(clean):

@@ -69,6 +69,28 @@ def test_bad_options_exit_2_naming_the_problem(capsys, tmp_path, monkeypatch):
     assert exit_.value.code == 2
 
 
+@pytest.mark.parametrize("option, value, words", [
+    ("--port", "70000", "must be a TCP port"), ("--port", "-1", "must be a TCP port"),
+    ("--startup-timeout", "-1", "must be a number of seconds > 0"),
+    ("--startup-timeout", "nan", "must be a number of seconds > 0"),
+])
+def test_options_are_checked_before_any_instance_starts(capsys, option, value, words):
+    with pytest.raises(SystemExit) as exit_:
+        serve_main(["--engine", "sim", option, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {option}: {words}" in err
+
+
+@pytest.mark.parametrize("text, words", [
+    ("llumdask: [", "not YAML"), ("- 1\n- 2\n", "must be a mapping"), ("llumdask: 5\n", "must be a mapping"),
+])
+def test_a_config_file_that_is_not_a_config_is_named(capsys, tmp_path, text, words):
+    (tmp_path / "bad.yaml").write_text(text)
+    assert serve_main(["--engine", "sim", "--config", str(tmp_path / "bad.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {tmp_path / 'bad.yaml'}: {words}" in err and "Traceback" not in err
+
+
 @pytest.mark.vllm
 def test_parsers_are_checked_before_any_instance_starts(capsys, tmp_path, monkeypatch):
     """vLLM's parsers, by name and against the model's tokenizer, as `vllm serve` checks them; the
