@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from llumdask.sim.presets import PRESETS
 from llumdask.sim.run import make_spec, simulate, write_json
@@ -70,36 +72,64 @@ def _seeds(text: str) -> tuple[int, ...]:
         seeds = tuple(int(s) for s in text.split(",") if s.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"seeds must be comma-separated integers, got {text!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"seeds must be distinct integers, got {text!r}")
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"seeds must be distinct integers >= 0, got {text!r}")
     return seeds
 
 
-def _positive(kind):
-    def parse(text: str):
+def checked(kind: Callable[[str], Any], accept: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)` if `accept` holds for it. `accept` states what passes
+    (`0 < v < math.inf`): NaN fails every comparison, so a check for what fails (`v <= 0`) lets it in."""
+
+    def parse(text: str) -> Any:
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
         return value
 
+    parse.__name__ = kind.__name__  # argparse's "invalid float value: ..."
     return parse
+
+
+def _bound(kind: Callable[[str], Any], bound: str) -> str:
+    return f"a finite number {bound}" if kind is float else bound
+
+
+def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    return checked(kind, lambda v: 0 < v < math.inf, _bound(kind, "> 0"))
+
+
+def non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    return checked(kind, lambda v: 0 <= v < math.inf, _bound(kind, ">= 0"))
+
+
+def check_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:
+    """Create --out before any work, so a path that cannot take the results fails now, not after the run."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        parser.error(f"--out {out} exists and is not a directory")
+    except OSError as exc:
+        parser.error(f"--out {out}: {exc.strerror or exc}")
+    if not os.access(out, os.W_OK | os.X_OK):
+        parser.error(f"--out {out} is not writable")
 
 
 def add_simulation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default="M-M", help="S-S, M-M, L-L, S-L, L-S, sharegpt, burstgpt, system-prompt, "
                         "or a CSV/JSONL trace file")
-    parser.add_argument("--rate", type=_positive(float), default=None,
+    parser.add_argument("--rate", type=positive(float), default=None,
                         help=f"mean arrival rate, requests/s (generated traces: default {GENERATED_RATE}; "
                         "a trace file is replayed at its own times unless given)")
-    parser.add_argument("--cv", type=float, default=None, help="Gamma arrivals with this coefficient of variation (default Poisson)")
-    parser.add_argument("--instances", type=_positive(int), default=16)
-    parser.add_argument("--requests", type=_positive(int), default=None,
+    parser.add_argument("--cv", type=non_negative(float), default=None, help="Gamma arrivals with this coefficient of variation (default Poisson)")
+    parser.add_argument("--instances", type=positive(int), default=16)
+    parser.add_argument("--requests", type=positive(int), default=None,
                         help=f"requests (generated traces: default {GENERATED_REQUESTS:,}; a trace file: all of it unless given)")
-    parser.add_argument("--high-priority-share", type=float, default=0.0)
+    parser.add_argument("--high-priority-share", type=checked(float, lambda v: 0 <= v <= 1, "in [0, 1]"), default=0.0)
     parser.add_argument("--profile", default="llama-7b-a10", help="latency profile name or JSON path")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--report-delay", type=float, default=0.0, help="staleness of load reports, seconds")
-    parser.add_argument("--bandwidth", type=_positive(float), default=SimulatorSettings.bandwidth, help="bytes/s between instances")
+    parser.add_argument("--seed", type=non_negative(int), default=0)
+    parser.add_argument("--report-delay", type=non_negative(float), default=0.0, help="staleness of load reports, seconds")
+    parser.add_argument("--bandwidth", type=positive(float), default=SimulatorSettings.bandwidth, help="bytes/s between instances")
 
 
 def sim_main(argv: Sequence[str]) -> int:
@@ -109,19 +139,27 @@ def sim_main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write DIR/results.json")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.out is not None:
+        check_out_dir(parser, args.out)
     if is_generated(args.trace):
         args.rate = args.rate or GENERATED_RATE
         args.requests = args.requests or GENERATED_REQUESTS
-    workload = make_workload(
-        args.trace, rate=args.rate, num_requests=args.requests, seed=args.seed, cv=args.cv,
-        high_priority_share=args.high_priority_share,
-    )
+    try:
+        workload = make_workload(
+            args.trace, rate=args.rate, num_requests=args.requests, seed=args.seed, cv=args.cv,
+            high_priority_share=args.high_priority_share,
+        )
+    except (ValueError, OSError) as exc:  # a trace file that is missing or malformed, or too short for the options
+        parser.error(f"--trace: {exc}")
     settings = SimulatorSettings(report_delay=args.report_delay, bandwidth=args.bandwidth)
+    try:
+        specs = {policy: make_spec(policy, args.instances, profile=args.profile, settings=settings) for policy in args.policies}
+    except (ValueError, OSError) as exc:
+        parser.error(f"--profile: {exc}")
     run_facts = {"trace": args.trace, "rate": args.rate, "cv": args.cv, "requests": len(workload), "seed": args.seed,
                  "profile": args.profile, "report_delay": args.report_delay, "bandwidth": args.bandwidth}
     results = {}
-    for policy in args.policies:
-        spec = make_spec(policy, args.instances, profile=args.profile, settings=settings)
+    for policy, spec in specs.items():
         results[policy] = simulate(spec, workload, progress=not args.no_progress) | run_facts
     rate = f"rate {args.rate}/s" if args.rate else "its own arrival times"
     print(f"trace {args.trace}, {rate}, {len(workload)} requests, {args.instances} instances, profile {args.profile}")
@@ -140,8 +178,8 @@ def paper_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--out", type=Path, required=True, help="directory for report.md, results.json and the PNGs")
     parser.add_argument("--quick", action="store_true", help="two traces, two rates, 2,000 requests a run (minutes)")
-    parser.add_argument("--jobs", type=_positive(int), default=2, help="simulations run at once, one process each (default 2)")
-    parser.add_argument("--requests", type=_positive(int), default=None, help="requests per simulation (overrides the plan)")
+    parser.add_argument("--jobs", type=positive(int), default=2, help="simulations run at once, one process each (default 2)")
+    parser.add_argument("--requests", type=positive(int), default=None, help="requests per simulation (overrides the plan)")
     parser.add_argument("--seeds", type=_seeds, default=None,
                         help="comma-separated workload seeds, each setting run once per seed (default: the plan's, 0,1,2)")
     parser.add_argument("--render-only", action="store_true",
@@ -152,8 +190,7 @@ def paper_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if args.rerun is not None and (args.render_only or args.quick or args.seeds is not None or args.requests is not None):
         parser.error("--rerun keeps the plan of DIR/results.json: it takes no --render-only, --quick, --seeds or --requests")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out} exists and is not a directory")
+    check_out_dir(parser, args.out)
     # Imported here: matplotlib and the experiment plan are only needed by this subcommand.
     try:
         from llumdask.benchmarks.paper import PaperPlan, PaperResults, run_paper

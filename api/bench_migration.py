@@ -25,6 +25,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from llumdask.api.bench import check_out_dir, format_table as fixed_width, non_negative, positive
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.base import Engine
 from llumdask.benchmarks.migration_engines import BenchSettings, LengthResult, MigrationBench, median_result, results_dict
@@ -58,13 +59,6 @@ def _lengths(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llumdask bench migration",
@@ -75,19 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lengths", type=_lengths, default=_lengths("256,1024,2048"), help="prompt lengths, comma-separated")
     parser.add_argument("--out", type=Path, required=True, help="directory for results.json")
     parser.add_argument("--model", help="vllm: model directory (default: a random Llama of --layers x --hidden, built once)")
-    parser.add_argument("--layers", type=_positive_int, default=12, help="vllm: layers of the built model (default %(default)s)")
-    parser.add_argument("--hidden", type=_positive_int, default=1024, help="vllm: hidden size of the built model (default %(default)s)")
-    parser.add_argument("--kv-cache-mib", type=_positive_int, default=1024, help="vllm: KV cache per instance, MiB (default %(default)s)")
-    parser.add_argument("--threads", type=_positive_int, default=1,
+    parser.add_argument("--layers", type=positive(int), default=12, help="vllm: layers of the built model (default %(default)s)")
+    parser.add_argument("--hidden", type=positive(int), default=1024, help="vllm: hidden size of the built model (default %(default)s)")
+    parser.add_argument("--kv-cache-mib", type=positive(int), default=1024, help="vllm: KV cache per instance, MiB (default %(default)s)")
+    parser.add_argument("--threads", type=positive(int), default=1,
                         help="vllm: torch threads of the engines (default %(default)s: steady steps on a shared machine)")
-    parser.add_argument("--background", type=int, default=BenchSettings.background, help="co-running requests per instance")
-    parser.add_argument("--output-tokens", type=_positive_int, default=BenchSettings.output_tokens,
+    parser.add_argument("--background", type=positive(int), default=BenchSettings.background, help="co-running requests per instance")
+    parser.add_argument("--output-tokens", type=positive(int), default=BenchSettings.output_tokens,
                         help="tokens the migrated request generates in all")
     parser.add_argument("--last-stage-blocks", type=int, default=None,
                         help="migration.last-stage-blocks for this run (default: the configured value); vLLM's CPU blocks "
                         "hold 128 tokens, so 0 (only the partly filled block in the last stage) matches the default 2 of 16-token blocks")
-    parser.add_argument("--repeats", type=_positive_int, default=1, help="runs per length; each figure is their median")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=positive(int), default=1, help="runs per length; each figure is their median")
+    parser.add_argument("--seed", type=non_negative(int), default=0)
     return parser
 
 
@@ -132,16 +126,13 @@ def _sim_engines(config: LlumdaskConfig) -> tuple[list[Engine], dict[str, Any]]:
 
 
 def format_table(rows: Sequence[LengthResult]) -> str:
-    from llumdask.api.bench import format_table as fixed_width
-
     return fixed_width([asdict(row) | {"live_bytes": row.live_bytes / 2**20} for row in rows], TABLE_COLUMNS)
 
 
 def main(argv: Sequence[str], progress: Callable[[str], None] = print) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv))
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out} exists and is not a directory")
+    check_out_dir(parser, args.out)
     try:
         settings = BenchSettings(lengths=args.lengths, background=args.background, output_tokens=args.output_tokens,
                                  seed=args.seed, repeats=args.repeats)
@@ -173,7 +164,6 @@ def main(argv: Sequence[str], progress: Callable[[str], None] = print) -> int:
              "load_average_before": load_before, "load_average_after": os.getloadavg()[0], **facts}
     results = [median_result(length_runs) for length_runs in runs]
     summary = results_dict(results, runs, facts)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_table(results))
     print(f"live downtime longest/shortest: {summary['live_downtime_longest_over_shortest']:.2f} (goal <= 1.5), "

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
+from llumdask.api.bench import positive
 from llumdask.engine.headroom import DEFAULT_SEQUENCE_TOKENS, DEFAULT_TOLERANCE, decode_step, derive_headroom
 from llumdask.engine.latency import LatencyProfile, load_profile
 from llumdask.benchmarks.profile_measure import GRIDS
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "allows (a full instance's step over a lone sequence's).",
     )
     headroom.add_argument("--profile", required=True, help="profile name or JSON path")
-    headroom.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+    headroom.add_argument("--tolerance", type=positive(float), default=DEFAULT_TOLERANCE,
                           help="near-ideal: a step at most this fraction slower than a lone sequence's (default: %(default)s)")
     headroom.add_argument("--sequence-tokens", type=_positive_int, default=DEFAULT_SEQUENCE_TOKENS,
                           help="tokens per sequence of the batch, lone one included (default: %(default)s)")
@@ -99,16 +100,21 @@ def _headroom(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         derived = derive_headroom(profile, tolerance=args.tolerance, sequence_tokens=args.sequence_tokens)
     except ValueError as exc:
         parser.error(str(exc))
+    stored: LatencyProfile | None = None  # read before printing: a bad --write fails with no output
+    if args.write is not None:
+        try:
+            stored = replace(load_profile(args.write), headroom=derived.to_dict())
+        except (ValueError, OSError) as exc:
+            parser.error(f"--write: {exc}")
+        if stored.name != profile.name:
+            parser.error(f"--write {args.write} holds profile {stored.name!r}, not {profile.name!r}")
     lone = decode_step(profile, args.sequence_tokens, args.sequence_tokens)
     print(f"profile {profile.name}: capacity {profile.capacity_tokens:,} tokens; sequences of {args.sequence_tokens} tokens")
     print(f"lone sequence decode step {lone * 1e3:.2f} ms; near-ideal (within {args.tolerance:.0%}) up to "
           f"{derived.near_ideal_tokens:,} batched tokens")
     print(f"headroom {derived.tokens:,} tokens (capacity - near-ideal load)")
     print(f"ceiling: a full instance's step is {derived.ceiling:.3f}x a lone sequence's (the most a high-priority request gains)")
-    if args.write is not None:
-        stored = replace(load_profile(args.write), headroom=derived.to_dict())
-        if stored.name != profile.name:
-            parser.error(f"--write {args.write} holds profile {stored.name!r}, not {profile.name!r}")
+    if stored is not None:
         args.write.write_text(profile_json(stored))
         print(f"wrote {args.write}")
     return 0

@@ -76,6 +76,10 @@ class BenchSettings:
             raise ValueError(f"lengths must be positive prompt lengths, got {self.lengths}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+        if self.background < 1:  # the destination steps only with a batch; its slowdown divides by those steps
+            raise ValueError(f"background must be at least 1, got {self.background}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.output_tokens < self.min_output_tokens:
             raise ValueError(f"output tokens ({self.output_tokens}) must be at least {self.min_output_tokens}: the request "
                              f"decodes {self.migrate_after + self.baseline_rounds} before it moves and must outlast the move")

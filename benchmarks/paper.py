@@ -465,7 +465,7 @@ class PaperResults:
             headroom = Headroom.from_dict(data["headroom"]) if data.get("headroom") else None
             return cls(plan, capacity, runs, data["scalability"], headroom, data["wall_seconds"], data["jobs"], data["cpus"],
                        LlumdaskConfig.from_dict(data["config"]), data.get("command", cls.command))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:  # AttributeError: a section of the wrong JSON type
             raise ValueError(f"not the results.json of 'llumdask bench paper': {exc!r}") from None
 
     def to_dict(self) -> dict[str, Any]:

@@ -49,6 +49,20 @@ def test_out_must_be_a_directory(tmp_path, capsys):
     assert "not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("option", "value"), [("--background", "0"), ("--background", "-3"), ("--seed", "-1")])
+def test_bad_background_and_seed_are_rejected_naming_the_option(option, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["migration", "--engine", "sim", option, value, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("field", "value"), [("background", 0), ("background", -3), ("seed", -1)])
+def test_bench_settings_need_a_background_batch_and_a_seed_numpy_takes(field, value):
+    with pytest.raises(ValueError, match=field):
+        BenchSettings(lengths=(64,), **{field: value})
+
+
 def test_lengths_the_instances_cannot_hold_are_an_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_main(["migration", "--engine", "sim", "--lengths", "10000000", "--out", str(tmp_path)])

@@ -62,6 +62,26 @@ def test_profile_headroom_command_prints_and_writes(tmp_path, capsys):
     assert load_profile(path).headroom_tokens == 9600
 
 
+@pytest.mark.parametrize("content", [None, "{", '{"name": "toy"}'])
+def test_profile_headroom_rejects_a_write_file_it_cannot_read_before_printing(content, tmp_path, capsys):
+    path = tmp_path / "toy.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        profile_main(["headroom", "--profile", "llama-7b-a10", "--write", str(path)])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert "--write" in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("tolerance", ["inf", "nan", "0", "-0.1"])
+def test_profile_headroom_needs_a_finite_positive_tolerance(tolerance, capsys):
+    with pytest.raises(SystemExit) as exc:
+        profile_main(["headroom", "--profile", "llama-7b-a10", "--tolerance", tolerance])
+    assert exc.value.code == 2
+    assert "--tolerance" in capsys.readouterr().err
+
+
 def test_a_profile_with_a_bad_headroom_is_refused(tmp_path):
     data = json.loads(profile_json(TOY)) | {"headroom": {"tokens": 20_000}}
     path = tmp_path / "toy.json"

@@ -54,12 +54,15 @@ class SimulatorSettings:
     scale_interval: float = 1.0
 
     def __post_init__(self) -> None:
+        # Stated as what passes: NaN fails every comparison, and an infinite delay never fires.
         for name in ("report_delay", "dispatch_delay", "stage_overhead", "message_latency"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         for name in ("bandwidth", "sample_interval", "scale_interval"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 @dataclass

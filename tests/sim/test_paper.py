@@ -135,10 +135,12 @@ def test_render_only_needs_a_results_json(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_main(["paper", "--out", str(tmp_path), "--render-only"])
     assert "results.json" in capsys.readouterr().err
-    (tmp_path / "results.json").write_text("{}")
-    with pytest.raises(SystemExit):
-        bench_main(["paper", "--out", str(tmp_path), "--render-only"])
-    assert "not the results.json" in capsys.readouterr().err
+    for content in ("{}", '{"plan": 5}', '{"plan": {}, "runs": [5]}'):
+        (tmp_path / "results.json").write_text(content)
+        with pytest.raises(SystemExit) as exc:
+            bench_main(["paper", "--out", str(tmp_path), "--render-only"])
+        assert exc.value.code == 2
+        assert "not the results.json" in capsys.readouterr().err
 
 
 def test_every_experiment_ran_every_policy_on_the_same_requests(tiny_results, tiny_run):
@@ -385,7 +387,7 @@ def test_run_cases_rejects_bad_jobs():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [([], "--out"), (["--out", "x", "--jobs", "0"], "--jobs: must be > 0"), (["--out", "x", "--requests", "0"], "must be > 0"),
-     (["--out", "x", "--jobs", "two"], "invalid")],
+     (["--out", "x", "--jobs", "two"], "invalid"), (["--out", "x", "--seeds", "-1"], "--seeds")],
 )
 def test_cli_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

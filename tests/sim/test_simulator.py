@@ -134,6 +134,58 @@ def test_bench_rejects_unknown_policy(capsys):
     assert "unknown policy" in capsys.readouterr().err
 
 
+SIM_ARGS = ["sim", "--requests", "20", "--instances", "2", "--policies", "llumnix", "--no-progress"]
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--rate", "nan"), ("--rate", "inf"), ("--cv", "-1"), ("--cv", "nan"), ("--high-priority-share", "2"),
+    ("--high-priority-share", "nan"), ("--report-delay", "-1"), ("--report-delay", "inf"), ("--report-delay", "nan"),
+    ("--bandwidth", "nan"), ("--bandwidth", "inf"), ("--seed", "-1"), ("--profile", "nosuch"),
+])
+def test_bench_sim_rejects_bad_options_naming_them(option, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main([*SIM_ARGS, option, value])
+    assert exc.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("rows", "options", "message"), [
+    (None, [], "no such trace file"),
+    ("arrival_time,input_len\n0,10\n", [], "lacks column(s) output_len"),
+    ("arrival_time,input_len,output_len\n0,10,5\n1,10,5\n", ["--requests", "3"], "num_requests=3 asks for more"),
+    ("arrival_time,input_len,output_len\n0,10,5\n0,10,5\n", ["--rate", "2"], "every request arrives at once"),
+    ("arrival_time,input_len,output_len\n0,10,5\n1,10,5\n", ["--cv", "1"], "cv shapes generated arrivals"),
+])
+def test_bench_sim_rejects_a_trace_it_cannot_replay(rows, options, message, tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    if rows is not None:
+        trace.write_text(rows)
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["sim", "--trace", str(trace), "--instances", "2", "--policies", "llumnix", "--no-progress", *options])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--trace" in err and message in err
+
+
+@pytest.mark.parametrize(("out", "message"), [("file", "exists and is not a directory"), ("file/sub", "--out")])
+def test_bench_sim_checks_out_before_simulating(out, message, tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr("llumdask.api.bench.simulate", lambda *a, **k: pytest.fail("simulated before checking --out"))
+    with pytest.raises(SystemExit) as exc:
+        bench_main([*SIM_ARGS, "--out", str(tmp_path / out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and message in err
+
+
+@pytest.mark.parametrize("field", ["report_delay", "dispatch_delay", "stage_overhead", "message_latency",
+                                   "bandwidth", "sample_interval", "scale_interval"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
+def test_simulator_settings_reject_nan_infinite_and_negative_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        SimulatorSettings(**{field: value})
+
+
 def hand_profile(directory, capacity_tokens: int, kv_bytes_per_token: int):
     """Round numbers for hand-worked timelines: blocks of 4 tokens, prefill 1 ms per token, decode 10 ms per step."""
     profile = directory / "hand.json"
