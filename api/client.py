@@ -19,6 +19,7 @@ import asyncio
 import functools
 import html
 import numbers
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence, TypeVar
@@ -324,9 +325,14 @@ class LlumdaskClient:
 
     def __init__(self, client: Client, *, owns_client: bool = False, model: str | None = None,
                  chat_template: str | None = None, trust_remote_code: bool = False, **requester_options: Any) -> None:
+        for name, value in (("model", model), ("chat_template", chat_template)):
+            if value is not None and not (isinstance(value, (str, os.PathLike)) and str(value).strip()):
+                raise ValueError(f"{name} must be a path or a hub name, got {value!r}")
+        if not isinstance(trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code must be a boolean, got {trust_remote_code!r}")
         self._client = client
         self._owns_client = owns_client
-        self._model = model
+        self._model = None if model is None else str(model)
         self._chat_template = chat_template
         self._trust_remote_code = trust_remote_code
         self.requester = Requester(client, load_config({"requester": requester_options}).requester)
@@ -644,7 +650,10 @@ def _is_conversation_batch(messages: Any) -> bool:
 
 def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
     """`stop` as OpenAI clients give it: one string or several, within the detokenizer's bounds."""
-    return check_stop((stop,) if isinstance(stop, str) else tuple(stop))
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else None
+    if stops is None or not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r:.80}")
+    return check_stop(stops)
 
 
 def _attempt(fn: Callable[..., T], *args: Any) -> T | ValueError:

@@ -162,6 +162,12 @@ def test_bad_input_is_refused_before_anything_is_sent(clean):
         clean.generate([1, 2], temperature=1, seed=2**70)
     with pytest.raises(ValueError, match="token ids"):
         clean.generate([2**70])
+    for stop in (5, [None], [b"x"]):
+        with pytest.raises(ValueError, match="stop must be a string or a list of strings"):
+            clean.generate("Hello", stop=stop)
+    for served in ({"model": 5}, {"chat_template": " "}, {"trust_remote_code": "yes"}):
+        with pytest.raises(ValueError, match=next(iter(served))):
+            connect(clean.dask_client, **served)
     with pytest.raises(ValueError, match="stop strings must be non-empty"):
         clean.generate("Hello", stop=[""])
     with pytest.raises(ValueError, match="messages"):
