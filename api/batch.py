@@ -11,7 +11,7 @@ default, so interactive high-priority traffic keeps its headroom).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 if TYPE_CHECKING:
     import dask.bag
@@ -24,31 +24,37 @@ if TYPE_CHECKING:
 COLUMNS = {"text": "string", "finish_reason": "string", "prompt_tokens": "int64", "completion_tokens": "int64",
            "error": "string"}
 
-# This process's clients for partitions, by (model, chat template); the worker's tasks share them.
-_clients: dict[tuple[str | None, str | None], "LlumdaskClient"] = {}
+class Served(NamedTuple):
+    """The served model as `connect` was told it: what a worker's client loads its tokenizer from."""
+
+    model: str | None
+    chat_template: str | None
+    trust_remote_code: bool
+
+
+# This process's clients for partitions, by what they serve; the worker's tasks share them.
+_clients: dict[Served, "LlumdaskClient"] = {}
 _clients_lock = threading.Lock()
 
 
-def generate_bag(prompts: "dask.bag.Bag", *, model: str | None, chat_template: str | None,
-                 options: dict[str, Any]) -> "dask.bag.Bag":
+def generate_bag(prompts: "dask.bag.Bag", *, served: Served, options: dict[str, Any]) -> "dask.bag.Bag":
     """A bag with one `Generation` per prompt, in order (a failed prompt: its exception).
     `options` are `LlumdaskClient.generate`'s keywords."""
-    return prompts.map_partitions(_generate_partition, model=model, chat_template=chat_template, options=options)
+    return prompts.map_partitions(_generate_partition, served=served, options=options)
 
 
-def generate_column(prompts: "dask.dataframe.Series", *, model: str | None, chat_template: str | None,
+def generate_column(prompts: "dask.dataframe.Series", *, served: Served,
                     options: dict[str, Any]) -> "dask.dataframe.DataFrame":
     """A frame with the prompts' index and one row per prompt (`COLUMNS`): its text, finish reason
     and token counts, or for a failed prompt its error (`Type: message`) and no text."""
     from dask.dataframe.utils import make_meta
 
-    return prompts.map_partitions(_generate_frame, model=model, chat_template=chat_template, options=options,
+    return prompts.map_partitions(_generate_frame, served=served, options=options,
                                   meta=_frame([], make_meta(prompts).index))
 
 
-def _generate_frame(prompts: "pandas.Series", model: str | None, chat_template: str | None,
-                    options: dict[str, Any]) -> "pandas.DataFrame":
-    results = _generate_partition(prompts.tolist(), model, chat_template, options)
+def _generate_frame(prompts: "pandas.Series", served: Served, options: dict[str, Any]) -> "pandas.DataFrame":
+    results = _generate_partition(prompts.tolist(), served, options)
     return _frame([_row(r) for r in results], prompts.index)
 
 
@@ -65,15 +71,15 @@ def _frame(rows: list[tuple], index: Any) -> "pandas.DataFrame":
     return pandas.DataFrame(rows, index=index, columns=list(COLUMNS)).astype(COLUMNS)
 
 
-def _generate_partition(prompts: Iterable[Any], model: str | None, chat_template: str | None,
+def _generate_partition(prompts: Iterable[Any], served: Served,
                         options: dict[str, Any]) -> list["Generation | BaseException"]:
     prompts = list(prompts)
     if not prompts:
         return []
-    return worker_llm(model, chat_template).generate_batch(prompts, progress=False, **options)
+    return worker_llm(served).generate_batch(prompts, progress=False, **options)
 
 
-def worker_llm(model: str | None, chat_template: str | None) -> "LlumdaskClient":
+def worker_llm(served: Served) -> "LlumdaskClient":
     """The client partitions of this worker process submit through, made on first use: its
     requester serves the worker's concurrent tasks (its placements and streams run on the
     worker's event loop, as a gateway's serve many requests) until the process ends."""
@@ -83,7 +89,7 @@ def worker_llm(model: str | None, chat_template: str | None) -> "LlumdaskClient"
 
     dask_client = get_client()
     with _clients_lock:
-        llm = _clients.get((model, chat_template))
+        llm = _clients.get(served)
         if llm is None or llm.dask_client is not dask_client:
-            llm = _clients[(model, chat_template)] = LlumdaskClient(dask_client, model=model, chat_template=chat_template)
+            llm = _clients[served] = LlumdaskClient(dask_client, **served._asdict())
         return llm

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from llumdask.config import ConfigError
 from llumdask.sim.presets import PRESETS
 from llumdask.sim.run import make_spec, simulate, write_json
 from llumdask.sim.cluster import SimulatorSettings
@@ -154,6 +155,8 @@ def sim_main(argv: Sequence[str]) -> int:
     settings = SimulatorSettings(report_delay=args.report_delay, bandwidth=args.bandwidth)
     try:
         specs = {policy: make_spec(policy, args.instances, profile=args.profile, settings=settings) for policy in args.policies}
+    except ConfigError as exc:  # the configuration the instances are made from (DASK_LLUMDASK__..., a YAML file)
+        parser.error(f"configuration: {exc}")
     except (ValueError, OSError) as exc:
         parser.error(f"--profile: {exc}")
     run_facts = {"trace": args.trace, "rate": args.rate, "cv": args.cv, "requests": len(workload), "seed": args.seed,

@@ -18,11 +18,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import html
+import math
 import numbers
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import (
+    TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar,
+)
 
 from distributed import Client
 from distributed.deploy.cluster import Cluster
@@ -38,7 +41,7 @@ from llumdask.plugins.control import MigrationNotStarted, MigrationPinned, NoLlu
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import (
-    FinishReason, Priority, Request, SamplingParams, check_cache_salt, is_number, is_text, is_token_id, new_request_id,
+    FinishReason, Priority, Request, SamplingParams, check_cache_salt, is_text, is_token_id, new_request_id,
 )
 
 if TYPE_CHECKING:
@@ -395,7 +398,7 @@ class LlumdaskClient:
             raise ValueError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
         concurrency = self._check_options(max_tokens, priority, timeout, stop, concurrency, cache_salt, sampling)
         jobs = [_attempt(self._job, p, max_tokens, priority, stop, sampling, cache_salt) for p in prompts]
-        return self._sync(self._generate_many, jobs, timeout, concurrency, progress)
+        return self._sync(self._generate_many, jobs, _timeout(timeout), concurrency, progress)
 
     def chat(self, messages: Messages | Sequence[Messages], max_tokens: int = 16, **options: Any) -> Any:
         """`generate` on the prompt the model's chat template makes of `messages` (a list of
@@ -417,13 +420,14 @@ class LlumdaskClient:
         error). The options are `generate`'s, checked here before anything runs."""
         import dask.bag
 
-        from llumdask.api.batch import generate_bag, generate_column
+        from llumdask.api.batch import Served, generate_bag, generate_column
 
         concurrency = self._check_options(max_tokens, priority, timeout, stop, concurrency, cache_salt, sampling)
         options = dict(max_tokens=max_tokens, priority=priority, timeout=timeout, stop=stop,
                        concurrency=concurrency, cache_salt=cache_salt, **sampling)
+        served = Served(self._model, self._chat_template, self._trust_remote_code)
         if isinstance(prompts, dask.bag.Bag):
-            return generate_bag(prompts, model=self._model, chat_template=self._chat_template, options=options)
+            return generate_bag(prompts, served=served, options=options)
         try:
             import dask.dataframe
         except ImportError:  # pandas is an extra: pip install 'dask[dataframe]'
@@ -431,7 +435,7 @@ class LlumdaskClient:
         else:
             series = dask.dataframe.Series
         if isinstance(prompts, series):
-            return generate_column(prompts, model=self._model, chat_template=self._chat_template, options=options)
+            return generate_column(prompts, served=served, options=options)
         raise TypeError(f"map() takes a dask.bag.Bag or a dask.dataframe Series of prompts, not {type(prompts).__name__}")
 
     def stream(self, prompt: Prompt, max_tokens: int = 16, *, priority: Priority | str = "normal",
@@ -561,8 +565,8 @@ class LlumdaskClient:
         check_cache_salt(cache_salt)
         SamplingParams(max_tokens=max_tokens, **sampling)
         _timeout(timeout)
-        if stop:  # stop strings mean text: their rules are the detokenizer's
-            IncrementalText(self.tokenizer, _stop_strings(stop))
+        if stops := _stop_strings(stop):  # stop strings mean text: their rules are the detokenizer's
+            IncrementalText(self.tokenizer, stops)
         return _positive("concurrency", concurrency)
 
     def _job(self, prompt: Prompt, max_tokens: int, priority: Priority | str, stop: Sequence[str],
@@ -578,8 +582,8 @@ class LlumdaskClient:
             # A rendered template carries its own special tokens, as the gateway encodes it.
             ids = (tokenizer.encode(prompt) if isinstance(prompt, str)
                    else tokenizer.encode(tokenizer.render_chat(prompt.checked()), add_special_tokens=False))
-            sampling = {**sampling, "stop_token_ids": stop_token_ids(
-                tokenizer, sampling.get("stop_token_ids", ()), sampling.get("ignore_eos", False))}
+            asked = SamplingParams(max_tokens=max_tokens, **sampling)  # checked before the model's EOS joins
+            sampling = {**sampling, "stop_token_ids": stop_token_ids(tokenizer, asked.stop_token_ids, asked.ignore_eos)}
             request = self._make_request(ids, max_tokens, priority, sampling, cache_salt)
             # The gateway's detokenizer rules: a stop token's text is left out, and a stop string
             # counts only past min_tokens.
@@ -591,7 +595,7 @@ class LlumdaskClient:
 
     def _make_request(self, prompt: Any, max_tokens: int, priority: Priority | str,
                       sampling: dict[str, Any], cache_salt: str | None) -> Request:
-        ids = list(prompt) if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)) else []
+        ids = list(prompt) if isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes, Mapping)) else []
         if not ids or not all(isinstance(t, numbers.Integral) and is_token_id(int(t)) for t in ids):
             raise ValueError(f"prompt must be text or a non-empty list of token ids (integers >= 0), "
                              f"got {prompt!r:.80}")
@@ -649,8 +653,9 @@ def _is_conversation_batch(messages: Any) -> bool:
 
 
 def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
-    """`stop` as OpenAI clients give it: one string or several, within the detokenizer's bounds."""
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else None
+    """`stop` as OpenAI clients give it: one string or several (None: none), within the detokenizer's bounds."""
+    stops = (stop,) if isinstance(stop, str) else () if stop is None else tuple(stop) if isinstance(
+        stop, (list, tuple)) else None
     if stops is None or not all(isinstance(s, str) for s in stops):
         raise ValueError(f"stop must be a string or a list of strings, got {stop!r:.80}")
     return check_stop(stops)
@@ -665,10 +670,16 @@ def _attempt(fn: Callable[..., T], *args: Any) -> T | ValueError:
 
 
 def _timeout(timeout: Any) -> float | None:
-    """A request's bound in seconds: None (none), or a finite number > 0."""
-    if timeout is not None and not (is_number(timeout) and timeout > 0):
+    """A request's bound in seconds: None (none), or a finite number > 0 (numpy's too)."""
+    if timeout is None:
+        return None
+    try:
+        seconds = float(timeout) if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) else math.nan
+    except OverflowError:  # an integer past a float's range
+        seconds = math.inf
+    if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"timeout must be None or a number of seconds > 0, got {timeout!r}")
-    return timeout
+    return seconds
 
 
 def _positive(name: str, value: Any) -> int:

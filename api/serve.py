@@ -524,14 +524,16 @@ def _positive_int(text: str) -> int:
 
 
 def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port, 0-65535 (0: any free one), got {value}")
-    return value
+    if not (text.strip().isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0-65535 (0: any free one), got {text}")
+    return int(text)
 
 
 def _positive_seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
     return value
@@ -541,11 +543,14 @@ def _config_file(path: Path) -> dict[str, Any]:
     """A --config file: Dask-style YAML, a mapping whose llumdask: section is one too."""
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ValueError(f"--config {path}: not YAML: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("llumdask") or {}, dict):
+    except OSError as exc:
+        raise ValueError(f"--config {path}: {exc.strerror or exc}") from None
+    section = data.get("llumdask") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not (section is None or isinstance(section, dict)):
         raise ValueError(f"--config {path}: must be a mapping with a llumdask: mapping in it, as llumdask.yaml")
-    if data.get("llumdask", {}) is None:  # an empty section
+    if "llumdask" in data and section is None:  # an empty section
         del data["llumdask"]
     return data
 

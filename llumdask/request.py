@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import numbers
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -234,10 +235,10 @@ class SamplingParams:
 def _token_ids(values: object, name: str) -> tuple[int, ...]:
     """Token ids (integers >= 0) from any iterable of them but text or a mapping."""
     ids = None if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable) else tuple(values)
-    if ids is None or not all(is_token_id(t) for t in ids):
+    if ids is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and is_token_id(int(t))
+                              for t in ids):
         raise ValueError(f"{name} must be a list of token ids (integers >= 0), got {values!r:.80}")
-    return ids
-
+    return tuple(int(t) for t in ids)  # numpy's integers as Python's, which comms carry
 
 
 def is_token_id(value: object) -> bool:

@@ -162,6 +162,8 @@ def test_bad_input_is_refused_before_anything_is_sent(clean):
         clean.generate([1, 2], temperature=1, seed=2**70)
     with pytest.raises(ValueError, match="token ids"):
         clean.generate([2**70])
+    with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids"):
+        clean.generate("Hello", stop_token_ids=5)  # checked before the model's end token joins them
     for stop in (5, [None], [b"x"]):
         with pytest.raises(ValueError, match="stop must be a string or a list of strings"):
             clean.generate("Hello", stop=stop)
@@ -177,8 +179,11 @@ def test_bad_input_is_refused_before_anything_is_sent(clean):
 def test_a_prompt_that_is_none_fails_in_its_place_and_the_others_run(clean, overrides, tokenizer):
     """Each element of a batch is a prompt: one that fails its checks (an empty text, a single id,
     a message without a role, a lone surrogate, bytes) is its ValueError in its place."""
+    import numpy as np
+
     bad = ["", 5, [{"content": "hi"}], "a\ud800", b"hi", None]
-    results = clean.generate_batch(["fine", *bad, [5, 6, 7]], max_tokens=4, progress=False, timeout=60)
+    results = clean.generate_batch(["fine", *bad, np.array([5, 6, 7])], max_tokens=4, progress=False, timeout=60,
+                                   stop=None, stop_token_ids=[np.int64(9)])
     assert results[0].text == tokenizer.decode(expected(overrides, tokenizer, "fine", 4))
     assert all(isinstance(r, ValueError) for r in results[1:-1]) and len(results[-1].token_ids) >= 1
     chats = clean.chat([[{"role": "user", "content": "hi"}], [{"role": "bogus", "content": "x"}], [None]],

@@ -71,6 +71,7 @@ def test_bad_options_exit_2_naming_the_problem(capsys, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("option, value, words", [
     ("--port", "70000", "must be a TCP port"), ("--port", "-1", "must be a TCP port"),
+    ("--port", "abc", "must be a TCP port"), ("--startup-timeout", "abc", "must be a number of seconds > 0"),
     ("--startup-timeout", "-1", "must be a number of seconds > 0"),
     ("--startup-timeout", "nan", "must be a number of seconds > 0"),
 ])
@@ -83,6 +84,7 @@ def test_options_are_checked_before_any_instance_starts(capsys, option, value, w
 
 @pytest.mark.parametrize("text, words", [
     ("llumdask: [", "not YAML"), ("- 1\n- 2\n", "must be a mapping"), ("llumdask: 5\n", "must be a mapping"),
+    ("llumdask: []\n", "must be a mapping"), ("llumdask: false\n", "must be a mapping"),
 ])
 def test_a_config_file_that_is_not_a_config_is_named(capsys, tmp_path, text, words):
     (tmp_path / "bad.yaml").write_text(text)

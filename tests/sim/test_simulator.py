@@ -149,6 +149,21 @@ def test_bench_sim_rejects_bad_options_naming_them(option, value, capsys):
     assert option in capsys.readouterr().err
 
 
+def test_bench_sim_names_a_bad_configuration_as_such(capsys, monkeypatch):
+    monkeypatch.setenv("DASK_LLUMDASK__REPORT_INTERVAL", "inf")
+    import dask.config
+
+    dask.config.refresh()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            bench_main(SIM_ARGS)
+    finally:
+        monkeypatch.delenv("DASK_LLUMDASK__REPORT_INTERVAL")
+        dask.config.refresh()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "error: configuration: llumdask.report-interval" in err
+
+
 @pytest.mark.parametrize(("rows", "options", "message"), [
     (None, [], "no such trace file"),
     ("arrival_time,input_len\n0,10\n", [], "lacks column(s) output_len"),
