@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from typing import (
-    TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar,
+    TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence, TypeVar,
 )
 
 from distributed import Client
@@ -41,7 +41,7 @@ from llumdask.plugins.control import MigrationNotStarted, MigrationPinned, NoLlu
 from llumdask.plugins.requester import Requester
 from llumdask.plugins.streams import TokenStream
 from llumdask.request import (
-    FinishReason, Priority, Request, SamplingParams, check_cache_salt, is_text, is_token_id, new_request_id,
+    FinishReason, Priority, Request, SamplingParams, check_cache_salt, is_text, new_request_id, token_ids,
 )
 
 if TYPE_CHECKING:
@@ -595,11 +595,11 @@ class LlumdaskClient:
 
     def _make_request(self, prompt: Any, max_tokens: int, priority: Priority | str,
                       sampling: dict[str, Any], cache_salt: str | None) -> Request:
-        ids = list(prompt) if isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes, Mapping)) else []
-        if not ids or not all(isinstance(t, numbers.Integral) and is_token_id(int(t)) for t in ids):
+        ids = _attempt(token_ids, prompt, "prompt")
+        if isinstance(ids, ValueError) or not ids:
             raise ValueError(f"prompt must be text or a non-empty list of token ids (integers >= 0), "
                              f"got {prompt!r:.80}")
-        return Request.arriving(new_request_id(), [int(t) for t in ids], SamplingParams(max_tokens=max_tokens, **sampling),
+        return Request.arriving(new_request_id(), list(ids), SamplingParams(max_tokens=max_tokens, **sampling),
                                 priority, time.time(), cache_salt)
 
     def _sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T | Awaitable[T]:

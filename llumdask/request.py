@@ -134,7 +134,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (_is_int(self.seed) and -INT64 <= self.seed < INT64):
             raise ValueError(f"seed must be a 64-bit integer or None (vLLM's range), got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
+        object.__setattr__(self, "stop_token_ids", token_ids(self.stop_token_ids, "stop_token_ids"))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -152,7 +152,7 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        object.__setattr__(self, "allowed_token_ids", _token_ids(self.allowed_token_ids, "allowed_token_ids"))
+        object.__setattr__(self, "allowed_token_ids", token_ids(self.allowed_token_ids, "allowed_token_ids"))
         for name in ("logit_bias", "allowed_token_ids"):
             if len(getattr(self, name)) > MAX_TOKEN_LIST:
                 raise ValueError(f"{name} may name at most {MAX_TOKEN_LIST} tokens, got {len(getattr(self, name))}")
@@ -232,7 +232,7 @@ class SamplingParams:
         return ""
 
 
-def _token_ids(values: object, name: str) -> tuple[int, ...]:
+def token_ids(values: object, name: str) -> tuple[int, ...]:
     """Token ids (integers >= 0) from any iterable of them but text or a mapping."""
     ids = None if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable) else tuple(values)
     if ids is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and is_token_id(int(t))

@@ -181,7 +181,7 @@ def test_a_prompt_that_is_none_fails_in_its_place_and_the_others_run(clean, over
     a message without a role, a lone surrogate, bytes) is its ValueError in its place."""
     import numpy as np
 
-    bad = ["", 5, [{"content": "hi"}], "a\ud800", b"hi", None]
+    bad = ["", 5, [{"content": "hi"}], "a\ud800", b"hi", None, [5, True]]
     results = clean.generate_batch(["fine", *bad, np.array([5, 6, 7])], max_tokens=4, progress=False, timeout=60,
                                    stop=None, stop_token_ids=[np.int64(9)])
     assert results[0].text == tokenizer.decode(expected(overrides, tokenizer, "fine", 4))
