@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
+from llumdask.api.argtypes import checked, non_negative, positive
 from llumdask.config import ConfigError
 from llumdask.sim.presets import PRESETS
 from llumdask.sim.run import make_spec, simulate, write_json
@@ -76,32 +76,6 @@ def _seeds(text: str) -> tuple[int, ...]:
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise argparse.ArgumentTypeError(f"seeds must be distinct integers >= 0, got {text!r}")
     return seeds
-
-
-def checked(kind: Callable[[str], Any], accept: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
-    """An argparse type: `kind(text)` if `accept` holds for it. `accept` states what passes
-    (`0 < v < math.inf`): NaN fails every comparison, so a check for what fails (`v <= 0`) lets it in."""
-
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not accept(value):
-            raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse's "invalid float value: ..."
-    return parse
-
-
-def _bound(kind: Callable[[str], Any], bound: str) -> str:
-    return f"a finite number {bound}" if kind is float else bound
-
-
-def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    return checked(kind, lambda v: 0 < v < math.inf, _bound(kind, "> 0"))
-
-
-def non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    return checked(kind, lambda v: 0 <= v < math.inf, _bound(kind, ">= 0"))
 
 
 def check_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from llumdask.api.bench import positive
+from llumdask.api.argtypes import non_negative, positive
 from llumdask.engine.headroom import DEFAULT_SEQUENCE_TOKENS, DEFAULT_TOLERANCE, decode_step, derive_headroom
 from llumdask.engine.latency import LatencyProfile, load_profile
 from llumdask.benchmarks.profile_measure import GRIDS
@@ -31,20 +31,6 @@ from llumdask.benchmarks.profile_fit import (
 )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llumdask profile", description="Build latency profiles for the simulator from measurements.")
     commands = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND", title="subcommands")
@@ -56,11 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fit.add_argument("--data", required=True, type=Path, help="folder holding mlp.csv[.xz] and attention.csv[.xz]")
     fit.add_argument("--out", required=True, type=Path, help="profile JSON to write; its file name (without .json) is the profile's name")
-    fit.add_argument("--layers", type=_positive_int, help="transformer layers (the tables profile one); default: known from the model shape")
-    fit.add_argument("--parameters", type=_positive_int, help="model parameters, for the weights' memory; default: known from the model shape")
-    fit.add_argument("--memory-bytes", type=_positive_int, default=DEFAULT_MEMORY_BYTES,
+    fit.add_argument("--layers", type=positive(int), help="transformer layers (the tables profile one); default: known from the model shape")
+    fit.add_argument("--parameters", type=positive(int), help="model parameters, for the weights' memory; default: known from the model shape")
+    fit.add_argument("--memory-bytes", type=positive(int), default=DEFAULT_MEMORY_BYTES,
                      help="device memory for weights + KV cache (default: %(default)s, that of the LLaMA-7B A10 profile)")
-    fit.add_argument("--cpu-overhead-s", type=_seconds, default=DEFAULT_CPU_OVERHEAD_S,
+    fit.add_argument("--cpu-overhead-s", type=non_negative(float), default=DEFAULT_CPU_OVERHEAD_S,
                      help="fixed CPU cost per step, seconds (default: %(default)s, as the A10 profiles)")
     fit.add_argument("--device", help="the GPU the tables were measured on, for the derivation text")
     fit.set_defaults(run=lambda args: _fit_vidur(args, fit))
@@ -87,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     headroom.add_argument("--profile", required=True, help="profile name or JSON path")
     headroom.add_argument("--tolerance", type=positive(float), default=DEFAULT_TOLERANCE,
                           help="near-ideal: a step at most this fraction slower than a lone sequence's (default: %(default)s)")
-    headroom.add_argument("--sequence-tokens", type=_positive_int, default=DEFAULT_SEQUENCE_TOKENS,
+    headroom.add_argument("--sequence-tokens", type=positive(int), default=DEFAULT_SEQUENCE_TOKENS,
                           help="tokens per sequence of the batch, lone one included (default: %(default)s)")
     headroom.add_argument("--write", type=Path, help="store the headroom in this profile JSON (the profile's own file)")
     headroom.set_defaults(run=lambda args: _headroom(args, headroom))

@@ -36,6 +36,7 @@ import dask.config
 import yaml
 from distributed import Client, WorkerPlugin
 
+from llumdask.api.argtypes import positive
 from llumdask.api.gateway.generation_config import SOURCES as GENERATION_SOURCES
 from llumdask.api.gateway.tools import TOOL_STRICT_LEVELS
 from llumdask.config import ConfigError, VllmEngineConfig, load_config
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                "(e.g. --total-blocks 128); for --engine vllm, vllm-engine config keys (e.g. --dtype half, "
                "--kv-cache-memory-bytes 1073741824) or else vLLM engine arguments (e.g. --max-num-seqs 64).",
     )
-    p.add_argument("--instances", type=_positive_int, default=DEFAULT_INSTANCES,
+    p.add_argument("--instances", type=positive(int), default=DEFAULT_INSTANCES,
                    help=f"engine instances of the local cluster (default {DEFAULT_INSTANCES})")
     p.add_argument("--engine", choices=("sim", "vllm"), default=None,
                    help="engine of the local cluster (default: vllm when it can be imported, else sim)")
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--override-generation-config", metavar="JSON", type=json.loads, default=None,
                    help="generation config values over --generation-config's, as vLLM's flag (e.g. "
                         "'{\"temperature\": 0.5}'; its max_new_tokens caps every request)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None,
+    p.add_argument("--max-model-len", type=positive(int), default=None,
                    help="context length, for the gateway and the vLLM engine (default: what the model declares)")
     p.add_argument("--startup-timeout", type=_positive_seconds, default=600.0,
                    help="seconds the local instances may take to start, model download and load included "
@@ -93,14 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Dask dashboard of the local cluster (default 127.0.0.1:8787; another port if taken)")
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' (repeat for several keys)")
-    p.add_argument("--max-in-flight", type=_positive_int, default=None, help="requests served at once before 429")
+    p.add_argument("--max-in-flight", type=positive(int), default=None, help="requests served at once before 429")
     p.add_argument("--placement-timeout", type=float, default=None,
                    help="seconds to find an instance for a request before answering 503 "
                         "(default: llumdask.gateway.placement-timeout, 10)")
     p.add_argument("--write-timeout", type=float, default=None,
                    help="seconds a streaming client may leave its stream unread (the server's buffers full) "
                         "before its request is aborted (default: llumdask.gateway.write-timeout, 30)")
-    p.add_argument("--send-buffer-bytes", type=_positive_int, default=None,
+    p.add_argument("--send-buffer-bytes", type=positive(int), default=None,
                    help="kernel send buffer of each client connection, bounding what a client that does not "
                         "read holds (default: llumdask.gateway.send-buffer-bytes, null: the kernel's)")
     p.add_argument("--tool-call-parser", metavar="NAME", default=None,
@@ -516,13 +517,6 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _port(text: str) -> int:
     if not (text.strip().isdigit() and int(text) <= 65535):
         raise argparse.ArgumentTypeError(f"must be a TCP port, 0-65535 (0: any free one), got {text}")
@@ -530,6 +524,7 @@ def _port(text: str) -> int:
 
 
 def _positive_seconds(text: str) -> float:
+    """Seconds > 0; text that is no number is named as such too (argparse would name the function)."""
     try:
         value = float(text)
     except ValueError:

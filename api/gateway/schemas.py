@@ -30,9 +30,9 @@ from llumdask.api.gateway.generation_config import GenerationDefaults
 from llumdask.api.gateway.json_schema import check_schema
 from llumdask.api.gateway.repetition import MAX_PATTERN_SIZE, RepetitionDetection
 from llumdask.api.gateway.tools import ToolUse, assistant_calls, parse_tool_use
-from llumdask.request import MAX_LOGPROBS, STRUCTURED_KINDS, Priority, SamplingParams, check_cache_salt, is_number
+from llumdask.request import INT64, MAX_LOGPROBS, STRUCTURED_KINDS, Priority, SamplingParams, check_cache_salt, is_number
 
-MAX_SEED = (1 << 63) - 1
+MAX_SEED = INT64 - 1  # vLLM's bound, the largest integer comms carry
 # OpenAI's bound on choices per request.
 MAX_CHOICES = 128
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
