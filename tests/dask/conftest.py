@@ -6,6 +6,7 @@ worker must be idle with every block free and the block manager's integrity inta
 
 from __future__ import annotations
 
+import dask
 import pytest
 from daskhelpers import CLUSTER_OVERRIDES, assert_workers_clean
 
@@ -19,13 +20,18 @@ def cluster_config() -> LlumdaskConfig:
 
 @pytest.fixture(scope="module")
 def cluster():
+    """Tests kill workers and break engines for their nannies to restart. The cluster object also
+    closes a nanny whose worker is missing when it checks, `lost-worker-timeout` after an earlier
+    loss of that worker; a second loss within that time, caught before the nanny's fresh worker
+    registers, would otherwise leave the module one instance short."""
     from llumdask.clusters.local import local_cluster
 
-    cluster = local_cluster(2, config_overrides=CLUSTER_OVERRIDES)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}):
+        cluster = local_cluster(2, config_overrides=CLUSTER_OVERRIDES)
+        try:
+            yield cluster
+        finally:
+            cluster.close()
 
 
 @pytest.fixture(scope="module")
