@@ -12,7 +12,9 @@ for the tokens decoded while the reservation travels, and only on its ACK pauses
 sends the remaining blocks and its state; the destination resumes it and answers Committed; the
 source then frees it. So the pause lasts one round trip. (A tail that outgrew the slack is
 reserved again while paused.) Any refusal, abort, timeout, finish, preemption or dead peer ends
-the migration with every reserved block released and the request running on its source.
+the migration with every reserved block released and the request running on its source. The
+destination refuses a first stage that would leave its own queue less room than the scheduler
+leaves a new request (`dispatch.hold-freeness`).
 
 A waiting request (queued, or preempted and re-queued) moves in one round trip: one PRE-ALLOC
 for its whole (re)computation, which the destination refuses if its own queue holds an earlier
@@ -144,6 +146,7 @@ class Llumlet:
         self.engine = engine
         self._transport = transport
         self._migration = config.migration
+        self._hold_freeness = config.dispatch.hold_freeness
         self._clock = clock
         self._on_tokens = on_tokens or _noop
         self._on_event = on_event or _noop
@@ -418,7 +421,8 @@ class Llumlet:
     # ------------------------------------------------------------------ destination side
     def _on_prealloc(self, sender: str, msg: PreAlloc) -> None:
         inc = self._incoming.get(msg.migration_id)
-        if inc is None:
+        first = inc is None
+        if first:
             refusal = self._refuse_new_migrant() or self._refuse_to_queue(msg.queue_key)
             if refusal:
                 self._send(sender, PreAllocReply(msg.migration_id, msg.stage, False, refusal))
@@ -426,9 +430,14 @@ class Llumlet:
             inc = _Incoming(msg.migration_id, msg.request_id, sender, deadline=0.0)
             self._incoming[msg.migration_id] = inc
         reused = self.engine.reserve_cached(msg.migration_id, msg.prefix_tokens, msg.cache_salt) if msg.prefix_tokens else 0
+        refusal = ""
         if not self.engine.reserve_blocks(msg.migration_id, msg.num_blocks - reused):
+            refusal = "out of blocks"
+        elif first:
+            refusal = self._refuse_queue_room()
+        if refusal:
             self._drop_incoming(inc)
-            self._send(sender, PreAllocReply(msg.migration_id, msg.stage, False, "out of blocks"))
+            self._send(sender, PreAllocReply(msg.migration_id, msg.stage, False, refusal))
             return
         inc.reserved_blocks += msg.num_blocks
         inc.deadline = self._clock() + self._migration.handshake_timeout
@@ -439,6 +448,25 @@ class Llumlet:
             return "destination is terminating"
         if len(self._incoming) >= self._migration.max_concurrent:
             return "destination at max concurrent migrations"
+        return ""
+
+    def _refuse_queue_room(self) -> str:
+        """Why a migrant whose first stage is reserved here takes room this instance's own queue
+        needs ("" when it does not).
+
+        A migrant is let in as the scheduler places a new request (`dispatch.hold-freeness`): the
+        free blocks left, less every waiting request's demand, must keep that many per request,
+        the migrant counted. Pairing reads reports a step old and counts only the head of a
+        destination's line; without this, migrants move into the room that queued requests (just
+        dispatched, or preempted) were about to start in, and those wait behind them: the
+        first-token tail near capacity."""
+        hold = self._hold_freeness
+        if hold is None:
+            return ""
+        totals = self.engine.load_totals()
+        requests = sum(totals.running_count.values()) + totals.num_waiting + 1
+        if totals.free_blocks - totals.waiting_demand < hold * requests:
+            return "destination needs its room for its queue"
         return ""
 
     def _refuse_to_queue(self, queue_key: tuple[int, float, str] | None) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from inprocess import InProcessCluster, make_request, reference_tokens, small_config
@@ -88,6 +90,31 @@ def test_destination_out_of_blocks_refuses_and_request_completes_at_source():
     (aborted,) = cluster.aborted()
     assert "refused" in aborted.reason
     assert cluster.log.sequence("r") == reference_tokens(make_request("r", 20, 5), config)
+    cluster.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("queued", "hold", "moves"), [(True, 1.0, False), (False, 1.0, True), (True, None, True)])
+def test_a_destination_keeps_the_room_its_queue_needs(queued, hold, moves):
+    """A migrant is let in only where, with its blocks reserved, the queue still has its demand
+    and `dispatch.hold-freeness` blocks per request left (as the scheduler places a new request);
+    refused, it goes on at its source, and the queued request starts where it was sent."""
+    base = small_config()  # 64 blocks of 4 tokens
+    config = replace(base, dispatch=replace(base.dispatch, hold_freeness=hold))
+    cluster = InProcessCluster(2, config)
+    cluster["i0"].add_request(make_request("r", 20, 12))
+    cluster["i1"].add_request(make_request("big", 160, 30))  # 40 blocks
+    cluster.step_all()
+    if queued:
+        cluster["i1"].add_request(make_request("queued", 76, 4))  # 19 blocks, waiting until i1 steps
+    assert cluster["i0"].migrate_out("i1", "r") is not None
+    cluster.transport.deliver_all()  # the destination answers before it steps again
+    cluster.run_until_idle()
+    assert len(cluster.committed()) == moves
+    if not moves:
+        (aborted,) = cluster.aborted()
+        assert aborted.reason == "destination refused: destination needs its room for its queue"
+    assert cluster.log.sequence("r") == reference_tokens(make_request("r", 20, 12), config)
+    assert cluster.log.finished == {"r": 1, "big": 1} | ({"queued": 1} if queued else {})
     cluster.assert_no_leaks()
 
 
