@@ -13,8 +13,8 @@ sends the remaining blocks and its state; the destination resumes it and answers
 source then frees it. So the pause lasts one round trip. (A tail that outgrew the slack is
 reserved again while paused.) Any refusal, abort, timeout, finish, preemption or dead peer ends
 the migration with every reserved block released and the request running on its source. The
-destination refuses a first stage that would leave its own queue less room than the scheduler
-leaves a new request (`dispatch.hold-freeness`).
+destination refuses a first stage that would leave its own queue less room than the scheduler's
+placement rule leaves a new normal-priority request (`dispatch.hold-freeness`).
 
 A waiting request (queued, or preempted and re-queued) moves in one round trip: one PRE-ALLOC
 for its whole (re)computation, which the destination refuses if its own queue holds an earlier
@@ -430,11 +430,12 @@ class Llumlet:
             inc = _Incoming(msg.migration_id, msg.request_id, sender, deadline=0.0)
             self._incoming[msg.migration_id] = inc
         reused = self.engine.reserve_cached(msg.migration_id, msg.prefix_tokens, msg.cache_salt) if msg.prefix_tokens else 0
-        refusal = ""
-        if not self.engine.reserve_blocks(msg.migration_id, msg.num_blocks - reused):
+        needed = msg.num_blocks - reused
+        # Checked before blocks are taken: taking them may evict cached prefixes, and a refusal
+        # would hand them back uncached.
+        refusal = self._refuse_queue_room(needed) if first else ""
+        if not refusal and not self.engine.reserve_blocks(msg.migration_id, needed):
             refusal = "out of blocks"
-        elif first:
-            refusal = self._refuse_queue_room()
         if refusal:
             self._drop_incoming(inc)
             self._send(sender, PreAllocReply(msg.migration_id, msg.stage, False, refusal))
@@ -450,22 +451,24 @@ class Llumlet:
             return "destination at max concurrent migrations"
         return ""
 
-    def _refuse_queue_room(self) -> str:
-        """Why a migrant whose first stage is reserved here takes room this instance's own queue
-        needs ("" when it does not).
+    def _refuse_queue_room(self, blocks: int) -> str:
+        """Why a migrant whose first stage takes `blocks` here would take room this instance's own
+        queue needs ("" when it would not, or when the blocks are not there at all: that refusal is
+        the reservation's, "out of blocks").
 
-        A migrant is let in as the scheduler places a new request (`dispatch.hold-freeness`): the
-        free blocks left, less every waiting request's demand, must keep that many per request,
-        the migrant counted. Pairing reads reports a step old and counts only the head of a
-        destination's line; without this, migrants move into the room that queued requests (just
-        dispatched, or preempted) were about to start in, and those wait behind them: the
-        first-token tail near capacity."""
+        A migrant is let in by the scheduler's placement rule for a new normal-priority request
+        (`dispatch.hold-freeness`): the free blocks left after its first stage, less every waiting
+        request's demand, must keep that many per request, the migrant counted. Pairing reads
+        reports a step old and counts only the head of a destination's line; without this,
+        migrants move into the room that queued requests (just dispatched, or preempted) were
+        about to start in, and those wait behind them: the first-token tail near capacity."""
         hold = self._hold_freeness
         if hold is None:
             return ""
         totals = self.engine.load_totals()
+        left = totals.free_blocks - blocks
         requests = sum(totals.running_count.values()) + totals.num_waiting + 1
-        if totals.free_blocks - totals.waiting_demand < hold * requests:
+        if 0 <= left and left - totals.waiting_demand < hold * requests:
             return "destination needs its room for its queue"
         return ""
 

@@ -118,6 +118,29 @@ def test_a_destination_keeps_the_room_its_queue_needs(queued, hold, moves):
     cluster.assert_no_leaks()
 
 
+def test_a_destination_refusing_for_its_queue_keeps_its_cached_prefixes():
+    """The check comes before any block is taken: taking free blocks evicts cached prefixes, which
+    a refusal would hand back uncached (and a source asks again every pairing round)."""
+    cluster = InProcessCluster(2)  # 64 blocks of 4 tokens
+    old = make_request("old", 120, 2)
+    cluster["i1"].add_request(old)
+    cluster.run_until_idle()  # its 30 full blocks stay cached, free to evict
+    cluster["i0"].add_request(make_request("r", 60, 40))
+    cluster["i1"].add_request(make_request("big", 100, 60))
+    for _ in range(3):
+        cluster.step_all()
+    cluster["i1"].add_request(make_request("queued", 84, 4))  # waiting until i1 steps
+    assert cluster["i0"].migrate_out("i1", "r") is not None
+    cluster.transport.deliver_all()
+    (aborted,) = cluster.aborted()
+    assert aborted.reason == "destination refused: destination needs its room for its queue"
+    engine = cluster["i1"].engine
+    assert engine.reserve_cached("probe", old.prompt_token_ids) == 30
+    engine.release_reservation("probe")
+    cluster.run_until_idle()
+    cluster.assert_no_leaks()
+
+
 def test_request_finishing_mid_stage_aborts_and_releases():
     cluster = InProcessCluster(2)
     cluster["i0"].add_request(make_request("r", 40, 3))
