@@ -95,9 +95,9 @@ def test_destination_out_of_blocks_refuses_and_request_completes_at_source():
 
 @pytest.mark.parametrize(("queued", "hold", "moves"), [(True, 1.0, False), (False, 1.0, True), (True, None, True)])
 def test_a_destination_keeps_the_room_its_queue_needs(queued, hold, moves):
-    """A migrant is let in only where, with its blocks reserved, the queue still has its demand
-    and `dispatch.hold-freeness` blocks per request left (as the scheduler places a new request);
-    refused, it goes on at its source, and the queued request starts where it was sent."""
+    """A migrant is let in only where, with its first stage's blocks taken, the queue still has
+    its demand and `dispatch.hold-freeness` blocks per request left (as the scheduler places a new
+    request); refused, it goes on at its source, and the queued request starts where it was sent."""
     base = small_config()  # 64 blocks of 4 tokens
     config = replace(base, dispatch=replace(base.dispatch, hold_freeness=hold))
     cluster = InProcessCluster(2, config)
