@@ -595,8 +595,11 @@ class LlumdaskClient:
 
     def _make_request(self, prompt: Any, max_tokens: int, priority: Priority | str,
                       sampling: dict[str, Any], cache_salt: str | None) -> Request:
-        ids = _attempt(token_ids, prompt, "prompt")
-        if isinstance(ids, ValueError) or not ids:
+        try:
+            ids = token_ids(prompt, "prompt")
+        except ValueError:
+            ids = ()
+        if not ids:
             raise ValueError(f"prompt must be text or a non-empty list of token ids (integers >= 0), "
                              f"got {prompt!r:.80}")
         return Request.arriving(new_request_id(), list(ids), SamplingParams(max_tokens=max_tokens, **sampling),
@@ -654,9 +657,10 @@ def _is_conversation_batch(messages: Any) -> bool:
 
 def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
     """`stop` as OpenAI clients give it: one string or several (None: none), within the detokenizer's bounds."""
-    stops = (stop,) if isinstance(stop, str) else () if stop is None else tuple(stop) if isinstance(
-        stop, (list, tuple)) else None
-    if stops is None or not all(isinstance(s, str) for s in stops):
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else (None,)
+    if not all(isinstance(s, str) for s in stops):
         raise ValueError(f"stop must be a string or a list of strings, got {stop!r:.80}")
     return check_stop(stops)
 

@@ -36,7 +36,7 @@ import dask.config
 import yaml
 from distributed import Client, WorkerPlugin
 
-from llumdask.api.argtypes import positive
+from llumdask.api.argtypes import checked, positive
 from llumdask.api.gateway.generation_config import SOURCES as GENERATION_SOURCES
 from llumdask.api.gateway.tools import TOOL_STRICT_LEVELS
 from llumdask.config import ConfigError, VllmEngineConfig, load_config
@@ -523,15 +523,16 @@ def _port(text: str) -> int:
     return int(text)
 
 
-def _positive_seconds(text: str) -> float:
-    """Seconds > 0; text that is no number is named as such too (argparse would name the function)."""
+def _number(text: str) -> float:
+    """`text` as a float, NaN when it is no number: the check then names it as any bad value
+    (argparse would name the function)."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
+        return math.nan
+
+
+_positive_seconds = checked(_number, lambda v: 0 < v < math.inf, "a number of seconds > 0")
 
 
 def _config_file(path: Path) -> dict[str, Any]:

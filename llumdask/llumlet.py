@@ -467,7 +467,7 @@ class Llumlet:
             return ""
         totals = self.engine.load_totals()
         left = totals.free_blocks - blocks
-        requests = sum(totals.running_count.values()) + totals.num_waiting + 1
+        requests = totals.num_running + totals.num_waiting + 1
         if 0 <= left and left - totals.waiting_demand < hold * requests:
             return "destination needs its room for its queue"
         return ""
