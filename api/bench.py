@@ -79,15 +79,16 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 
 def check_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:
-    """Create --out before any work, so a path that cannot take the results fails now, not after the run."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        parser.error(f"--out {out} exists and is not a directory")
-    except OSError as exc:
-        parser.error(f"--out {out}: {exc.strerror or exc}")
-    if not os.access(out, os.W_OK | os.X_OK):
-        parser.error(f"--out {out} is not writable")
+    """Check --out before any work, so a path that cannot take the results fails now, not after the
+    run. Nothing is created: the results' writer makes the directory, so a run refused for another
+    option leaves none behind."""
+    target = out.absolute()
+    nearest = next(path for path in (target, *target.parents) if path.exists())
+    if not nearest.is_dir():
+        parser.error(f"--out {out} exists and is not a directory" if nearest == target
+                     else f"--out {out}: {nearest} is not a directory")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        parser.error(f"--out {out} is not writable" if nearest == target else f"--out {out}: {nearest} is not writable")
 
 
 def add_simulation_options(parser: argparse.ArgumentParser) -> None:

@@ -193,6 +193,20 @@ def test_bench_sim_checks_out_before_simulating(out, message, tmp_path, capsys, 
     assert "--out" in err and message in err
 
 
+def test_bench_sim_refused_for_a_later_option_leaves_no_out_directory(tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    with pytest.raises(SystemExit) as exc:
+        bench_main([*SIM_ARGS, "--trace", str(tmp_path / "missing.csv"), "--out", str(out)])
+    assert exc.value.code == 2 and "--trace" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_bench_sim_makes_its_out_directory_when_it_writes(tmp_path):
+    out = tmp_path / "new" / "out"
+    assert bench_main([*SIM_ARGS, "--out", str(out)]) == 0
+    assert "llumnix" in json.loads((out / "results.json").read_text())
+
+
 @pytest.mark.parametrize("field", ["report_delay", "dispatch_delay", "stage_overhead", "message_latency",
                                    "bandwidth", "sample_interval", "scale_interval"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
