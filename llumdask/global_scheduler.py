@@ -455,7 +455,8 @@ class GlobalScheduler:
 
     def pair_migrations(self, now: float) -> list[MigrationPair]:
         """This round's migration pairs among ready instances (the host calls it every interval)."""
-        return pair_migrations((i for i in self._instances.values() if i.ready), self._config.migration)
+        return pair_migrations((i for i in self._instances.values() if i.ready), self._config.migration,
+                               queue_room=self._config.dispatch.hold_freeness)
 
     def scale(self, now: float) -> ScaleDecision:
         """Scaling decision at `now`; instances to terminate are marked terminating here already,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -306,6 +307,20 @@ def test_pairs_the_least_free_with_the_freest_ready_instances():
     gs.report(load("i1", used=100, running=2, head=10), 0.0)  # overloaded
     gs.report(load("i2", used=50, running=1), 0.0)  # F = 50
     assert gs.pair_migrations(0.0) == [MigrationPair("i1", "i3"), MigrationPair("i0", "i2")]
+
+
+@pytest.mark.parametrize(("hold", "destination"), [(1.0, "i2"), (None, "i1")])
+def test_pairing_passes_over_a_destination_without_room_for_its_queue(hold, destination):
+    gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(hold_freeness=hold)))
+    for k in range(3):
+        gs.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
+        gs.mark_ready(f"i{k}", 0.0)
+    gs.report(load("i0", used=100, running=2), 0.0)
+    # F = 70 by the head of its line, but its queue's 79 blocks leave half a block per request.
+    gs.report(replace(load("i1", used=20, waiting=1, head=10), waiting_demand=79), 0.0)
+    gs.report(load("i2", used=50), 0.0)
+    assert gs.freeness("i1") > gs.freeness("i2")
+    assert gs.pair_migrations(0.0) == [MigrationPair("i0", destination)]
 
 
 def test_pending_demand_counts_when_pairing():

@@ -3,7 +3,10 @@
 Each round the sources are the instances below the low freeness threshold (terminating ones,
 F = -inf, first), the destinations those above the high threshold; the least free source is
 paired with the freest destination, and so on. The thresholds are apart (low < high), so an
-instance is never both, and each appears at most once per round. Which request moves is the
+instance is never both, and each appears at most once per round. A destination also needs room
+for its own queue (`dispatch.hold-freeness` of dispatch freeness, where set): its llumlet refuses a
+migrant without it, and pairing it would offer it the next source again round after round while
+a destination with room waited. Which request moves is the
 source llumlet's choice, not the scheduler's. What the two instances cache plays no part: a
 migration leaves the migrant's blocks cached on both, so an affinity by common cache would send
 a source's next migrants after its last one rather than to the freest (measured in
@@ -37,15 +40,19 @@ class PairingView(Protocol):
     load: InstanceLoad
     terminating: bool
     freeness: float
+    dispatch_freeness: float
     key: tuple[float, str]
 
 
-def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig) -> list[MigrationPair]:
+def pair_migrations(
+    instances: Iterable[PairingView], config: MigrationConfig, queue_room: float | None = None
+) -> list[MigrationPair]:
     """This round's pairs; none when migration is disabled.
 
     A source needs a request it can give away (a waiting one, or a running one that is not
     pinned) and fewer than `max_concurrent` migrations out; a destination fewer than
-    `max_concurrent` in, both as of its last report.
+    `max_concurrent` in, both as of its last report, and a dispatch freeness of at least
+    `queue_room` where that is set.
     """
     if not config.enabled:
         return []
@@ -57,7 +64,8 @@ def pair_migrations(instances: Iterable[PairingView], config: MigrationConfig) -
         if view.terminating or view.freeness < config.low_threshold:
             if (load.num_running > load.num_pinned or load.num_waiting) and load.num_migrating_out < limit:
                 sources.append(view)
-        elif view.freeness > config.high_threshold and load.num_migrating_in < limit:
+        elif (view.freeness > config.high_threshold and load.num_migrating_in < limit
+              and (queue_room is None or view.dispatch_freeness >= queue_room)):
             destinations.append(view)
     by_key = attrgetter("key")
     sources.sort(key=by_key)
