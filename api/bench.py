@@ -83,7 +83,12 @@ def check_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:
     run. Nothing is created: the results' writer makes the directory, so a run refused for another
     option leaves none behind."""
     target = out.absolute()
-    nearest = next(path for path in (target, *target.parents) if path.exists())
+    try:
+        nearest = next(path for path in (target, *target.parents) if path.exists() or path.is_symlink())
+    except OSError as exc:  # a directory on the way that cannot be read
+        parser.error(f"--out {out}: {exc.strerror or exc}")
+    if nearest.is_symlink() and not nearest.exists():
+        parser.error(f"--out {out}: {nearest} is a symbolic link that leads nowhere")
     if not nearest.is_dir():
         parser.error(f"--out {out} exists and is not a directory" if nearest == target
                      else f"--out {out}: {nearest} is not a directory")

@@ -155,6 +155,7 @@ def main(argv: Sequence[str], progress: Callable[[str], None] = print) -> int:
             bench = MigrationBench(*engines, config=config, settings=settings)
         except ValueError as exc:  # lengths the instances cannot hold
             parser.error(str(exc))
+        args.out.mkdir(parents=True, exist_ok=True)  # every option is checked: made before the run, not after
         runs = bench.run(progress)
     finally:
         for engine in engines:
@@ -165,7 +166,6 @@ def main(argv: Sequence[str], progress: Callable[[str], None] = print) -> int:
              "load_average_before": load_before, "load_average_after": os.getloadavg()[0], **facts}
     results = [median_result(length_runs) for length_runs in runs]
     summary = results_dict(results, runs, facts)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_table(results))
     print(f"live downtime longest/shortest: {summary['live_downtime_longest_over_shortest']:.2f} (goal <= 1.5), "

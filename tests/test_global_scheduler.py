@@ -316,8 +316,8 @@ def test_pairing_passes_over_a_destination_without_room_for_its_queue(hold, dest
         gs.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
         gs.mark_ready(f"i{k}", 0.0)
     gs.report(load("i0", used=100, running=2), 0.0)
-    # F = 70 by the head of its line, but its queue's 79 blocks leave half a block per request.
-    gs.report(replace(load("i1", used=20, waiting=1, head=10), waiting_demand=79), 0.0)
+    # F = 70 by the head of its line, but its queue of two (79 blocks) leaves a third of a block per request.
+    gs.report(replace(load("i1", used=20, waiting=2, head=10), waiting_demand=79), 0.0)
     gs.report(load("i2", used=50), 0.0)
     assert gs.freeness("i1") > gs.freeness("i2")
     assert gs.pair_migrations(0.0) == [MigrationPair("i0", destination)]

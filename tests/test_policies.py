@@ -430,14 +430,15 @@ def test_a_source_whose_running_requests_are_all_pinned_has_none_to_give():
 
 
 def test_a_destination_without_room_for_its_queue_is_passed_over_where_queue_room_is_set():
-    # Free by the head of its line (F = 890), but its whole queue leaves half a block per request.
-    crowded, roomy, source = view("d1", total=1000, used=100, head=10, queued=899), with_freeness("d2", 50), with_freeness("s", 0)
-    assert crowded.freeness > roomy.freeness > MIGRATION.high_threshold and crowded.dispatch_freeness == 0.5
+    # Free by the head of its line (F = 890), but its queue of two leaves a third of a block per request.
+    queued = view("d1", total=1000, used=100, head=10, queued=899)
+    crowded, roomy, source = View("d1", replace(queued.load, num_waiting=2)), with_freeness("d2", 50), with_freeness("s", 0)
+    assert crowded.freeness > roomy.freeness > MIGRATION.high_threshold and crowded.dispatch_freeness == pytest.approx(1 / 3)
     assert pairs([source, crowded, roomy]) == [("s", "d1")]
     paired = pair_migrations([source, crowded, roomy], MIGRATION, queue_room=1.0)
     assert [(p.source, p.destination) for p in paired] == [("s", "d2")]
     assert pair_migrations([source, crowded], MIGRATION, queue_room=1.0) == []
-    assert pair_migrations([source, crowded], MIGRATION, queue_room=0.5) == [MigrationPair("s", "d1")]
+    assert pair_migrations([source, crowded], MIGRATION, queue_room=0.3) == [MigrationPair("s", "d1")]
 
 
 def test_disabled_migration_pairs_nothing():

@@ -182,9 +182,11 @@ def test_bench_sim_rejects_a_trace_it_cannot_replay(rows, options, message, tmp_
     assert "--trace" in err and message in err
 
 
-@pytest.mark.parametrize(("out", "message"), [("file", "exists and is not a directory"), ("file/sub", "--out")])
+@pytest.mark.parametrize(("out", "message"), [("file", "exists and is not a directory"), ("file/sub", "--out"),
+                                              ("dangling", "leads nowhere"), ("dangling/sub", "leads nowhere")])
 def test_bench_sim_checks_out_before_simulating(out, message, tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "missing")
     monkeypatch.setattr("llumdask.api.bench.simulate", lambda *a, **k: pytest.fail("simulated before checking --out"))
     with pytest.raises(SystemExit) as exc:
         bench_main([*SIM_ARGS, "--out", str(tmp_path / out)])
