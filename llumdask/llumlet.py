@@ -459,7 +459,8 @@ class Llumlet:
         A migrant is let in by the scheduler's placement rule for a new normal-priority request
         (`dispatch.hold-freeness`): the free blocks left after its first stage, less every waiting
         request's demand, must keep that many per request, the migrant counted. Pairing reads
-        reports a step old and counts only the head of a destination's line; without this,
+        reports a step old and ranks destinations by the head of their line (its own check of
+        their queues is an approximation from those reports); without this,
         migrants move into the room that queued requests (just dispatched, or preempted) were
         about to start in, and those wait behind them: the first-token tail near capacity."""
         hold = self._hold_freeness

@@ -6,10 +6,10 @@ paired with the freest destination, and so on. The thresholds are apart (low < h
 instance is never both, and each appears at most once per round. A destination also needs room
 for its own queue (a dispatch freeness of at least `dispatch.hold-freeness`, where set): read off
 the reports, this approximates the rule its llumlet refuses a migrant by (which counts the
-migrant's blocks, and neither headroom nor dispatches still on their way), so that pairing does not
-offer a destination likely to refuse the next source again round after round while one with room
-waits; the llumlet's check stays the one that decides. Which request moves is the
-source llumlet's choice, not the scheduler's. What the two instances cache plays no part: a
+migrant's blocks, and neither headroom nor dispatches still on their way), so that pairing does
+not offer a destination likely to refuse the next source again round after round while one with
+room waits; the llumlet's check stays the one that decides. Which request moves is the source
+llumlet's choice, not the scheduler's. What the two instances cache plays no part: a
 migration leaves the migrant's blocks cached on both, so an affinity by common cache would send
 a source's next migrants after its last one rather than to the freest (measured in
 benchmarks/README.md, "Migration pairing by shared prefix, withdrawn").
