@@ -1,10 +1,13 @@
-"""Argument types the commands share: a number parsed and checked as argparse reads it, so a bad
-value is a usage error naming its option (exit 2), never a traceback or a silently odd run."""
+"""Argument checks the commands share: a number parsed and checked as argparse reads it, and an
+output directory checked before any work, so a bad value is a usage error naming its option
+(exit 2), never a traceback, a silently odd run or results lost after it."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -32,3 +35,21 @@ def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 
 def non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return checked(kind, lambda v: 0 <= v < math.inf, _bound(kind, ">= 0"))
+
+
+def check_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:
+    """Check --out before any work, so a path that cannot take the results fails now, not after the
+    run. Nothing is created: the results' writer makes the directory, so a run refused for another
+    option leaves none behind."""
+    target = out.absolute()
+    try:
+        nearest = next(path for path in (target, *target.parents) if path.exists() or path.is_symlink())
+    except OSError as exc:  # a directory on the way that cannot be read
+        parser.error(f"--out {out}: {exc.strerror or exc}")
+    if nearest.is_symlink() and not nearest.exists():
+        parser.error(f"--out {out}: {nearest} is a symbolic link that leads nowhere")
+    if not nearest.is_dir():
+        parser.error(f"--out {out} exists and is not a directory" if nearest == target
+                     else f"--out {out}: {nearest} is not a directory")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        parser.error(f"--out {out} is not writable" if nearest == target else f"--out {out}: {nearest} is not writable")

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from llumdask.api.argtypes import checked, non_negative, positive
+from llumdask.api.argtypes import check_out_dir, checked, non_negative, positive
 from llumdask.config import ConfigError
 from llumdask.sim.presets import PRESETS
 from llumdask.sim.run import make_spec, simulate, write_json
@@ -76,24 +75,6 @@ def _seeds(text: str) -> tuple[int, ...]:
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise argparse.ArgumentTypeError(f"seeds must be distinct integers >= 0, got {text!r}")
     return seeds
-
-
-def check_out_dir(parser: argparse.ArgumentParser, out: Path) -> None:
-    """Check --out before any work, so a path that cannot take the results fails now, not after the
-    run. Nothing is created: the results' writer makes the directory, so a run refused for another
-    option leaves none behind."""
-    target = out.absolute()
-    try:
-        nearest = next(path for path in (target, *target.parents) if path.exists() or path.is_symlink())
-    except OSError as exc:  # a directory on the way that cannot be read
-        parser.error(f"--out {out}: {exc.strerror or exc}")
-    if nearest.is_symlink() and not nearest.exists():
-        parser.error(f"--out {out}: {nearest} is a symbolic link that leads nowhere")
-    if not nearest.is_dir():
-        parser.error(f"--out {out} exists and is not a directory" if nearest == target
-                     else f"--out {out}: {nearest} is not a directory")
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        parser.error(f"--out {out} is not writable" if nearest == target else f"--out {out}: {nearest} is not writable")
 
 
 def add_simulation_options(parser: argparse.ArgumentParser) -> None:

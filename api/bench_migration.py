@@ -25,8 +25,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from llumdask.api.argtypes import non_negative, positive
-from llumdask.api.bench import check_out_dir, format_table as fixed_width
+from llumdask.api.argtypes import check_out_dir, non_negative, positive
+from llumdask.api.bench import format_table as fixed_width
 from llumdask.config import LlumdaskConfig, load_config
 from llumdask.engine.base import Engine
 from llumdask.benchmarks.migration_engines import BenchSettings, LengthResult, MigrationBench, median_result, results_dict
