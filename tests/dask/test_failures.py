@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import dask
 import pytest
 from daskhelpers import assert_workers_clean, hand_a_reservation, prompt_of, reference_tokens, wait_until, worker_statuses
 
@@ -26,7 +27,12 @@ OVERRIDES = {"sim-engine": {"total-blocks": 256}, "migration": {"handshake-timeo
 
 @pytest.fixture(scope="module")
 def llum():
-    with local_cluster(2, config_overrides=OVERRIDES) as cluster, connect(cluster) as client:
+    """The cluster object closes a nanny whose worker is missing when it checks, `lost-worker-timeout`
+    after an earlier loss of that worker: a second loss within it (a killed worker, then a broken
+    engine's instance leaving), caught before the nanny's fresh worker registers, would leave the
+    module one instance short (as tests/dask/conftest.py's cluster)."""
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}), \
+            local_cluster(2, config_overrides=OVERRIDES) as cluster, connect(cluster) as client:
         yield client
 
 
