@@ -659,8 +659,8 @@ def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
     """`stop` as OpenAI clients give it: one string or several (None: none), within the detokenizer's bounds."""
     if stop is None:
         return ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else (None,)
-    if not all(isinstance(s, str) for s in stops):
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
         raise ValueError(f"stop must be a string or a list of strings, got {stop!r:.80}")
     return check_stop(stops)
 

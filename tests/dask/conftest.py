@@ -6,9 +6,8 @@ worker must be idle with every block free and the block manager's integrity inta
 
 from __future__ import annotations
 
-import dask
 import pytest
-from daskhelpers import CLUSTER_OVERRIDES, assert_workers_clean
+from daskhelpers import CLUSTER_OVERRIDES, assert_workers_clean, nannies_kept
 
 from llumdask.config import LlumdaskConfig, load_config
 
@@ -20,13 +19,10 @@ def cluster_config() -> LlumdaskConfig:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Tests kill workers and break engines for their nannies to restart. The cluster object also
-    closes a nanny whose worker is missing when it checks, `lost-worker-timeout` after an earlier
-    loss of that worker; a second loss within that time, caught before the nanny's fresh worker
-    registers, would otherwise leave the module one instance short."""
+    """Tests kill workers and break engines for their nannies to restart (`nannies_kept`)."""
     from llumdask.clusters.local import local_cluster
 
-    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}):
+    with nannies_kept():
         cluster = local_cluster(2, config_overrides=CLUSTER_OVERRIDES)
         try:
             yield cluster

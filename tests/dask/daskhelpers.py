@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import dask
+
 from distributed import Client
 from distributed.comm import connect as comm_connect
 from distributed.protocol import to_serialize
@@ -136,3 +138,11 @@ class ProcessCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def nannies_kept() -> Any:
+    """A config context for a module whose tests kill workers for their nannies to restart: the
+    cluster object closes a nanny whose worker is missing when it checks, `lost-worker-timeout`
+    after an earlier loss of that worker, so a second loss within it, caught before the nanny's
+    fresh worker registers, would leave the module one instance short."""
+    return dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"})

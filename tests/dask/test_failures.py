@@ -10,9 +10,9 @@ import os
 import signal
 import time
 
-import dask
 import pytest
-from daskhelpers import assert_workers_clean, hand_a_reservation, prompt_of, reference_tokens, wait_until, worker_statuses
+from daskhelpers import (assert_workers_clean, hand_a_reservation, nannies_kept, prompt_of, reference_tokens, wait_until,
+                         worker_statuses)
 
 from llumdask.api.client import connect
 from llumdask.clusters.instances import wait_for_instances
@@ -27,12 +27,8 @@ OVERRIDES = {"sim-engine": {"total-blocks": 256}, "migration": {"handshake-timeo
 
 @pytest.fixture(scope="module")
 def llum():
-    """The cluster object closes a nanny whose worker is missing when it checks, `lost-worker-timeout`
-    after an earlier loss of that worker: a second loss within it (a killed worker, then a broken
-    engine's instance leaving), caught before the nanny's fresh worker registers, would leave the
-    module one instance short (as tests/dask/conftest.py's cluster)."""
-    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}), \
-            local_cluster(2, config_overrides=OVERRIDES) as cluster, connect(cluster) as client:
+    """Workers are killed and engines broken for their nannies to restart (`nannies_kept`)."""
+    with nannies_kept(), local_cluster(2, config_overrides=OVERRIDES) as cluster, connect(cluster) as client:
         yield client
 
 
