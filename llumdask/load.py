@@ -60,9 +60,9 @@ class InstanceLoad:
     # Physical blocks held by running requests, and how many running requests, per execution priority.
     running_blocks: Mapping[Priority, int] = field(default_factory=dict)
     running_count: Mapping[Priority, int] = field(default_factory=dict)
-    # Blocks the head-of-line waiting request needs for its prompt (0 when nothing waits).
+    # Blocks the head-of-line waiting request still needs for its tokens (0 when nothing waits).
     head_of_line_demand: int = 0
-    # Blocks every waiting request needs (INFaaS++ counts the whole queue).
+    # Blocks every waiting request still needs (INFaaS++ counts the whole queue).
     waiting_demand: int = 0
     # Prompt tokens not yet prefilled, over running and waiting requests (LMetric's signal).
     pending_prefill_tokens: int = 0

@@ -445,6 +445,15 @@ def test_load_totals_sum_running_paused_and_waiting_requests(make_engine):
     assert totals == LoadTotals.from_snapshot(engine.snapshot())
 
 
+def test_blocks_a_waiting_request_holds_are_not_counted_again_as_its_demand():
+    """A migrant re-added on vLLM waits a step with its copied KV in blocks it holds already."""
+    totals = LoadTotals.tally(total_blocks=64, block_size=4, free_blocks=50, reserved_blocks=5,
+                              running=[(Priority.NORMAL, 9)], waiting=[(21, 5), (6, 0)], num_preemptions=0)
+    # 21 tokens take 6 blocks, 5 of them held: 1 block (and the 1 token past them) to go.
+    assert (totals.num_waiting, totals.head_of_line_demand) == (2, 1)
+    assert (totals.waiting_demand, totals.pending_prefill_tokens) == (1 + 2, 1 + 6)
+
+
 # Weighted so that requests pile up and run: pauses, moves and preemptions need running requests.
 _TOTALS_KINDS = ("add",) * 3 + ("step",) * 6 + ("abort", "pause", "unpause", "move", "move", "reserve", "release")
 

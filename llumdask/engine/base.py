@@ -118,9 +118,11 @@ class LoadTotals:
     running_blocks: dict[Priority, int]
     running_count: dict[Priority, int]
     num_waiting: int
-    # Blocks for the head-of-line waiting request's tokens (0 when nothing waits).
+    # Blocks the head-of-line waiting request still needs for its tokens (0 when nothing waits).
     head_of_line_demand: int
-    # Blocks for every waiting request's tokens, and those tokens (prefill work not yet done).
+    # Blocks every waiting request still needs, and the tokens those blocks are for (prefill work
+    # not yet done). A waiting request may hold blocks already (a migrant's copied KV, on vLLM
+    # until its first step): those are counted as taken, not again as demand.
     waiting_demand: int
     pending_prefill_tokens: int
     num_preemptions: int
@@ -140,18 +142,18 @@ class LoadTotals:
         free_blocks: int,
         reserved_blocks: int,
         running: Iterable[tuple[Priority, int]],
-        waiting_tokens: Sequence[int],
+        waiting: Sequence[tuple[int, int]],
         num_preemptions: int,
         num_pinned: int = 0,
     ) -> "LoadTotals":
-        """Sum per-request figures: `running` as (execution priority, blocks held), `waiting_tokens`
-        in queue order (head first)."""
+        """Sum per-request figures: `running` as (execution priority, blocks held), `waiting` as
+        (tokens, blocks held) in queue order (head first)."""
         running_blocks: dict[Priority, int] = {}
         running_count: dict[Priority, int] = {}
         for priority, blocks in running:
             running_blocks[priority] = running_blocks.get(priority, 0) + blocks
             running_count[priority] = running_count.get(priority, 0) + 1
-        demand = [blocks_for(n, block_size) for n in waiting_tokens]
+        demand = [max(0, blocks_for(n, block_size) - held) for n, held in waiting]
         return cls(
             total_blocks=total_blocks,
             block_size=block_size,
@@ -162,7 +164,7 @@ class LoadTotals:
             num_waiting=len(demand),
             head_of_line_demand=demand[0] if demand else 0,
             waiting_demand=sum(demand),
-            pending_prefill_tokens=sum(waiting_tokens),
+            pending_prefill_tokens=sum(max(0, n - held * block_size) for n, held in waiting),
             num_preemptions=num_preemptions,
             num_pinned=num_pinned,
         )
@@ -176,7 +178,7 @@ class LoadTotals:
             free_blocks=snapshot.free_blocks,
             reserved_blocks=snapshot.reserved_blocks,
             running=[(r.execution_priority, r.num_blocks) for r in snapshot.running],
-            waiting_tokens=[w.num_tokens for w in snapshot.waiting],
+            waiting=[(w.num_tokens, w.num_blocks) for w in snapshot.waiting],
             num_preemptions=snapshot.num_preemptions,
             num_pinned=sum(r.pinned for r in snapshot.running),
         )

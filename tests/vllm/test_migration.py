@@ -110,6 +110,38 @@ def test_migrated_request_continues_with_identical_tokens(
     assert (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks) == free
 
 
+def test_a_migrant_waiting_for_its_first_step_counts_its_copied_kv_once(vllm_engine, peer_engine, reference):
+    """Re-added on vLLM, a migrant waits for a step with its KV in reserved blocks: they are taken,
+    and its demand is only what it still needs (counted again, the destination looked a whole
+    sequence fuller to the scheduler and to its own check of a next migrant)."""
+    free = (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks)
+    streams = ({}, {})
+    vllm_engine.add_request(make_request("once", 300, 200))
+    for _ in range(20):
+        step(vllm_engine, streams[0])
+    state = vllm_engine.pause("once")
+    block_size = peer_engine.block_size
+    total = blocks_for(state.num_tokens, block_size)
+    assert peer_engine.reserve_blocks("m-once", total)
+    peer_engine.import_blocks("m-once", 0, vllm_engine.export_blocks("once", 0, total))
+    peer_engine.resume("m-once", state)
+    vllm_engine.free_migrated("once")
+    full = (state.num_tokens - 1) // block_size
+    totals = peer_engine.load_totals()
+    assert (totals.num_waiting, totals.reserved_blocks) == (1, full)
+    assert totals.head_of_line_demand == totals.waiting_demand == total - full
+    assert totals.pending_prefill_tokens == state.num_tokens - full * block_size
+    (load,) = peer_engine.snapshot().waiting
+    assert load.num_blocks == full and not load.migratable
+    peer_engine.check_integrity()
+    assert step(peer_engine, streams[1]).num_prefill_tokens == 1
+    assert peer_engine.load_totals().waiting_demand == 0
+    drain(peer_engine, streams[1])
+    drain(vllm_engine, streams[0])
+    assert received_tokens(list(streams), "once") == reference[(300, 200)]
+    assert (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks) == free
+
+
 def test_zeroed_kv_changes_the_output(vllm_engine, peer_engine, reference):
     """Negative control: the destination really attends over the copied KV."""
     free = (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks)

@@ -222,7 +222,7 @@ class LlumdaskMigrationConnector(KVConnectorBase_V1):
             else:
                 assert pending.tail is not None, "KV claimed past the imported blocks"
                 self._writes.append((allocated[index], pending.tail))
-        self._loaded.add(_migration_of(request))
+        self._loaded.add(migration_of(request))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> MigrationMetadata:
         self._scheduled = dict(scheduler_output.num_scheduled_tokens)
@@ -238,7 +238,7 @@ class LlumdaskMigrationConnector(KVConnectorBase_V1):
         return True, None
 
     def _import_for(self, request: "VllmRequest") -> _Import | None:
-        migration_id = _migration_of(request)
+        migration_id = migration_of(request)
         return None if migration_id is None else self._imports.get(migration_id)
 
     # ------------------------------------------------------------------ worker side
@@ -268,6 +268,7 @@ class LlumdaskMigrationConnector(KVConnectorBase_V1):
         return (set(released) or None), None
 
 
-def _migration_of(request: "VllmRequest") -> str | None:
+def migration_of(request: "VllmRequest") -> str | None:
+    """The migration a re-added request brings KV for (None for any other request)."""
     extra = request.sampling_params.extra_args if request.sampling_params is not None else None
     return None if not extra else extra.get(MIGRATION_KEY)

@@ -352,7 +352,7 @@ class VllmEngine:
             waiting=tuple(
                 self._load(self._requests[_our_id(r)], blocks, running=False, can_move=not blocks)
                 for r in internals.waiting_requests(self._scheduler)
-                for blocks in (self._num_blocks(r),)
+                for blocks in (self._waiting_blocks(r),)
             ),
             num_preemptions=self._num_preemptions,
         )
@@ -367,7 +367,8 @@ class VllmEngine:
             free_blocks=self._pool.get_num_free_blocks(),
             reserved_blocks=self._num_reserved(),
             running=[(request.execution_priority, blocks) for request, blocks, _ in holders],
-            waiting_tokens=[self._requests[_our_id(r)].num_tokens for r in internals.waiting_requests(self._scheduler)],
+            waiting=[(self._requests[_our_id(r)].num_tokens, self._waiting_blocks(r))
+                     for r in internals.waiting_requests(self._scheduler)],
             num_preemptions=self._num_preemptions,
             num_pinned=sum(1 for request, _, _ in holders if self._refusal(request)),
         )
@@ -628,11 +629,10 @@ class VllmEngine:
 
     def _finish_loading_of(self, internal_id: str) -> None:
         """An aborted request that never got to load its KV: drop the load and its source."""
-        from llumdask.engine.vllm.connector import MIGRATION_KEY
+        from llumdask.engine.vllm.connector import migration_of
 
         vllm_request = self._scheduler.requests.get(internal_id)
-        extra = vllm_request.sampling_params.extra_args if vllm_request is not None else None
-        migration_id = (extra or {}).get(MIGRATION_KEY)
+        migration_id = migration_of(vllm_request) if vllm_request is not None else None
         if migration_id in self._loading:
             self._settle_load(migration_id)
 
@@ -727,6 +727,17 @@ class VllmEngine:
 
     def _num_blocks(self, vllm_request: "VllmRequest") -> int:
         return len(internals.request_block_ids(self._scheduler, vllm_request.request_id))
+
+    def _waiting_blocks(self, vllm_request: "VllmRequest") -> int:
+        """Blocks a waiting request holds: its block table, or for a migrant re-added here, the
+        reserved blocks its copied KV fills until its first step takes them as a cached prefix
+        (counting them as its demand too would count them twice)."""
+        from llumdask.engine.vllm.connector import migration_of
+
+        migration_id = migration_of(vllm_request)
+        if migration_id in self._loading:
+            return len(self._reservations.get(migration_id, ()))
+        return self._num_blocks(vllm_request)
 
     def _refusal(self, request: Request) -> str:
         return migration_refusal(request, self._budget_moves)
