@@ -64,7 +64,8 @@ class InstanceLoad:
     head_of_line_demand: int = 0
     # Blocks every waiting request still needs (INFaaS++ counts the whole queue).
     waiting_demand: int = 0
-    # Prompt tokens not yet prefilled, over running and waiting requests (LMetric's signal).
+    # Tokens of waiting requests that the blocks they hold do not cover: prefill work not yet done
+    # (LMetric's signal).
     pending_prefill_tokens: int = 0
     reserved_blocks: int = 0
     num_migrating_out: int = 0

@@ -142,6 +142,32 @@ def test_a_migrant_waiting_for_its_first_step_counts_its_copied_kv_once(vllm_eng
     assert (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks) == free
 
 
+def test_kv_ending_on_a_block_boundary_is_settled_after_a_move_and_after_a_rollback(vllm_engine, peer_engine):
+    """A prompt of 237 tokens and 20 steps: 256 tokens of KV, two whole blocks that the re-added
+    request finds as cached prefix, with nothing left to load. Its reservation (after a move) and
+    its held blocks (after a rollback) still go back once it runs."""
+    free = (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks)
+    streams = ({}, {})
+    unmoved = make_request("aligned-ref", 237, 40)
+    vllm_engine.add_request(unmoved)
+    drain(vllm_engine, {})
+    for request_id in ("aligned-move", "aligned-back"):
+        vllm_engine.add_request(make_request(request_id, 237, 40))
+    for _ in range(20):
+        step(vllm_engine, streams[0])
+    rolled_back = vllm_engine.pause("aligned-back")
+    assert (rolled_back.num_tokens - 1) % vllm_engine.block_size == 0
+    vllm_engine.unpause("aligned-back")
+    _, first = migrate(vllm_engine, peer_engine, "aligned-move", "m-aligned", 0, streams)
+    assert first.num_prefill_tokens == 1
+    drain(peer_engine, streams[1])
+    drain(vllm_engine, streams[0])
+    for request_id in ("aligned-move", "aligned-back"):
+        assert received_tokens(list(streams), request_id) == unmoved.output_token_ids
+    assert (vllm_engine.snapshot().reserved_blocks, peer_engine.snapshot().reserved_blocks) == (0, 0)
+    assert (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks) == free
+
+
 def test_zeroed_kv_changes_the_output(vllm_engine, peer_engine, reference):
     """Negative control: the destination really attends over the copied KV."""
     free = (vllm_engine.snapshot().free_blocks, peer_engine.snapshot().free_blocks)

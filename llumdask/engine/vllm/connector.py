@@ -211,7 +211,12 @@ class LlumdaskMigrationConnector(KVConnectorBase_V1):
     ) -> None:
         pending = self._import_for(request)
         local_hit = self._local_hits.pop(request.request_id, 0)
-        if pending is None or num_external_tokens == 0:
+        if pending is None:
+            return
+        # Loaded once it is scheduled, even with nothing to copy: KV ending on a block boundary is
+        # all found as cached prefix, and its source must still go.
+        self._loaded.add(migration_of(request))
+        if num_external_tokens == 0:
             return
         (allocated,) = blocks.get_block_ids()
         first = local_hit // self._block_size
@@ -222,7 +227,6 @@ class LlumdaskMigrationConnector(KVConnectorBase_V1):
             else:
                 assert pending.tail is not None, "KV claimed past the imported blocks"
                 self._writes.append((allocated[index], pending.tail))
-        self._loaded.add(migration_of(request))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> MigrationMetadata:
         self._scheduled = dict(scheduler_output.num_scheduled_tokens)

@@ -350,9 +350,9 @@ class VllmEngine:
                 self._load(request, blocks, running=True, can_move=not paused) for request, blocks, paused in self._holders()
             ),
             waiting=tuple(
-                self._load(self._requests[_our_id(r)], blocks, running=False, can_move=not blocks)
+                self._load(self._requests[_our_id(r)], blocks, running=False, can_move=not (blocks or loading))
                 for r in internals.waiting_requests(self._scheduler)
-                for blocks in (self._waiting_blocks(r),)
+                for blocks, loading in (self._waiting_holdings(r),)
             ),
             num_preemptions=self._num_preemptions,
         )
@@ -367,7 +367,7 @@ class VllmEngine:
             free_blocks=self._pool.get_num_free_blocks(),
             reserved_blocks=self._num_reserved(),
             running=[(request.execution_priority, blocks) for request, blocks, _ in holders],
-            waiting=[(self._requests[_our_id(r)].num_tokens, self._waiting_blocks(r))
+            waiting=[(self._requests[_our_id(r)].num_tokens, self._waiting_holdings(r)[0])
                      for r in internals.waiting_requests(self._scheduler)],
             num_preemptions=self._num_preemptions,
             num_pinned=sum(1 for request, _, _ in holders if self._refusal(request)),
@@ -466,11 +466,11 @@ class VllmEngine:
         return MigrationState.capture(request, waiting=True)
 
     def _waits_holding_nothing(self, request_id: str) -> bool:
-        """In vLLM's waiting queue (not one loading KV) and holding no blocks."""
+        """In vLLM's waiting queue, not loading KV and holding no blocks."""
         internal_id = self._internal_ids.get(request_id)
         vllm_request = self._scheduler.requests.get(internal_id) if internal_id is not None else None
         return vllm_request is not None and vllm_request in internals.waiting_requests(self._scheduler) \
-            and not self._num_blocks(vllm_request)
+            and self._waiting_holdings(vllm_request) == (0, False)
 
     def unpause(self, request_id: str) -> None:
         """Rollback: re-add the request, its KV loaded from its own held blocks (a waiting one
@@ -728,16 +728,19 @@ class VllmEngine:
     def _num_blocks(self, vllm_request: "VllmRequest") -> int:
         return len(internals.request_block_ids(self._scheduler, vllm_request.request_id))
 
-    def _waiting_blocks(self, vllm_request: "VllmRequest") -> int:
-        """Blocks a waiting request holds: its block table, or for a migrant re-added here, the
-        reserved blocks its copied KV fills until its first step takes them as a cached prefix
-        (counting them as its demand too would count them twice)."""
+    def _waiting_holdings(self, vllm_request: "VllmRequest") -> tuple[int, bool]:
+        """(blocks a waiting request holds, whether it is loading KV). A request re-added with its
+        KV (a migrant here, or one rolled back) holds the blocks that KV is in until its first
+        step takes them: a migrant's reservation, a rolled-back request's own held blocks
+        (counting them as its demand too would count them twice). Any other holds its block table."""
         from llumdask.engine.vllm.connector import migration_of
 
         migration_id = migration_of(vllm_request)
-        if migration_id in self._loading:
-            return len(self._reservations.get(migration_id, ()))
-        return self._num_blocks(vllm_request)
+        if migration_id not in self._loading:
+            return self._num_blocks(vllm_request), False
+        source = self._loading[migration_id]
+        held = self._connector.held_blocks(source) if source is not None else self._reservations.get(migration_id, ())
+        return len(held), True
 
     def _refusal(self, request: Request) -> str:
         return migration_refusal(request, self._budget_moves)
