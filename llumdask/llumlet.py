@@ -13,8 +13,9 @@ sends the remaining blocks and its state; the destination resumes it and answers
 source then frees it. So the pause lasts one round trip. (A tail that outgrew the slack is
 reserved again while paused.) Any refusal, abort, timeout, finish, preemption or dead peer ends
 the migration with every reserved block released and the request running on its source. The
-destination refuses a first stage that would leave its own queue less room than the scheduler's
-placement rule leaves a new normal-priority request (`dispatch.hold-freeness`).
+destination refuses a normal-priority migrant's first stage that would leave its own queue less
+room than the scheduler's placement rule leaves a new normal-priority request
+(`dispatch.hold-freeness`); a high-priority one, which dispatch never holds, is not checked.
 
 A waiting request (queued, or preempted and re-queued) moves in one round trip: one PRE-ALLOC
 for its whole (re)computation, which the destination refuses if its own queue holds an earlier
@@ -43,7 +44,7 @@ from llumdask.engine.base import Engine, MigrationRefused, MigrationState, StepR
 from llumdask.load import InstanceLoad
 from llumdask.prefix import PrefixEvents
 from llumdask.protocol import Abort, Committed, MigrationMessage, PreAlloc, PreAllocReply, StageAck, StageData
-from llumdask.request import Request, RequestStatus, blocks_for
+from llumdask.request import Priority, Request, RequestStatus, blocks_for
 from llumdask.transport import Transport
 
 # Committed incoming migrations remembered so that a late Abort from their source can be honoured.
@@ -305,10 +306,12 @@ class Llumlet:
                   cache_salt: str | None = None, queue_key: tuple[int, float, str] | None = None) -> None:
         out.phase = _Phase.AWAIT_PREALLOC
         out.deadline = self._clock() + self._migration.handshake_timeout
+        request = self.engine.get_request(out.request_id)
+        assert request is not None
         self._send(
             out.destination,
             PreAlloc(out.migration_id, self.instance_id, out.destination, out.request_id, out.stage, num_blocks,
-                     prefix_tokens, cache_salt, queue_key),
+                     prefix_tokens, cache_salt, queue_key, request.execution_priority),
         )
 
     def _pause_for_last_stage(self, out: _Outgoing) -> bool:
@@ -433,7 +436,7 @@ class Llumlet:
         needed = msg.num_blocks - reused
         # Checked before blocks are taken: taking them may evict cached prefixes, and a refusal
         # would hand them back uncached.
-        refusal = self._refuse_queue_room(needed) if first else ""
+        refusal = self._refuse_queue_room(needed) if first and msg.execution_priority == Priority.NORMAL else ""
         if not refusal and not self.engine.reserve_blocks(msg.migration_id, needed):
             refusal = "out of blocks"
         if refusal:
@@ -456,9 +459,10 @@ class Llumlet:
         queue needs ("" when it would not, or when the blocks are not there at all: that refusal is
         the reservation's, "out of blocks").
 
-        A migrant is let in by the scheduler's placement rule for a new normal-priority request
-        (`dispatch.hold-freeness`): the free blocks left after its first stage, less every waiting
-        request's demand, must keep that many per request, the migrant counted. Pairing reads
+        A normal-priority migrant is let in by the scheduler's placement rule for a new
+        normal-priority request (`dispatch.hold-freeness`): the free blocks left after its first
+        stage, less every waiting request's demand, must keep that many per request, the migrant
+        counted. A high-priority one is not checked, as dispatch never holds one. Pairing reads
         reports a step old and ranks destinations by the head of their line (its own check of
         their queues is an approximation from those reports); without this,
         migrants move into the room that queued requests (just dispatched, or preempted) were

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from llumdask.engine.base import MigrationState
+from llumdask.request import Priority
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class PreAlloc:
     # A waiting migrant (its one PreAlloc reserves room for its whole computation): its place in
     # a queue (`Request.queue_key`); the destination takes it only ahead of its own queue.
     queue_key: tuple[int, float, str] | None = None
+    # The migrant's execution priority: a high-priority one is let in where its blocks are free,
+    # as dispatch places a high-priority request without holding it for room.
+    execution_priority: Priority = Priority.NORMAL
 
 
 @dataclass(frozen=True)

@@ -93,15 +93,21 @@ def test_destination_out_of_blocks_refuses_and_request_completes_at_source():
     cluster.assert_no_leaks()
 
 
-@pytest.mark.parametrize(("queued", "hold", "moves"), [(True, 1.0, False), (False, 1.0, True), (True, None, True)])
-def test_a_destination_keeps_the_room_its_queue_needs(queued, hold, moves):
-    """A migrant is let in only where, with its first stage's blocks taken, the queue still has
-    its demand and `dispatch.hold-freeness` blocks per request left (as the scheduler places a new
-    request); refused, it goes on at its source, and the queued request starts where it was sent."""
+@pytest.mark.parametrize(
+    ("queued", "hold", "priority", "moves"),
+    [(True, 1.0, Priority.NORMAL, False), (False, 1.0, Priority.NORMAL, True), (True, None, Priority.NORMAL, True),
+     (True, 1.0, Priority.HIGH, True)],
+)
+def test_a_destination_keeps_the_room_its_queue_needs(queued, hold, priority, moves):
+    """A normal-priority migrant is let in only where, with its first stage's blocks taken, the
+    queue still has its demand and `dispatch.hold-freeness` blocks per request left (as the
+    scheduler places a new request; a high-priority one, which dispatch never holds, goes where its
+    blocks are free); refused, it goes on at its source, and the queued request starts where it was
+    sent."""
     base = small_config()  # 64 blocks of 4 tokens
     config = replace(base, dispatch=replace(base.dispatch, hold_freeness=hold))
     cluster = InProcessCluster(2, config)
-    cluster["i0"].add_request(make_request("r", 20, 12))
+    cluster["i0"].add_request(replace(make_request("r", 20, 12), execution_priority=priority))
     cluster["i1"].add_request(make_request("big", 160, 30))  # 40 blocks
     cluster.step_all()
     if queued:
