@@ -130,13 +130,22 @@ def test_the_gateway_s_own_options_reach_the_vllm_engines_too(tmp_path):
 @pytest.mark.vllm
 def test_serve_starts_its_vllm_instances_with_the_gateway_s_options(capsys, tmp_path, monkeypatch):
     """What `llumdask serve` hands the local cluster (stopped there): the tokenizer and reasoning
-    parser it reads answers with."""
+    parser it reads answers with. vLLM's own check of the arguments (a process importing vLLM)
+    answers at once: the tests that start instances run it."""
+    import contextlib
+
     from modelcopies import with_thinking_tokens
 
     import llumdask.clusters.local
+    from llumdask.api import serve
     from llumdask.clusters.instances import InstanceStartupError
     from llumdask.tiny_model import build_tiny_model, default_model_dir
 
+    @contextlib.contextmanager
+    def checked(config):
+        yield lambda: serve.VllmCheck(device="cpu", free_bytes=8 << 30, total_bytes=16 << 30)
+
+    monkeypatch.setattr(serve, "vllm_check", checked)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     tokenizer = with_thinking_tokens(build_tiny_model(default_model_dir()), tmp_path / "tokenizer")
     started: list[dict] = []
