@@ -121,8 +121,9 @@ class LoadTotals:
     # Blocks the head-of-line waiting request still needs for its tokens (0 when nothing waits).
     head_of_line_demand: int
     # Blocks every waiting request still needs, and the tokens those blocks are for (prefill work
-    # not yet done). A waiting request may hold blocks already (a migrant's copied KV, on vLLM
-    # until its first step): those are counted as taken, not again as demand.
+    # not yet done). A waiting request may hold blocks already (on vLLM until its first step, a
+    # migrant's copied KV or a rolled-back request's own): those are counted as taken, not again
+    # as demand.
     waiting_demand: int
     pending_prefill_tokens: int
     num_preemptions: int

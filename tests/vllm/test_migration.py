@@ -156,8 +156,14 @@ def test_kv_ending_on_a_block_boundary_is_settled_after_a_move_and_after_a_rollb
     for _ in range(20):
         step(vllm_engine, streams[0])
     rolled_back = vllm_engine.pause("aligned-back")
-    assert (rolled_back.num_tokens - 1) % vllm_engine.block_size == 0
+    assert rolled_back.num_tokens == vllm_engine.get_request("aligned-move").num_tokens == 257
     vllm_engine.unpause("aligned-back")
+    # Waiting to run again, it holds its two whole blocks: 1 block to go, and it is not handed over.
+    (waiting,) = vllm_engine.snapshot().waiting
+    assert waiting.num_blocks == 2 and not waiting.migratable
+    assert vllm_engine.load_totals().waiting_demand == 1
+    with pytest.raises(MigrationRefused, match="not waiting without blocks"):
+        vllm_engine.pause("aligned-back", waiting=True)
     _, first = migrate(vllm_engine, peer_engine, "aligned-move", "m-aligned", 0, streams)
     assert first.num_prefill_tokens == 1
     drain(peer_engine, streams[1])
@@ -200,6 +206,10 @@ def test_unpause_rolls_back_to_identical_tokens(vllm_engine, reference):
     assert vllm_engine.load_totals().running_blocks == {Priority.NORMAL: load.num_blocks}
     vllm_engine.check_integrity()
     vllm_engine.unpause("rb")
+    # Waiting to run again, it holds the two whole blocks its first step takes as cached prefix
+    # (its partly filled third is written into a new block): one block to go.
+    (waiting,) = vllm_engine.snapshot().waiting
+    assert waiting.num_blocks == 2 and vllm_engine.load_totals().waiting_demand == 1
     first = step(vllm_engine, streams)
     assert first.num_prefill_tokens == 1
     drain(vllm_engine, streams)

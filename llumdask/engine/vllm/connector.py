@@ -185,7 +185,8 @@ class LlumdaskMigrationConnector(KVConnectorBase_V1):
         self._imports[migration_id] = _Import(list(full_blocks), num_tokens, tail)
 
     def take_loaded(self) -> set[str]:
-        """Migrations whose KV was copied into their request during the last step."""
+        """Migrations whose re-added request was scheduled in the last step (its KV copied, or
+        all of it found cached)."""
         loaded, self._loaded = self._loaded, set()
         return loaded
 
@@ -235,6 +236,7 @@ class LlumdaskMigrationConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: "VllmRequest", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._local_hits.pop(request.request_id, None)  # asked about, then not admitted
         if request.request_id not in self._to_hold:
             return False, None
         self._to_hold.discard(request.request_id)

@@ -623,7 +623,8 @@ class VllmEngine:
         return vllm_request
 
     def _after_loads(self) -> None:
-        """Once a re-added request's KV is copied into its own blocks, the copies' sources go."""
+        """Once a re-added request has run a step (its KV copied into its own blocks, or all found
+        cached), the sources go."""
         for migration_id in self._connector.take_loaded():
             self._settle_load(migration_id)
 
@@ -730,17 +731,21 @@ class VllmEngine:
 
     def _waiting_holdings(self, vllm_request: "VllmRequest") -> tuple[int, bool]:
         """(blocks a waiting request holds, whether it is loading KV). A request re-added with its
-        KV (a migrant here, or one rolled back) holds the blocks that KV is in until its first
-        step takes them: a migrant's reservation, a rolled-back request's own held blocks
-        (counting them as its demand too would count them twice). Any other holds its block table."""
+        KV (a migrant here, or one rolled back) holds the whole blocks that KV is in until its
+        first step takes them as a cached prefix: a migrant's reservation, a rolled-back request's
+        own held blocks (counting them as its demand too would count them twice). A partly filled
+        last block is not among them: its tokens are written into a new block. Any other request
+        holds its block table."""
         from llumdask.engine.vllm.connector import migration_of
 
         migration_id = migration_of(vllm_request)
         if migration_id not in self._loading:
             return self._num_blocks(vllm_request), False
         source = self._loading[migration_id]
-        held = self._connector.held_blocks(source) if source is not None else self._reservations.get(migration_id, ())
-        return len(held), True
+        if source is None:
+            return len(self._reservations.get(migration_id, ())), True
+        whole = (vllm_request.num_tokens - 1) // self.block_size
+        return min(len(self._connector.held_blocks(source)), whole), True
 
     def _refusal(self, request: Request) -> str:
         return migration_refusal(request, self._budget_moves)
