@@ -7,8 +7,9 @@ import json
 import pytest
 
 from llumdask.benchmarks.paper import last_arrival
+from llumdask.benchmarks import prefix_routing
 from llumdask.benchmarks.prefix_routing import POLICIES, PREFIX_ROUTERS, goal_rows, knees, main, sustained_rates
-from llumdask.sim.workload import MULTI_TURN, make_workload
+from llumdask.sim.workload import MULTI_TURN, SYSTEM_PROMPT, make_workload
 
 
 def row(rate: float, policy: str, backlog: float, **metrics: float) -> dict:
@@ -65,7 +66,9 @@ def test_a_conversations_last_turn_does_not_stand_for_the_last_arrival():
 
 
 @pytest.mark.slow
-def test_a_quick_run_writes_every_setting_the_knees_and_the_goals(tmp_path):
+def test_a_quick_run_writes_every_setting_the_knees_and_the_goals(tmp_path, monkeypatch):
+    # A third of the quick run's requests: what is checked here is the report's shape.
+    monkeypatch.setattr(prefix_routing, "REQUESTS", {SYSTEM_PROMPT: 1000, MULTI_TURN: 600})
     assert main(["--quick", "--seeds", "0", "--jobs", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "prefix_routing_quick.json").read_text())
     rates = report["facts"]["rates"]
