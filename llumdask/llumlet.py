@@ -110,6 +110,8 @@ class _Outgoing:
     handed_at: float | None = None
     # Taken from the waiting queue: one PreAlloc for its whole computation, no KV to copy.
     waiting: bool = False
+    # The migrant's, for the destination's check of its queue's room.
+    execution_priority: Priority = Priority.NORMAL
 
 
 @dataclass
@@ -272,6 +274,7 @@ class Llumlet:
             started=now,
             preemptions_at_start=request.timing.preemptions,
             deadline=now + self._migration.handshake_timeout,
+            execution_priority=request.execution_priority,
             waiting=waiting,
         )
         self._outgoing[migration_id] = out
@@ -306,12 +309,10 @@ class Llumlet:
                   cache_salt: str | None = None, queue_key: tuple[int, float, str] | None = None) -> None:
         out.phase = _Phase.AWAIT_PREALLOC
         out.deadline = self._clock() + self._migration.handshake_timeout
-        request = self.engine.get_request(out.request_id)
-        assert request is not None
         self._send(
             out.destination,
             PreAlloc(out.migration_id, self.instance_id, out.destination, out.request_id, out.stage, num_blocks,
-                     prefix_tokens, cache_salt, queue_key, request.execution_priority),
+                     prefix_tokens, cache_salt, queue_key, out.execution_priority),
         )
 
     def _pause_for_last_stage(self, out: _Outgoing) -> bool:
@@ -436,7 +437,7 @@ class Llumlet:
         needed = msg.num_blocks - reused
         # Checked before blocks are taken: taking them may evict cached prefixes, and a refusal
         # would hand them back uncached.
-        refusal = self._refuse_queue_room(needed) if first and msg.execution_priority == Priority.NORMAL else ""
+        refusal = self._refuse_queue_room(needed, msg.execution_priority) if first else ""
         if not refusal and not self.engine.reserve_blocks(msg.migration_id, needed):
             refusal = "out of blocks"
         if refusal:
@@ -454,7 +455,7 @@ class Llumlet:
             return "destination at max concurrent migrations"
         return ""
 
-    def _refuse_queue_room(self, blocks: int) -> str:
+    def _refuse_queue_room(self, blocks: int, priority: Priority) -> str:
         """Why a migrant whose first stage takes `blocks` here would take room this instance's own
         queue needs ("" when it would not, or when the blocks are not there at all: that refusal is
         the reservation's, "out of blocks").
@@ -468,7 +469,7 @@ class Llumlet:
         migrants move into the room that queued requests (just dispatched, or preempted) were
         about to start in, and those wait behind them: the first-token tail near capacity."""
         hold = self._hold_freeness
-        if hold is None:
+        if hold is None or priority != Priority.NORMAL:
             return ""
         totals = self.engine.load_totals()
         left = totals.free_blocks - blocks

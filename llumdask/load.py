@@ -8,7 +8,8 @@ one decision (Llumnix's own implementation keeps them apart the same way):
   virtual usage counts, besides physical blocks, only the head-of-line waiting request's demand,
   and it is divided by the running requests: an instance with a queue looks crowded, which is
   what makes it give requests away (de-fragmentation);
-  - waiting requests: only the head of the line counts, with its demand (blocks for its prompt);
+  - waiting requests: only the head of the line counts, with its demand (the blocks it still
+    needs: its tokens' less those it holds);
   - running normal-priority requests: their physical blocks;
   - running high-priority requests: physical blocks + headroom[p] / n_p each, which sums to
     headroom[p] for the whole class whenever n_p > 0;

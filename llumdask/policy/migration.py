@@ -5,7 +5,7 @@ F = -inf, first), the destinations those above the high threshold; the least fre
 paired with the freest destination, and so on. The thresholds are apart (low < high), so an
 instance is never both, and each appears at most once per round. A destination also needs room
 for its own queue (a dispatch freeness of at least `dispatch.hold-freeness`, where set): read off
-the reports, this approximates the rule its llumlet refuses a migrant by (which counts the
+the reports, this approximates the rule its llumlet refuses a normal-priority migrant by (which counts the
 migrant's blocks, and neither headroom nor dispatches still on their way), so that pairing does
 not offer a destination likely to refuse the next source again round after round while one with
 room waits; the llumlet's check stays the one that decides. Which request moves is the source

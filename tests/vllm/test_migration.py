@@ -161,7 +161,7 @@ def test_kv_ending_on_a_block_boundary_is_settled_after_a_move_and_after_a_rollb
     # Waiting to run again, it holds its two whole blocks: 1 block to go, and it is not handed over.
     (waiting,) = vllm_engine.snapshot().waiting
     assert waiting.num_blocks == 2 and not waiting.migratable
-    assert vllm_engine.load_totals().waiting_demand == 1
+    assert (vllm_engine.load_totals().waiting_demand, vllm_engine.load_totals().reserved_blocks) == (1, 2)
     with pytest.raises(MigrationRefused, match="not waiting without blocks"):
         vllm_engine.pause("aligned-back", waiting=True)
     _, first = migrate(vllm_engine, peer_engine, "aligned-move", "m-aligned", 0, streams)
@@ -208,8 +208,10 @@ def test_unpause_rolls_back_to_identical_tokens(vllm_engine, reference):
     vllm_engine.unpause("rb")
     # Waiting to run again, it holds the two whole blocks its first step takes as cached prefix
     # (its partly filled third is written into a new block): one block to go.
+    # Its three blocks are taken (reserved: no longer a paused request's) until it runs.
     (waiting,) = vllm_engine.snapshot().waiting
-    assert waiting.num_blocks == 2 and vllm_engine.load_totals().waiting_demand == 1
+    totals = vllm_engine.load_totals()
+    assert waiting.num_blocks == 2 and (totals.waiting_demand, totals.reserved_blocks) == (1, 3)
     first = step(vllm_engine, streams)
     assert first.num_prefill_tokens == 1
     drain(vllm_engine, streams)

@@ -93,6 +93,13 @@ def engine_args_for(model: str, overrides: Mapping[str, Any] | None = None) -> d
     }
 
 
+def _holds_nothing(holdings: tuple[int, bool]) -> bool:
+    """Whether a waiting request (`VllmEngine._waiting_holdings`) may be handed over: it holds no
+    block and loads no KV."""
+    blocks, loading = holdings
+    return not blocks and not loading
+
+
 def migration_refusal(request: Request, budget_moves: bool) -> str:
     """Why the request cannot move exactly ("" when it can). A resumed request restarts vLLM's
     per-request sampling state, so a seeded random sampler would replay its seed, and it resumes
@@ -350,9 +357,9 @@ class VllmEngine:
                 self._load(request, blocks, running=True, can_move=not paused) for request, blocks, paused in self._holders()
             ),
             waiting=tuple(
-                self._load(self._requests[_our_id(r)], blocks, running=False, can_move=not (blocks or loading))
+                self._load(self._requests[_our_id(r)], holdings[0], running=False, can_move=_holds_nothing(holdings))
                 for r in internals.waiting_requests(self._scheduler)
-                for blocks, loading in (self._waiting_holdings(r),)
+                for holdings in (self._waiting_holdings(r),)
             ),
             num_preemptions=self._num_preemptions,
         )
@@ -470,7 +477,7 @@ class VllmEngine:
         internal_id = self._internal_ids.get(request_id)
         vllm_request = self._scheduler.requests.get(internal_id) if internal_id is not None else None
         return vllm_request is not None and vllm_request in internals.waiting_requests(self._scheduler) \
-            and self._waiting_holdings(vllm_request) == (0, False)
+            and _holds_nothing(self._waiting_holdings(vllm_request))
 
     def unpause(self, request_id: str) -> None:
         """Rollback: re-add the request, its KV loaded from its own held blocks (a waiting one
@@ -646,7 +653,12 @@ class VllmEngine:
             self._connector.release(source)
 
     def _num_reserved(self) -> int:
-        return sum(len(blocks) for blocks in self._reservations.values())
+        """Blocks taken for requests that are not running: migrations' reservations, and the blocks
+        a rolled-back request's KV is loaded from until it runs again (held by the connector, no
+        longer by a running or paused request)."""
+        reserved = sum(len(blocks) for blocks in self._reservations.values())
+        return reserved + sum(len(self._connector.held_blocks(source)) for source in self._loading.values()
+                              if source is not None)
 
     # ------------------------------------------------------------------ step bookkeeping
     def _vllm_priority(self, request: Request) -> int:
