@@ -748,6 +748,8 @@ class VllmEngine:
         own held blocks (counting them as its demand too would count them twice). A partly filled
         last block is not among them: its tokens are written into a new block. Any other request
         holds its block table."""
+        if not self._loading:  # nearly every report: no request is loading KV
+            return self._num_blocks(vllm_request), False
         from llumdask.engine.vllm.connector import migration_of
 
         migration_id = migration_of(vllm_request)
