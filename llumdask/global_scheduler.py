@@ -65,6 +65,11 @@ __all__ = [
 # rpc-timeout (10 s).
 PENDING_EXPIRY = 30.0
 
+# How long an instance's recent changes of room count, seconds: its free blocks' changes over
+# about this long (a few decode steps) say whether the room a held request is reserved grows
+# (requests finishing) or shrinks (its running sequences growing).
+ROOM_TREND_SECONDS = 0.25
+
 
 class NoInstanceAvailable(RuntimeError):
     """No ready, non-terminating instance to dispatch to."""
@@ -111,7 +116,7 @@ class _Instance:
 
     __slots__ = (
         "instance_id", "order", "total_blocks", "block_size", "headroom", "ready", "joined_at", "terminating",
-        "drain_order", "heard", "removal_decided", "scaled_in", "load", "last_report_at", "handed", "pending",
+        "drain_order", "heard", "removal_decided", "scaled_in", "load", "last_report_at", "room_trend", "handed", "pending",
         "num_pending", "pending_blocks", "pending_prompt_tokens", "pending_classes", "freeness", "key",
         "dispatch_freeness", "dispatch_surplus",
     )
@@ -136,6 +141,8 @@ class _Instance:
         # Until its first report an instance is known to be empty.
         self.load = InstanceLoad(instance_id, total_blocks, block_size, free_blocks=total_blocks, num_running=0, num_waiting=0)
         self.last_report_at: float | None = None
+        # Free blocks gained lately: each report's change, weighed exp(-age / ROOM_TREND_SECONDS).
+        self.room_trend = 0.0
         # `handed`: requests the instance has received or is about to, as far as we know. Each
         # pending entry is (its position in that count, prompt blocks, prompt tokens, execution
         # priority, when it was dispatched).
@@ -213,6 +220,9 @@ class _Instance:
                 load = replace(load, terminating=self.terminating)
         elif load.terminating:
             self.terminating = True  # drained by an order this scheduler did not give
+        if self.last_report_at is not None:
+            decay = math.exp(min(0.0, self.last_report_at - now) / ROOM_TREND_SECONDS)
+            self.room_trend = self.room_trend * decay + load.free_blocks - self.load.free_blocks
         self.load = load
         self.refresh()
 
@@ -600,8 +610,13 @@ class GlobalScheduler:
         return candidates.empty_room_blocks(info.num_prompt_tokens) >= hold
 
     def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo) -> Reservation:
-        """Keep for the first held request the instance where it is closest to fitting (a context)."""
-        return candidates.reserved(self._freest(candidates, first))
+        """Keep for the first held request the instance where it is closest to fitting while its
+        room is growing (a context). Where that room is shrinking, the requests running there
+        growing, the first would wait on whatever is reserved, and the reservation would only keep
+        the smaller held requests from what may be the only room there is: none is kept then."""
+        slot = self._freest(candidates, first)
+        growing = self._instances[candidates[slot].instance_id].room_trend >= 0
+        return candidates.reserved(slot if growing else None)
 
     def _take_back(self, returnable: list[_Instance], pool: PooledLoad, low: float) -> tuple[list[_Instance], PooledLoad]:
         """Take back instances a scale-in is draining, those holding the most requests first (the

@@ -11,7 +11,10 @@ demand: a prompt prefix an instance caches takes none there.
 Held requests leave in order (execution priority, then arrival; the scheduler holds normal-priority
 requests only: a high-priority one's headroom is the room kept for it). The first is reserved the
 instance where it is closest to fitting; a later one may pass it, but only on another instance
-(EASY backfilling), so small requests never starve a large one.
+(EASY backfilling), so small requests never starve a large one. The reservation holds while the
+room there grows (requests finishing): where it shrinks (the requests running there growing) the
+first waits on anyway, and keeping it would only keep later requests from what may be the only
+room there is.
 """
 
 from __future__ import annotations

@@ -127,6 +127,19 @@ def test_a_later_request_passes_the_first_only_on_another_instance():
     assert [(i.request_id, t) for i, t in gs.release(3.0)] == [("large", "i0"), ("small2", "i0")]
 
 
+def test_no_instance_is_kept_for_a_held_request_while_its_room_shrinks():
+    gs = scheduler(2)
+    gs.report(load("i0", used=55, running=2), 0.0)
+    gs.report(load("i0", used=60, running=2), 0.5)  # closest to fitting the large one, and filling
+    gs.report(load("i1", used=97, running=3), 0.5)
+    assert gs.dispatch(req("large", 50), 1.0) is None
+    # The room "large" would wait for is shrinking there: a small one that fits only on i0 goes.
+    assert gs.dispatch(req("small", 5), 1.0) == "i0"
+    gs.report(load("i0", used=50, running=2, received=1), 2.0)  # a request finished: growing again
+    assert gs.dispatch(req("small2", 5), 2.0) is None  # i0 is kept for "large" now
+    assert [h.info.request_id for h in gs.held] == ["large", "small2"]
+
+
 def test_small_requests_cannot_starve_a_large_one():
     gs = scheduler(2)
     gs.report(load("i0", used=60, running=2), 0.0)

@@ -138,7 +138,7 @@ class CandidateTable(Sequence[Candidate]):
             self._reserved = slot
             self._last = self._spare = None
 
-    def reserved(self, slot: int) -> "Reservation":
+    def reserved(self, slot: int | None) -> "Reservation":
         """`reserve(slot)` for the length of a with block."""
         return Reservation(self, slot)
 
@@ -257,7 +257,7 @@ class Reservation:
 
     __slots__ = ("_table", "_slot")
 
-    def __init__(self, table: CandidateTable, slot: int) -> None:
+    def __init__(self, table: CandidateTable, slot: int | None) -> None:
         self._table = table
         self._slot = slot
 
