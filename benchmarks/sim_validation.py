@@ -46,7 +46,7 @@ decode steps of about 25 ms on one core, as a 7B model's on one GPU).
 
     python -m llumdask.benchmarks.sim_validation --out DIR [--quick] [--shape 8x768 --rate 1.5] [--requests 300]
         [--trace multi-turn]
-        [--rate 8] [--kv-tokens 16384] [--policy llumnix] [--profile PROFILE.json]
+        [--rate 8] [--kv-tokens 16384] [--policy llumnix] [--profile PROFILE.json] [--probe-rounds 3]
 """
 
 from __future__ import annotations
@@ -399,11 +399,11 @@ class RealRun:
     preemptions: int
 
 
-def probe_rounds(seed: int, vocab: int) -> list[tuple[str, list[list[int]]]]:
-    """A warm-up round, then PROBE_ROUNDS rounds of every probe, alternating, so that the
-    machine's other load weighs on every probe alike: (probe name, prompts sent at once)."""
+def probe_rounds(seed: int, vocab: int, count: int = PROBE_ROUNDS) -> list[tuple[str, list[list[int]]]]:
+    """A warm-up round, then `count` rounds of every probe, alternating, so that the machine's
+    other load weighs on every probe alike: (probe name, prompts sent at once)."""
     keys = itertools.count()
-    rounds = [("warm-up", PROBES["lone"])] + [(name, probe) for _ in range(PROBE_ROUNDS) for name, probe in PROBES.items()]
+    rounds = [("warm-up", PROBES["lone"])] + [(name, probe) for _ in range(count) for name, probe in PROBES.items()]
     return [(name, [prompt_of((seed, 1, next(keys)), probe.prompt, vocab) for _ in range(probe.per_instance * INSTANCES)])
             for name, probe in rounds]
 
@@ -521,7 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="llumnix", help="scheduling preset of both clusters (llumdask.sim.presets)")
     p.add_argument("--profile", type=Path, help="a profile measured before, instead of measuring one now")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--probe-rounds", type=int, default=PROBE_ROUNDS,
+                   help="rounds of every probe before the trace and after it (default %(default)s)")
     args = p.parse_args(argv)
+    if args.probe_rounds < 1:
+        p.error(f"--probe-rounds must be at least 1, got {args.probe_rounds}")
     if args.kv_tokens < TRACE_MAX_LEN or args.kv_tokens % BLOCK_SIZE:  # every request must fit
         p.error(f"--kv-tokens must be a multiple of {BLOCK_SIZE} and hold the longest request ({TRACE_MAX_LEN} tokens)")
     if args.shape and args.rate is None:
@@ -545,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = load_tokenizer(model).vocab_size
     with process_cluster(INSTANCES, overrides, timeout=300) as address:
         settle = 3 * load_config(overrides).report_interval
-        real = asyncio.run(replay_real(address, trace, vocab, probe_rounds(args.seed, vocab), settle))
+        real = asyncio.run(replay_real(address, trace, vocab, probe_rounds(args.seed, vocab, args.probe_rounds), settle))
     load["load_after_real"] = os.getloadavg()[0]
     probes = {name: observed + real.after.get(name, []) for name, observed in real.before.items()}
     costs = serving_costs(probes, profile)
@@ -565,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     preemption_error = sim_preemptions / real.preemptions - 1 if real.preemptions else None
     facts = {"model": Path(model).name, "trace": args.trace, "requests": requests, "rate": rate,
              "policy": preset.name,
-             "instances": INSTANCES, "kv_tokens": args.kv_tokens, "seed": args.seed,
+             "instances": INSTANCES, "kv_tokens": args.kv_tokens, "seed": args.seed, "probe_rounds": args.probe_rounds,
              "request_path_ms": costs.request_path * 1e3, "per_step_ms": costs.per_step * 1e3,
              "per_seq_ms": costs.per_seq * 1e3, "prefill_scale": costs.prefill_scale,
              "probe_ttft_ms": {n: [round(o.ttft * 1e3, 3) for o in obs] for n, obs in probes.items()},

@@ -16,8 +16,10 @@ from llumdask.benchmarks.sim_validation import (
     RealRun,
     ServingCosts,
     error_rows,
+    main,
     mean_profile,
     probe_drift,
+    probe_rounds,
     real_hit_rate,
     real_latencies,
     serving_costs,
@@ -141,6 +143,14 @@ def test_a_profile_slower_than_the_cluster_means_no_serving_cost():
     # mean of the two per step.
     costs = serving_costs(probes(lone_tpot=0.0031, batched_tpot=0.0030), TOY)
     assert costs.per_seq == 0.0 and costs.per_step == pytest.approx(0.0018)
+
+
+def test_probe_rounds_are_counted_and_at_least_one_is_asked_for(tmp_path, capsys):
+    rounds = probe_rounds(0, 100, 2)
+    assert [name for name, _ in rounds] == ["warm-up", *PROBES, *PROBES]
+    with pytest.raises(SystemExit):  # refused before any work
+        main(["--probe-rounds", "0", "--out", str(tmp_path / "out"), "--logs", str(tmp_path / "logs")])
+    assert "--probe-rounds must be at least 1" in capsys.readouterr().err and not (tmp_path / "logs").exists()
 
 
 def test_shape_option():

@@ -24,14 +24,15 @@ def test_a_small_run_completes_every_request_and_writes_the_documented_json(vllm
 
     # Seed 1: its conversations' later turns (four) all come within about 12 s; seed 0's last one
     # waits out think times until 58 s.
-    code = main(["--trace", "multi-turn", "--requests", "12", "--rate", "6", "--seed", "1", "--out", str(tmp_path / "out"),
-                 "--logs", str(tmp_path / "logs")])
+    # One round of each probe before the trace and after it: enough to fit the costs.
+    code = main(["--trace", "multi-turn", "--requests", "12", "--rate", "6", "--seed", "1", "--probe-rounds", "1",
+                 "--out", str(tmp_path / "out"), "--logs", str(tmp_path / "logs")])
     assert code == 0
     result = json.loads((tmp_path / "out" / "sim_validation_multi_turn.json").read_text())
     assert set(result) == {"benchmark", "facts", "rows", "notes", "machine"}
     facts = result["facts"]
     assert FACT_KEYS <= set(facts)
-    assert facts["real_completed"] == facts["sim_completed"] == facts["requests"] == 12
+    assert facts["real_completed"] == facts["sim_completed"] == facts["requests"] == 12 and facts["probe_rounds"] == 1
     # Later turns resend their history: both the instances and the sim engine find some of it cached.
     assert 0 < facts["real_hit_rate"] < 1 and 0 < facts["sim_hit_rate"] < 1
     # Fitted costs (a negative fit counts as none) in milliseconds, not seconds: a unit slip or a
