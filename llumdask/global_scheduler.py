@@ -66,9 +66,10 @@ __all__ = [
 PENDING_EXPIRY = 30.0
 
 # How long an instance's recent changes of room count, seconds: its free blocks' changes over
-# about this long (a few decode steps) say whether the room a held request is reserved grows
-# (requests finishing) or shrinks (its running sequences growing).
-ROOM_TREND_SECONDS = 0.25
+# about this long say whether the room a held request is reserved grows (requests finishing) or
+# shrinks (its running sequences growing). Many decode steps: the room a finished request frees
+# weighs against the growth until the next one finishes, not against the last few steps' only.
+ROOM_TREND_SECONDS = 1.0
 
 
 class NoInstanceAvailable(RuntimeError):
@@ -141,7 +142,8 @@ class _Instance:
         # Until its first report an instance is known to be empty.
         self.load = InstanceLoad(instance_id, total_blocks, block_size, free_blocks=total_blocks, num_running=0, num_waiting=0)
         self.last_report_at: float | None = None
-        # Free blocks gained lately: each report's change, weighed exp(-age / ROOM_TREND_SECONDS).
+        # Free blocks gained lately, the prompts placed there not counted: each report's change,
+        # weighed exp(-age / ROOM_TREND_SECONDS).
         self.room_trend = 0.0
         # `handed`: requests the instance has received or is about to, as far as we know. Each
         # pending entry is (its position in that count, prompt blocks, prompt tokens, execution
@@ -179,6 +181,12 @@ class _Instance:
             return 0
         return self.headroom.get(priority, 0)
 
+    @property
+    def room_shrinking(self) -> bool:
+        """Whether it lost room lately; less than half a block (what is left of an old loss,
+        decayed) is none."""
+        return self.room_trend < -0.5
+
     def add_pending(self, info: DispatchInfo, now: float) -> None:
         blocks = blocks_for(info.num_prompt_tokens, self.block_size)
         priority = info.execution_priority
@@ -200,8 +208,11 @@ class _Instance:
                 "a restarted instance must be removed and registered again"
             )
         pending = self.pending
+        arrived_blocks = 0
         while pending and (pending[0][0] < received or pending[0][4] < now - PENDING_EXPIRY):
-            _, blocks, tokens, priority, _ = pending.popleft()
+            position, blocks, tokens, priority, _ = pending.popleft()
+            if position < received:
+                arrived_blocks += blocks
             self.num_pending -= 1
             self.pending_blocks -= blocks
             self.pending_prompt_tokens -= tokens
@@ -221,8 +232,10 @@ class _Instance:
         elif load.terminating:
             self.terminating = True  # drained by an order this scheduler did not give
         if self.last_report_at is not None:
+            # The prompts this scheduler placed there are not the room shrinking: were they, every
+            # request placed while no instance is kept would make sure none is kept next.
             decay = math.exp(min(0.0, self.last_report_at - now) / ROOM_TREND_SECONDS)
-            self.room_trend = self.room_trend * decay + load.free_blocks - self.load.free_blocks
+            self.room_trend = self.room_trend * decay + (load.free_blocks - self.load.free_blocks + arrived_blocks)
         self.load = load
         self.refresh()
 
@@ -613,10 +626,11 @@ class GlobalScheduler:
         """Keep for the first held request the instance where it is closest to fitting while its
         room is growing (a context). Where that room is shrinking, the requests running there
         growing, the first would wait on whatever is reserved, and the reservation would only keep
-        the smaller held requests from what may be the only room there is: none is kept then."""
+        the smaller held requests from what may be the only room there is: none is kept then
+        (keeping another instance instead would keep room the first may never take)."""
         slot = self._freest(candidates, first)
-        growing = self._instances[candidates[slot].instance_id].room_trend >= 0
-        return candidates.reserved(slot if growing else None)
+        shrinking = self._instances[candidates[slot].instance_id].room_shrinking
+        return candidates.reserved(None if shrinking else slot)
 
     def _take_back(self, returnable: list[_Instance], pool: PooledLoad, low: float) -> tuple[list[_Instance], PooledLoad]:
         """Take back instances a scale-in is draining, those holding the most requests first (the

@@ -11,10 +11,12 @@ demand: a prompt prefix an instance caches takes none there.
 Held requests leave in order (execution priority, then arrival; the scheduler holds normal-priority
 requests only: a high-priority one's headroom is the room kept for it). The first is reserved the
 instance where it is closest to fitting; a later one may pass it, but only on another instance
-(EASY backfilling), so small requests never starve a large one. The reservation holds while the
-room there grows (requests finishing): where it shrinks (the requests running there growing) the
-first waits on anyway, and keeping it would only keep later requests from what may be the only
-room there is.
+(EASY backfilling), so the room a large one waits for is not taken by small ones. The reservation
+holds while that room grows (its free blocks' changes over about the last second, the prompts
+placed there not counted: requests finishing outweigh those running growing). Where it shrinks
+the first waits on anyway, and keeping it would only keep later requests from what may be the
+only room there is: a later one may go there then. The first's wait is not bounded beyond that:
+an instance whose room shrinks between every two finishes could keep passing it.
 """
 
 from __future__ import annotations

@@ -140,6 +140,23 @@ def test_no_instance_is_kept_for_a_held_request_while_its_room_shrinks():
     assert [h.info.request_id for h in gs.held] == ["large", "small2"]
 
 
+def test_a_loss_of_room_passes_and_the_prompts_placed_there_are_no_loss():
+    gs = scheduler(2)
+    gs.report(load("i0", used=55, running=2), 0.0)
+    gs.report(load("i0", used=60, running=2), 0.5)  # shrinking
+    gs.report(load("i1", used=97, running=3), 0.5)
+    assert gs.dispatch(req("large", 50), 1.0) is None
+    assert gs.dispatch(req("small", 5), 1.0) == "i0"
+    # Seconds later: the loss is long past, and the prompt that arrived took the only room lost.
+    gs.report(load("i0", used=65, running=3, received=1), 5.0)
+    assert gs.dispatch(req("small2", 5), 5.0) is None  # i0 is kept for "large" again
+    # Nothing changes for long: the old loss stays past (no leftover of it counts).
+    for t in range(6, 200):
+        gs.report(load("i0", used=65, running=3, received=1), float(t))
+    assert gs.dispatch(req("small3", 5), 200.0) is None
+    assert [h.info.request_id for h in gs.held] == ["large", "small2", "small3"]
+
+
 def test_small_requests_cannot_starve_a_large_one():
     gs = scheduler(2)
     gs.report(load("i0", used=60, running=2), 0.0)
