@@ -623,11 +623,11 @@ class GlobalScheduler:
         return candidates.empty_room_blocks(info.num_prompt_tokens) >= hold
 
     def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo) -> Reservation:
-        """Keep for the first held request the instance where it is closest to fitting while its
-        room is growing (a context). Where that room is shrinking, the requests running there
-        growing, the first would wait on whatever is reserved, and the reservation would only keep
-        the smaller held requests from what may be the only room there is: none is kept then
-        (keeping another instance instead would keep room the first may never take)."""
+        """Keep for the first held request the instance where it is closest to fitting unless its
+        room is shrinking (a context). Where it is, the requests running there growing, the first
+        would wait on whatever is reserved, and the reservation would only keep the smaller held
+        requests from what may be the only room there is: none is kept then (keeping another
+        instance instead would keep room the first may never take)."""
         slot = self._freest(candidates, first)
         shrinking = self._instances[candidates[slot].instance_id].room_shrinking
         return candidates.reserved(None if shrinking else slot)

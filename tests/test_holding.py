@@ -157,7 +157,7 @@ def test_a_loss_of_room_passes_and_the_prompts_placed_there_are_no_loss():
     assert [h.info.request_id for h in gs.held] == ["large", "small2", "small3"]
 
 
-def test_small_requests_cannot_starve_a_large_one():
+def test_small_requests_do_not_take_the_room_a_large_one_waits_for_while_it_grows():
     gs = scheduler(2)
     gs.report(load("i0", used=60, running=2), 0.0)
     gs.report(load("i1", used=60, running=2), 0.0)
