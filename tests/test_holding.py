@@ -157,6 +157,19 @@ def test_a_loss_of_room_passes_and_the_prompts_placed_there_are_no_loss():
     assert [h.info.request_id for h in gs.held] == ["large", "small2", "small3"]
 
 
+def test_a_prompt_never_received_is_no_credit_to_the_room_it_was_placed_in():
+    gs = scheduler(2)
+    gs.report(load("i0", used=55, running=2), 0.0)
+    gs.report(load("i0", used=60, running=2), 0.5)  # shrinking
+    gs.report(load("i1", used=97, running=3), 0.5)
+    assert gs.dispatch(req("large", 50), 1.0) is None
+    assert gs.dispatch(req("lost", 5), 1.0) == "i0"  # never reaches i0
+    gs.report(load("i0", used=60, running=2), 20.0)
+    # It expires from i0's pending requests as i0 loses a block: a loss, not a gain of 4.
+    gs.report(load("i0", used=61, running=2), 1.0 + PENDING_EXPIRY + 1)
+    assert gs.dispatch(req("small", 5), 1.0 + PENDING_EXPIRY + 1) == "i0"
+
+
 def test_small_requests_do_not_take_the_room_a_large_one_waits_for_while_it_grows():
     gs = scheduler(2)
     gs.report(load("i0", used=60, running=2), 0.0)
