@@ -399,7 +399,7 @@ class RealRun:
     preemptions: int
 
 
-def probe_rounds(seed: int, vocab: int, count: int = PROBE_ROUNDS) -> list[tuple[str, list[list[int]]]]:
+def probe_rounds(seed: int, vocab: int, count: int) -> list[tuple[str, list[list[int]]]]:
     """A warm-up round, then `count` rounds of every probe, alternating, so that the machine's
     other load weighs on every probe alike: (probe name, prompts sent at once)."""
     keys = itertools.count()

@@ -117,8 +117,8 @@ class _Instance:
 
     __slots__ = (
         "instance_id", "order", "total_blocks", "block_size", "headroom", "ready", "joined_at", "terminating",
-        "drain_order", "heard", "removal_decided", "scaled_in", "load", "last_report_at", "room_trend", "handed", "pending",
-        "num_pending", "pending_blocks", "pending_prompt_tokens", "pending_classes", "freeness", "key",
+        "drain_order", "heard", "removal_decided", "scaled_in", "load", "last_report_at", "room_trend", "handed",
+        "pending", "num_pending", "pending_blocks", "pending_prompt_tokens", "pending_classes", "freeness", "key",
         "dispatch_freeness", "dispatch_surplus",
     )
 

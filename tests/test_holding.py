@@ -127,26 +127,27 @@ def test_a_later_request_passes_the_first_only_on_another_instance():
     assert [(i.request_id, t) for i, t in gs.release(3.0)] == [("large", "i0"), ("small2", "i0")]
 
 
-def test_no_instance_is_kept_for_a_held_request_while_its_room_shrinks():
+def large_held_beside_a_shrinking_instance(small: str) -> GlobalScheduler:
+    """i0 closest to fitting "large" and filling, i1 full: "large" is held, and as the room it
+    would wait for on i0 is shrinking, `small`, which fits only on i0, goes there all the same."""
     gs = scheduler(2)
     gs.report(load("i0", used=55, running=2), 0.0)
-    gs.report(load("i0", used=60, running=2), 0.5)  # closest to fitting the large one, and filling
+    gs.report(load("i0", used=60, running=2), 0.5)
     gs.report(load("i1", used=97, running=3), 0.5)
     assert gs.dispatch(req("large", 50), 1.0) is None
-    # The room "large" would wait for is shrinking there: a small one that fits only on i0 goes.
-    assert gs.dispatch(req("small", 5), 1.0) == "i0"
+    assert gs.dispatch(req(small, 5), 1.0) == "i0"
+    return gs
+
+
+def test_no_instance_is_kept_for_a_held_request_while_its_room_shrinks():
+    gs = large_held_beside_a_shrinking_instance("small")
     gs.report(load("i0", used=50, running=2, received=1), 2.0)  # a request finished: growing again
     assert gs.dispatch(req("small2", 5), 2.0) is None  # i0 is kept for "large" now
     assert [h.info.request_id for h in gs.held] == ["large", "small2"]
 
 
 def test_a_loss_of_room_passes_and_the_prompts_placed_there_are_no_loss():
-    gs = scheduler(2)
-    gs.report(load("i0", used=55, running=2), 0.0)
-    gs.report(load("i0", used=60, running=2), 0.5)  # shrinking
-    gs.report(load("i1", used=97, running=3), 0.5)
-    assert gs.dispatch(req("large", 50), 1.0) is None
-    assert gs.dispatch(req("small", 5), 1.0) == "i0"
+    gs = large_held_beside_a_shrinking_instance("small")
     # Seconds later: the loss is long past, and the prompt that arrived took the only room lost.
     gs.report(load("i0", used=65, running=3, received=1), 5.0)
     assert gs.dispatch(req("small2", 5), 5.0) is None  # i0 is kept for "large" again
@@ -158,12 +159,7 @@ def test_a_loss_of_room_passes_and_the_prompts_placed_there_are_no_loss():
 
 
 def test_a_prompt_never_received_is_no_credit_to_the_room_it_was_placed_in():
-    gs = scheduler(2)
-    gs.report(load("i0", used=55, running=2), 0.0)
-    gs.report(load("i0", used=60, running=2), 0.5)  # shrinking
-    gs.report(load("i1", used=97, running=3), 0.5)
-    assert gs.dispatch(req("large", 50), 1.0) is None
-    assert gs.dispatch(req("lost", 5), 1.0) == "i0"  # never reaches i0
+    gs = large_held_beside_a_shrinking_instance("lost")  # it never reaches i0
     gs.report(load("i0", used=60, running=2), 20.0)
     # It expires from i0's pending requests as i0 loses a block: a loss, not a gain of 4.
     gs.report(load("i0", used=61, running=2), 1.0 + PENDING_EXPIRY + 1)
