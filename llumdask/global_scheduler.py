@@ -47,6 +47,7 @@ from llumdask.policy.dispatch import DispatchInfo, DispatchPolicy, make_dispatch
 from llumdask.policy.migration import MigrationPair, pair_migrations
 from llumdask.policy.scaling import ScaleAction, ScaleDecision, ScalingPolicy
 from llumdask.request import Priority, blocks_for
+from llumdask.room import RoomTrend
 
 __all__ = [
     "DispatchInfo",
@@ -64,12 +65,6 @@ __all__ = [
 # ever to fit): it stops counting as demand there. Hand-overs take at most the requester's
 # rpc-timeout (10 s).
 PENDING_EXPIRY = 30.0
-
-# How long an instance's recent changes of room count, seconds: its free blocks' changes over
-# about this long say whether the room a held request is reserved grows (requests finishing) or
-# shrinks (its running sequences growing). Many decode steps: the room a finished request frees
-# weighs against the growth until the next one finishes, not against the last few steps' only.
-ROOM_TREND_SECONDS = 1.0
 
 
 class NoInstanceAvailable(RuntimeError):
@@ -142,9 +137,7 @@ class _Instance:
         # Until its first report an instance is known to be empty.
         self.load = InstanceLoad(instance_id, total_blocks, block_size, free_blocks=total_blocks, num_running=0, num_waiting=0)
         self.last_report_at: float | None = None
-        # Free blocks gained lately, the prompts placed there not counted: each report's change,
-        # weighed exp(-age / ROOM_TREND_SECONDS).
-        self.room_trend = 0.0
+        self.room_trend = RoomTrend()
         # `handed`: requests the instance has received or is about to, as far as we know. Each
         # pending entry is (its position in that count, prompt blocks, prompt tokens, execution
         # priority, when it was dispatched).
@@ -181,12 +174,6 @@ class _Instance:
             return 0
         return self.headroom.get(priority, 0)
 
-    @property
-    def room_shrinking(self) -> bool:
-        """Whether it lost room lately; less than half a block (what is left of an old loss,
-        decayed) is none."""
-        return self.room_trend < -0.5
-
     def add_pending(self, info: DispatchInfo, now: float) -> None:
         blocks = blocks_for(info.num_prompt_tokens, self.block_size)
         priority = info.execution_priority
@@ -208,11 +195,10 @@ class _Instance:
                 "a restarted instance must be removed and registered again"
             )
         pending = self.pending
-        arrived_blocks = 0
         while pending and (pending[0][0] < received or pending[0][4] < now - PENDING_EXPIRY):
             position, blocks, tokens, priority, _ = pending.popleft()
             if position < received:
-                arrived_blocks += blocks
+                self.room_trend.received(blocks, now)
             self.num_pending -= 1
             self.pending_blocks -= blocks
             self.pending_prompt_tokens -= tokens
@@ -231,11 +217,8 @@ class _Instance:
                 load = replace(load, terminating=self.terminating)
         elif load.terminating:
             self.terminating = True  # drained by an order this scheduler did not give
-        if self.last_report_at is not None:
-            # The prompts this scheduler placed there are not the room shrinking: were they, every
-            # request placed while no instance is kept would make sure none is kept next.
-            decay = math.exp(min(0.0, self.last_report_at - now) / ROOM_TREND_SECONDS)
-            self.room_trend = self.room_trend * decay + (load.free_blocks - self.load.free_blocks + arrived_blocks)
+        # The first report is no baseline (a restarted scheduler).
+        self.room_trend.observe(0 if self.last_report_at is None else load.free_blocks - self.load.free_blocks, now)
         self.load = load
         self.refresh()
 
@@ -435,7 +418,7 @@ class GlobalScheduler:
         if self._held.would_lead(info):
             target = self._place_held(candidates, info, now)
         else:
-            with self._reserved_for(candidates, self._held.first.info):
+            with self._reserved_for(candidates, self._held.first.info, now):
                 target = self._place_held(candidates, info, now)
         if target is None:
             self._held.add(info, now, self._uncached_tokens(candidates, info))
@@ -451,7 +434,7 @@ class GlobalScheduler:
             chosen = held.first
             target = self._place_held(candidates, chosen.info, now)
             if target is None:
-                with self._reserved_for(candidates, chosen.info):
+                with self._reserved_for(candidates, chosen.info, now):
                     room = candidates.most_room_tokens()
                     # Most reports change nothing for the queue: one comparison tells.
                     if held.smallest_need() <= room:
@@ -622,14 +605,14 @@ class GlobalScheduler:
         assert hold is not None
         return candidates.empty_room_blocks(info.num_prompt_tokens) >= hold
 
-    def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo) -> Reservation:
+    def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo, now: float) -> Reservation:
         """Keep for the first held request the instance where it is closest to fitting unless its
         room is shrinking (a context). Where it is, the requests running there growing, the first
         would wait on whatever is reserved, and the reservation would only keep the smaller held
         requests from what may be the only room there is: none is kept then (keeping another
         instance instead would keep room the first may never take)."""
         slot = self._freest(candidates, first)
-        shrinking = self._instances[candidates[slot].instance_id].room_shrinking
+        shrinking = self._instances[candidates[slot].instance_id].room_trend.shrinking(now)
         return candidates.reserved(None if shrinking else slot)
 
     def _take_back(self, returnable: list[_Instance], pool: PooledLoad, low: float) -> tuple[list[_Instance], PooledLoad]:

@@ -158,6 +158,17 @@ def test_a_loss_of_room_passes_and_the_prompts_placed_there_are_no_loss():
     assert [h.info.request_id for h in gs.held] == ["large", "small2", "small3"]
 
 
+def test_a_loss_is_read_when_deciding_and_a_prompt_whose_blocks_come_later_is_none():
+    gs = large_held_beside_a_shrinking_instance("small")
+    # No report from i0 since its loss at 0.5 (engines send none while nothing changes): by 4.0
+    # it is past, and i0 is kept for "large".
+    assert gs.dispatch(req("small2", 5), 4.0) is None
+    gs.report(load("i0", used=60, running=2, received=1), 5.0)  # "small" arrives, queued
+    gs.report(load("i0", used=65, running=3, received=1), 5.5)  # and takes its blocks
+    assert gs.dispatch(req("small3", 5), 5.5) is None
+    assert [h.info.request_id for h in gs.held] == ["large", "small2", "small3"]
+
+
 def test_a_prompt_never_received_is_no_credit_to_the_room_it_was_placed_in():
     gs = large_held_beside_a_shrinking_instance("lost")  # it never reaches i0
     gs.report(load("i0", used=60, running=2), 20.0)

@@ -1,0 +1,83 @@
+"""Whether an instance's room is shrinking: its running sequences growing faster than finished
+requests free blocks.
+
+The scheduler keeps the first held request the instance where it comes closest to fitting only
+while that room is not shrinking (`GlobalScheduler._reserved_for`). A fall of free blocks is not
+always a loss of that room: the prompts the scheduler placed there take blocks too, and counting
+them would make every placement a reason to keep nothing. So the blocks of a prompt the instance
+has received are credited, but only as free blocks actually fall: a prompt queued behind a full
+batch, or prefilled in chunks, takes its blocks over several reports, and one whose prefix was
+cached takes fewer than its length; crediting at receipt would read as the room growing, then
+shrinking.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+# How long a change of free blocks counts, seconds: its weight decays as exp(-age / this). Many
+# decode steps, so the room a finished request frees weighs against the growth until the next
+# one finishes, not against the last few steps' only.
+ROOM_TREND_SECONDS = 1.0
+# A received prompt's blocks are taken within this long: at once, chunk by chunk, or once a place
+# in the batch opens. Those not taken by then never will be (its prefix was cached, it ended
+# first); left as credit, they would hide the growth of the sequences running there.
+ARRIVAL_CREDIT_SECONDS = 10.0
+# Less than half a block (what is left of an old loss, decayed) is no loss.
+SHRINKING_BELOW = -0.5
+
+
+class RoomTrend:
+    """Free blocks an instance gained lately, its received prompts' blocks not counted as lost:
+    the sum of each report's change weighed exp(-age / ROOM_TREND_SECONDS), O(1) per report."""
+
+    __slots__ = ("_trend", "_at", "_arrived")
+
+    def __init__(self) -> None:
+        self._trend = 0.0
+        self._at: float | None = None  # the last change's time; None before the first report
+        # (received at, blocks not yet taken) per received prompt, oldest first.
+        self._arrived: deque[tuple[float, int]] = deque()
+
+    def received(self, blocks: int, now: float) -> None:
+        """The instance showed a prompt of `blocks` blocks received (placed by the scheduler)."""
+        if blocks > 0:
+            self._arrived.append((now, blocks))
+
+    def observe(self, change: int, now: float) -> None:
+        """A report at `now` whose free blocks changed by `change` from the last; the first report
+        is the baseline (pass its change as 0)."""
+        self._expire(now)
+        if change < 0:
+            change += self._credit(-change)
+        if self._at is not None:
+            self._trend *= math.exp(min(0.0, self._at - now) / ROOM_TREND_SECONDS)
+        self._trend += change
+        self._at = now
+
+    def shrinking(self, now: float) -> bool:
+        """Whether it lost room lately, as read at `now` (reports that change nothing may not be
+        sent, so the last one's reading is decayed to now)."""
+        if self._at is None:
+            return False
+        return self._trend * math.exp(min(0.0, self._at - now) / ROOM_TREND_SECONDS) < SHRINKING_BELOW
+
+    def _credit(self, lost: int) -> int:
+        """Take up to `lost` blocks of the received prompts' credit, oldest first; what was taken."""
+        taken = 0
+        arrived = self._arrived
+        while arrived and taken < lost:
+            at, blocks = arrived[0]
+            use = min(blocks, lost - taken)
+            taken += use
+            if use == blocks:
+                arrived.popleft()
+            else:
+                arrived[0] = (at, blocks - use)
+        return taken
+
+    def _expire(self, now: float) -> None:
+        arrived = self._arrived
+        while arrived and arrived[0][0] < now - ARRIVAL_CREDIT_SECONDS:
+            arrived.popleft()
