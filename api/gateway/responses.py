@@ -182,7 +182,7 @@ class ChatFormat(ResponseFormat):
 
     def _choice(self, index: int, choice: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
-        if self.shows_reasoning:
+        if self.shows_reasoning or choice.reasoning is not None:  # a tool-call parser may read reasoning too (Cohere's)
             message["reasoning"] = choice.reasoning
         if choice.tool_calls:
             message["tool_calls"] = list(choice.tool_calls)

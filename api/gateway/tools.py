@@ -7,7 +7,11 @@ The model's chat template renders the tools. The answer is read the way vLLM's s
   structural tag in the model's markup where the parser has one (hermes, llama, qwen3_coder, ...:
   for "required", a named function, and "auto" with a strict tool, parallel_tool_calls false or a
   strict level; beside a response format, a call or the format), none otherwise; the parser reads
-  the calls back as for "auto".
+  the calls back as for "auto". Cohere Command's (cohere_command3 / 4) does so for every choice but
+  "none": its own tag for the tools (and a response format) whatever the choice, read by melody.
+- as `vllm serve`, a chat with tool_choice "none" (or no tools) has the parser adjust it only with
+  a reasoning parser (or a parser that always asks), so it otherwise goes as it came: no tag, and
+  special tokens left out of the text.
 - without a tool-call parser, or with one that reads vLLM's JSON (xlam, pythonic, ...), tool_choice
   "required" or a named function constrains the output, through structured outputs, to the JSON
   schema vLLM derives from the tools (a list of {"name", "parameters"}, or the named function's
@@ -27,6 +31,7 @@ import asyncio
 import itertools
 import json
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -457,7 +462,8 @@ class AnswerReading:
                                      f"reasoning_effort): {exc}", param="chat_template_kwargs",
                                      code="invalid_value") from None
             # (A format vLLM cannot fold into the tools' tag is left as it is, as vLLM leaves it.)
-            adjusted = vllm.for_tools(lambda: parsers[0].adjust_request(request.model_copy()))
+            adjusted = request if not ((use is not None and use.reads_calls) or vllm.adjusts_none) else vllm.for_tools(
+                lambda: parsers[0].adjust_request(request.model_copy()))
             keep_special = not adjusted.skip_special_tokens
             if not reads_json:  # vLLM's parser constrains the calls in the model's syntax, and reads the adjusted request
                 grammar, request = vllm.grammar(adjusted, request), adjusted
@@ -501,6 +507,7 @@ class _Vllm:
         from vllm.parser.utils import count_history_tool_calls
         from vllm.renderers.chat_utils import get_tool_call_id_type, make_tool_call_id
         from vllm.tool_parsers.utils import get_json_schema_from_tools
+        from vllm.utils.mistral import is_mistral_tokenizer, is_mistral_tool_parser
 
         from llumdask.engine.vllm.engine import structured_outputs
 
@@ -521,8 +528,18 @@ class _Vllm:
             self._model_config = model_config or parser_model_config(model, {"trust-remote-code": trust_remote_code})
         tool_parser = getattr(self._parser_type, "tool_parser_cls", None)
         # Whether "required" and named calls come as vLLM's JSON (read here): not where the tool-call
-        # parser reads them in the model's syntax (vLLM's supports_required_and_named).
-        self.reads_json = tool_parser is None or tool_parser.supports_required_and_named
+        # parser reads them in the model's syntax (vLLM's supports_required_and_named), nor where
+        # the composed parser is Cohere Command's, which folds every tool choice into its own tag
+        # and reads the calls of each with melody.
+        self.reads_json = not _reads_every_choice(self._parser_type) and (
+            tool_parser is None or tool_parser.supports_required_and_named)
+        # Whether vLLM's server has the parser adjust a request with tool_choice "none" (or no tools)
+        # too, as its renderer decides: with a reasoning parser, a parser that asks to, or Mistral's
+        # grammar-capable tokenizer; otherwise such a request reaches the engine as it came.
+        self.adjusts_none = self._parser_type is not None and (
+            self._parser_type.always_adjust_request or self._parser_type.reasoning_parser_cls is not None
+            or (is_mistral_tool_parser(tool_parser) and is_mistral_tokenizer(self._tokenizer)
+                and self._tokenizer.supports_grammar))
         # The form of the ids vLLM's tool-call parser gives the calls it reads from JSON.
         self._id_type = "random" if tool_parser is None else get_tool_call_id_type(self._model_config)
 
@@ -579,6 +596,14 @@ class _Vllm:
         assert self._parser_type is not None, "a reader needs one of vLLM's parsers"
         return self._parser_type(self._tokenizer, request.tools, chat_template_kwargs=dict(template_kwargs),
                                  model_config=self._model_config)
+
+
+def _reads_every_choice(parser_type: Any) -> bool:
+    """Whether vLLM's composed parser is Cohere Command's (ParserManager imports its module where it
+    composes one): its adjust_request folds the tools into its own structural tag whatever the tool
+    choice, and its parse reads the calls with melody whatever the choice but "none"."""
+    module = sys.modules.get("vllm.parser.cohere_command")
+    return module is not None and parser_type is not None and issubclass(parser_type, module.CohereCommandParser)
 
 
 # SamplingParams' structured-output fields and vLLM's StructuredOutputsParams' names for them.

@@ -5,16 +5,20 @@ vLLM's own parser and schema, whole and streamed. The real engine's round trip i
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from gatewayfakes import MODEL, FakeBackend
 from modelcopies import with_model_type
+from starlette.testclient import TestClient
 from test_routes import sse_payloads
 
-from llumdask.api.gateway import ModelInfo
+from llumdask.api.gateway import ModelInfo, create_app
 from llumdask.api.gateway.parser_model import parser_model_config
+from llumdask.api.gateway.tokenizer import load_tokenizer
 from llumdask.api.gateway.tools import AnswerReading
 from llumdask.api.serve import build_parser
+from llumdask.config import GatewayConfig
 from llumdask.engine.base import TokenLogprob
 
 WEATHER = {"type": "function", "function": {
@@ -281,3 +285,106 @@ def test_auto_streams_the_call_as_deltas(hermes, backend, tokenizer, batch_size)
         assert text == "Let me look. "
         assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Paris"})]
         assert calls[0]["id"] and mine[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# ------------------------------------------------------------------ Cohere Command's parsers
+COHERE_MARKUP = ("<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>",
+                 "<|START_ACTION|>", "<|END_ACTION|>")
+LOOK = "<|START_RESPONSE|>Let me look.<|END_RESPONSE|>"
+ACTION = ('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}]'
+          "<|END_ACTION|>")
+PICK_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def command_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model as Cohere's Command A: its architecture (vLLM's Cohere parser picks its tags by
+    it) and its markup as special tokens (vLLM's parser has them kept in the text, for melody to find
+    the calls by them). The scripted backend never runs the weights."""
+    from tokenizers import AddedToken, Tokenizer
+
+    model = with_model_type(tiny_model, tmp_path_factory.mktemp("cohere") / "command-a", "cohere2")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Cohere2ForCausalLM"]}))
+    vocabulary = Tokenizer.from_file(str(model / "tokenizer.json"))
+    vocabulary.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in COHERE_MARKUP])
+    vocabulary.save(str(model / "tokenizer.json"))
+    return model
+
+
+@pytest.fixture(params=["cohere_command3", "cohere_command4"])
+def command(request, command_model, backend):
+    """A gateway reading answers with vLLM's Cohere Command parser over that model, and its tokenizer."""
+    tokenizer = load_tokenizer(command_model)
+    app = create_app(backend.open, tokenizer, GatewayConfig(), AnswerReading(str(command_model), request.param))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, tokenizer
+
+
+def command_tag(*tools: dict) -> str:
+    """The structural tag vLLM's Cohere parser folds a request's tools into, for Command A."""
+    from vllm.parser.cohere_command import convert_schema_to_structural_tags
+
+    return convert_schema_to_structural_tags(tools=list(tools), model_architecture="Cohere2ForCausalLM")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_cohere_command_reads_the_models_action_whole_and_streamed(command, backend, batch_size):
+    """tool_choice "auto": the tools go to the engine as vLLM's Cohere tag, and the call the model
+    writes in Cohere's markup is read by melody, whole and as deltas, with the id the model gave it."""
+    client, tokenizer = command
+    backend.batch_size = batch_size
+    scripted(backend, tokenizer, LOOK + ACTION)
+    choice = chat(client, tools=[WEATHER, TIME]).json()["choices"][0]
+    sampling = backend.submitted[0].sampling
+    assert sampling.structural_tag == command_tag(WEATHER, TIME) and sampling.json_schema is None
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in choice["message"]["tool_calls"]] == [("0", "get_weather", {"city": "Paris"})]
+    chunks = sse_payloads(chat(client, tools=[WEATHER, TIME], stream=True))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "Let me look."
+    assert [(c["id"], c["name"], json.loads(c["arguments"])) for c in tool_deltas(chunks).values()] == [
+        ("0", "get_weather", {"city": "Paris"})]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    scripted(backend, tokenizer, "<|START_RESPONSE|>It is sunny in Paris.<|END_RESPONSE|>")
+    plain = chat(client, tools=[WEATHER, TIME]).json()["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant",
+                                                                     "content": "It is sunny in Paris."}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("tool_choice, finish_reason", [("required", "tool_calls"), (PICK_WEATHER, "stop")])
+def test_cohere_command_constrains_required_and_named_calls_with_its_own_tag(command, backend, tool_choice,
+                                                                            finish_reason):
+    """As `vllm serve` with Cohere's parser: "required" and a named function get the same tag as
+    "auto" (not vLLM's JSON list), and melody reads the calls the model writes in it."""
+    client, tokenizer = command
+    scripted(backend, tokenizer, '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": '
+                                 '{"city": "Paris"}}, {"tool_call_id": "1", "tool_name": "get_weather", "parameters": '
+                                 '{"city": "Rome"}}]<|END_ACTION|>')
+    choice = chat(client, tools=[WEATHER, TIME], tool_choice=tool_choice).json()["choices"][0]
+    sampling = backend.submitted[0].sampling
+    assert sampling.structural_tag == command_tag(WEATHER, TIME) and sampling.json_schema is None
+    assert choice["finish_reason"] == finish_reason and choice["message"]["content"] is None
+    read = [("0", "get_weather", {"city": "Paris"}), ("1", "get_weather", {"city": "Rome"})]
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in choice["message"]["tool_calls"]] == read
+    chunks = sse_payloads(chat(client, tools=[WEATHER, TIME], tool_choice=tool_choice, stream=True))
+    assert [(c["id"], c["name"], json.loads(c["arguments"])) for c in tool_deltas(chunks).values()] == read
+
+
+@pytest.mark.vllm
+def test_cohere_command_leaves_none_unconstrained_and_its_markup_out_as_vllm_does(command, backend):
+    """tool_choice "none" without a reasoning parser: vLLM's server leaves the request as it came (no
+    tag, special tokens skipped), so the markup never reaches melody and no call is read. The text
+    is content, or, for Command 4's parser, which reads unmarked text as thinking, reasoning: shown
+    as vLLM shows it, though no reasoning parser was named."""
+    client, tokenizer = command
+    scripted(backend, tokenizer, LOOK + ACTION)
+    choice = chat(client, tools=[WEATHER], tool_choice="none").json()["choices"][0]
+    assert backend.submitted[0].sampling.structural_tag is None
+    message = choice["message"]
+    assert choice["finish_reason"] == "stop" and "tool_calls" not in message
+    assert (message["content"] or message.get("reasoning")) == (
+        'Let me look.[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}]')
