@@ -599,11 +599,14 @@ class _Vllm:
 
 
 def _reads_every_choice(parser_type: Any) -> bool:
-    """Whether vLLM's composed parser is Cohere Command's (ParserManager imports its module where it
-    composes one): its adjust_request folds the tools into its own structural tag whatever the tool
-    choice, and its parse reads the calls with melody whatever the choice but "none"."""
+    """Whether vLLM's composed parser is Cohere Command's with its tool-call parser (ParserManager
+    imports its module where it composes one): its adjust_request folds the tools into its own
+    structural tag whatever the tool choice, and its parse reads the calls with melody whatever the
+    choice but "none". (With Cohere's reasoning parser alone melody reads no calls: "required" and
+    named calls go as vLLM's JSON, read here.)"""
     module = sys.modules.get("vllm.parser.cohere_command")
-    return module is not None and parser_type is not None and issubclass(parser_type, module.CohereCommandParser)
+    return (module is not None and parser_type is not None and issubclass(parser_type, module.CohereCommandParser)
+            and parser_type.tool_parser_cls is not None)
 
 
 # SamplingParams' structured-output fields and vLLM's StructuredOutputsParams' names for them.

@@ -388,3 +388,17 @@ def test_cohere_command_leaves_none_unconstrained_and_its_markup_out_as_vllm_doe
     assert choice["finish_reason"] == "stop" and "tool_calls" not in message
     assert (message["content"] or message.get("reasoning")) == (
         'Let me look.[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}]')
+
+
+@pytest.mark.vllm
+def test_cohere_commands_reasoning_parser_alone_leaves_required_calls_to_vllms_json(command_model, backend):
+    """Named as the reasoning parser only, Cohere's reads no calls: "required" goes as vLLM's JSON
+    schema and the gateway reads the calls from it."""
+    tokenizer = load_tokenizer(command_model)
+    reading = AnswerReading(str(command_model), reasoning_parser="cohere_command3", engines_reason=True)
+    with TestClient(create_app(backend.open, tokenizer, GatewayConfig(), reading), raise_server_exceptions=False) as client:
+        scripted(backend, tokenizer, '[{"name": "get_weather", "parameters": {"city": "Paris"}}]')
+        choice = chat(client, tools=[WEATHER, TIME], tool_choice="required").json()["choices"][0]
+    assert backend.submitted[0].sampling.json_schema is not None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in choice["message"]["tool_calls"]] == [("get_weather", {"city": "Paris"})]
