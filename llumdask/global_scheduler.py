@@ -217,8 +217,7 @@ class _Instance:
                 load = replace(load, terminating=self.terminating)
         elif load.terminating:
             self.terminating = True  # drained by an order this scheduler did not give
-        # The first report is no baseline (a restarted scheduler).
-        self.room_trend.observe(0 if self.last_report_at is None else load.free_blocks - self.load.free_blocks, now)
+        self.room_trend.observe(load.free_blocks, now)
         self.load = load
         self.refresh()
 

@@ -12,14 +12,14 @@ Held requests leave in order (execution priority, then arrival; the scheduler ho
 requests only: a high-priority one's headroom is the room kept for it). The first is reserved the
 instance where it is closest to fitting; a later one may pass it, but only on another instance
 (EASY backfilling), so the room a large one waits for is not taken by small ones. The reservation
-holds unless that room is shrinking: its free blocks' changes, decayed over about a second, the
-prompts the scheduler placed there credited back once the instance reports them received, add up
-to a loss (the requests running there grew more than finishing ones freed). Where it shrinks the
-first waits on anyway, and keeping it would only keep later requests from what may be the only
-room there is: a later one may go there then. The trend is rough: a migrant moving in, or a
-placed prompt whose blocks are taken after it is received (queued there, or prefilled in
-chunks), reads as a loss too for a while. The first's wait is not bounded beyond the rule: an
-instance whose room shrinks between every two finishes could keep passing it.
+holds unless that room is shrinking: its free blocks' changes, decayed over about a second and
+read at the decision's time, add up to a loss (the requests running there grew more than
+finishing ones freed; the blocks the prompts placed there take are no loss, `llumdask.room`).
+Where it shrinks the first waits on anyway, and keeping it would only keep later requests from
+what may be the only room there is: a later one may go there then. A migrant moving in reads as
+a loss for a while (the scheduler pairs instances, not requests, so it does not know its blocks).
+The first's wait is not bounded beyond the rule: an instance whose room shrinks between every two
+finishes could keep passing it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ them would make every placement a reason to keep nothing. So the blocks of a pro
 has received are credited, but only as free blocks actually fall: a prompt queued behind a full
 batch, or prefilled in chunks, takes its blocks over several reports, and one whose prefix was
 cached takes fewer than its length; crediting at receipt would read as the room growing, then
-shrinking.
+shrinking. The credit is rough where a finish frees blocks in the report that shows a queued
+prompt admitted: the gain hides the blocks taken, so the prompt's credit stays until it expires
+and hides as much of the running sequences' growth meanwhile.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from collections import deque
 # one finishes, not against the last few steps' only.
 ROOM_TREND_SECONDS = 1.0
 # A received prompt's blocks are taken within this long: at once, chunk by chunk, or once a place
-# in the batch opens. Those not taken by then never will be (its prefix was cached, it ended
-# first); left as credit, they would hide the growth of the sequences running there.
+# in the batch opens. Credit not used by then is dropped (its prefix was cached, it ended first, it
+# still queues): left, it would hide the growth of the sequences running there.
 ARRIVAL_CREDIT_SECONDS = 10.0
 # Less than half a block (what is left of an old loss, decayed) is no loss.
 SHRINKING_BELOW = -0.5
@@ -32,11 +34,12 @@ class RoomTrend:
     """Free blocks an instance gained lately, its received prompts' blocks not counted as lost:
     the sum of each report's change weighed exp(-age / ROOM_TREND_SECONDS), O(1) per report."""
 
-    __slots__ = ("_trend", "_at", "_arrived")
+    __slots__ = ("_trend", "_at", "_free", "_arrived")
 
     def __init__(self) -> None:
         self._trend = 0.0
-        self._at: float | None = None  # the last change's time; None before the first report
+        self._at: float | None = None  # the last report's time; None before the first
+        self._free = 0  # the last report's free blocks
         # (received at, blocks not yet taken) per received prompt, oldest first.
         self._arrived: deque[tuple[float, int]] = deque()
 
@@ -45,15 +48,20 @@ class RoomTrend:
         if blocks > 0:
             self._arrived.append((now, blocks))
 
-    def observe(self, change: int, now: float) -> None:
-        """A report at `now` whose free blocks changed by `change` from the last; the first report
-        is the baseline (pass its change as 0)."""
+    def observe(self, free_blocks: int, now: float) -> None:
+        """A report at `now` showing `free_blocks`. The first is the baseline: the prompts it shows
+        received are in it already (an instance placed on before it first reported)."""
+        previous, self._free = self._free, free_blocks
+        if self._at is None:
+            self._arrived.clear()
+            self._at = now
+            return
+        now = max(now, self._at)  # a clock stepped back: no report is older than the last
         self._expire(now)
+        change = free_blocks - previous
         if change < 0:
             change += self._credit(-change)
-        if self._at is not None:
-            self._trend *= math.exp(min(0.0, self._at - now) / ROOM_TREND_SECONDS)
-        self._trend += change
+        self._trend = self._trend * math.exp((self._at - now) / ROOM_TREND_SECONDS) + change
         self._at = now
 
     def shrinking(self, now: float) -> bool:
