@@ -61,15 +61,18 @@ class RoomTrend:
         change = free_blocks - previous
         if change < 0:
             change += self._credit(-change)
-        self._trend = self._trend * math.exp((self._at - now) / ROOM_TREND_SECONDS) + change
+        self._trend = self._decayed(now) + change
         self._at = now
 
     def shrinking(self, now: float) -> bool:
         """Whether it lost room lately, as read at `now` (reports that change nothing may not be
         sent, so the last one's reading is decayed to now)."""
-        if self._at is None:
-            return False
-        return self._trend * math.exp(min(0.0, self._at - now) / ROOM_TREND_SECONDS) < SHRINKING_BELOW
+        return self._at is not None and self._decayed(now) < SHRINKING_BELOW
+
+    def _decayed(self, now: float) -> float:
+        """The trend as weighed at `now` (after the last report; never weighed up)."""
+        assert self._at is not None
+        return self._trend * math.exp(min(0.0, self._at - now) / ROOM_TREND_SECONDS)
 
     def _credit(self, lost: int) -> int:
         """Take up to `lost` blocks of the received prompts' credit, oldest first; what was taken."""

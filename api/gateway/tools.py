@@ -462,8 +462,8 @@ class AnswerReading:
                                      f"reasoning_effort): {exc}", param="chat_template_kwargs",
                                      code="invalid_value") from None
             # (A format vLLM cannot fold into the tools' tag is left as it is, as vLLM leaves it.)
-            adjusted = request if not ((use is not None and use.reads_calls) or vllm.adjusts_none) else vllm.for_tools(
-                lambda: parsers[0].adjust_request(request.model_copy()))
+            adjusted = vllm.for_tools(lambda: parsers[0].adjust_request(request.model_copy())) if vllm.adjusts(use) \
+                else request
             keep_special = not adjusted.skip_special_tokens
             if not reads_json:  # vLLM's parser constrains the calls in the model's syntax, and reads the adjusted request
                 grammar, request = vllm.grammar(adjusted, request), adjusted
@@ -536,12 +536,17 @@ class _Vllm:
         # Whether vLLM's server has the parser adjust a request with tool_choice "none" (or no tools)
         # too, as its renderer decides: with a reasoning parser, a parser that asks to, or Mistral's
         # grammar-capable tokenizer; otherwise such a request reaches the engine as it came.
-        self.adjusts_none = self._parser_type is not None and (
+        self._adjusts_none = self._parser_type is not None and (
             self._parser_type.always_adjust_request or self._parser_type.reasoning_parser_cls is not None
             or (is_mistral_tool_parser(tool_parser) and is_mistral_tokenizer(self._tokenizer)
                 and self._tokenizer.supports_grammar))
         # The form of the ids vLLM's tool-call parser gives the calls it reads from JSON.
         self._id_type = "random" if tool_parser is None else get_tool_call_id_type(self._model_config)
+
+    def adjusts(self, use: ToolUse | None) -> bool:
+        """Whether vLLM's server has the parser adjust this chat, as its renderer decides: a tool
+        choice other than "none", or a parser that adjusts every chat."""
+        return (use is not None and use.reads_calls) or self._adjusts_none
 
     def call_ids(self, request: Any) -> Callable[[str | None], str]:
         """Ids for one answer's calls as vLLM's tool-call parser makes them for the JSON it reads:
