@@ -7,6 +7,7 @@ the tiny tokenizer with the two added. The live engine's round trip is in test_s
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from modelcopies import with_thinking_tokens
 
 from llumdask.api.gateway import ModelInfo, create_app
 from llumdask.api.gateway.tokenizer import load_tokenizer
-from llumdask.api.gateway.tools import AnswerReading
+from llumdask.api.gateway.tools import AnswerReading, parse_tool_use
 from llumdask.config import GatewayConfig
 
 pytestmark = pytest.mark.vllm
@@ -210,6 +211,18 @@ def test_a_constrained_call_is_read_after_the_thinking(thinking, backend, tokeni
     hidden = chat(client, tools=[WEATHER], tool_choice=tool_choice, include_reasoning=False).json()["choices"][0]
     assert hidden["message"]["reasoning"] is None and hidden["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert backend.submitted[-1].sampling.reasoning_ended is True
+
+
+@pytest.mark.parametrize("reasoning_parser, keeps", [(None, False), ("qwen3", True)])
+def test_an_engine_based_parser_adjusts_a_none_chat_only_beside_a_reasoning_parser(tiny_model, reasoning_parser, keeps):
+    """vLLM's renderer has the parsers adjust a tool_choice "none" chat only where a reasoning parser
+    is composed with them, and an engine-based tool-call parser's adjustment (Qwen3-Coder's) keeps
+    special tokens in the text the parsers read. (Qwen3's parsers drop them from what they show either
+    way, so the answer alone cannot tell.)"""
+    reading = AnswerReading(str(tiny_model), CODER, reasoning_parser=reasoning_parser, engines_reason=True)
+    use = parse_tool_use({"tools": [WEATHER], "tool_choice": "none"})
+    read = asyncio.run(reading.readers(use, 1, [1, 2, 3], {}))
+    assert read.keep_special is keeps and read.grammar is None
 
 
 HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'

@@ -86,6 +86,19 @@ def test_auto_without_a_parser_is_400_and_says_which_option(client, backend):
     assert backend.submitted == []
 
 
+def test_a_null_tool_choice_is_the_default_as_openai_reads_it(client, backend, script):
+    """null is what leaving tool_choice out means: "auto" with tools (here refused for want of a
+    parser, as when left out), "none" without (vllm serve reads null with tools as no tool choice:
+    the tools rendered, no call read)."""
+    error = chat(client, tools=[WEATHER], tool_choice=None).json()["error"]
+    assert error["param"] == "tool_choice" and "--tool-call-parser" in error["message"]
+    assert backend.submitted == []
+    r = chat(client, tool_choice=None, max_tokens=4)
+    assert r.status_code == 200, r.text
+    assert backend.submitted[0].sampling.json_schema is None
+    assert r.json()["choices"][0]["message"]["content"] == chat(client, max_tokens=4).json()["choices"][0]["message"]["content"]
+
+
 def test_a_tool_strict_level_vllm_does_not_know_is_refused(capsys):
     with pytest.raises(ValueError, match="one of auto, function, parameter"):
         AnswerReading(tool_strict_level="strictest")
@@ -245,6 +258,9 @@ def test_auto_reads_the_models_call_with_vllms_parser(hermes, backend, tokenizer
     plain = chat(client, tools=[WEATHER]).json()["choices"][0]
     assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant",
                                                                      "content": "It is sunny in Paris."}
+    scripted(backend, tokenizer, CALL)
+    null = chat(client, tools=[WEATHER], tool_choice=None).json()["choices"][0]  # null: the default, "auto"
+    assert null["finish_reason"] == "tool_calls" and null["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
 @pytest.mark.vllm
