@@ -404,6 +404,7 @@ def run_case(case: Case) -> dict[str, Any]:
     result = summary | {"finished": summary["requests"]} | case_fields | {
         "backlog_at_last_arrival": backlog(outcome.requests, last_arrival(workload)),
         "rejected": len(outcome.rejected),
+        "preemptions_with_room": outcome.preemptions_with_room,
         "simulated_seconds": outcome.duration,
         "wall_seconds": wall,
     }

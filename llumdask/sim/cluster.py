@@ -84,6 +84,10 @@ class SimOutcome:
     migrations: list[MigrationEvent]
     duration: float
     rejected: list[str] = field(default_factory=list)
+    # Preemptions at whose step another live instance had the free blocks for the victim's whole
+    # sequence: memory the cluster had, but not where the request grew (what placement and
+    # migration could have spared).
+    preemptions_with_room: int = 0
 
 
 class _EventQueue:
@@ -156,6 +160,7 @@ class SimCluster:
         self.migrations: list[MigrationEvent] = []
         self.samples: list[ClusterSample] = []
         self.rejected: list[str] = []
+        self.preemptions_with_room = 0
         self._loads: dict[str, InstanceLoad] = {}
         self._unfinished = 0
         self._in_transit: dict[str, list[Request]] = {}  # dispatched, not yet handed over (dispatch_delay)
@@ -213,10 +218,21 @@ class SimCluster:
             if self.events.now - inst.reported_at >= self.config.report_interval:
                 self._report(inst)  # between the last step and this one
             result = inst.llumlet.step()
+            if result.preempted:
+                self._count_room_elsewhere(inst, result.preempted)
             for request in result.finished:
                 self._finished(request)
             inst.busy_until = self.events.now + (result.duration or _IDLE_POLL)
             self._wake(inst)
+
+    def _count_room_elsewhere(self, inst: SimInstance, preempted: tuple[str, ...]) -> None:
+        """Count the preempted requests another live instance had the free blocks for."""
+        room = max((other.llumlet.engine.load_totals().free_blocks for other in self.instances.values()
+                    if other.alive and other is not inst), default=0)
+        for request_id in preempted:
+            request = inst.llumlet.engine.get_request(request_id)
+            if request is not None and blocks_for(request.num_tokens, self.config.block_size) <= room:
+                self.preemptions_with_room += 1
 
     def deliver(self, sender: str, receiver: str, message: MigrationMessage) -> None:
         inst = self.instances.get(receiver)
@@ -408,4 +424,5 @@ class SimCluster:
             migrations=self.migrations,
             duration=max(done, default=self.events.now),
             rejected=self.rejected,
+            preemptions_with_room=self.preemptions_with_room,
         )

@@ -75,6 +75,7 @@ def simulate(spec: SimulationSpec, workload: Sequence[TraceRequest], *, progress
         policy=spec.preset,
         instances=spec.instances,
         rejected=len(outcome.rejected),
+        preemptions_with_room=outcome.preemptions_with_room,
         simulated_seconds=outcome.duration,
         wall_seconds=wall,
         peak_rss_mib=peak_rss_mib(),

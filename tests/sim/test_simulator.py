@@ -19,7 +19,7 @@ from llumdask.sim.workload import TraceRequest, make_workload, write_trace
 
 RESULT_KEYS = {
     "prefill_mean", "prefill_p99", "decode_mean", "decode_p99", "e2e_mean", "e2e_p99",
-    "preemption_loss_mean", "fragmentation_mean", "instances_mean", "migrations",
+    "preemption_loss_mean", "fragmentation_mean", "instances_mean", "migrations", "preemptions_with_room",
 }
 
 
@@ -257,6 +257,23 @@ def test_tiny_trace_worked_out_by_hand(tmp_path):
     assert (b.first_token, b.finished, b.preemptions) == (pytest.approx(0.012), pytest.approx(0.055), 1)
     assert b.preemption_loss == pytest.approx(0.055 - 0.032)
     assert c.prefill_latency == pytest.approx(0.055 - 0.001)
+
+
+def test_a_preemption_is_counted_where_another_instance_had_the_room(tmp_path):
+    """The same two requests on one instance of two (round-robin sends the second request, one token
+    long, to the other, which is empty again by the preemption): B is preempted while the other
+    instance has the blocks for its whole sequence. Alone, the same preemption has no room elsewhere."""
+    profile = hand_profile(tmp_path, capacity_tokens=16, kv_bytes_per_token=1)
+    config = load_config({"block-size": 4, "migration": {"enabled": False},
+                          "dispatch": {"policy": "round_robin", "hold-freeness": None}})
+    config = replace(config, sim_engine=replace(config.sim_engine, profile=str(profile), total_blocks=4, kv_bytes_per_token=0,
+                                                prefix_caching=False))
+    a, b = TraceRequest(0.0, 6, 4, Priority.NORMAL), TraceRequest(0.0, 6, 4, Priority.NORMAL)
+    pair = SimCluster(config, load_profile(str(profile)), 2).run([a, TraceRequest(0.0, 4, 1, Priority.NORMAL), b])
+    alone = SimCluster(config, load_profile(str(profile)), 1).run([a, b])
+    for outcome, with_room in ((pair, 1), (alone, 0)):
+        assert sum(r.timing.preemptions for r in outcome.requests) == 1
+        assert outcome.preemptions_with_room == with_room
 
 
 def test_one_migration_worked_out_by_hand(tmp_path):
