@@ -743,7 +743,10 @@ REASONS = {
     ),
     "preemption": (
         "Llumnix avoids a preemption by migrating a request off an instance about to run out of memory, which "
-        "needs a destination with room; at the heaviest loads few instances have room."
+        "needs a destination with room. Past capacity the victim's blocks are nearly always free on another "
+        "instance, under every policy (benchmarks/README.md, \"Where preemptions happen\"), but few instances "
+        "pass the destination threshold, and where long sequences hold the memory a source's shortest "
+        "request is larger than the room a destination has."
     ),
     "fragmentation": (
         "Fragmented memory exists only while head-of-line requests are blocked on a full instance, or "
