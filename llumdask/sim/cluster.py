@@ -84,9 +84,9 @@ class SimOutcome:
     migrations: list[MigrationEvent]
     duration: float
     rejected: list[str] = field(default_factory=list)
-    # Preemptions at whose step another live instance had the free blocks for the victim's whole
-    # sequence: memory the cluster had, but not where the request grew (what placement and
-    # migration could have spared).
+    # Preemptions at whose step another instance (ready, not draining) had the free blocks for the
+    # victim's whole sequence beyond its own queue's demand: memory the cluster had, but not where
+    # the request grew (what placement and migration could have spared).
     preemptions_with_room: int = 0
 
 
@@ -226,13 +226,23 @@ class SimCluster:
             self._wake(inst)
 
     def _count_room_elsewhere(self, inst: SimInstance, preempted: tuple[str, ...]) -> None:
-        """Count the preempted requests another live instance had the free blocks for."""
-        room = max((other.llumlet.engine.load_totals().free_blocks for other in self.instances.values()
-                    if other.alive and other is not inst), default=0)
+        """Count the preempted requests another instance could have taken whole: one ready and not
+        draining, with the blocks free beyond its own queue's demand and the prompts on their way to
+        it (each victim counted takes its blocks off that room)."""
+        block_size = self.config.block_size
+        rooms = []
+        for view in self.scheduler.instances():
+            if view.ready and not view.terminating and view.instance_id != inst.instance_id:
+                totals = self.instances[view.instance_id].llumlet.engine.load_totals()
+                coming = sum(blocks_for(r.num_prompt_tokens, block_size) for r in self._in_transit.get(view.instance_id, ()))
+                rooms.append(totals.free_blocks - totals.waiting_demand - coming)
         for request_id in preempted:
             request = inst.llumlet.engine.get_request(request_id)
-            if request is not None and blocks_for(request.num_tokens, self.config.block_size) <= room:
+            need = blocks_for(request.num_tokens, block_size) if request is not None else math.inf
+            best = max(range(len(rooms)), key=rooms.__getitem__, default=None)
+            if best is not None and need <= rooms[best]:
                 self.preemptions_with_room += 1
+                rooms[best] -= need
 
     def deliver(self, sender: str, receiver: str, message: MigrationMessage) -> None:
         inst = self.instances.get(receiver)

@@ -215,11 +215,12 @@ def test_a_constrained_call_is_read_after_the_thinking(thinking, backend, tokeni
 
 @pytest.mark.parametrize("reasoning_parser, keeps", [(None, False), ("qwen3", True)])
 def test_an_engine_based_parser_adjusts_a_none_chat_only_beside_a_reasoning_parser(tiny_model, reasoning_parser, keeps):
-    """vLLM's renderer has the parsers adjust a tool_choice "none" chat only where a reasoning parser
-    is composed with them, and an engine-based tool-call parser's adjustment (Qwen3-Coder's) keeps
-    special tokens in the text the parsers read. (Qwen3's parsers drop them from what they show either
-    way, so the answer alone cannot tell.)"""
-    reading = AnswerReading(str(tiny_model), CODER, reasoning_parser=reasoning_parser, engines_reason=True)
+    """vLLM's renderer has the parsers adjust a tool_choice "none" chat where a reasoning parser is
+    composed with them (or the parser always asks, or it is Mistral's with a grammar-capable
+    tokenizer: neither here), and an engine-based tool-call parser's adjustment (Qwen3-Coder's)
+    keeps special tokens in the text the parsers read. (Qwen3's parsers drop them from what they
+    show either way, so the answer alone cannot tell.)"""
+    reading = AnswerReading(str(tiny_model), CODER, reasoning_parser=reasoning_parser)
     use = parse_tool_use({"tools": [WEATHER], "tool_choice": "none"})
     read = asyncio.run(reading.readers(use, 1, [1, 2, 3], {}))
     assert read.keep_special is keeps and read.grammar is None

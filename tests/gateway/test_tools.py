@@ -88,9 +88,11 @@ def test_auto_without_a_parser_is_400_and_says_which_option(client, backend):
 
 def test_a_null_tool_choice_is_the_default_as_openai_reads_it(client, backend, script):
     """null is what leaving tool_choice out means: "auto" with tools (here refused for want of a
-    parser, as when left out), "none" without (vllm serve reads null with tools as no tool choice:
-    the tools rendered, no call read)."""
-    error = chat(client, tools=[WEATHER], tool_choice=None).json()["error"]
+    parser, as when left out), "none" without (vllm serve keeps the null, and drops the calls of a
+    whole answer though it read them)."""
+    refused = chat(client, tools=[WEATHER], tool_choice=None)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
     assert error["param"] == "tool_choice" and "--tool-call-parser" in error["message"]
     assert backend.submitted == []
     r = chat(client, tool_choice=None, max_tokens=4)

@@ -260,20 +260,23 @@ def test_tiny_trace_worked_out_by_hand(tmp_path):
 
 
 def test_a_preemption_is_counted_where_another_instance_had_the_room(tmp_path):
-    """The same two requests on one instance of two (round-robin sends the second request, one token
-    long, to the other, which is empty again by the preemption): B is preempted while the other
-    instance has the blocks for its whole sequence. Alone, the same preemption has no room elsewhere."""
+    """A and B (6-token prompts, 4 output tokens) on one instance of two, as in the timeline above;
+    round-robin sends the second request to the other. B is preempted at t=0.032 needing 3 blocks
+    for its 9 tokens: counted where the other's request (4 tokens, 1 output) left it empty, not where
+    its own (9 tokens, 5 outputs) holds 3 of its 4 blocks then. Alone, nothing is elsewhere."""
     profile = hand_profile(tmp_path, capacity_tokens=16, kv_bytes_per_token=1)
     config = load_config({"block-size": 4, "migration": {"enabled": False},
                           "dispatch": {"policy": "round_robin", "hold-freeness": None}})
     config = replace(config, sim_engine=replace(config.sim_engine, profile=str(profile), total_blocks=4, kv_bytes_per_token=0,
                                                 prefix_caching=False))
     a, b = TraceRequest(0.0, 6, 4, Priority.NORMAL), TraceRequest(0.0, 6, 4, Priority.NORMAL)
-    pair = SimCluster(config, load_profile(str(profile)), 2).run([a, TraceRequest(0.0, 4, 1, Priority.NORMAL), b])
-    alone = SimCluster(config, load_profile(str(profile)), 1).run([a, b])
-    for outcome, with_room in ((pair, 1), (alone, 0)):
-        assert sum(r.timing.preemptions for r in outcome.requests) == 1
+    cases = {1: [a, TraceRequest(0.0, 4, 1, Priority.NORMAL), b], 0: [a, TraceRequest(0.0, 9, 5, Priority.NORMAL), b]}
+    for with_room, workload in cases.items():
+        outcome = SimCluster(config, load_profile(str(profile)), 2).run(workload)
+        assert (outcome.requests[0].timing.preemptions, outcome.requests[2].timing.preemptions) == (0, 1)
         assert outcome.preemptions_with_room == with_room
+    alone = SimCluster(config, load_profile(str(profile)), 1).run([a, b])
+    assert sum(r.timing.preemptions for r in alone.requests) == 1 and alone.preemptions_with_room == 0
 
 
 def test_one_migration_worked_out_by_hand(tmp_path):
