@@ -743,9 +743,9 @@ REASONS = {
     ),
     "preemption": (
         "Llumnix avoids a preemption by migrating a request off an instance about to run out of memory, which "
-        "needs a destination with room. Past capacity the victim's blocks are nearly always free on another "
-        "instance, under every policy (benchmarks/README.md, \"Where preemptions happen\"), but few instances "
-        "pass the destination threshold, and where long sequences hold the memory a source's shortest "
+        "needs a destination with room. Past capacity most of its preemptions happen while another instance "
+        "has the victim's blocks free beyond its own queue (benchmarks/README.md, \"Where preemptions "
+        "happen\"), but few instances pass the destination threshold, and where long sequences hold the memory a source's shortest "
         "request is larger than the room a destination has."
     ),
     "fragmentation": (
