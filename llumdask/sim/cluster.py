@@ -85,8 +85,9 @@ class SimOutcome:
     duration: float
     rejected: list[str] = field(default_factory=list)
     # Preemptions at whose step another instance (ready, not draining) had the free blocks for the
-    # victim's whole sequence beyond its own queue's demand: memory the cluster had, but not where
-    # the request grew (what placement and migration could have spared).
+    # victim's whole sequence beyond its own queue's demand and the prompts on their way to it:
+    # memory the cluster had, but not where the request grew (what placement and migration could
+    # have spared).
     preemptions_with_room: int = 0
 
 
