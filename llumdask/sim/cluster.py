@@ -227,19 +227,21 @@ class SimCluster:
             self._wake(inst)
 
     def _count_room_elsewhere(self, inst: SimInstance, preempted: tuple[str, ...]) -> None:
-        """Count the preempted requests another instance could have taken whole: one ready and not
-        draining, with the blocks free beyond its own queue's demand and the prompts on their way to
-        it (each victim counted takes its blocks off that room)."""
+        """Count the preempted requests another instance could have taken whole: one a request may
+        be placed on (ready, not draining), with the blocks free beyond its own queue's demand and
+        the prompts on their way to it (each victim counted takes its blocks off that room). A
+        preempted request waits in its engine's queue, so the engine still knows its length."""
         block_size = self.config.block_size
         rooms = []
-        for view in self.scheduler.instances():
-            if view.ready and not view.terminating and view.instance_id != inst.instance_id:
-                totals = self.instances[view.instance_id].llumlet.engine.load_totals()
-                coming = sum(blocks_for(r.num_prompt_tokens, block_size) for r in self._in_transit.get(view.instance_id, ()))
+        for instance_id in self.scheduler.members()[1]:
+            if instance_id != inst.instance_id:
+                totals = self.instances[instance_id].llumlet.engine.load_totals()
+                coming = sum(blocks_for(r.num_prompt_tokens, block_size) for r in self._in_transit.get(instance_id, ()))
                 rooms.append(totals.free_blocks - totals.waiting_demand - coming)
         for request_id in preempted:
             request = inst.llumlet.engine.get_request(request_id)
-            need = blocks_for(request.num_tokens, block_size) if request is not None else math.inf
+            assert request is not None
+            need = blocks_for(request.num_tokens, block_size)
             best = max(range(len(rooms)), key=rooms.__getitem__, default=None)
             if best is not None and need <= rooms[best]:
                 self.preemptions_with_room += 1
