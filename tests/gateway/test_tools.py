@@ -332,11 +332,11 @@ def command_model(tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(params=["cohere_command3", "cohere_command4"])
 def command(request, command_model, backend):
-    """A gateway reading answers with vLLM's Cohere Command parser over that model, and its tokenizer."""
+    """A gateway reading answers with vLLM's Cohere Command parser over that model, its tokenizer and the parser's name."""
     tokenizer = load_tokenizer(command_model)
     app = create_app(backend.open, tokenizer, GatewayConfig(), AnswerReading(str(command_model), request.param))
     with TestClient(app, raise_server_exceptions=False) as client:
-        yield client, tokenizer
+        yield client, tokenizer, request.param
 
 
 def command_tag(*tools: dict) -> str:
@@ -351,7 +351,7 @@ def command_tag(*tools: dict) -> str:
 def test_cohere_command_reads_the_models_action_whole_and_streamed(command, backend, batch_size):
     """tool_choice "auto": the tools go to the engine as vLLM's Cohere tag, and the call the model
     writes in Cohere's markup is read by melody, whole and as deltas, with the id the model gave it."""
-    client, tokenizer = command
+    client, tokenizer, _ = command
     backend.batch_size = batch_size
     scripted(backend, tokenizer, LOOK + ACTION)
     choice = chat(client, tools=[WEATHER, TIME]).json()["choices"][0]
@@ -377,7 +377,7 @@ def test_cohere_command_constrains_required_and_named_calls_with_its_own_tag(com
                                                                             finish_reason):
     """As `vllm serve` with Cohere's parser: "required" and a named function get the same tag as
     "auto" (not vLLM's JSON list), and melody reads the calls the model writes in it."""
-    client, tokenizer = command
+    client, tokenizer, _ = command
     scripted(backend, tokenizer, '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": '
                                  '{"city": "Paris"}}, {"tool_call_id": "1", "tool_name": "get_weather", "parameters": '
                                  '{"city": "Rome"}}]<|END_ACTION|>')
@@ -398,7 +398,7 @@ def test_cohere_command_leaves_none_unconstrained_and_its_markup_out_as_vllm_doe
     tag, special tokens skipped), so the markup never reaches melody and no call is read. The text
     is content, or, for Command 4's parser, which reads unmarked text as thinking, reasoning: shown
     as vLLM shows it, though no reasoning parser was named."""
-    client, tokenizer = command
+    client, tokenizer, _ = command
     scripted(backend, tokenizer, LOOK + ACTION)
     choice = chat(client, tools=[WEATHER], tool_choice="none").json()["choices"][0]
     assert backend.submitted[0].sampling.structural_tag is None
@@ -406,6 +406,45 @@ def test_cohere_command_leaves_none_unconstrained_and_its_markup_out_as_vllm_doe
     assert choice["finish_reason"] == "stop" and "tool_calls" not in message
     assert (message["content"] or message.get("reasoning")) == (
         'Let me look.[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}]')
+
+
+COUNTRY = {"type": "object", "properties": {"country": {"type": "string"}}, "required": ["country"]}
+
+
+def as_vllm_serve_adjusts(model: Path, parser: str, tools: list[dict], **body) -> str | None:
+    """The structural tag vLLM's server gives a chat with these tools and fields: its own request
+    (the response format as the client sent it) through its parser's adjust_request."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tokenizers import get_tokenizer
+
+    from llumdask.api.gateway.tools import parser_class
+
+    tokenizer = get_tokenizer(str(model))
+    request = ChatCompletionRequest(messages=ASK, tools=tools, **body)
+    adjusted = parser_class(parser, None, tokenizer, str(model))(
+        tokenizer, tools, model_config=parser_model_config(str(model))).adjust_request(request)
+    return None if adjusted.structured_outputs is None else adjusted.structured_outputs.structural_tag
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_schema", "json_schema": {"name": "country", "schema": COUNTRY}},
+    {"type": "json_object"},
+])
+def test_cohere_command_folds_a_response_format_into_its_tag_as_vllm_serve_does(command, command_model, backend,
+                                                                                response_format):
+    """With tools offered, vLLM's Cohere parser folds the response format into the tag it builds for
+    them (the answer is either calls or the format): the engine gets the tag vLLM's server gives the
+    same request, and no separate format."""
+    client, tokenizer, parser = command
+    scripted(backend, tokenizer, '<|START_RESPONSE|>{"country": "France"}<|END_RESPONSE|>')
+    r = chat(client, tools=[WEATHER], response_format=response_format)
+    assert r.status_code == 200, r.text
+    sampling = backend.submitted[0].sampling
+    assert sampling.structural_tag == as_vllm_serve_adjusts(command_model, parser, [WEATHER],
+                                                            response_format=response_format)
+    assert sampling.json_schema is None and not sampling.json_object
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) == {"country": "France"}
 
 
 @pytest.mark.vllm
