@@ -16,7 +16,11 @@ throughput also as ratios to the best prefix router of the same seed.
 
 Each workload's knee is chosen as the paper sweep chooses its loads, against the routers this
 compares with: the highest rate of the grid that one of the prefix routers sustains (the median
-over seeds of its backlog at most 1% of the requests). The goals are judged there.
+over seeds of its backlog at most 1% of the requests). The goals are judged there. At a rate both
+sustain, throughput is the offered load for both, so throughput is also compared as the highest
+rate each sustains: Llumnix's and each prefix router's, found by bisection between its highest
+sustained rate of the grid and the next (`--refine-from` runs only that search again, on an
+earlier report's grid).
 
 A second part checks that prefix awareness costs nothing where nothing is shared: Llumnix with
 and without it on two paper traces at 0.8 of their ideal capacity, paired seed by seed.
@@ -24,9 +28,11 @@ and without it on two paper traces at 0.8 of their ideal capacity, paired seed b
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,6 +50,10 @@ RATES = {SYSTEM_PROMPT: tuple(float(r) for r in range(40, 80, 5)),
 # the requests (the paper sweep's rule for its knees).
 SUSTAINED_BACKLOG = 0.01
 REQUESTS = {SYSTEM_PROMPT: 3000, MULTI_TURN: 2000}
+# Bisection rounds between a policy's highest sustained rate of the grid and the next: sustained
+# rates are compared to 1/2**REFINE_ROUNDS of the grid's step.
+REFINE_ROUNDS = 3
+PROFILE = "llama-7b-a10"
 # Paper traces (nothing shared) for the no-cost check, at this fraction of their ideal capacity.
 UNSHARED = ("sharegpt", "M-M")
 UNSHARED_LOAD = 0.8
@@ -54,10 +64,13 @@ METRICS = ("prefill_p99", "prefill_mean", "prefix_hit_rate", "throughput", "imba
 def shared_cases(seeds: tuple[int, ...], instances: int, requests: dict[str, int],
                  rates: dict[str, tuple[float, ...]]) -> list[Case]:
     """Every policy at every rate and seed; rates scale with the instances (RATES are for 16)."""
-    return [
-        Case(EXPERIMENT, trace, rate, rate * instances / 16, policy, requests[trace], instances, "llama-7b-a10", seed)
-        for trace, grid in rates.items() for rate in grid for seed in seeds for policy in POLICIES
-    ]
+    return [shared_case(trace, rate, policy, seed, instances, requests)
+            for trace, grid in rates.items() for rate in grid for seed in seeds for policy in POLICIES]
+
+
+def shared_case(trace: str, rate: float, policy: str, seed: int, instances: int, requests: dict[str, int]) -> Case:
+    """One policy at one rate (for 16 instances, scaled to `instances`) and seed."""
+    return Case(EXPERIMENT, trace, rate, rate * instances / 16, policy, requests[trace], instances, PROFILE, seed)
 
 
 def quick_rates() -> dict[str, tuple[float, ...]]:
@@ -115,9 +128,47 @@ def sustained_rates(rows: list[dict[str, Any]], requests: dict[str, int]) -> dic
     for r in rows:
         rates = out.setdefault(r["trace"], {})
         rates.setdefault(r["policy"], None)
-        if r["backlog_at_last_arrival"] <= SUSTAINED_BACKLOG * requests[r["trace"]]:
+        if sustains(r["backlog_at_last_arrival"], requests[r["trace"]]):
             rates[r["policy"]] = max(r["rate"], rates[r["policy"]] or 0.0)
     return out
+
+
+def sustains(backlog: float, requests: int) -> bool:
+    """The knee's rule: a backlog (the median over seeds) of at most SUSTAINED_BACKLOG of the requests."""
+    return backlog <= SUSTAINED_BACKLOG * requests
+
+
+def refine_sustained(sustained: dict[str, dict[str, float | None]], rates: dict[str, tuple[float, ...]],
+                     seeds: tuple[int, ...], instances: int, requests: dict[str, int], rounds: int, jobs: int,
+                     ) -> tuple[dict[str, dict[str, float | None]], list[dict[str, Any]]]:
+    """`sustained` with Llumnix's and each prefix router's rate found by `rounds` of bisection
+    between its highest sustained rate of the grid and the grid's next (each round's middles run
+    together, every seed); one sustaining no rate of the grid, or its highest, keeps its grid
+    value. Also each bisection step: its rate, median backlog and whether it was sustained."""
+    bounds = {}
+    for trace, grid in rates.items():
+        for policy in ("llumnix", *PREFIX_ROUTERS):
+            low = sustained[trace].get(policy)
+            above = [rate for rate in grid if low is not None and rate > low]
+            if above:
+                bounds[(trace, policy)] = (low, min(above))
+    steps = []
+    for _ in range(rounds):
+        middles = {key: (low + high) / 2 for key, (low, high) in bounds.items()}
+        runs = run_cases([shared_case(trace, rate, policy, seed, instances, requests)
+                          for (trace, policy), rate in middles.items() for seed in seeds], jobs, print)
+        for (trace, policy), rate in middles.items():
+            backlog = float(np.median([r["backlog_at_last_arrival"] for r in runs
+                                       if r["trace"] == trace and r["policy"] == policy]))
+            held = sustains(backlog, requests[trace])
+            low, high = bounds[(trace, policy)]
+            bounds[(trace, policy)] = (rate, high) if held else (low, rate)
+            steps.append({"trace": trace, "policy": policy, "rate": rate, "backlog_at_last_arrival": backlog,
+                          "sustained": held})
+    refined = {trace: dict(policies) for trace, policies in sustained.items()}
+    for (trace, policy), (low, _) in bounds.items():
+        refined[trace][policy] = low
+    return refined, steps
 
 
 def knees(sustained: dict[str, dict[str, float | None]], rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -136,7 +187,7 @@ def goal_rows(rows: list[dict[str, Any]], knee: dict[str, float],
     router's (medians of per-seed ratios), its hit rate above round-robin's and its imbalance
     below prefix_affinity's (medians over seeds). At a rate every router sustains throughput is
     the offered load for all; so also the highest rate Llumnix sustains against the best prefix
-    router's (the grid's step is the resolution)."""
+    router's (`sustained`: as `refine_sustained` finds them)."""
     out = []
     for trace, rate in knee.items():
         at = {r["policy"]: r for r in rows if r["trace"] == trace and r["rate"] == rate}
@@ -176,24 +227,43 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1,2", help="comma-separated workload seeds (default %(default)s)")
     p.add_argument("--jobs", type=int, default=2, help="simulations at once (default %(default)s)")
+    p.add_argument("--refine-from", type=Path, default=None, metavar="REPORT",
+                   help="an earlier report of this benchmark: keep its grid and no-cost runs (and their seeds, "
+                        "requests and rates) and run only the search for each policy's highest sustained rate")
     args = p.parse_args(argv)
-    seeds = tuple(int(s) for s in args.seeds.split(","))
-    scale, instances, rates = (0.1, 4, quick_rates()) if args.quick else (1.0, 16, RATES)
-    requests = {k: max(50, round(v * scale)) for k, v in REQUESTS.items()}
     started = time.perf_counter()
-    shared = [with_derived(r) for r in run_cases(shared_cases(seeds, instances, requests, rates), args.jobs, print)]
-    unshared = run_cases(unshared_cases(seeds, instances, scale), args.jobs, print)
-    rows = setting_rows(shared)
-    cost = no_cost_rows(unshared)
+    if args.refine_from is not None:
+        earlier = json.loads(args.refine_from.read_text())
+        name, facts = earlier["benchmark"], earlier["facts"]
+        seeds, instances, requests = tuple(facts["seeds"]), facts["instances"], facts["requests"]
+        rates = {trace: tuple(grid) for trace, grid in facts["rates"].items()}
+        rows = [r for r in earlier["rows"] if "policy" in r]
+        cost = [r for r in earlier["rows"] if "policy" not in r]
+        grid_seconds = facts.get("grid_seconds", facts.get("wall_seconds"))  # its name before the search
+    else:
+        name = "prefix_routing" + ("_quick" if args.quick else "")
+        seeds = tuple(int(s) for s in args.seeds.split(","))
+        scale, instances, rates = (0.1, 4, quick_rates()) if args.quick else (1.0, 16, RATES)
+        requests = {k: max(50, round(v * scale)) for k, v in REQUESTS.items()}
+        shared = [with_derived(r) for r in run_cases(shared_cases(seeds, instances, requests, rates), args.jobs, print)]
+        cost = no_cost_rows(run_cases(unshared_cases(seeds, instances, scale), args.jobs, print))
+        rows = setting_rows(shared)
+        grid_seconds = round(time.perf_counter() - started, 1)
+    refining = time.perf_counter()
     sustained = sustained_rates(rows, requests)
     knee = knees(sustained, rows)
-    goals = goal_rows(rows, knee, sustained)
+    rounds = 1 if name.endswith("_quick") else REFINE_ROUNDS
+    refined, steps = refine_sustained(sustained, rates, seeds, instances, requests, rounds, args.jobs)
+    goals = goal_rows(rows, knee, refined)
     notes = [f"{r['trace']} rate {r['rate']:g}: Llumnix P99 TTFT {r['prefill_p99_vs_best_router']:.2f}x, throughput "
              f"{r['throughput_vs_best_router']:.2f}x the best prefix router's (median over seeds of per-seed ratios)"
              + (f"; migrated blocks the destination held: {r['migration_reused_share']:.1%}"
                 if r["migration_reused_share"] is not None else "")
              for r in rows if r["policy"] == "llumnix"]
     notes += [f"knee of {trace}: {rate:g} req/s (the highest rate a prefix router sustains)" for trace, rate in knee.items()]
+    notes += [f"{trace}: highest rate sustained, found by bisection: "
+              + ", ".join(f"{policy} {rate:.3g}" for policy, rate in policies.items() if rate is not None)
+              for trace, policies in refined.items()]
     notes += [f"{g['trace']} at its knee {g['rate']:g}: {g['goal']}: {g['llumnix']:.3f} vs {g['reference']:.3f}: "
               f"{'met' if g['met'] else 'NOT met'}" for g in goals]
     notes += [f"{r['trace']} load {r['load']:g} (nothing shared): Llumnix with / without prefix awareness: P99 TTFT "
@@ -203,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
                ("prefill_p99", "TTFT p99 s", "{:.3f}"), ("prefill_mean", "TTFT mean s", "{:.3f}"),
                ("prefix_hit_rate", "hit rate", "{:.3f}"), ("throughput", "req/s done", "{:.2f}"),
                ("imbalance", "imbalance", "{:.2f}"), ("backlog_at_last_arrival", "backlog", "{:.0f}")]
-    facts = {"instances": instances, "profile": "llama-7b-a10", "seeds": list(seeds), "requests": requests,
+    facts = {"instances": instances, "profile": PROFILE, "seeds": list(seeds), "requests": requests,
              "rates": {k: list(v) for k, v in rates.items()}, "knees": knee, "sustained": sustained,
-             "wall_seconds": round(time.perf_counter() - started, 1)}
-    report("prefix_routing" + ("_quick" if args.quick else ""), args.out, rows + cost, columns, facts, notes,
-           extra={"goals": goals})
+             "sustained_refined": refined, "refine_rounds": rounds, "grid_seconds": grid_seconds,
+             "refine_seconds": round(time.perf_counter() - refining, 1)}
+    report(name, args.out, rows + cost, columns, facts, notes, extra={"goals": goals, "refinement": steps})
     return 0
 
 

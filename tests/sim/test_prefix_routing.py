@@ -8,7 +8,8 @@ import pytest
 
 from llumdask.benchmarks.paper import last_arrival
 from llumdask.benchmarks import prefix_routing
-from llumdask.benchmarks.prefix_routing import POLICIES, PREFIX_ROUTERS, goal_rows, knees, main, sustained_rates
+from llumdask.benchmarks.prefix_routing import (POLICIES, PREFIX_ROUTERS, goal_rows, knees, main, refine_sustained,
+                                                 sustained_rates)
 from llumdask.sim.workload import MULTI_TURN, SYSTEM_PROMPT, make_workload
 
 
@@ -58,6 +59,59 @@ def test_goals_compare_llumnix_with_the_best_router_round_robin_and_prefix_affin
         "highest rate sustained / best prefix router's"]["met"]
 
 
+def test_the_highest_sustained_rate_is_found_by_bisection_between_the_grid_rate_and_the_next(monkeypatch):
+    """Each policy's search starts from its own grid rate; the middles of a round run together, each
+    seed; a policy at the grid's top or sustaining none of it keeps its grid value."""
+    capacity = {"llumnix": 52.3, "dynamo_kv": 51.1, "prefix_affinity": 80.0, "sglang_cache_aware": 10.0}
+    rounds = []
+
+    def simulate(cases, jobs, progress):
+        rounds.append(sorted({(c.policy, c.load) for c in cases}))
+        assert {c.seed for c in cases} == {0, 1, 2} and all(c.rate == c.load * 4 / 16 for c in cases)
+        # Two of three seeds decide the median.
+        return [{"trace": c.trace, "policy": c.policy, "seed": c.seed,
+                 "backlog_at_last_arrival": 0 if c.load <= capacity[c.policy] or c.seed == 0 else 50} for c in cases]
+
+    monkeypatch.setattr(prefix_routing, "run_cases", simulate)
+    sustained = {"system-prompt": {"llumnix": 50.0, "dynamo_kv": 50.0, "prefix_affinity": 75.0,
+                                   "sglang_cache_aware": None, "round_robin": 45.0}}
+    refined, steps = refine_sustained(sustained, {"system-prompt": (40.0, 45.0, 50.0, 55.0, 75.0)}, (0, 1, 2), 4,
+                                      {"system-prompt": 1000}, 3, 2)
+    assert rounds[0] == [("dynamo_kv", 52.5), ("llumnix", 52.5)]
+    assert refined == {"system-prompt": {"llumnix": 51.875, "dynamo_kv": 50.625, "prefix_affinity": 75.0,
+                                         "sglang_cache_aware": None, "round_robin": 45.0}}
+    assert [(s["policy"], s["rate"], s["sustained"]) for s in steps if s["policy"] == "llumnix"] == [
+        ("llumnix", 52.5, False), ("llumnix", 51.25, True), ("llumnix", 51.875, True)]
+    assert sustained["system-prompt"]["llumnix"] == 50.0  # the grid's reading is left as it was
+
+
+def test_a_run_from_an_earlier_report_keeps_its_grid_and_runs_only_the_search(tmp_path, monkeypatch):
+    # Every policy sustains 50 req/s and not 55.
+    settings = [row(rate, policy, 0 if rate == 50.0 else 100, prefill_mean=0.5, migration_reused_share=None,
+                    prefill_p99_vs_best_router=0.9, throughput_vs_best_router=1.0)
+                for rate in (50.0, 55.0) for policy in POLICIES]
+    cost = {"trace": "sharegpt", "load": 0.8, "prefill_p99_ratio": 1.0, "prefill_mean_ratio": 1.0,
+            "decode_p99_ratio": 1.0}
+    earlier = {"benchmark": "prefix_routing", "rows": [*settings, cost], "facts": {
+        "seeds": [0, 1], "instances": 16, "requests": {"system-prompt": 1000}, "rates": {"system-prompt": [50.0, 55.0]},
+        "wall_seconds": 12.5}}
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    ran = []
+
+    def simulate(cases, jobs, progress):
+        ran.extend(cases)
+        return [{"trace": c.trace, "policy": c.policy, "seed": c.seed, "backlog_at_last_arrival": 0} for c in cases]
+
+    monkeypatch.setattr(prefix_routing, "run_cases", simulate)
+    assert main(["--refine-from", str(tmp_path / "earlier.json"), "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "prefix_routing.json").read_text())
+    assert report["rows"] == earlier["rows"] and report["facts"]["grid_seconds"] == 12.5
+    # Only the search ran: three rounds for Llumnix and each prefix router, the report's seeds.
+    assert len(ran) == 3 * 4 * 2 and {c.seed for c in ran} == {0, 1} and all(50 < c.load < 55 for c in ran)
+    assert report["facts"]["sustained_refined"]["system-prompt"]["llumnix"] == 54.375
+    assert report["facts"]["sustained"]["system-prompt"]["llumnix"] == 50.0
+
+
 def test_a_conversations_last_turn_does_not_stand_for_the_last_arrival():
     workload = make_workload(MULTI_TURN, rate=4.0, num_requests=200, seed=0)
     firsts = [r.arrival for r in workload if r.after is None]
@@ -82,3 +136,8 @@ def test_a_quick_run_writes_every_setting_the_knees_and_the_goals(tmp_path, monk
     assert all(knee in rates[trace] for trace, knee in report["facts"]["knees"].items())
     assert len(report["goals"]) == 5 * len(rates) and all(isinstance(g["met"], bool) for g in report["goals"])
     assert {r["trace"] for r in report["rows"] if "prefill_p99_ratio" in r} == {"sharegpt", "M-M"}
+    # The search starts at each policy's grid rate and stays below the grid's next.
+    for step in report["refinement"]:
+        grid = rates[step["trace"]]
+        start = report["facts"]["sustained"][step["trace"]][step["policy"]]
+        assert start < step["rate"] < min(r for r in grid if r > start)
