@@ -181,6 +181,15 @@ def knees(sustained: dict[str, dict[str, float | None]], rows: list[dict[str, An
     return out
 
 
+def sustained_note(trace: str, refined: dict[str, float | None], top: float) -> str:
+    """The searched policies' highest sustained rates; one at the grid's top sustains at least that."""
+    def shown(policy: str) -> str:
+        rate = refined.get(policy)
+        return f"{policy} none of the grid" if rate is None else f"{policy} {'>= ' if rate == top else ''}{rate:g}"
+    return f"{trace}: highest rate sustained, found by bisection: " + ", ".join(
+        shown(p) for p in ("llumnix", *PREFIX_ROUTERS))
+
+
 def goal_rows(rows: list[dict[str, Any]], knee: dict[str, float],
               sustained: dict[str, dict[str, float | None]]) -> list[dict[str, Any]]:
     """The goals at each knee: Llumnix's P99 TTFT below and throughput at least the best prefix
@@ -231,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="an earlier report of this benchmark: keep its grid and no-cost runs (and their seeds, "
                         "requests and rates) and run only the search for each policy's highest sustained rate")
     args = p.parse_args(argv)
+    if args.refine_from is not None and (args.quick or args.seeds != p.get_default("seeds")):
+        p.error("--refine-from takes the earlier report's seeds and size: leave out --quick and --seeds")
     started = time.perf_counter()
     if args.refine_from is not None:
         earlier = json.loads(args.refine_from.read_text())
@@ -261,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 if r["migration_reused_share"] is not None else "")
              for r in rows if r["policy"] == "llumnix"]
     notes += [f"knee of {trace}: {rate:g} req/s (the highest rate a prefix router sustains)" for trace, rate in knee.items()]
-    notes += [f"{trace}: highest rate sustained, found by bisection: "
-              + ", ".join(f"{policy} {rate:.3g}" for policy, rate in policies.items() if rate is not None)
-              for trace, policies in refined.items()]
+    notes += [sustained_note(trace, refined[trace], max(rates[trace])) for trace in refined]
     notes += [f"{g['trace']} at its knee {g['rate']:g}: {g['goal']}: {g['llumnix']:.3f} vs {g['reference']:.3f}: "
               f"{'met' if g['met'] else 'NOT met'}" for g in goals]
     notes += [f"{r['trace']} load {r['load']:g} (nothing shared): Llumnix with / without prefix awareness: P99 TTFT "

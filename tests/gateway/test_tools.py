@@ -434,7 +434,7 @@ def as_vllm_serve_adjusts(model: Path, parser: str, tools: list[dict], **body) -
 def test_cohere_command_folds_a_response_format_into_its_tag_as_vllm_serve_does(command, command_model, backend,
                                                                                 response_format):
     """With tools offered, vLLM's Cohere parser folds the response format into the tag it builds for
-    them (the answer is either calls or the format): the engine gets the tag vLLM's server gives the
+    them (calls in its action markup, the format in its response markup): the engine gets the tag vLLM's server gives the
     same request, and no separate format."""
     client, tokenizer, parser = command
     scripted(backend, tokenizer, '<|START_RESPONSE|>{"country": "France"}<|END_RESPONSE|>')

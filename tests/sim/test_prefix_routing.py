@@ -93,23 +93,33 @@ def test_a_run_from_an_earlier_report_keeps_its_grid_and_runs_only_the_search(tm
     cost = {"trace": "sharegpt", "load": 0.8, "prefill_p99_ratio": 1.0, "prefill_mean_ratio": 1.0,
             "decode_p99_ratio": 1.0}
     earlier = {"benchmark": "prefix_routing", "rows": [*settings, cost], "facts": {
-        "seeds": [0, 1], "instances": 16, "requests": {"system-prompt": 1000}, "rates": {"system-prompt": [50.0, 55.0]},
+        "seeds": [0, 1], "instances": 4, "requests": {"system-prompt": 1000}, "rates": {"system-prompt": [50.0, 55.0]},
         "wall_seconds": 12.5}}
     (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    capacity = {"llumnix": 54.0, "dynamo_kv": 52.0, "prefix_affinity": 51.0, "sglang_cache_aware": 50.0}
     ran = []
 
     def simulate(cases, jobs, progress):
         ran.extend(cases)
-        return [{"trace": c.trace, "policy": c.policy, "seed": c.seed, "backlog_at_last_arrival": 0} for c in cases]
+        return [{"trace": c.trace, "policy": c.policy, "seed": c.seed,
+                 "backlog_at_last_arrival": 0 if c.load <= capacity[c.policy] else 100} for c in cases]
 
     monkeypatch.setattr(prefix_routing, "run_cases", simulate)
     assert main(["--refine-from", str(tmp_path / "earlier.json"), "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "prefix_routing.json").read_text())
     assert report["rows"] == earlier["rows"] and report["facts"]["grid_seconds"] == 12.5
-    # Only the search ran: three rounds for Llumnix and each prefix router, the report's seeds.
+    # Only the search ran: three rounds for Llumnix and each prefix router, the report's seeds and size.
     assert len(ran) == 3 * 4 * 2 and {c.seed for c in ran} == {0, 1} and all(50 < c.load < 55 for c in ran)
-    assert report["facts"]["sustained_refined"]["system-prompt"]["llumnix"] == 54.375
+    assert all(c.requests == 1000 and c.instances == 4 and c.rate == c.load / 4 for c in ran)
+    assert report["facts"]["sustained_refined"]["system-prompt"] == {
+        "llumnix": 53.75, "dynamo_kv": 51.875, "prefix_affinity": 50.625, "sglang_cache_aware": 50.0,
+        "round_robin": 50.0, "infaas": 50.0, "llumnix_no_prefix": 50.0}
     assert report["facts"]["sustained"]["system-prompt"]["llumnix"] == 50.0
+    # The goal compares the rates the search found.
+    goal = {g["goal"]: g for g in report["goals"]}["highest rate sustained / best prefix router's"]
+    assert goal["llumnix"] == 53.75 / 51.875 and goal["met"]
+    with pytest.raises(SystemExit):
+        main(["--refine-from", str(tmp_path / "earlier.json"), "--quick"])
 
 
 def test_a_conversations_last_turn_does_not_stand_for_the_last_arrival():
@@ -136,7 +146,11 @@ def test_a_quick_run_writes_every_setting_the_knees_and_the_goals(tmp_path, monk
     assert all(knee in rates[trace] for trace, knee in report["facts"]["knees"].items())
     assert len(report["goals"]) == 5 * len(rates) and all(isinstance(g["met"], bool) for g in report["goals"])
     assert {r["trace"] for r in report["rows"] if "prefill_p99_ratio" in r} == {"sharegpt", "M-M"}
-    # The search starts at each policy's grid rate and stays below the grid's next.
+    # The search starts at each policy's grid rate and stays below the grid's next: one round (quick)
+    # for each of Llumnix and the routers that sustain the lowest rate and not the highest.
+    searched = [p for p in ("llumnix", *PREFIX_ROUTERS) for trace, grid in rates.items()
+                if report["facts"]["sustained"][trace][p] == min(grid)]
+    assert len(report["refinement"]) == len(searched)
     for step in report["refinement"]:
         grid = rates[step["trace"]]
         start = report["facts"]["sustained"][step["trace"]][step["policy"]]
