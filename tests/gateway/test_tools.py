@@ -434,8 +434,9 @@ def as_vllm_serve_adjusts(model: Path, parser: str, tools: list[dict], **body) -
 def test_cohere_command_folds_a_response_format_into_its_tag_as_vllm_serve_does(command, command_model, backend,
                                                                                 response_format):
     """With tools offered, vLLM's Cohere parser folds the response format into the tag it builds for
-    them (calls in its action markup, the format in its response markup): the engine gets the tag vLLM's server gives the
-    same request, and no separate format."""
+    them (calls in its action markup, the format in its response markup): the engine gets the tag
+    vLLM's server gives the same request, and no separate format. With "none" vLLM's server leaves
+    the request to the format alone (its renderer does not have the parser adjust it)."""
     client, tokenizer, parser = command
     scripted(backend, tokenizer, '<|START_RESPONSE|>{"country": "France"}<|END_RESPONSE|>')
     r = chat(client, tools=[WEATHER], response_format=response_format)
@@ -445,6 +446,9 @@ def test_cohere_command_folds_a_response_format_into_its_tag_as_vllm_serve_does(
                                                             response_format=response_format)
     assert sampling.json_schema is None and not sampling.json_object
     assert json.loads(r.json()["choices"][0]["message"]["content"]) == {"country": "France"}
+    assert chat(client, tools=[WEATHER], tool_choice="none", response_format=response_format).status_code == 200
+    alone = backend.submitted[-1].sampling
+    assert alone.structural_tag is None and bool(alone.json_schema or alone.json_object)
 
 
 @pytest.mark.vllm
