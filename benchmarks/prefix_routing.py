@@ -17,10 +17,10 @@ throughput also as ratios to the best prefix router of the same seed.
 Each workload's knee is chosen as the paper sweep chooses its loads, against the routers this
 compares with: the highest rate of the grid that one of the prefix routers sustains (the median
 over seeds of its backlog at most 1% of the requests). The goals are judged there. At a rate both
-sustain, throughput is the offered load for both, so throughput is also compared as the highest
-rate each sustains: Llumnix's and each prefix router's, found by bisection between its highest
-sustained rate of the grid and the next (`--refine-from` runs only that search again, on an
-earlier report's grid).
+sustain, throughput is the offered load for both (their ratio is one to within the timing of the
+last completions), so the throughput goal compares the highest rate each sustains: Llumnix's and
+each prefix router's, found by bisection between its highest sustained rate of the grid and the
+next (`--refine-from` runs only that search again, on an earlier report's grid).
 
 A second part checks that prefix awareness costs nothing where nothing is shared: Llumnix with
 and without it on two paper traces at 0.8 of their ideal capacity, paired seed by seed.
@@ -192,11 +192,11 @@ def sustained_note(trace: str, refined: dict[str, float | None], top: float) -> 
 
 def goal_rows(rows: list[dict[str, Any]], knee: dict[str, float],
               sustained: dict[str, dict[str, float | None]]) -> list[dict[str, Any]]:
-    """The goals at each knee: Llumnix's P99 TTFT below and throughput at least the best prefix
-    router's (medians of per-seed ratios), its hit rate above round-robin's and its imbalance
-    below prefix_affinity's (medians over seeds). At a rate every router sustains throughput is
-    the offered load for all; so also the highest rate Llumnix sustains against the best prefix
-    router's (`sustained`: as `refine_sustained` finds them)."""
+    """The goals at each knee: Llumnix's P99 TTFT below the best prefix router's (the median of
+    per-seed ratios), its throughput above it, its hit rate above round-robin's and its imbalance
+    below prefix_affinity's (medians over seeds). Throughput is the highest rate sustained
+    (`sustained`, as `refine_sustained` finds them): at a rate every router sustains it is the
+    offered load for all."""
     out = []
     for trace, rate in knee.items():
         at = {r["policy"]: r for r in rows if r["trace"] == trace and r["rate"] == rate}
@@ -206,8 +206,7 @@ def goal_rows(rows: list[dict[str, Any]], knee: dict[str, float],
         mine_sustained = sustained[trace].get("llumnix")
         for goal, value, reference, holds in (
             ("P99 TTFT / best prefix router's", mine["prefill_p99_vs_best_router"], 1.0, operator.lt),
-            ("throughput / best prefix router's", mine["throughput_vs_best_router"], 1.0, operator.ge),
-            ("highest rate sustained / best prefix router's",
+            ("throughput (highest rate sustained) / best prefix router's",
              (mine_sustained or 0.0) / best_router if best_router else math.nan, 1.0, operator.gt),
             ("hit rate vs round_robin's", mine["prefix_hit_rate"], at["round_robin"]["prefix_hit_rate"], operator.gt),
             ("imbalance vs prefix_affinity's", mine["imbalance"], at["prefix_affinity"]["imbalance"], operator.lt),
