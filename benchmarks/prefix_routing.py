@@ -231,6 +231,32 @@ def no_cost_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+Grid = tuple[str, tuple[int, ...], int, dict[str, int], dict[str, tuple[float, ...]], list[dict[str, Any]],
+             list[dict[str, Any]], float]
+
+
+def run_grid(seeds: tuple[int, ...], quick: bool, jobs: int) -> Grid:
+    """Every policy over the grid, and the no-cost check: the report's name, seeds, instances,
+    requests, rates, setting rows, no-cost rows and the seconds they took."""
+    started = time.perf_counter()
+    scale, instances, rates = (0.1, 4, quick_rates()) if quick else (1.0, 16, RATES)
+    requests = {k: max(50, round(v * scale)) for k, v in REQUESTS.items()}
+    shared = [with_derived(r) for r in run_cases(shared_cases(seeds, instances, requests, rates), jobs, print)]
+    cost = no_cost_rows(run_cases(unshared_cases(seeds, instances, scale), jobs, print))
+    return ("prefix_routing" + ("_quick" if quick else ""), seeds, instances, requests, rates, setting_rows(shared),
+            cost, round(time.perf_counter() - started, 1))
+
+
+def earlier_grid(path: Path) -> Grid:
+    """The same, read back from an earlier report of this benchmark."""
+    earlier = json.loads(path.read_text())
+    facts = earlier["facts"]
+    return (earlier["benchmark"], tuple(facts["seeds"]), facts["instances"], facts["requests"],
+            {trace: tuple(grid) for trace, grid in facts["rates"].items()},
+            [r for r in earlier["rows"] if "policy" in r], [r for r in earlier["rows"] if "policy" not in r],
+            facts.get("grid_seconds", facts.get("wall_seconds")))  # its name before the search
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1,2", help="comma-separated workload seeds (default %(default)s)")
@@ -241,24 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.refine_from is not None and (args.quick or args.seeds != p.get_default("seeds")):
         p.error("--refine-from takes the earlier report's seeds and size: leave out --quick and --seeds")
-    started = time.perf_counter()
-    if args.refine_from is not None:
-        earlier = json.loads(args.refine_from.read_text())
-        name, facts = earlier["benchmark"], earlier["facts"]
-        seeds, instances, requests = tuple(facts["seeds"]), facts["instances"], facts["requests"]
-        rates = {trace: tuple(grid) for trace, grid in facts["rates"].items()}
-        rows = [r for r in earlier["rows"] if "policy" in r]
-        cost = [r for r in earlier["rows"] if "policy" not in r]
-        grid_seconds = facts.get("grid_seconds", facts.get("wall_seconds"))  # its name before the search
-    else:
-        name = "prefix_routing" + ("_quick" if args.quick else "")
-        seeds = tuple(int(s) for s in args.seeds.split(","))
-        scale, instances, rates = (0.1, 4, quick_rates()) if args.quick else (1.0, 16, RATES)
-        requests = {k: max(50, round(v * scale)) for k, v in REQUESTS.items()}
-        shared = [with_derived(r) for r in run_cases(shared_cases(seeds, instances, requests, rates), args.jobs, print)]
-        cost = no_cost_rows(run_cases(unshared_cases(seeds, instances, scale), args.jobs, print))
-        rows = setting_rows(shared)
-        grid_seconds = round(time.perf_counter() - started, 1)
+    grid = earlier_grid(args.refine_from) if args.refine_from is not None else run_grid(
+        tuple(int(s) for s in args.seeds.split(",")), args.quick, args.jobs)
+    name, seeds, instances, requests, rates, rows, cost, grid_seconds = grid
     refining = time.perf_counter()
     sustained = sustained_rates(rows, requests)
     knee = knees(sustained, rows)
