@@ -16,7 +16,7 @@ throughput also as ratios to the best prefix router of the same seed.
 
 Each workload's knee is chosen as the paper sweep chooses its loads, against the routers this
 compares with: the highest rate of the grid that one of the prefix routers sustains (the median
-over seeds of its backlog at most 1% of the requests). The goals are judged there. At a rate both
+over seeds of its backlog at most 1% of the requests). The goals but throughput are judged there. At a rate both
 sustain, throughput is the offered load for both (their ratio is one to within the timing of the
 last completions), so the throughput goal compares the highest rate each sustains: Llumnix's and
 each prefix router's, found by bisection between its highest sustained rate of the grid and the
@@ -33,7 +33,7 @@ import math
 import operator
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,6 +42,8 @@ from llumdask.benchmarks.paper import Case, PaperPlan, Replay, replay_capacity, 
 from llumdask.sim.workload import MULTI_TURN, SYSTEM_PROMPT
 
 PREFIX_ROUTERS = ("prefix_affinity", "dynamo_kv", "sglang_cache_aware")
+# The policies whose highest sustained rate is searched between the grid's rates.
+SEARCHED = ("llumnix", *PREFIX_ROUTERS)
 POLICIES = ("round_robin", "infaas", "llumnix_no_prefix", "llumnix", *PREFIX_ROUTERS)
 # Requests per second on 16 instances, from comfortable to past what every prefix router sustains.
 RATES = {SYSTEM_PROMPT: tuple(float(r) for r in range(40, 80, 5)),
@@ -145,14 +147,14 @@ def refine_sustained(sustained: dict[str, dict[str, float | None]], rates: dict[
     between its highest sustained rate of the grid and the grid's next (each round's middles run
     together, every seed); one sustaining no rate of the grid, or its highest, keeps its grid
     value. Also each bisection step: its rate, median backlog and whether it was sustained."""
-    bounds = {}
+    bounds: dict[tuple[str, str], tuple[float, float]] = {}
     for trace, grid in rates.items():
-        for policy in ("llumnix", *PREFIX_ROUTERS):
+        for policy in SEARCHED:
             low = sustained[trace].get(policy)
             above = [rate for rate in grid if low is not None and rate > low]
             if above:
                 bounds[(trace, policy)] = (low, min(above))
-    steps = []
+    steps: list[dict[str, Any]] = []
     for _ in range(rounds):
         middles = {key: (low + high) / 2 for key, (low, high) in bounds.items()}
         runs = run_cases([shared_case(trace, rate, policy, seed, instances, requests)
@@ -187,7 +189,7 @@ def sustained_note(trace: str, refined: dict[str, float | None], top: float) -> 
         rate = refined.get(policy)
         return f"{policy} none of the grid" if rate is None else f"{policy} {'>= ' if rate == top else ''}{rate:g}"
     return f"{trace}: highest rate sustained, found by bisection: " + ", ".join(
-        shown(p) for p in ("llumnix", *PREFIX_ROUTERS))
+        shown(p) for p in SEARCHED)
 
 
 def goal_rows(rows: list[dict[str, Any]], knee: dict[str, float],
@@ -231,30 +233,39 @@ def no_cost_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-Grid = tuple[str, tuple[int, ...], int, dict[str, int], dict[str, tuple[float, ...]], list[dict[str, Any]],
-             list[dict[str, Any]], float]
+class Grid(NamedTuple):
+    """The runs the search and the goals read: the grid's settings and the no-cost check."""
+
+    name: str
+    seeds: tuple[int, ...]
+    instances: int
+    requests: dict[str, int]
+    rates: dict[str, tuple[float, ...]]
+    rows: list[dict[str, Any]]
+    cost: list[dict[str, Any]]
+    seconds: float | None
 
 
 def run_grid(seeds: tuple[int, ...], quick: bool, jobs: int) -> Grid:
-    """Every policy over the grid, and the no-cost check: the report's name, seeds, instances,
-    requests, rates, setting rows, no-cost rows and the seconds they took."""
+    """Every policy over the grid, and the no-cost check."""
     started = time.perf_counter()
     scale, instances, rates = (0.1, 4, quick_rates()) if quick else (1.0, 16, RATES)
     requests = {k: max(50, round(v * scale)) for k, v in REQUESTS.items()}
     shared = [with_derived(r) for r in run_cases(shared_cases(seeds, instances, requests, rates), jobs, print)]
     cost = no_cost_rows(run_cases(unshared_cases(seeds, instances, scale), jobs, print))
-    return ("prefix_routing" + ("_quick" if quick else ""), seeds, instances, requests, rates, setting_rows(shared),
-            cost, round(time.perf_counter() - started, 1))
+    return Grid("prefix_routing" + ("_quick" if quick else ""), seeds, instances, requests, rates,
+                setting_rows(shared), cost, round(time.perf_counter() - started, 1))
 
 
 def earlier_grid(path: Path) -> Grid:
-    """The same, read back from an earlier report of this benchmark."""
+    """The same, read back from an earlier report of this benchmark (one written before the search
+    named the grid's seconds wall_seconds)."""
     earlier = json.loads(path.read_text())
     facts = earlier["facts"]
-    return (earlier["benchmark"], tuple(facts["seeds"]), facts["instances"], facts["requests"],
-            {trace: tuple(grid) for trace, grid in facts["rates"].items()},
-            [r for r in earlier["rows"] if "policy" in r], [r for r in earlier["rows"] if "policy" not in r],
-            facts.get("grid_seconds", facts.get("wall_seconds")))  # its name before the search
+    return Grid(earlier["benchmark"], tuple(facts["seeds"]), facts["instances"], facts["requests"],
+                {trace: tuple(grid) for trace, grid in facts["rates"].items()},
+                [r for r in earlier["rows"] if "policy" in r], [r for r in earlier["rows"] if "policy" not in r],
+                facts.get("grid_seconds", facts.get("wall_seconds")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from test_routes import sse_payloads
 from llumdask.api.gateway import ModelInfo, create_app
 from llumdask.api.gateway.parser_model import parser_model_config
 from llumdask.api.gateway.tokenizer import load_tokenizer
-from llumdask.api.gateway.tools import AnswerReading
+from llumdask.api.gateway.tools import AnswerReading, parser_class
 from llumdask.api.serve import build_parser
 from llumdask.config import GatewayConfig
 from llumdask.engine.base import TokenLogprob
@@ -417,8 +417,6 @@ def as_vllm_serve_adjusts(model: Path, parser: str, tools: list[dict], **body) -
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.tokenizers import get_tokenizer
 
-    from llumdask.api.gateway.tools import parser_class
-
     tokenizer = get_tokenizer(str(model))
     request = ChatCompletionRequest(messages=ASK, tools=tools, **body)
     adjusted = parser_class(parser, None, tokenizer, str(model))(
@@ -442,6 +440,8 @@ def test_cohere_command_folds_a_response_format_into_its_tag_as_vllm_serve_does(
     r = chat(client, tools=[WEATHER], response_format=response_format)
     assert r.status_code == 200, r.text
     sampling = backend.submitted[0].sampling
+    schema = COUNTRY if response_format["type"] == "json_schema" else {"type": "object"}
+    assert sampling.structural_tag is not None and json.dumps(schema) in sampling.structural_tag
     assert sampling.structural_tag == as_vllm_serve_adjusts(command_model, parser, [WEATHER],
                                                             response_format=response_format)
     assert sampling.json_schema is None and not sampling.json_object

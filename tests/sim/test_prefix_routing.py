@@ -1,4 +1,5 @@
-"""The prefix-routing benchmark: each workload's knee, the goals judged there, a quick run."""
+"""The prefix-routing benchmark: each workload's knee, the search for each policy's highest sustained
+rate, the goals, a run from an earlier report's grid, a quick run."""
 
 from __future__ import annotations
 
@@ -85,7 +86,9 @@ def test_the_highest_sustained_rate_is_found_by_bisection_between_the_grid_rate_
     assert sustained["system-prompt"]["llumnix"] == 50.0  # the grid's reading is left as it was
 
 
-def test_a_run_from_an_earlier_report_keeps_its_grid_and_runs_only_the_search(tmp_path, monkeypatch):
+def test_a_run_from_an_earlier_report_keeps_its_grid_and_runs_only_the_search(tmp_path, monkeypatch, capsys):
+    """--refine-from reads the grid, its size and seeds from the report (one written before the
+    search, with wall_seconds), runs the search alone and judges the goals on what it found."""
     # Every policy sustains 50 req/s and not 55.
     settings = [row(rate, policy, 0 if rate == 50.0 else 100, prefill_mean=0.5, migration_reused_share=None,
                     prefill_p99_vs_best_router=0.9, throughput_vs_best_router=1.0)
@@ -118,8 +121,11 @@ def test_a_run_from_an_earlier_report_keeps_its_grid_and_runs_only_the_search(tm
     # The goal compares the rates the search found.
     goal = {g["goal"]: g for g in report["goals"]}["throughput (highest rate sustained) / best prefix router's"]
     assert goal["llumnix"] == 53.75 / 51.875 and goal["met"]
-    with pytest.raises(SystemExit):
-        main(["--refine-from", str(tmp_path / "earlier.json"), "--quick"])
+    for extra in (["--quick"], ["--seeds", "0"]):
+        with pytest.raises(SystemExit):
+            main(["--refine-from", str(tmp_path / "earlier.json"), "--out", str(tmp_path / "refused"), *extra])
+        assert "leave out --quick and --seeds" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_conversations_last_turn_does_not_stand_for_the_last_arrival():
