@@ -584,12 +584,17 @@ class GlobalScheduler:
 
     def _might_keep_hold(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
         """False where `_place_held` would surely find no room for the request: a bound that
-        spares the full computation (its cached blocks, where any candidate holds some, count)."""
+        spares the full computation (the longest prefix any instance caches counted as cached
+        everywhere, with prefix-aware dispatch)."""
         hold = self._config.dispatch.hold_freeness
         assert hold is not None
-        if self._cached(candidates, info) is not None:
-            return True
-        return candidates.could_keep(hold, info.num_prompt_tokens, info.execution_priority)
+        tokens, priority = info.num_prompt_tokens, info.execution_priority
+        if not self._config.dispatch.prefix_aware:
+            return candidates.could_keep(hold, tokens, priority)
+        # Room for a request storing nothing first: past capacity that turns nearly all away
+        # before the walk down the prompt's anchors.
+        return (candidates.could_keep(hold, 0, priority)
+                and candidates.could_keep(hold, tokens, priority, candidates.most_cached_bound(info.block_hashes)))
 
     def _uncached_tokens(self, candidates: CandidateTable, info: DispatchInfo) -> int:
         """The prompt tokens the request needs room for wherever it goes: less the longest prefix

@@ -282,6 +282,17 @@ class PrefixIndex:
         # integer product is a plain loop, several times slower at a few runs.
         return (np.array([n for _, n in runs], dtype=float) @ held.astype(float)).astype(np.int64)
 
+    def longest(self, hashes: Sequence[int]) -> int:
+        """The most anchors of `hashes` one instance holds as a prefix: `lengths`' largest, for one
+        AND an anchor and no pass over the instances (a bound the held queue asks after every report)."""
+        masks = self._masks
+        alive = -1  # every instance, until an anchor says otherwise
+        for held, h in enumerate(hashes):
+            alive &= masks.get(h, 0)
+            if not alive:
+                return held
+        return len(hashes)
+
     def matches(self, hashes: Sequence[int]) -> dict[str, int]:
         """`lengths` by instance id, for the instances that hold a prefix (in anchors)."""
         lengths = self.lengths(hashes)

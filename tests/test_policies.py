@@ -646,15 +646,21 @@ def test_the_candidate_tables_kept_answer_is_a_fresh_tables_after_every_change(s
 
 
 @given(st.lists(_SPEC, min_size=1, max_size=5), st.integers(1, 3000), st.sampled_from(list(Priority)),
-       st.sampled_from([0.5, 1.0, 1.5, 2.0, 7.25]), st.one_of(st.none(), st.integers(0, 4)))
-def test_could_keep_turns_away_only_requests_no_candidate_keeps_the_freeness_for(specs, prompt, priority, hold, reserved):
+       st.sampled_from([0.5, 1.0, 1.5, 2.0, 7.25]), st.one_of(st.none(), st.integers(0, 4)),
+       st.integers(0, 40), st.randoms(use_true_random=False))
+def test_could_keep_turns_away_only_requests_no_candidate_keeps_the_freeness_for(specs, prompt, priority, hold, reserved,
+                                                                                 most_cached, rng):
     """The held queue's cheap bound: never False where some unreserved candidate would keep `hold`
-    (uniform block sizes: the bound's case); where it says True, one keeps nearly as much."""
+    (uniform block sizes: the bound's case), none caching more than `most_cached` blocks of the
+    prompt; where it says True with each caching that much, one keeps nearly as much."""
     views = [_spec_view(k, (*spec[:-1], 16)) for k, spec in enumerate(specs)]
     table = CandidateTable(views)
     table.reserve(None if reserved is None else reserved % len(views))
-    freeness = table.dispatch_freeness(prompt, priority)
-    if table.could_keep(hold, prompt, priority):
+    cached = np.array([rng.randint(0, most_cached) for _ in views], dtype=float)
+    if not table.could_keep(hold, prompt, priority, most_cached):
+        assert table.dispatch_freeness(prompt, priority, cached).max() < hold
+    freeness = table.dispatch_freeness(prompt, priority, np.full(len(views), float(most_cached)))
+    if table.could_keep(hold, prompt, priority, most_cached):
         assert freeness.max() >= hold * (1 - 1e-6) - 1e-6
     else:
         assert freeness.max() < hold

@@ -151,4 +151,5 @@ def test_the_index_agrees_with_a_set_per_instance(events, query):
         if length:
             expected[instance] = length
     assert index.matches(tuple(query)) == expected
+    assert index.longest(tuple(query)) == max(expected.values(), default=0)
     assert len(index) == sum(len(h) for h in model.values())

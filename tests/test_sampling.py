@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from llumdask.request import Request, SamplingParams
+from llumdask.request import Priority, Request, SamplingParams
 
 
 @pytest.mark.parametrize("fields, words", [
@@ -112,6 +114,14 @@ def test_a_cache_salt_is_checked_and_travels_with_the_request_on_the_wire_and_in
     for bad in ("", 5, b"salt", "\ud800", "a/b", "a@b", "a\\b", "a\0b", "s" * 129):
         with pytest.raises(ValueError, match="cache_salt"):
             Request("r", [1], cache_salt=bad)
+
+
+@given(st.lists(st.one_of(st.integers(-3, 2**64), st.booleans(), st.floats(0, 10), st.sampled_from([Priority.HIGH])),
+                max_size=6))
+def test_token_ids_are_checked_alike_on_the_fast_path_and_one_by_one(values):
+    from llumdask.request import are_token_ids, is_token_id
+
+    assert are_token_ids(values) == all(is_token_id(v) for v in values)
 
 
 @pytest.mark.parametrize("prompt", [[], [1, -1], [1, True], [1, 2.0], [2**63]])

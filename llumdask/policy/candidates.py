@@ -84,6 +84,7 @@ class CandidateTable(Sequence[Candidate]):
         # Blocks an anchor of the prefix index stands for.
         self._stride: float | np.ndarray = (float(anchor_stride(self._uniform_block_size)) if self._uniform_block_size
                                           else np.array([anchor_stride(int(b)) for b in self._block_size], dtype=float))
+        self._most_stride = float(np.max(self._stride, initial=0.0))
         self._charge = {p: np.zeros(n) for p in Priority}
         # Candidates charged each class's headroom: a column of zeros is not worth a pass.
         self._charged = dict.fromkeys(Priority, 0)
@@ -156,11 +157,12 @@ class CandidateTable(Sequence[Candidate]):
             answer.best = int(np.argmax(answer.freeness))
         return answer.best
 
-    def could_keep(self, freeness: float, prompt_tokens: int, priority: Priority) -> bool:
-        """Whether some candidate not reserved might keep `freeness` (> 0) with this request, its
-        cached blocks not counted: False only where `dispatch_freeness` is below it everywhere. One
-        bound per priority between changes, then O(1) a request: held requests passing the first
-        ask after every report, and nearly all are turned away."""
+    def could_keep(self, freeness: float, prompt_tokens: int, priority: Priority, cached: float = 0) -> bool:
+        """Whether some candidate not reserved might keep `freeness` (> 0) with this request, were
+        `cached` blocks of it (`most_cached_bound`) cached everywhere: False only where
+        `dispatch_freeness` is below it everywhere. One bound per priority between changes, then
+        O(1) a request: held requests passing the first ask after every report, and nearly all are
+        turned away."""
         if freeness <= 0 or self._uniform_block_size is None:
             return True
         spare = self._spare
@@ -173,7 +175,7 @@ class CandidateTable(Sequence[Candidate]):
             if self._reserved is not None:
                 room[self._reserved] = -np.inf
             spare = self._spare = ((priority, freeness), float(room.max()))
-        return -(-prompt_tokens // self._uniform_block_size) <= spare[1]
+        return -(-prompt_tokens // self._uniform_block_size) - cached <= spare[1]
 
     def _answer(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None) -> _Answer:
         last = self._last
@@ -219,6 +221,13 @@ class CandidateTable(Sequence[Candidate]):
         hits = None if lengths is None else lengths[self._prefix_slots] * self._stride
         self._last_hits = (hashes, hits)
         return hits
+
+    def most_cached_bound(self, hashes: tuple[int, ...]) -> float:
+        """At least `cached_blocks`' largest, from one walk down the prompt's anchors (the index
+        answers for every instance it knows, candidates or not)."""
+        if not hashes or self._prefix is None:
+            return 0.0
+        return self._prefix.longest(hashes) * self._most_stride
 
     def most_cached_tokens(self, hashes: tuple[int, ...]) -> int:
         """The longest prefix of the prompt any candidate caches, in tokens (0: none)."""
