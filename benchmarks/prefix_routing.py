@@ -20,7 +20,8 @@ over seeds of its backlog at most 1% of the requests). The goals but throughput 
 sustain, throughput is the offered load for both (their ratio is one to within the timing of the
 last completions), so the throughput goal compares the highest rate each sustains: Llumnix's and
 each prefix router's, found by bisection between its highest sustained rate of the grid and the
-next (`--refine-from` runs only that search again, on an earlier report's grid).
+next (`--refine-from` runs only that search again, on an earlier report's grid; with `--rerun
+WORKLOAD` that workload's grid too, at this benchmark's requests and rates).
 
 A second part checks that prefix awareness costs nothing where nothing is shared: Llumnix with
 and without it on two paper traces at 0.8 of their ideal capacity, paired seed by seed.
@@ -46,12 +47,15 @@ PREFIX_ROUTERS = ("prefix_affinity", "dynamo_kv", "sglang_cache_aware")
 SEARCHED = ("llumnix", *PREFIX_ROUTERS)
 POLICIES = ("round_robin", "infaas", "llumnix_no_prefix", "llumnix", *PREFIX_ROUTERS)
 # Requests per second on 16 instances, from comfortable to past what every prefix router sustains.
-RATES = {SYSTEM_PROMPT: tuple(float(r) for r in range(40, 80, 5)),
+RATES = {SYSTEM_PROMPT: tuple(float(r) for r in range(12, 33, 3)),
          MULTI_TURN: tuple(r / 2 for r in range(6, 13))}
 # A rate is sustained where the backlog when the last request arrived is at most this share of
 # the requests (the paper sweep's rule for its knees).
 SUSTAINED_BACKLOG = 0.01
-REQUESTS = {SYSTEM_PROMPT: 3000, MULTI_TURN: 2000}
+# Enough that each run reaches its steady state: a system-prompt answer holds its instance's
+# memory for minutes at the tail, and 3,000 requests (a minute of arrivals) read only how a
+# burst is absorbed while memory fills.
+REQUESTS = {SYSTEM_PROMPT: 10000, MULTI_TURN: 2000}
 # Bisection rounds between a policy's highest sustained rate of the grid and the next: sustained
 # rates are compared to 1/2**REFINE_ROUNDS of the grid's step.
 REFINE_ROUNDS = 3
@@ -268,6 +272,18 @@ def earlier_grid(path: Path) -> Grid:
                 facts.get("grid_seconds", facts.get("wall_seconds")))
 
 
+def rerun_workload(grid: Grid, trace: str, jobs: int) -> Grid:
+    """`grid` with `trace`'s settings run again at this benchmark's requests and rates (the
+    grid's seeds and instances), the other workload's and the no-cost runs kept."""
+    started = time.perf_counter()
+    requests, rates = {**grid.requests, trace: REQUESTS[trace]}, {**grid.rates, trace: RATES[trace]}
+    runs = run_cases(shared_cases(grid.seeds, grid.instances, requests, {trace: RATES[trace]}), jobs, print)
+    rows = [r for r in grid.rows if r["trace"] != trace] + setting_rows([with_derived(r) for r in runs])
+    rows.sort(key=lambda r: list(rates).index(r["trace"]))
+    return grid._replace(requests=requests, rates=rates, rows=rows,
+                         seconds=round((grid.seconds or 0.0) + time.perf_counter() - started, 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1,2", help="comma-separated workload seeds (default %(default)s)")
@@ -275,11 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refine-from", type=Path, default=None, metavar="REPORT",
                    help="an earlier report of this benchmark: keep its grid and no-cost runs (and their seeds, "
                         "requests and rates) and run only the search for each policy's highest sustained rate")
+    p.add_argument("--rerun", choices=tuple(RATES), default=None, metavar="WORKLOAD",
+                   help="with --refine-from: run this workload's grid again too, at this benchmark's requests "
+                        "and rates, keeping the rest of the earlier report")
     args = p.parse_args(argv)
     if args.refine_from is not None and (args.quick or args.seeds != p.get_default("seeds")):
         p.error("--refine-from takes the earlier report's seeds and size: leave out --quick and --seeds")
+    if args.rerun is not None and args.refine_from is None:
+        p.error("--rerun needs --refine-from: the report whose other runs it keeps")
     grid = earlier_grid(args.refine_from) if args.refine_from is not None else run_grid(
         tuple(int(s) for s in args.seeds.split(",")), args.quick, args.jobs)
+    if args.rerun is not None:
+        grid = rerun_workload(grid, args.rerun, args.jobs)
     name, seeds, instances, requests, rates, rows, cost, grid_seconds = grid
     refining = time.perf_counter()
     sustained = sustained_rates(rows, requests)

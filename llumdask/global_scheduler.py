@@ -584,15 +584,15 @@ class GlobalScheduler:
 
     def _might_keep_hold(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
         """False where `_place_held` would surely find no room for the request: a bound that
-        spares the full computation (the longest prefix any instance caches counted as cached
-        everywhere, with prefix-aware dispatch)."""
+        spares the full computation (with prefix-aware dispatch, the prompt up to the last anchor
+        any instance caches counted as cached everywhere)."""
         hold = self._config.dispatch.hold_freeness
         assert hold is not None
         tokens, priority = info.num_prompt_tokens, info.execution_priority
         if not self._config.dispatch.prefix_aware:
             return candidates.could_keep(hold, tokens, priority)
         # Room for a request storing nothing first: past capacity that turns nearly all away
-        # before the walk down the prompt's anchors.
+        # before the prompt's anchors are looked up.
         return (candidates.could_keep(hold, 0, priority)
                 and candidates.could_keep(hold, tokens, priority, candidates.most_cached_bound(info.block_hashes)))
 

@@ -282,16 +282,15 @@ class PrefixIndex:
         # integer product is a plain loop, several times slower at a few runs.
         return (np.array([n for _, n in runs], dtype=float) @ held.astype(float)).astype(np.int64)
 
-    def longest(self, hashes: Sequence[int]) -> int:
-        """The most anchors of `hashes` one instance holds as a prefix: `lengths`' largest, for one
-        AND an anchor and no pass over the instances (a bound the held queue asks after every report)."""
+    def longest_bound(self, hashes: Sequence[int]) -> int:
+        """At least the most anchors of `hashes` one instance holds as a prefix (`lengths`' largest):
+        the place of the last anchor any instance holds. A prompt's own tail is cached nowhere
+        yet, so the walk back to it is short (the held queue asks after every report)."""
         masks = self._masks
-        alive = -1  # every instance, until an anchor says otherwise
-        for held, h in enumerate(hashes):
-            alive &= masks.get(h, 0)
-            if not alive:
+        for held in range(len(hashes), 0, -1):
+            if masks.get(hashes[held - 1]):
                 return held
-        return len(hashes)
+        return 0
 
     def matches(self, hashes: Sequence[int]) -> dict[str, int]:
         """`lengths` by instance id, for the instances that hold a prefix (in anchors)."""

@@ -223,11 +223,11 @@ class CandidateTable(Sequence[Candidate]):
         return hits
 
     def most_cached_bound(self, hashes: tuple[int, ...]) -> float:
-        """At least `cached_blocks`' largest, from one walk down the prompt's anchors (the index
-        answers for every instance it knows, candidates or not)."""
+        """At least `cached_blocks`' largest, without a pass over the instances (the index answers
+        for every instance it knows, candidates or not)."""
         if not hashes or self._prefix is None:
             return 0.0
-        return self._prefix.longest(hashes) * self._most_stride
+        return self._prefix.longest_bound(hashes) * self._most_stride
 
     def most_cached_tokens(self, hashes: tuple[int, ...]) -> int:
         """The longest prefix of the prompt any candidate caches, in tokens (0: none)."""

@@ -128,6 +128,48 @@ def test_a_run_from_an_earlier_report_keeps_its_grid_and_runs_only_the_search(tm
     assert not (tmp_path / "refused").exists()
 
 
+def test_a_workload_run_again_replaces_its_settings_and_keeps_the_others(tmp_path, monkeypatch, capsys):
+    """--rerun runs the workload's grid again at the benchmark's requests and rates (the earlier
+    report's seeds and instances), keeps the other workload's and the no-cost rows, then searches."""
+    turns = [{**row(4.5, policy, 0, prefill_mean=0.5, migration_reused_share=None, prefill_p99_vs_best_router=0.9,
+                    throughput_vs_best_router=1.0), "trace": MULTI_TURN} for policy in POLICIES]
+    stale = row(50.0, "llumnix", 0, prefill_mean=0.5, migration_reused_share=None, prefill_p99_vs_best_router=0.9,
+                throughput_vs_best_router=1.0)
+    cost = {"trace": "sharegpt", "load": 0.8, "prefill_p99_ratio": 1.0, "prefill_mean_ratio": 1.0,
+            "decode_p99_ratio": 1.0}
+    earlier = {"benchmark": "prefix_routing", "rows": [stale, *turns, cost], "facts": {
+        "seeds": [0, 1], "instances": 16, "requests": {SYSTEM_PROMPT: 3000, MULTI_TURN: 2000},
+        "rates": {SYSTEM_PROMPT: [50.0], MULTI_TURN: [4.5]}, "grid_seconds": 12.5}}
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    grid, ran = prefix_routing.RATES[SYSTEM_PROMPT], []
+
+    def simulate(cases, jobs, progress):
+        ran.extend(cases)
+        return [{"trace": c.trace, "policy": c.policy, "seed": c.seed, "load": c.load, "finished": 10, "makespan": 5.0,
+                 "prefill_p99": 1.0, "prefill_mean": 0.5, "prefix_hit_rate": 0.5, "imbalance": 2.0, "migrations": 0,
+                 "migration_reused_share": float("nan"), "backlog_at_last_arrival": 0 if c.load <= grid[1] else 1000}
+                for c in cases]
+
+    monkeypatch.setattr(prefix_routing, "run_cases", simulate)
+    args = ["--refine-from", str(tmp_path / "earlier.json"), "--rerun", SYSTEM_PROMPT, "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "out" / "prefix_routing.json").read_text())
+    grid_cases = ran[:len(grid) * 2 * len(POLICIES)]
+    assert {(c.load, c.seed, c.policy) for c in grid_cases} == {(r, s, p) for r in grid for s in (0, 1) for p in POLICIES}
+    assert all(c.trace == SYSTEM_PROMPT and c.requests == prefix_routing.REQUESTS[SYSTEM_PROMPT] and c.instances == 16
+               for c in grid_cases)
+    assert all(grid[1] < c.load < grid[2] for c in ran[len(grid_cases):])  # then only the search, above the grid's knee
+    rows = [r for r in report["rows"] if "policy" in r]
+    assert stale not in rows and all(t in rows for t in turns) and cost in report["rows"]
+    assert {r["rate"] for r in rows if r["trace"] == SYSTEM_PROMPT} == set(grid)
+    assert report["facts"]["requests"][SYSTEM_PROMPT] == prefix_routing.REQUESTS[SYSTEM_PROMPT]
+    assert report["facts"]["rates"][SYSTEM_PROMPT] == list(grid) and report["facts"]["knees"][SYSTEM_PROMPT] == grid[1]
+    assert report["facts"]["grid_seconds"] >= 12.5
+    with pytest.raises(SystemExit):
+        main(["--rerun", SYSTEM_PROMPT, "--out", str(tmp_path / "refused")])
+    assert "--rerun needs --refine-from" in capsys.readouterr().err
+
+
 def test_a_conversations_last_turn_does_not_stand_for_the_last_arrival():
     workload = make_workload(MULTI_TURN, rate=4.0, num_requests=200, seed=0)
     firsts = [r.arrival for r in workload if r.after is None]
