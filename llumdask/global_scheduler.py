@@ -21,7 +21,6 @@ removed instance must not bring it back.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, replace
@@ -295,6 +294,8 @@ class GlobalScheduler:
         self.prefix = PrefixIndex()
         # Requests waiting here for an instance with room (`dispatch.hold-freeness`).
         self._held = HeldRequests()
+        # The block size the held requests' floors count in (`_floor`).
+        self._floor_size: int | None = None
 
     # ------------------------------------------------------------------ instance table
 
@@ -361,13 +362,16 @@ class GlobalScheduler:
         if instance.last_report_at is not None:  # a first report is no baseline (a restarted scheduler)
             self._departures.add(departures(instance.load, load), now)
         instance.absorb(load, now)
-        if prefix:
-            self.prefix.apply(load.instance_id, prefix)
+        cached = self.prefix.apply(load.instance_id, prefix) if prefix else []
         instance.last_report_at = now
         if instance.terminating and not was_terminating:
             self._membership_changed()
         elif self._candidates is not None:
             self._candidates.update(instance)
+        if cached and self._held:
+            # Held requests whose prompt's next anchors are now cached somewhere may take less.
+            for request_id in self._held.cached(cached):
+                self._held.refloor(request_id, *self._floor(self._candidate_table(), self._held[request_id].info))
 
     def freeness(self, instance_id: str) -> float:
         """The instance's F, counting requests dispatched there but not yet reported."""
@@ -420,7 +424,7 @@ class GlobalScheduler:
             with self._reserved_for(candidates, self._held.first.info, now):
                 target = self._place_held(candidates, info, now)
         if target is None:
-            self._held.add(info, now, self._uncached_tokens(candidates, info))
+            self._held.add(info, now, *self._floor(candidates, info))
         return target
 
     def release(self, now: float) -> list[tuple[DispatchInfo, str]]:
@@ -434,15 +438,15 @@ class GlobalScheduler:
             target = self._place_held(candidates, chosen.info, now)
             if target is None:
                 with self._reserved_for(candidates, chosen.info, now):
-                    room = candidates.most_room_tokens()
-                    # Most reports change nothing for the queue: one comparison tells.
-                    if held.smallest_need() <= room:
-                        for later in itertools.islice(held, 1, None):
-                            if later.need <= room and self._might_keep_hold(candidates, later.info):
-                                target = self._place_held(candidates, later.info, now)
-                                if target is not None:
-                                    chosen = later
-                                    break
+                    # Only those whose floor fits the room some instance keeps (held ones are
+                    # normal): after most reports, none.
+                    spare = candidates.spare_blocks(self._config.dispatch.hold_freeness, Priority.NORMAL)
+                    for later in held.within(spare):
+                        if later is not chosen and self._might_keep_hold(candidates, later.info):
+                            target = self._place_held(candidates, later.info, now)
+                            if target is not None:
+                                chosen = later
+                                break
             if target is None:
                 break
             held.remove(chosen.info.request_id)
@@ -537,6 +541,10 @@ class GlobalScheduler:
         if self._candidates is None:
             self._candidates = CandidateTable(
                 [i for i in self._instances.values() if i.ready and not i.terminating], self.prefix)
+            if self._held and self._candidates.uniform_block_size != self._floor_size:
+                # Floors count blocks: of another size once the membership's changed.
+                for held in list(self._held):
+                    self._held.refloor(held.info.request_id, *self._floor(self._candidates, held.info))
         return self._candidates
 
     def _table(self) -> CandidateTable:
@@ -596,12 +604,19 @@ class GlobalScheduler:
         return (candidates.could_keep(hold, 0, priority)
                 and candidates.could_keep(hold, tokens, priority, candidates.most_cached_bound(info.block_hashes)))
 
-    def _uncached_tokens(self, candidates: CandidateTable, info: DispatchInfo) -> int:
-        """The prompt tokens the request needs room for wherever it goes: less the longest prefix
-        a candidate caches (with prefix-aware dispatch)."""
-        if not self._config.dispatch.prefix_aware:
-            return info.num_prompt_tokens
-        return max(0, info.num_prompt_tokens - candidates.most_cached_tokens(info.block_hashes))
+    def _floor(self, candidates: CandidateTable, info: DispatchInfo) -> tuple[float, tuple[int, ...]]:
+        """Fewer blocks than the request could take on any candidate, where `_might_keep_hold`
+        reads it (`HeldRequests.within`): its prompt's blocks less all it might find cached (with
+        prefix-aware dispatch, up to the last anchor any instance caches); and the anchors past
+        that, whose caching lowers it. Unbounded with mixed block sizes."""
+        size = self._floor_size = candidates.uniform_block_size
+        if size is None:
+            return -math.inf, ()
+        blocks = -(-info.num_prompt_tokens // size)
+        if not self._config.dispatch.prefix_aware or not info.block_hashes:
+            return blocks, ()
+        bound = self.prefix.longest_bound(info.block_hashes)
+        return blocks - bound * anchor_stride(size), tuple(info.block_hashes[bound:])
 
     def _could_ever_leave_room(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
         """Whether an empty candidate would keep hold-freeness with the request (its only one)."""

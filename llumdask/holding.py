@@ -20,16 +20,21 @@ what may be the only room there is: a later one may go there then. A migrant mov
 a loss for a while (the scheduler pairs instances, not requests, so it does not know its blocks).
 The first's wait is not bounded beyond the rule: an instance whose room shrinks between every two
 finishes could keep passing it.
+
+Past capacity thousands may be held, and the scheduler looks for a later one to pass the first
+after every report. Each is kept with its floor, fewer blocks than it could take anywhere (the
+prompt less the most any instance might cache of it), so that a look reads only the requests
+whose floor fits the room there is. A floor rises as caches evict (still a floor) and falls only
+when one of the prompt's anchors cached nowhere is cached somewhere: those anchors are watched.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from llumdask.policy.dispatch import DispatchInfo
 
@@ -41,8 +46,6 @@ class Held:
     rank: tuple[int, int]
     info: DispatchInfo = field(compare=False)
     since: float = field(compare=False)
-    # Prompt tokens it needs room for: less the longest prefix an instance cached when it was held.
-    need: int = field(compare=False, default=0)
 
 
 class HeldRequests:
@@ -52,28 +55,80 @@ class HeldRequests:
         self._queue: list[Held] = []
         self._by_id: dict[str, Held] = {}
         self._arrivals = itertools.count()
-        # (need, rank) of every request held, and of some gone (dropped when on top).
-        self._sizes: list[tuple[int, tuple[int, int]]] = []
-        # The ranks held now: whether a size entry is still held, in O(1).
-        self._ranks: set[tuple[int, int]] = set()
+        # (floor, rank) of every request held, ascending; each one's floor and the keys it watches.
+        self._floors: list[tuple[float, tuple[int, int]]] = []
+        self._floor_of: dict[str, float] = {}
+        self._by_rank: dict[tuple[int, int], Held] = {}
+        self._watched: dict[str, tuple[int, ...]] = {}
+        self._watchers: dict[int, set[str]] = {}
 
-    def add(self, info: DispatchInfo, now: float, need: int | None = None) -> None:
-        """Hold `info`; `need`: the prompt tokens it needs room for (default: all of them)."""
+    def add(self, info: DispatchInfo, now: float, floor: float = -math.inf, watch: tuple[int, ...] = ()) -> None:
+        """Hold `info`; `floor`: fewer blocks than it could take anywhere (none: unbounded), until
+        a key of `watch` is cached."""
         self._refuse_held(info.request_id)
-        need = info.num_prompt_tokens if need is None else need
-        held = Held((-int(info.execution_priority), next(self._arrivals)), info, now, need)
+        held = Held((-int(info.execution_priority), next(self._arrivals)), info, now)
         bisect.insort(self._queue, held)
         self._by_id[info.request_id] = held
-        self._ranks.add(held.rank)
-        heapq.heappush(self._sizes, (need, held.rank))
+        self._by_rank[held.rank] = held
+        self._set_floor(held, floor, watch)
 
     def remove(self, request_id: str) -> Held | None:
         """Take a request out (placed, or withdrawn by its client); None if it is not held."""
         held = self._by_id.pop(request_id, None)
         if held is not None:
             del self._queue[bisect.bisect_left(self._queue, held)]
-            self._ranks.discard(held.rank)
+            self._drop_floor(held)
+            del self._by_rank[held.rank]
         return held
+
+    def refloor(self, request_id: str, floor: float, watch: tuple[int, ...]) -> None:
+        """Give a held request a new floor and the keys whose caching lowers it."""
+        held = self._by_id[request_id]
+        self._drop_floor(held)
+        self._set_floor(held, floor, watch)
+
+    def cached(self, keys: Iterable[int]) -> set[str]:
+        """The held requests watching any of `keys` (newly cached somewhere): their floors may
+        have fallen, and they watch nothing more until refloored."""
+        found: set[str] = set()
+        watchers = self._watchers
+        for key in keys:
+            ids = watchers.get(key)
+            if ids:
+                found |= ids
+        for request_id in found:
+            self._unwatch(request_id)
+        return found
+
+    def within(self, blocks: float) -> list[Held]:
+        """The held requests whose floor is at most `blocks`, in leaving order."""
+        end = bisect.bisect_right(self._floors, (blocks, (math.inf, math.inf)))
+        by_rank = self._by_rank
+        return [by_rank[rank] for rank in sorted(rank for _, rank in self._floors[:end])]
+
+    def _set_floor(self, held: Held, floor: float, watch: tuple[int, ...]) -> None:
+        request_id = held.info.request_id
+        self._floor_of[request_id] = floor
+        bisect.insort(self._floors, (floor, held.rank))
+        if watch:
+            self._watched[request_id] = watch
+            for key in watch:
+                self._watchers.setdefault(key, set()).add(request_id)
+
+    def _drop_floor(self, held: Held) -> None:
+        request_id = held.info.request_id
+        floor = self._floor_of.pop(request_id)
+        del self._floors[bisect.bisect_left(self._floors, (floor, held.rank))]
+        self._unwatch(request_id)
+
+    def _unwatch(self, request_id: str) -> None:
+        watchers = self._watchers
+        for key in self._watched.pop(request_id, ()):
+            ids = watchers.get(key)  # gone already where the prompt repeats it
+            if ids is not None:
+                ids.discard(request_id)
+                if not ids:
+                    del watchers[key]
 
     def would_lead(self, info: DispatchInfo) -> bool:
         """Whether `info`, held now, would leave first: nothing is held, or it outranks the first
@@ -90,12 +145,8 @@ class HeldRequests:
         """The request that leaves next (the queue must not be empty)."""
         return self._queue[0]
 
-    def smallest_need(self) -> float:
-        """The fewest prompt tokens any held request needs room for (inf when none is held)."""
-        sizes = self._sizes
-        while sizes and sizes[0][1] not in self._ranks:
-            heapq.heappop(sizes)
-        return sizes[0][0] if sizes else math.inf
+    def __getitem__(self, request_id: str) -> Held:
+        return self._by_id[request_id]
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._by_id

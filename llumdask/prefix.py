@@ -207,15 +207,20 @@ class PrefixIndex:
     def slot(self, instance_id: str) -> int | None:
         return self._slots.get(instance_id)
 
-    def apply(self, instance_id: str, events: PrefixEvents) -> None:
+    def apply(self, instance_id: str, events: PrefixEvents) -> list[int]:
+        """Take in an instance's cache changes; returns the hashes no instance held before."""
         bit = 1 << self.add(instance_id)
         held, masks = self._held[instance_id], self._masks
         if events.reset:
             self._clear(held, bit)
+        first = []
         for h in events.stored:
             if h not in held:
                 held.add(h)
-                masks[h] = masks.get(h, 0) | bit
+                others = masks.get(h, 0)
+                if not others:
+                    first.append(h)
+                masks[h] = others | bit
         for h in events.removed:
             if h in held:
                 held.discard(h)
@@ -224,6 +229,7 @@ class PrefixIndex:
                     masks[h] = left
                 else:
                     del masks[h]
+        return first
 
     def drop(self, instance_id: str) -> None:
         """Forget an instance (removed from the cluster); its slot is given again later."""

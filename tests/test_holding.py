@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llumdask.config import ConfigError, DispatchConfig, LlumdaskConfig, ScalingConfig, load_config
 from llumdask.global_scheduler import PENDING_EXPIRY, DispatchInfo, GlobalScheduler
-from llumdask.holding import HeldRequests
+from llumdask.holding import Held, HeldRequests
 from llumdask.load import InstanceLoad
 from llumdask.prefix import PrefixEvents
 from llumdask.request import Priority
@@ -79,11 +81,41 @@ def test_a_held_request_passes_a_larger_one_where_its_prefix_is_cached():
     gs.report(load("i1", used=95, running=4), 0.0, CACHED)
     assert gs.dispatch(req("big", 80), 1.0) is None  # kept i0, where it comes closest to fitting
     assert gs.dispatch(req("shared", 40, block_hashes=PROMPT_ANCHORS), 1.0) is None  # i1 is full
-    assert [h.need for h in gs.held] == [80 * BLOCK_SIZE, 8 * BLOCK_SIZE]
+    # Floors: the whole prompt for "big", the 8 blocks i1 lacks for "shared".
+    assert [h.info.request_id for h in gs.held.within(8)] == ["shared"]
+    assert [h.info.request_id for h in gs.held.within(80)] == ["big", "shared"]
     gs.report(load("i1", used=75, running=4), 2.0)
     # 25 free blocks on i1: less than the whole prompt, room for the 8 blocks it lacks there.
     assert [(i.request_id, target) for i, target in gs.release(2.0)] == [("shared", "i1")]
     assert [h.info.request_id for h in gs.held] == ["big"]
+
+
+def test_a_held_request_whose_prefix_is_cached_after_it_was_held_takes_only_what_it_lacks():
+    gs = scheduler(2)
+    gs.report(load("i0", used=60, running=4), 0.0)
+    gs.report(load("i1", used=95, running=4), 0.0)
+    assert gs.dispatch(req("big", 80), 1.0) is None
+    assert gs.dispatch(req("shared", 40, block_hashes=PROMPT_ANCHORS), 1.0) is None  # cached nowhere
+    assert [h.info.request_id for h in gs.held.within(39)] == []
+    # i1 frees 20 blocks and caches the prompt's first 32: room for the 8 it lacks, not for 40.
+    gs.report(load("i1", used=75, running=4), 2.0, CACHED)
+    assert [(i.request_id, target) for i, target in gs.release(2.0)] == [("shared", "i1")]
+
+
+def test_floors_follow_the_block_size_when_the_instances_change():
+    gs = scheduler(1)
+    gs.report(load("i0", used=95, running=4), 0.0)
+    assert gs.dispatch(req("big", 90), 1.0) is None
+    assert gs.dispatch(req("r", 40), 1.0) is None  # a floor of 40 blocks of 16 tokens
+    # The instances left keep blocks of 32 tokens, 30 free each: room for the 20 "r" takes on the
+    # one not kept for "big" (45).
+    for name in ("i1", "i2"):
+        gs.register_instance(name, BLOCKS, 2 * BLOCK_SIZE, 2.0)
+        gs.mark_ready(name, 2.0)
+        gs.report(InstanceLoad(name, BLOCKS, 2 * BLOCK_SIZE, 30, 4, 0, running_blocks={Priority.NORMAL: 70},
+                               running_count={Priority.NORMAL: 4}), 2.0)
+    gs.remove_instance("i0")
+    assert [i.request_id for i, _ in gs.release(3.0)] == ["r"]
 
 
 def test_a_resubmitted_request_is_never_held():
@@ -241,15 +273,28 @@ def test_held_requests_wait_while_no_instance_is_ready_then_go_to_one_that_joins
     assert [(i.request_id, t) for i, t in gs.release(3.0)] == [("r", "i1")]
 
 
-def test_the_queue_keeps_order_and_knows_its_smallest_need():
+def test_the_queue_finds_the_requests_whose_floor_fits_in_leaving_order_and_watches_their_keys():
     held = HeldRequests()
-    assert held.smallest_need() == float("inf") and held.oldest(5.0) == 0.0
-    for name, blocks, at in (("a", 9, 0.0), ("b", 3, 1.0), ("c", 5, 2.0)):
-        held.add(req(name, blocks), at)
-    assert held.smallest_need() == 3 * BLOCK_SIZE and held.oldest(5.0) == 5.0
-    assert held.remove("b").info.request_id == "b" and held.remove("b") is None
-    assert held.smallest_need() == 5 * BLOCK_SIZE
-    assert [h.info.request_id for h in held] == ["a", "c"] and held.first.info.request_id == "a"
+    assert held.within(float("inf")) == [] and held.oldest(5.0) == 0.0
+    for name, floor, watch, at in (("a", 9, (), 0.0), ("b", 3, (7, 8), 1.0), ("c", 5, (8,), 2.0), ("d", 3, (), 3.0)):
+        held.add(req(name, 10), at, floor, watch)
+    assert held.oldest(5.0) == 5.0 and held.first.info.request_id == "a"
+
+    def within(blocks: float) -> list[str]:
+        return [h.info.request_id for h in held.within(blocks)]
+
+    assert within(2) == [] and within(3) == ["b", "d"] and within(5) == ["b", "c", "d"]
+    assert within(float("inf")) == ["a", "b", "c", "d"]
+    # A key cached names every request watching it, once: they watch nothing until refloored.
+    assert held.cached([8, 99]) == {"b", "c"} and held.cached([7, 8]) == set()
+    held.refloor("b", 1, (9,))
+    assert within(1) == ["b"] and held.cached([9]) == {"b"}
+    held.refloor("c", 0, (10,))
+    assert held.remove("c").info.request_id == "c" and held.remove("c") is None
+    assert held.cached([10]) == set() and within(float("inf")) == ["a", "b", "d"]
+    # Unbounded by default: always among those that might fit.
+    held.add(req("e", 10), 6.0)
+    assert within(-1.0) == ["e"]
 
 
 def test_hold_freeness_is_on_by_default_and_must_not_be_negative():
@@ -293,3 +338,37 @@ def test_a_request_dispatched_but_never_received_stops_counting_after_a_while():
     assert gs.dispatch(req("next", 20), 1.0) is None  # the lost one's 90 blocks still count
     gs.report(load("i0", used=0, running=0), 1.0 + PENDING_EXPIRY)
     assert [(i.request_id, t) for i, t in gs.release(1.0 + PENDING_EXPIRY)] == [("next", "i0")]
+
+
+class _Everything(HeldRequests):
+    """The held queue without floors: every request is looked at, as before they were kept."""
+
+    def within(self, blocks: float) -> list[Held]:
+        return list(self)
+
+
+_ANCHORS = st.lists(st.integers(1, 6), max_size=4).map(tuple)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("report"), st.integers(0, 2), st.integers(40, 100), st.integers(1, 6), _ANCHORS, _ANCHORS),
+    st.tuples(st.just("dispatch"), st.integers(1, 60), _ANCHORS),
+), max_size=30))
+def test_floors_turn_away_only_requests_a_full_look_would_not_place(steps):
+    """Placements with the floors are those of looking at every held request after every report."""
+    def run(queue: type[HeldRequests]) -> list:
+        gs = scheduler(3)
+        gs._held = queue()
+        out = []
+        for k, step in enumerate(steps):
+            if step[0] == "report":
+                _, i, used, running, stored, removed = step
+                gs.report(load(f"i{i}", used=used, running=running), float(k), PrefixEvents(stored, removed))
+            else:
+                _, blocks, anchors = step
+                out.append(gs.dispatch(req(f"r{k}", blocks, block_hashes=anchors), float(k)))
+            out.append([(info.request_id, target) for info, target in gs.release(float(k))])
+        return out
+
+    assert run(HeldRequests) == run(_Everything)

@@ -10,6 +10,7 @@ one instance at a time (a test keeps the two equal).
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Protocol, Sequence, overload
 
 import numpy as np
@@ -117,14 +118,6 @@ class CandidateTable(Sequence[Candidate]):
         """The candidate's position in the table (None if it is not one)."""
         return self._slots.get(instance_id)
 
-    def most_room_tokens(self) -> float:
-        """The most prompt tokens any candidate not reserved could take without queueing (an upper
-        bound: headroom for an absent class and cached prefixes not counted)."""
-        room = self._surplus * self._block_size
-        if self._reserved is not None:
-            room[self._reserved] = -np.inf
-        return float(room.max())
-
     def empty_room_blocks(self, prompt_tokens: int) -> int:
         """The most blocks any candidate would have to spare with this prompt alone on it (its
         whole memory less the prompt's blocks): what it could ever offer the request."""
@@ -158,13 +151,19 @@ class CandidateTable(Sequence[Candidate]):
         return answer.best
 
     def could_keep(self, freeness: float, prompt_tokens: int, priority: Priority, cached: float = 0) -> bool:
-        """Whether some candidate not reserved might keep `freeness` (> 0) with this request, were
+        """Whether some candidate not reserved might keep `freeness` with this request, were
         `cached` blocks of it (`most_cached_bound`) cached everywhere: False only where
-        `dispatch_freeness` is below it everywhere. One bound per priority between changes, then
-        O(1) a request: held requests passing the first ask after every report, and nearly all are
-        turned away."""
+        `dispatch_freeness` is below it everywhere."""
+        size = self._uniform_block_size or 1  # mixed sizes: no bound (spare_blocks is inf)
+        return -(-prompt_tokens // size) - cached <= self.spare_blocks(freeness, priority)
+
+    def spare_blocks(self, freeness: float, priority: Priority) -> float:
+        """The most blocks a request of `priority` could store on a candidate not reserved and
+        still keep `freeness` (> 0) there (inf for any other freeness, or mixed block sizes: no
+        bound). One pass per priority between changes, then O(1): held requests passing the
+        first ask after every report, and nearly all are turned away."""
         if freeness <= 0 or self._uniform_block_size is None:
-            return True
+            return math.inf
         spare = self._spare
         if spare is None or spare[0] != (priority, freeness):
             # The blocks each could give a request and still keep `freeness` (a request's F is its
@@ -175,7 +174,12 @@ class CandidateTable(Sequence[Candidate]):
             if self._reserved is not None:
                 room[self._reserved] = -np.inf
             spare = self._spare = ((priority, freeness), float(room.max()))
-        return -(-prompt_tokens // self._uniform_block_size) - cached <= spare[1]
+        return spare[1]
+
+    @property
+    def uniform_block_size(self) -> int | None:
+        """Every candidate's block size where they share one, else None."""
+        return self._uniform_block_size
 
     def _answer(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None) -> _Answer:
         last = self._last
@@ -228,15 +232,6 @@ class CandidateTable(Sequence[Candidate]):
         if not hashes or self._prefix is None:
             return 0.0
         return self._prefix.longest_bound(hashes) * self._most_stride
-
-    def most_cached_tokens(self, hashes: tuple[int, ...]) -> int:
-        """The longest prefix of the prompt any candidate caches, in tokens (0: none)."""
-        hits = self.cached_blocks(hashes)
-        if hits is None:
-            return 0
-        if self._uniform_block_size:
-            return int(hits.max()) * self._uniform_block_size
-        return int((hits * self._block_size).max())
 
     def held_blocks(self) -> np.ndarray:
         """Block hashes each candidate caches, as far as the index knows (its cache's size)."""
