@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     grid = earlier_grid(args.refine_from) if args.refine_from is not None else run_grid(
         tuple(int(s) for s in args.seeds.split(",")), args.quick, args.jobs)
     if args.rerun is not None:
+        if grid.name.endswith("_quick"):
+            p.error("--rerun runs the full grid: give it a full report, not a --quick one")
         grid = rerun_workload(grid, args.rerun, args.jobs)
     name, seeds, instances, requests, rates, rows, cost, grid_seconds = grid
     refining = time.perf_counter()

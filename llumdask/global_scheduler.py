@@ -294,8 +294,8 @@ class GlobalScheduler:
         self.prefix = PrefixIndex()
         # Requests waiting here for an instance with room (`dispatch.hold-freeness`).
         self._held = HeldRequests()
-        # The block size the held requests' floors count in (`_floor`).
-        self._floor_size: int | None = None
+        # The tokens an anchor takes off the held requests' floors (`_floor`).
+        self._floor_step = 0
 
     # ------------------------------------------------------------------ instance table
 
@@ -369,9 +369,7 @@ class GlobalScheduler:
         elif self._candidates is not None:
             self._candidates.update(instance)
         if cached and self._held:
-            # Held requests whose prompt's next anchors are now cached somewhere may take less.
-            for request_id in self._held.cached(cached):
-                self._held.refloor(request_id, *self._floor(self._candidate_table(), self._held[request_id].info))
+            self._held.cached(cached)  # held requests whose prompt's anchors these are take less
 
     def freeness(self, instance_id: str) -> float:
         """The instance's F, counting requests dispatched there but not yet reported."""
@@ -440,7 +438,7 @@ class GlobalScheduler:
                 with self._reserved_for(candidates, chosen.info, now):
                     # Only those whose floor fits the room some instance keeps (held ones are
                     # normal): after most reports, none.
-                    spare = candidates.spare_blocks(self._config.dispatch.hold_freeness, Priority.NORMAL)
+                    spare = candidates.spare_tokens(self._config.dispatch.hold_freeness, Priority.NORMAL)
                     for later in held.within(spare):
                         if later is not chosen and self._might_keep_hold(candidates, later.info):
                             target = self._place_held(candidates, later.info, now)
@@ -541,8 +539,8 @@ class GlobalScheduler:
         if self._candidates is None:
             self._candidates = CandidateTable(
                 [i for i in self._instances.values() if i.ready and not i.terminating], self.prefix)
-            if self._held and self._candidates.uniform_block_size != self._floor_size:
-                # Floors count blocks: of another size once the membership's changed.
+            if self._held and self._candidates.most_anchor_tokens != self._floor_step:
+                # Floors count an anchor as its most tokens on any candidate: changed with them.
                 for held in list(self._held):
                     self._held.refloor(held.info.request_id, *self._floor(self._candidates, held.info))
         return self._candidates
@@ -604,19 +602,17 @@ class GlobalScheduler:
         return (candidates.could_keep(hold, 0, priority)
                 and candidates.could_keep(hold, tokens, priority, candidates.most_cached_bound(info.block_hashes)))
 
-    def _floor(self, candidates: CandidateTable, info: DispatchInfo) -> tuple[float, tuple[int, ...]]:
-        """Fewer blocks than the request could take on any candidate, where `_might_keep_hold`
-        reads it (`HeldRequests.within`): its prompt's blocks less all it might find cached (with
-        prefix-aware dispatch, up to the last anchor any instance caches); and the anchors past
-        that, whose caching lowers it. Unbounded with mixed block sizes."""
-        size = self._floor_size = candidates.uniform_block_size
-        if size is None:
-            return -math.inf, ()
-        blocks = -(-info.num_prompt_tokens // size)
+    def _floor(self, candidates: CandidateTable, info: DispatchInfo) -> tuple[float, tuple[int, ...], float]:
+        """At most the prompt tokens the request could take on any candidate, where
+        `_might_keep_hold` reads it (`HeldRequests.within`): the prompt less all it might find
+        cached (with prefix-aware dispatch, up to the last anchor any instance caches, each anchor
+        its most tokens on any candidate); the anchors past that, and what each takes off once
+        cached (`HeldRequests.add`)."""
+        step = self._floor_step = candidates.most_anchor_tokens
         if not self._config.dispatch.prefix_aware or not info.block_hashes:
-            return blocks, ()
+            return info.num_prompt_tokens, (), 0.0
         bound = self.prefix.longest_bound(info.block_hashes)
-        return blocks - bound * anchor_stride(size), tuple(info.block_hashes[bound:])
+        return info.num_prompt_tokens - bound * step, tuple(info.block_hashes[bound:]), float(step)
 
     def _could_ever_leave_room(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
         """Whether an empty candidate would keep hold-freeness with the request (its only one)."""

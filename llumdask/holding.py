@@ -22,10 +22,11 @@ The first's wait is not bounded beyond the rule: an instance whose room shrinks 
 finishes could keep passing it.
 
 Past capacity thousands may be held, and the scheduler looks for a later one to pass the first
-after every report. Each is kept with its floor, fewer blocks than it could take anywhere (the
-prompt less the most any instance might cache of it), so that a look reads only the requests
-whose floor fits the room there is. A floor rises as caches evict (still a floor) and falls only
-when one of the prompt's anchors cached nowhere is cached somewhere: those anchors are watched.
+after every report. Each is kept with its floor, at most the prompt tokens it could take anywhere
+(the prompt less the most any instance might cache of it), so that a look reads only the requests
+whose floor fits the room there is. What a request could take grows as caches evict (the floor
+stays below it) and shrinks only when one of the prompt's anchors cached nowhere is cached
+somewhere: those anchors are watched, and each lowers the floor to what is left past it.
 """
 
 from __future__ import annotations
@@ -54,79 +55,98 @@ class HeldRequests:
     def __init__(self) -> None:
         self._queue: list[Held] = []
         self._by_id: dict[str, Held] = {}
+        self._by_rank: dict[tuple[int, int], Held] = {}
         self._arrivals = itertools.count()
-        # (floor, rank) of every request held, ascending; each one's floor and the keys it watches.
+        # (floor, rank) of every request held, ascending, and each one's floor.
         self._floors: list[tuple[float, tuple[int, int]]] = []
         self._floor_of: dict[str, float] = {}
-        self._by_rank: dict[tuple[int, int], Held] = {}
+        # Each one's floor before any key it watches was cached, and what each such key takes off.
+        self._base: dict[str, tuple[float, float]] = {}
         self._watched: dict[str, tuple[int, ...]] = {}
-        self._watchers: dict[int, set[str]] = {}
+        # Key -> the requests watching it and its place in their prompt past what was cached.
+        self._watchers: dict[int, dict[str, int]] = {}
 
-    def add(self, info: DispatchInfo, now: float, floor: float = -math.inf, watch: tuple[int, ...] = ()) -> None:
-        """Hold `info`; `floor`: fewer blocks than it could take anywhere (none: unbounded), until
-        a key of `watch` is cached."""
+    def add(self, info: DispatchInfo, now: float, floor: float = -math.inf, watch: tuple[int, ...] = (),
+            step: float = 0.0) -> None:
+        """Hold `info` with its floor, at most the prompt tokens it could take anywhere (none:
+        unbounded); each key of `watch` (the prompt's anchors past what any instance caches, in
+        order), once cached somewhere, lowers it to what is left past that key: `step` a place."""
         self._refuse_held(info.request_id)
         held = Held((-int(info.execution_priority), next(self._arrivals)), info, now)
         bisect.insort(self._queue, held)
         self._by_id[info.request_id] = held
         self._by_rank[held.rank] = held
-        self._set_floor(held, floor, watch)
+        self._set_floor(held, floor, watch, step)
 
     def remove(self, request_id: str) -> Held | None:
         """Take a request out (placed, or withdrawn by its client); None if it is not held."""
         held = self._by_id.pop(request_id, None)
         if held is not None:
             del self._queue[bisect.bisect_left(self._queue, held)]
-            self._drop_floor(held)
             del self._by_rank[held.rank]
+            self._drop_floor(held)
         return held
 
-    def refloor(self, request_id: str, floor: float, watch: tuple[int, ...]) -> None:
-        """Give a held request a new floor and the keys whose caching lowers it."""
+    def refloor(self, request_id: str, floor: float, watch: tuple[int, ...], step: float) -> None:
+        """Give a held request a new floor and keys to watch (as `add` does)."""
         held = self._by_id[request_id]
         self._drop_floor(held)
-        self._set_floor(held, floor, watch)
+        self._set_floor(held, floor, watch, step)
 
-    def cached(self, keys: Iterable[int]) -> set[str]:
-        """The held requests watching any of `keys` (newly cached somewhere): their floors may
-        have fallen, and they watch nothing more until refloored."""
-        found: set[str] = set()
-        watchers = self._watchers
+    def cached(self, keys: Iterable[int]) -> None:
+        """Keys newly cached somewhere: the floors of the requests watching them fall."""
+        furthest: dict[str, int] = {}  # each request's furthest place cached: one move each
         for key in keys:
-            ids = watchers.get(key)
-            if ids:
-                found |= ids
-        for request_id in found:
-            self._unwatch(request_id)
-        return found
+            for request_id, place in self._watchers.get(key, {}).items():
+                if place > furthest.get(request_id, -1):
+                    furthest[request_id] = place
+        for request_id, place in furthest.items():
+            base, step = self._base[request_id]
+            floor = base - (place + 1) * step
+            if floor < self._floor_of[request_id]:
+                self._move(self._by_id[request_id], floor)
 
-    def within(self, blocks: float) -> list[Held]:
-        """The held requests whose floor is at most `blocks`, in leaving order."""
-        end = bisect.bisect_right(self._floors, (blocks, (math.inf, math.inf)))
-        by_rank = self._by_rank
-        return [by_rank[rank] for rank in sorted(rank for _, rank in self._floors[:end])]
+    def within(self, tokens: float) -> Iterator[Held]:
+        """The held requests whose floor is at most `tokens`, in leaving order; lazily, as the
+        first that is placed ends the look."""
+        end = bisect.bisect_right(self._floors, (tokens, (math.inf, math.inf)))
+        if end * 8 < len(self._queue):  # few: sorted by rank
+            by_rank = self._by_rank
+            for rank in sorted(rank for _, rank in self._floors[:end]):
+                yield by_rank[rank]
+        else:  # most: the queue in order, filtered
+            floor_of = self._floor_of
+            for held in self._queue:
+                if floor_of[held.info.request_id] <= tokens:
+                    yield held
 
-    def _set_floor(self, held: Held, floor: float, watch: tuple[int, ...]) -> None:
+    def _set_floor(self, held: Held, floor: float, watch: tuple[int, ...], step: float) -> None:
         request_id = held.info.request_id
         self._floor_of[request_id] = floor
         bisect.insort(self._floors, (floor, held.rank))
         if watch:
+            self._base[request_id] = (floor, step)
             self._watched[request_id] = watch
-            for key in watch:
-                self._watchers.setdefault(key, set()).add(request_id)
+            for place, key in enumerate(watch):
+                self._watchers.setdefault(key, {})[request_id] = place  # a repeated key: its last place
+
+    def _move(self, held: Held, floor: float) -> None:
+        request_id = held.info.request_id
+        floors = self._floors
+        del floors[bisect.bisect_left(floors, (self._floor_of[request_id], held.rank))]
+        self._floor_of[request_id] = floor
+        bisect.insort(floors, (floor, held.rank))
 
     def _drop_floor(self, held: Held) -> None:
         request_id = held.info.request_id
         floor = self._floor_of.pop(request_id)
         del self._floors[bisect.bisect_left(self._floors, (floor, held.rank))]
-        self._unwatch(request_id)
-
-    def _unwatch(self, request_id: str) -> None:
+        self._base.pop(request_id, None)
         watchers = self._watchers
         for key in self._watched.pop(request_id, ()):
             ids = watchers.get(key)  # gone already where the prompt repeats it
             if ids is not None:
-                ids.discard(request_id)
+                ids.pop(request_id, None)
                 if not ids:
                     del watchers[key]
 

@@ -290,8 +290,8 @@ class PrefixIndex:
 
     def longest_bound(self, hashes: Sequence[int]) -> int:
         """At least the most anchors of `hashes` one instance holds as a prefix (`lengths`' largest):
-        the place of the last anchor any instance holds. A prompt's own tail is cached nowhere
-        yet, so the walk back to it is short (the held queue asks after every report)."""
+        the place of the last anchor any instance holds, found walking back from the prompt's end
+        (as far as its tail is cached nowhere: for most prompts a few anchors)."""
         masks = self._masks
         for held in range(len(hashes), 0, -1):
             if masks.get(hashes[held - 1]):

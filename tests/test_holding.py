@@ -82,8 +82,8 @@ def test_a_held_request_passes_a_larger_one_where_its_prefix_is_cached():
     assert gs.dispatch(req("big", 80), 1.0) is None  # kept i0, where it comes closest to fitting
     assert gs.dispatch(req("shared", 40, block_hashes=PROMPT_ANCHORS), 1.0) is None  # i1 is full
     # Floors: the whole prompt for "big", the 8 blocks i1 lacks for "shared".
-    assert [h.info.request_id for h in gs.held.within(8)] == ["shared"]
-    assert [h.info.request_id for h in gs.held.within(80)] == ["big", "shared"]
+    assert [h.info.request_id for h in gs.held.within(8 * BLOCK_SIZE)] == ["shared"]
+    assert [h.info.request_id for h in gs.held.within(80 * BLOCK_SIZE)] == ["big", "shared"]
     gs.report(load("i1", used=75, running=4), 2.0)
     # 25 free blocks on i1: less than the whole prompt, room for the 8 blocks it lacks there.
     assert [(i.request_id, target) for i, target in gs.release(2.0)] == [("shared", "i1")]
@@ -96,25 +96,25 @@ def test_a_held_request_whose_prefix_is_cached_after_it_was_held_takes_only_what
     gs.report(load("i1", used=95, running=4), 0.0)
     assert gs.dispatch(req("big", 80), 1.0) is None
     assert gs.dispatch(req("shared", 40, block_hashes=PROMPT_ANCHORS), 1.0) is None  # cached nowhere
-    assert [h.info.request_id for h in gs.held.within(39)] == []
+    assert list(gs.held.within(40 * BLOCK_SIZE - 1)) == []
     # i1 frees 20 blocks and caches the prompt's first 32: room for the 8 it lacks, not for 40.
     gs.report(load("i1", used=75, running=4), 2.0, CACHED)
     assert [(i.request_id, target) for i, target in gs.release(2.0)] == [("shared", "i1")]
 
 
-def test_floors_follow_the_block_size_when_the_instances_change():
+def test_floors_follow_what_an_anchor_takes_when_the_instances_change():
     gs = scheduler(1)
     gs.report(load("i0", used=95, running=4), 0.0)
     assert gs.dispatch(req("big", 90), 1.0) is None
-    assert gs.dispatch(req("r", 40), 1.0) is None  # a floor of 40 blocks of 16 tokens
-    # The instances left keep blocks of 32 tokens, 30 free each: room for the 20 "r" takes on the
-    # one not kept for "big" (45).
+    assert gs.dispatch(req("r", 40, block_hashes=(1, 2, 3)), 1.0) is None  # cached nowhere: 640 tokens
+    # Instances of 256-token blocks join (an anchor is one block there: 256 tokens, 128 on i0) and
+    # cache the prompt's first two anchors: "r" lacks one block there, and the one not kept for
+    # "big" has room for it (6 free blocks, 4 requests running).
     for name in ("i1", "i2"):
-        gs.register_instance(name, BLOCKS, 2 * BLOCK_SIZE, 2.0)
+        gs.register_instance(name, BLOCKS, 256, 2.0)
         gs.mark_ready(name, 2.0)
-        gs.report(InstanceLoad(name, BLOCKS, 2 * BLOCK_SIZE, 30, 4, 0, running_blocks={Priority.NORMAL: 70},
-                               running_count={Priority.NORMAL: 4}), 2.0)
-    gs.remove_instance("i0")
+        gs.report(InstanceLoad(name, BLOCKS, 256, 6, 4, 0, running_blocks={Priority.NORMAL: 94},
+                               running_count={Priority.NORMAL: 4}), 2.0, PrefixEvents(stored=(1, 2)))
     assert [i.request_id for i, _ in gs.release(3.0)] == ["r"]
 
 
@@ -273,28 +273,39 @@ def test_held_requests_wait_while_no_instance_is_ready_then_go_to_one_that_joins
     assert [(i.request_id, t) for i, t in gs.release(3.0)] == [("r", "i1")]
 
 
-def test_the_queue_finds_the_requests_whose_floor_fits_in_leaving_order_and_watches_their_keys():
+def test_the_queue_finds_the_requests_whose_floor_fits_in_leaving_order_and_lowers_them_as_keys_are_cached():
     held = HeldRequests()
-    assert held.within(float("inf")) == [] and held.oldest(5.0) == 0.0
-    for name, floor, watch, at in (("a", 9, (), 0.0), ("b", 3, (7, 8), 1.0), ("c", 5, (8,), 2.0), ("d", 3, (), 3.0)):
-        held.add(req(name, 10), at, floor, watch)
+    assert list(held.within(float("inf"))) == [] and held.oldest(5.0) == 0.0
+    for name, floor, watch, step, at in (("a", 9, (), 0, 0.0), ("b", 30, (7, 8), 10, 1.0), ("c", 50, (8, 7, 8), 5, 2.0),
+                                         ("d", 3, (), 0, 3.0)):
+        held.add(req(name, 10), at, floor, watch, step)
     assert held.oldest(5.0) == 5.0 and held.first.info.request_id == "a"
 
-    def within(blocks: float) -> list[str]:
-        return [h.info.request_id for h in held.within(blocks)]
+    def within(tokens: float) -> list[str]:
+        return [h.info.request_id for h in held.within(tokens)]
 
-    assert within(2) == [] and within(3) == ["b", "d"] and within(5) == ["b", "c", "d"]
+    assert within(2) == [] and within(9) == ["a", "d"] and within(30) == ["a", "b", "d"]
     assert within(float("inf")) == ["a", "b", "c", "d"]
-    # A key cached names every request watching it, once: they watch nothing until refloored.
-    assert held.cached([8, 99]) == {"b", "c"} and held.cached([7, 8]) == set()
-    held.refloor("b", 1, (9,))
-    assert within(1) == ["b"] and held.cached([9]) == {"b"}
-    held.refloor("c", 0, (10,))
+    # A key cached lowers each floor watching it to what is left past it (a repeated key: its last place).
+    held.cached([8, 99])
+    assert within(10) == ["a", "b", "d"] and within(35) == ["a", "b", "c", "d"] and within(34) == ["a", "b", "d"]
+    held.cached([7])  # before 8 in b's prompt: b keeps the lower floor
+    assert within(10) == ["a", "b", "d"] and within(9) == ["a", "d"]
+    held.refloor("b", 1, (9,), 1)
+    assert within(1) == ["b"]
+    held.cached([9])
+    assert within(0) == ["b"] and within(-1) == []
     assert held.remove("c").info.request_id == "c" and held.remove("c") is None
-    assert held.cached([10]) == set() and within(float("inf")) == ["a", "b", "d"]
+    held.cached([8])  # nobody watches it now
+    assert within(float("inf")) == ["a", "b", "d"]
     # Unbounded by default: always among those that might fit.
     held.add(req("e", 10), 6.0)
     assert within(-1.0) == ["e"]
+    # Many fitting: looked at in the queue's order, lazily.
+    for k in range(40):
+        held.add(req(f"m{k}", 10), 7.0, 0)
+    found = held.within(0)
+    assert [next(found).info.request_id for _ in range(3)] == ["b", "e", "m0"]
 
 
 def test_hold_freeness_is_on_by_default_and_must_not_be_negative():
@@ -350,21 +361,35 @@ class _Everything(HeldRequests):
 _ANCHORS = st.lists(st.integers(1, 6), max_size=4).map(tuple)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(
     st.tuples(st.just("report"), st.integers(0, 2), st.integers(40, 100), st.integers(1, 6), _ANCHORS, _ANCHORS),
     st.tuples(st.just("dispatch"), st.integers(1, 60), _ANCHORS),
-), max_size=30))
-def test_floors_turn_away_only_requests_a_full_look_would_not_place(steps):
-    """Placements with the floors are those of looking at every held request after every report."""
+    st.tuples(st.just("leave"), st.integers(0, 2)),
+), max_size=30), st.sampled_from([0.0, 1.0, 2.5]), st.sampled_from([BLOCK_SIZE, 2 * BLOCK_SIZE]), st.booleans())
+def test_floors_turn_away_only_requests_a_full_look_would_not_place(steps, hold, third_block_size, prefix_aware):
+    """Placements with the floors are those of looking at every held request after every report,
+    at any hold-freeness, with mixed block sizes, as instances leave, prefix-aware or not."""
+    sizes = (BLOCK_SIZE, BLOCK_SIZE, third_block_size)
+
     def run(queue: type[HeldRequests]) -> list:
-        gs = scheduler(3)
+        gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(
+            interference_freeness=None, hold_freeness=hold, prefix_aware=prefix_aware)))
+        for k, size in enumerate(sizes):
+            gs.register_instance(f"i{k}", BLOCKS, size, 0.0)
+            gs.mark_ready(f"i{k}", 0.0)
         gs._held = queue()
         out = []
         for k, step in enumerate(steps):
             if step[0] == "report":
                 _, i, used, running, stored, removed = step
-                gs.report(load(f"i{i}", used=used, running=running), float(k), PrefixEvents(stored, removed))
+                if f"i{i}" in gs.members()[0]:
+                    gs.report(InstanceLoad(f"i{i}", BLOCKS, sizes[i], BLOCKS - used, running, 0,
+                                           running_blocks={Priority.NORMAL: used}, running_count={Priority.NORMAL: running}),
+                              float(k), PrefixEvents(stored, removed))
+            elif step[0] == "leave":
+                if f"i{step[1]}" in gs.members()[0] and len(gs.members()[0]) > 1:
+                    gs.remove_instance(f"i{step[1]}")
             else:
                 _, blocks, anchors = step
                 out.append(gs.dispatch(req(f"r{k}", blocks, block_hashes=anchors), float(k)))

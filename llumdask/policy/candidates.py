@@ -86,6 +86,7 @@ class CandidateTable(Sequence[Candidate]):
         self._stride: float | np.ndarray = (float(anchor_stride(self._uniform_block_size)) if self._uniform_block_size
                                           else np.array([anchor_stride(int(b)) for b in self._block_size], dtype=float))
         self._most_stride = float(np.max(self._stride, initial=0.0))
+        self._most_anchor_tokens = int(np.max(self._stride * self._block_size, initial=0))
         self._charge = {p: np.zeros(n) for p in Priority}
         # Candidates charged each class's headroom: a column of zeros is not worth a pass.
         self._charged = dict.fromkeys(Priority, 0)
@@ -93,8 +94,9 @@ class CandidateTable(Sequence[Candidate]):
         # The last `dispatch_freeness` answer, until a candidate changes: admission and the policy
         # of one dispatch ask the same.
         self._last: _Answer | None = None
-        # `could_keep`'s last bound ((priority, freeness), blocks), until a candidate changes.
-        self._spare: tuple[tuple[Priority, float], float] | None = None
+        # The last spare room asked for ((priority, freeness), most blocks, most tokens), until a
+        # candidate changes (`_spare_of`).
+        self._spare: tuple[tuple[Priority, float], float, float] | None = None
         # A slot kept for a held request (`llumdask.holding`): no other request may go there.
         self._reserved: int | None = None
         for candidate in self._candidates:
@@ -153,17 +155,23 @@ class CandidateTable(Sequence[Candidate]):
     def could_keep(self, freeness: float, prompt_tokens: int, priority: Priority, cached: float = 0) -> bool:
         """Whether some candidate not reserved might keep `freeness` with this request, were
         `cached` blocks of it (`most_cached_bound`) cached everywhere: False only where
-        `dispatch_freeness` is below it everywhere."""
-        size = self._uniform_block_size or 1  # mixed sizes: no bound (spare_blocks is inf)
-        return -(-prompt_tokens // size) - cached <= self.spare_blocks(freeness, priority)
+        `dispatch_freeness` is below it everywhere (mixed block sizes: always True)."""
+        size = self._uniform_block_size
+        if size is None:
+            return True
+        return -(-prompt_tokens // size) - cached <= self._spare_of(freeness, priority)[0]
 
-    def spare_blocks(self, freeness: float, priority: Priority) -> float:
-        """The most blocks a request of `priority` could store on a candidate not reserved and
-        still keep `freeness` (> 0) there (inf for any other freeness, or mixed block sizes: no
-        bound). One pass per priority between changes, then O(1): held requests passing the
-        first ask after every report, and nearly all are turned away."""
-        if freeness <= 0 or self._uniform_block_size is None:
-            return math.inf
+    def spare_tokens(self, freeness: float, priority: Priority) -> float:
+        """The most prompt tokens, none of them cached, that a request of `priority` could bring to
+        a candidate not reserved and still keep `freeness` there (each candidate's spare blocks at
+        its own block size)."""
+        return self._spare_of(freeness, priority)[1]
+
+    def _spare_of(self, freeness: float, priority: Priority) -> tuple[float, float]:
+        """(most blocks, most tokens) a request could take and keep `freeness` (inf below 0). One
+        pass per priority between changes, then O(1): held requests ask after every report."""
+        if freeness < 0:
+            return math.inf, math.inf
         spare = self._spare
         if spare is None or spare[0] != (priority, freeness):
             # The blocks each could give a request and still keep `freeness` (a request's F is its
@@ -173,13 +181,13 @@ class CandidateTable(Sequence[Candidate]):
                 room -= self._charge[priority]
             if self._reserved is not None:
                 room[self._reserved] = -np.inf
-            spare = self._spare = ((priority, freeness), float(room.max()))
-        return spare[1]
+            spare = self._spare = ((priority, freeness), float(room.max()), float((room * self._block_size).max()))
+        return spare[1], spare[2]
 
     @property
-    def uniform_block_size(self) -> int | None:
-        """Every candidate's block size where they share one, else None."""
-        return self._uniform_block_size
+    def most_anchor_tokens(self) -> int:
+        """The most prompt tokens an anchor of the prefix index stands for on any candidate (0: none)."""
+        return self._most_anchor_tokens
 
     def _answer(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None) -> _Answer:
         last = self._last

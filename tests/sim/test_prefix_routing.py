@@ -168,6 +168,11 @@ def test_a_workload_run_again_replaces_its_settings_and_keeps_the_others(tmp_pat
     with pytest.raises(SystemExit):
         main(["--rerun", SYSTEM_PROMPT, "--out", str(tmp_path / "refused")])
     assert "--rerun needs --refine-from" in capsys.readouterr().err
+    (tmp_path / "quick.json").write_text(json.dumps(earlier | {"benchmark": "prefix_routing_quick"}))
+    with pytest.raises(SystemExit):
+        main(["--refine-from", str(tmp_path / "quick.json"), "--rerun", SYSTEM_PROMPT, "--out", str(tmp_path / "refused")])
+    assert "not a --quick one" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_conversations_last_turn_does_not_stand_for_the_last_arrival():
