@@ -594,13 +594,8 @@ class GlobalScheduler:
         any instance caches counted as cached everywhere)."""
         hold = self._config.dispatch.hold_freeness
         assert hold is not None
-        tokens, priority = info.num_prompt_tokens, info.execution_priority
-        if not self._config.dispatch.prefix_aware:
-            return candidates.could_keep(hold, tokens, priority)
-        # Room for a request storing nothing first: past capacity that turns nearly all away
-        # before the prompt's anchors are looked up.
-        return (candidates.could_keep(hold, 0, priority)
-                and candidates.could_keep(hold, tokens, priority, candidates.most_cached_bound(info.block_hashes)))
+        cached = candidates.most_cached_bound(info.block_hashes) if self._config.dispatch.prefix_aware else 0.0
+        return candidates.could_keep(hold, info.num_prompt_tokens, info.execution_priority, cached)
 
     def _floor(self, candidates: CandidateTable, info: DispatchInfo) -> tuple[float, tuple[int, ...], float]:
         """At most the prompt tokens the request could take on any candidate, where

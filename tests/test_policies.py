@@ -30,7 +30,7 @@ from llumdask.policy.dispatch import (
     SglangCacheAwareDispatch,
     make_dispatch_policy,
 )
-from llumdask.prefix import PrefixEvents, PrefixIndex
+from llumdask.prefix import PrefixEvents, PrefixIndex, anchor_stride
 from llumdask.policy.migration import MigrationPair, pair_migrations
 from llumdask.policy.scaling import ScaleAction, ScaleDecision, ScalingPolicy
 from llumdask.request import Priority
@@ -646,7 +646,23 @@ def test_the_candidate_tables_kept_answer_is_a_fresh_tables_after_every_change(s
 
 
 @given(st.lists(_SPEC, min_size=1, max_size=5), st.integers(1, 3000), st.sampled_from(list(Priority)),
-       st.sampled_from([0.5, 1.0, 1.5, 2.0, 7.25]), st.one_of(st.none(), st.integers(0, 4)),
+       st.sampled_from([0.0, 0.5, 1.0, 2.0, 7.25]), st.one_of(st.none(), st.integers(0, 4)), st.integers(0, 12),
+       st.randoms(use_true_random=False))
+def test_spare_tokens_bound_every_candidate_that_keeps_the_freeness_at_its_own_block_size(
+        specs, prompt, priority, hold, reserved, anchors, rng):
+    """The held queue's floors are read against `spare_tokens`: where a candidate not reserved
+    keeps `hold` with the request, holding some prefix of its anchors, the prompt less every
+    anchor at the most tokens one stands for there fits, whatever the block sizes."""
+    table = CandidateTable([_spec_view(k, spec) for k, spec in enumerate(specs)])
+    table.reserve(None if reserved is None else reserved % len(specs))
+    cached = np.array([rng.randint(0, anchors) * anchor_stride(spec[-1]) for spec in specs], dtype=float)
+    if table.dispatch_freeness(prompt, priority, cached).max() >= hold:
+        assert prompt - anchors * table.most_anchor_tokens <= table.spare_tokens(hold, priority)
+    assert table.most_anchor_tokens == max(anchor_stride(spec[-1]) * spec[-1] for spec in specs)
+
+
+@given(st.lists(_SPEC, min_size=1, max_size=5), st.integers(1, 3000), st.sampled_from(list(Priority)),
+       st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 7.25]), st.one_of(st.none(), st.integers(0, 4)),
        st.integers(0, 40), st.randoms(use_true_random=False))
 def test_could_keep_turns_away_only_requests_no_candidate_keeps_the_freeness_for(specs, prompt, priority, hold, reserved,
                                                                                  most_cached, rng):
