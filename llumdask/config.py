@@ -55,6 +55,7 @@ class DispatchConfig:
     interference_freeness: float | None = 16.0
     admission_freeness: float | None = None
     hold_freeness: float | None = 1.0
+    hold_limit: float | None = None
     prefix_aware: bool = True
     priority_pool_instances: int = 0
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from llumdask.admission import DepartureRate, RetryQueue, departures
 from llumdask.config import LlumdaskConfig
-from llumdask.holding import HeldRequests
+from llumdask.holding import Held, HeldRequests
 from llumdask.load import (
     InstanceLoad,
     PooledLoad,
@@ -416,11 +416,12 @@ class GlobalScheduler:
             return self._place(candidates, info, self._dispatch_policy.choose(candidates, info), now)
         # In line with the held requests: first if it outranks them, else only where it delays
         # none of them (every other change of state was followed by a `release`).
+        hold = self._config.dispatch.hold_freeness
         if self._held.would_lead(info):
-            target = self._place_held(candidates, info, now)
+            target = self._place_held(candidates, info, now, hold)
         else:
             with self._reserved_for(candidates, self._held.first.info, now):
-                target = self._place_held(candidates, info, now)
+                target = self._place_held(candidates, info, now, hold)
         if target is None:
             self._held.add(info, now, *self._floor(candidates, info))
         return target
@@ -433,15 +434,16 @@ class GlobalScheduler:
         while held and self._has_candidates():
             candidates = self._table()
             chosen = held.first
-            target = self._place_held(candidates, chosen.info, now)
+            hold = self._config.dispatch.hold_freeness
+            target = self._place_held(candidates, chosen.info, now, self._first_hold(chosen, now))
             if target is None:
                 with self._reserved_for(candidates, chosen.info, now):
                     # Only those whose floor fits the room some instance keeps (held ones are
                     # normal): after most reports, none.
-                    spare = candidates.spare_tokens(self._config.dispatch.hold_freeness, Priority.NORMAL)
+                    spare = candidates.spare_tokens(hold, Priority.NORMAL)
                     for later in held.within(spare):
                         if later is not chosen and self._might_keep_hold(candidates, later.info):
-                            target = self._place_held(candidates, later.info, now)
+                            target = self._place_held(candidates, later.info, now, hold)
                             if target is not None:
                                 chosen = later
                                 break
@@ -573,12 +575,10 @@ class GlobalScheduler:
         candidates.update(instance)
         return chosen
 
-    def _place_held(self, candidates: CandidateTable, info: DispatchInfo, now: float) -> str | None:
-        """Place a held request on the policy's choice where it leaves hold-freeness, the prefix
-        that instance caches not charged (as dispatch charges it); None while there is no such
-        room (or the policy would put it elsewhere)."""
-        hold = self._config.dispatch.hold_freeness
-        assert hold is not None, "requests are held only while hold-freeness is set"
+    def _place_held(self, candidates: CandidateTable, info: DispatchInfo, now: float, hold: float) -> str | None:
+        """Place a held request on the policy's choice where it leaves `hold` dispatch freeness,
+        the prefix that instance caches not charged (as dispatch charges it); None while there is
+        no such room (or the policy would put it elsewhere)."""
         freeness = self._freeness_of(candidates, info)
         if float(freeness[self._freest(candidates, info)]) < hold:
             return None
@@ -587,6 +587,16 @@ class GlobalScheduler:
         if slot is None or float(freeness[slot]) < hold:
             return None
         return self._place(candidates, info, chosen, now)
+
+    def _first_hold(self, first: Held, now: float) -> float:
+        """The room the first held request waits for: hold-freeness, until it has waited
+        `dispatch.hold-limit`; then room for its prompt behind the instance's queue (freeness 0),
+        its first token no longer deferred for the room others would grow into."""
+        dispatch = self._config.dispatch
+        assert dispatch.hold_freeness is not None, "requests are held only while hold-freeness is set"
+        if dispatch.hold_limit is not None and now - first.since >= dispatch.hold_limit:
+            return 0.0
+        return dispatch.hold_freeness
 
     def _might_keep_hold(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
         """False where `_place_held` would surely find no room for the request: a bound that

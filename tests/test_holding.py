@@ -16,9 +16,9 @@ from llumdask.request import Priority
 BLOCKS, BLOCK_SIZE = 100, 16
 
 
-def scheduler(n: int, hold: float | None = 1.0, policy: str = "llumnix") -> GlobalScheduler:
+def scheduler(n: int, hold: float | None = 1.0, policy: str = "llumnix", limit: float | None = None) -> GlobalScheduler:
     gs = GlobalScheduler(LlumdaskConfig(dispatch=DispatchConfig(policy=policy, interference_freeness=None,
-                                                                hold_freeness=hold)))
+                                                                hold_freeness=hold, hold_limit=limit)))
     for k in range(n):
         gs.register_instance(f"i{k}", BLOCKS, BLOCK_SIZE, 0.0)
         gs.mark_ready(f"i{k}", 0.0)
@@ -57,6 +57,41 @@ def test_with_room_to_spare_a_request_is_placed_at_once_and_off_it_queues():
     off = scheduler(1, hold=None)
     off.report(load("i0", used=99, running=5), 0.0)
     assert off.dispatch(req("r", 50), 1.0) == "i0"  # queues on the instance
+
+
+def test_past_the_hold_limit_the_first_held_request_needs_only_room_for_its_prompt():
+    gs = scheduler(2, limit=2.0)
+    gs.report(load("i0", used=90, running=5), 0.0)
+    gs.report(load("i1", used=93, running=4), 0.0)
+    assert gs.dispatch(req("first", 5), 1.0) is None  # i0 would keep (100 - 90 - 5) / 6 = 0.8: under 1
+    assert gs.dispatch(req("second", 5), 1.5) is None
+    assert gs.release(2.9) == []  # waited 1.9 s: still for room to spare
+    placed = gs.release(3.0)  # waited 2 s: i0 takes its prompt with nothing to spare
+    assert [(i.request_id, target) for i, target in placed] == [("first", "i0")]
+    # The second, first now, has waited 1.9 s: i1 would keep (100 - 93 - 5) / 5 = 0.4, i0 with
+    # the first on its way 0. At 2 s its prompt goes where it fits, the freest.
+    assert "second" in gs.held and gs.release(3.4) == []
+    assert [(i.request_id, target) for i, target in gs.release(3.5)] == [("second", "i1")]
+
+
+def test_without_a_hold_limit_or_past_it_with_no_room_for_the_prompt_a_request_waits():
+    for gs in (scheduler(1), scheduler(1, limit=0.0)):
+        gs.report(load("i0", used=97, running=5), 0.0)
+        assert gs.dispatch(req("r", 5), 1.0) is None
+        # No limit: room to spare it would need; a limit of 0: the prompt's 5 blocks it needs,
+        # and 3 are free.
+        assert gs.release(100.0) == []
+    unlimited = scheduler(1)
+    unlimited.report(load("i0", used=90, running=5), 0.0)
+    assert unlimited.dispatch(req("r", 5), 1.0) is None
+    assert unlimited.release(1000.0) == []  # 0.8 free blocks a request, under 1, for ever
+
+
+def test_the_hold_limit_is_off_by_default_and_must_not_be_negative():
+    assert load_config().dispatch.hold_limit is DispatchConfig().hold_limit is None
+    assert load_config({"dispatch": {"hold-limit": 0.5}}).dispatch.hold_limit == 0.5
+    with pytest.raises(ConfigError, match="hold-limit"):
+        load_config({"dispatch": {"hold-limit": -1.0}})
 
 
 # A prompt of 40 blocks told by its anchors (one per 128 tokens: every 8th block of 16 tokens);
