@@ -74,6 +74,18 @@ def test_past_the_hold_limit_the_first_held_request_needs_only_room_for_its_prom
     assert [(i.request_id, target) for i, target in gs.release(3.5)] == [("second", "i1")]
 
 
+def test_past_the_hold_limit_only_the_first_held_request_needs_no_room_to_spare():
+    gs = scheduler(2, limit=1.0)
+    gs.report(load("i0", used=90, running=5), 0.0)
+    gs.report(load("i1", used=93, running=4), 0.0)
+    # The first's prompt (20 blocks) fits nowhere; the second's (5) would fit with nothing to
+    # spare, and a newcomer's too, but both still need room to spare to pass the first.
+    assert gs.dispatch(req("big", 20), 1.0) is None
+    assert gs.dispatch(req("small", 5), 1.0) is None
+    assert gs.release(5.0) == []
+    assert gs.dispatch(req("new", 5), 5.0) is None
+
+
 def test_without_a_hold_limit_or_past_it_with_no_room_for_the_prompt_a_request_waits():
     for gs in (scheduler(1), scheduler(1, limit=0.0)):
         gs.report(load("i0", used=97, running=5), 0.0)
