@@ -18,12 +18,13 @@ finishing ones freed; the blocks the prompts placed there take are no loss, `llu
 Where it shrinks the first waits on anyway, and keeping it would only keep later requests from
 what may be the only room there is: a later one may go there then. A migrant moving in reads as
 a loss for a while (the scheduler pairs instances, not requests, so it does not know its blocks).
-The first's wait is not bounded beyond the rule: an instance whose room shrinks between every two
-finishes could keep passing it. With `dispatch.hold-limit` set (off by default), once the first
-has waited that long since it was held it needs only room for its prompt behind an instance's
-queue (read when the scheduler next looks, after a report): room to spare protects the running
-requests' growth at the cost of a first token, and past the limit the first token wins. Later
-ones still need room to spare to pass it, and memory itself may be short everywhere.
+Without a hold limit the first's wait is not bounded beyond the rule: an instance whose room
+shrinks between every two finishes could keep passing it. With `dispatch.hold-limit` set (off by
+default), once the first has waited that long since it was held it needs only room for its prompt
+behind an instance's queue (read when the scheduler next looks, after a report): room to spare
+protects the running requests' growth at the cost of a first token, and past the limit the first
+token wins. Later ones still need room to spare to pass it, and memory itself may be short
+everywhere.
 
 Past capacity thousands may be held, and the scheduler looks for a later one to pass the first
 after every report. Each is kept with its floor, at most the prompt tokens it could take anywhere
