@@ -431,10 +431,10 @@ class GlobalScheduler:
         calls it after every report and hands each placed request to its instance."""
         placed: list[tuple[DispatchInfo, str]] = []
         held = self._held
+        hold = self._config.dispatch.hold_freeness
         while held and self._has_candidates():
             candidates = self._table()
             chosen = held.first
-            hold = self._config.dispatch.hold_freeness
             target = self._place_held(candidates, chosen.info, now, self._first_hold(chosen, now))
             if target is None:
                 with self._reserved_for(candidates, chosen.info, now):
@@ -442,7 +442,7 @@ class GlobalScheduler:
                     # normal): after most reports, none.
                     spare = candidates.spare_tokens(hold, Priority.NORMAL)
                     for later in held.within(spare):
-                        if later is not chosen and self._might_keep_hold(candidates, later.info):
+                        if later is not chosen and self._might_keep_hold(candidates, later.info, hold):
                             target = self._place_held(candidates, later.info, now, hold)
                             if target is not None:
                                 chosen = later
@@ -598,12 +598,10 @@ class GlobalScheduler:
             return 0.0
         return dispatch.hold_freeness
 
-    def _might_keep_hold(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
-        """False where `_place_held` would surely find no room for the request: a bound that
-        spares the full computation (with prefix-aware dispatch, the prompt up to the last anchor
-        any instance caches counted as cached everywhere)."""
-        hold = self._config.dispatch.hold_freeness
-        assert hold is not None
+    def _might_keep_hold(self, candidates: CandidateTable, info: DispatchInfo, hold: float) -> bool:
+        """False where `_place_held` would surely find no room to keep `hold` for the request: a
+        bound that spares the full computation (with prefix-aware dispatch, the prompt up to the
+        last anchor any instance caches counted as cached everywhere)."""
         cached = candidates.most_cached_bound(info.block_hashes) if self._config.dispatch.prefix_aware else 0.0
         return candidates.could_keep(hold, info.num_prompt_tokens, info.execution_priority, cached)
 

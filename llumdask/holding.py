@@ -65,9 +65,9 @@ class HeldRequests:
         # (floor, rank) of every request held, ascending, and each one's floor.
         self._floors: list[tuple[float, tuple[int, int]]] = []
         self._floor_of: dict[str, float] = {}
-        # Each one's floor before any key it watches was cached, and what each such key takes off.
-        self._base: dict[str, tuple[float, float]] = {}
-        self._watched: dict[str, tuple[int, ...]] = {}
+        # Of each request watching keys: the keys, its floor before any was cached, and what each
+        # such key takes off.
+        self._watching: dict[str, tuple[tuple[int, ...], float, float]] = {}
         # Key -> the requests watching it and its place in their prompt past what was cached.
         self._watchers: dict[int, dict[str, int]] = {}
 
@@ -106,7 +106,7 @@ class HeldRequests:
                 if place > furthest.get(request_id, -1):
                     furthest[request_id] = place
         for request_id, place in furthest.items():
-            base, step = self._base[request_id]
+            _, base, step = self._watching[request_id]
             floor = base - (place + 1) * step
             if floor < self._floor_of[request_id]:
                 self._move(self._by_id[request_id], floor)
@@ -130,8 +130,7 @@ class HeldRequests:
         self._floor_of[request_id] = floor
         bisect.insort(self._floors, (floor, held.rank))
         if watch:
-            self._base[request_id] = (floor, step)
-            self._watched[request_id] = watch
+            self._watching[request_id] = (watch, floor, step)
             for place, key in enumerate(watch):
                 self._watchers.setdefault(key, {})[request_id] = place  # a repeated key: its last place
 
@@ -146,9 +145,9 @@ class HeldRequests:
         request_id = held.info.request_id
         floor = self._floor_of.pop(request_id)
         del self._floors[bisect.bisect_left(self._floors, (floor, held.rank))]
-        self._base.pop(request_id, None)
+        watch, _, _ = self._watching.pop(request_id, ((), 0.0, 0.0))
         watchers = self._watchers
-        for key in self._watched.pop(request_id, ()):
+        for key in watch:
             ids = watchers.get(key)  # gone already where the prompt repeats it
             if ids is not None:
                 ids.pop(request_id, None)
@@ -169,9 +168,6 @@ class HeldRequests:
     def first(self) -> Held:
         """The request that leaves next (the queue must not be empty)."""
         return self._queue[0]
-
-    def __getitem__(self, request_id: str) -> Held:
-        return self._by_id[request_id]
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._by_id
