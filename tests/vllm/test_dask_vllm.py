@@ -29,13 +29,15 @@ VLLM_ENGINE = {"dtype": "float32", "max-model-len": 4096, "kv-cache-memory-bytes
                "engine-args": {"seed": 0}}
 STARTUP_TIMEOUT = 300.0  # seconds; about 60 on two idle cores
 
-# (name, prompt length, max tokens, tokens received before each forced migration)
+# (name, prompt length, max tokens, tokens received before each forced migration). vLLM-CPU decodes
+# the tiny model at about a millisecond a token, so every case leaves at least 500 tokens when the
+# test asks for a move: with 30 left, a loaded machine's request had ended before the call came.
 CASES = [
-    ("early", 60, 120, (1,)),
-    ("mid", 200, 200, (100,)),
-    ("near-the-end", 150, 400, (370,)),
-    ("long-prompt-decode", 2000, 80, (5,)),
-    ("there-and-back", 300, 160, (20, 90)),
+    ("early", 60, 600, (1,)),
+    ("mid", 200, 1000, (500,)),
+    ("near-the-end", 150, 3600, (3100,)),
+    ("long-prompt-decode", 2000, 600, (5,)),
+    ("there-and-back", 300, 1200, (20, 600)),
 ]
 # (name, prompt length, max tokens) of the request whose destination is killed: long enough that
 # it cannot end before the source hears of the loss, however slowly the test's calls run.
