@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import dask
 from distributed import Client
 from distributed.comm import connect as comm_connect
 from distributed.protocol import to_serialize
+from waiting import wait_until
 
 from llumdask.clusters.instances import worker_statuses
 from llumdask.config import LlumdaskConfig
@@ -42,14 +42,6 @@ def reference_tokens(config: LlumdaskConfig, prompt: list[int], max_tokens: int,
         for out in engine.step().outputs:
             tokens.update({out.first_index + k: t for k, t in enumerate(out.token_ids)})
     return [tokens[i] for i in range(len(tokens))]
-
-
-def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout} s")
-        time.sleep(interval)
 
 
 def assert_workers_clean(client: Client, timeout: float = 20.0) -> None:

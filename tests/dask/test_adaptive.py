@@ -54,7 +54,7 @@ def test_a_drained_instance_closes_only_after_its_requests_migrated():
     config = load_config(overrides)
     with local_cluster(2, config_overrides=overrides, adaptive=True) as cluster, connect(cluster) as llum:
         prompts = [prompt_of(70 + k, 60) for k in range(4)]
-        streams = [llum.stream(p, max_tokens=100) for p in prompts]
+        streams = [llum.stream(p, max_tokens=200) for p in prompts]
         tokens = [[next(s)] for s in streams]
         victim = streams[0].instance
         on_victim = [s.request_id for s in streams if s.instance == victim]
@@ -62,7 +62,7 @@ def test_a_drained_instance_closes_only_after_its_requests_migrated():
         for got, stream in zip(tokens, streams):
             got += list(stream)
         for got, prompt in zip(tokens, prompts):
-            assert got == reference_tokens(config, prompt, 100)
+            assert got == reference_tokens(config, prompt, 200)
         assert victim not in {s.instance for s in streams} and on_victim
         wait_until(lambda: n_workers(llum) == 1, 30, what="the drained worker closed")
         assert victim not in llum.dask_client.scheduler_info()["workers"]

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 
 import pytest
 from gatewayfakes import MODEL
+from waiting import wait_until
 
 from llumdask.api.gateway import create_app
 from llumdask.api.gateway.disconnect import ClientDisconnected, until_disconnect
 from llumdask.engine.base import TokenLogprob
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_stream_closed_by_the_client_aborts_the_request(make_client, backend):
@@ -31,7 +24,7 @@ def test_stream_closed_by_the_client_aborts_the_request(make_client, backend):
         assert next(lines).startswith("data: ")
         assert backend.stalled.wait(10)
         assert backend.aborted == []
-    wait_for(lambda: backend.aborted == [backend.submitted[0].request_id])
+    wait_until(lambda: backend.aborted == [backend.submitted[0].request_id])
     text = client.get("/metrics").text
     assert 'llumdask_gateway_errors_total{code="client_disconnected"} 1.0' in text
     assert "llumdask_gateway_requests_in_flight 0.0" in text

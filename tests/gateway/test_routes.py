@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from gatewayfakes import MAX_CONTEXT, MODEL, fake_logprob
+from waiting import wait_until
 
 import llumdask
 from llumdask.api.gateway.backend import BackendOverloaded, BackendRejected, BackendUnavailable
 from llumdask.api.gateway.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, within_top
 from llumdask.engine.base import TokenLogprob
 from llumdask.request import FinishReason, Priority
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def sse_payloads(response) -> list:
@@ -281,7 +274,7 @@ def test_overload_is_429_with_retry_after(make_client, backend):
         assert r.json()["error"]["type"] == "rate_limit_error"
         assert "llumdask_gateway_requests_in_flight 1.0" in client.get("/metrics").text
     # The client left: its request is aborted and its slot is free again.
-    wait_for(lambda: backend.aborted == [backend.submitted[0].request_id])
+    wait_until(lambda: backend.aborted == [backend.submitted[0].request_id])
     backend.stall_after = None
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}).status_code == 200
 
