@@ -556,11 +556,12 @@ class GlobalScheduler:
 
     def _freeness_of(self, candidates: CandidateTable, info: DispatchInfo) -> np.ndarray:
         """Each candidate's dispatch freeness with this request, its cached prefix counted."""
-        return candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, self._cached(candidates, info))
+        return candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, self._cached(candidates, info),
+                                            info.count)
 
     def _freest(self, candidates: CandidateTable, info: DispatchInfo) -> int:
         """The slot of the highest `_freeness_of`."""
-        return candidates.freest(info.num_prompt_tokens, info.execution_priority, self._cached(candidates, info))
+        return candidates.freest(info.num_prompt_tokens, info.execution_priority, self._cached(candidates, info), info.count)
 
     def _cached(self, candidates: CandidateTable, info: DispatchInfo) -> np.ndarray | None:
         return candidates.cached_blocks(info.block_hashes) if self._config.dispatch.prefix_aware else None
@@ -603,25 +604,27 @@ class GlobalScheduler:
         bound that spares the full computation (with prefix-aware dispatch, the prompt up to the
         last anchor any instance caches counted as cached everywhere)."""
         cached = candidates.most_cached_bound(info.block_hashes) if self._config.dispatch.prefix_aware else 0.0
-        return candidates.could_keep(hold, info.num_prompt_tokens, info.execution_priority, cached)
+        return candidates.could_keep(hold, info.num_prompt_tokens, info.execution_priority, cached, info.count)
 
     def _floor(self, candidates: CandidateTable, info: DispatchInfo) -> tuple[float, tuple[int, ...], float]:
-        """At most the prompt tokens the request could take on any candidate, where
+        """At most the prompt tokens the request's copies could take on any candidate, where
         `_might_keep_hold` reads it (`HeldRequests.within`): the prompt less all it might find
         cached (with prefix-aware dispatch, up to the last anchor any instance caches, each anchor
-        its most tokens on any candidate); the anchors past that, and what each takes off once
-        cached (`HeldRequests.add`)."""
+        its most tokens on any candidate), once per copy; the anchors past that, and what each
+        takes off once cached (`HeldRequests.add`)."""
         step = self._floor_step = candidates.most_anchor_tokens
+        copies = info.count
         if not self._config.dispatch.prefix_aware or not info.block_hashes:
-            return info.num_prompt_tokens, (), 0.0
+            return copies * info.num_prompt_tokens, (), 0.0
         bound = self.prefix.longest_bound(info.block_hashes)
-        return info.num_prompt_tokens - bound * step, tuple(info.block_hashes[bound:]), float(step)
+        return copies * (info.num_prompt_tokens - bound * step), tuple(info.block_hashes[bound:]), float(copies * step)
 
     def _could_ever_leave_room(self, candidates: CandidateTable, info: DispatchInfo) -> bool:
-        """Whether an empty candidate would keep hold-freeness with the request (its only one)."""
+        """Whether an empty candidate would keep hold-freeness with the request (its copies its
+        only requests)."""
         hold = self._config.dispatch.hold_freeness
         assert hold is not None
-        return candidates.empty_room_blocks(info.num_prompt_tokens) >= hold
+        return candidates.empty_room_blocks(info.num_prompt_tokens, info.count) >= hold * info.count
 
     def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo, now: float) -> Reservation:
         """Keep for the first held request the instance where it is closest to fitting unless its

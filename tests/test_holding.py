@@ -283,6 +283,21 @@ def test_choices_placed_together_are_held_and_placed_together():
     assert gs.instances()[0].num_pending == 3
 
 
+def test_choices_placed_together_wait_for_room_for_every_copy():
+    """Each copy is a request with its own prompt's blocks (as vLLM runs them): room for one is no room for four."""
+    single = scheduler(1)
+    single.report(load("i0", used=80, running=2), 0.0)
+    assert single.dispatch(req("n1", 5), 1.0) == "i0"  # one copy keeps (100 - 80 - 5) / 3 = 5 blocks per request
+    gs = scheduler(1)
+    gs.report(load("i0", used=80, running=2), 0.0)
+    assert gs.dispatch(req("n4", 5, count=4), 1.0) is None  # four keep (100 - 80 - 20) / 6 = 0
+    gs.report(load("i0", used=75, running=2), 2.0)
+    assert gs.release(2.0) == []  # (100 - 75 - 20) / 6 = 0.8
+    gs.report(load("i0", used=70, running=2), 3.0)
+    assert [(i.request_id, t) for i, t in gs.release(3.0)] == [("n4", "i0")]  # 10 / 6 = 1.7
+    assert gs.instances()[0].num_pending == 4
+
+
 def test_a_withdrawn_request_is_never_placed():
     gs = scheduler(1)
     gs.report(load("i0", used=99, running=4), 0.0)
@@ -384,6 +399,8 @@ def test_high_priority_requests_and_ones_no_instance_could_ever_take_are_not_hel
     assert gs.dispatch(req("high", 2, Priority.HIGH), 1.0) == "i0"  # its headroom is its room
     assert gs.dispatch(req("huge", BLOCKS), 1.0) == "i0"  # even an empty instance keeps no block to spare
     assert gs.dispatch(req("fits-later", BLOCKS - 2), 1.0) is None
+    assert gs.dispatch(req("four", 25, count=4), 1.0) == "i0"  # four copies fill an empty instance
+    assert gs.dispatch(req("three", 30, count=3), 1.0) is None  # three keep (100 - 90) / 3 there
 
 
 def test_a_request_dispatched_but_never_received_stops_counting_after_a_while():
@@ -411,12 +428,13 @@ _ANCHORS = st.lists(st.integers(1, 6), max_size=4).map(tuple)
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(
     st.tuples(st.just("report"), st.integers(0, 2), st.integers(40, 100), st.integers(1, 6), _ANCHORS, _ANCHORS),
-    st.tuples(st.just("dispatch"), st.integers(1, 60), _ANCHORS),
+    st.tuples(st.just("dispatch"), st.integers(1, 60), _ANCHORS, st.integers(1, 3)),
     st.tuples(st.just("leave"), st.integers(0, 2)),
 ), max_size=30), st.sampled_from([0.0, 1.0, 2.5]), st.sampled_from([BLOCK_SIZE, 2 * BLOCK_SIZE]), st.booleans())
 def test_floors_turn_away_only_requests_a_full_look_would_not_place(steps, hold, third_block_size, prefix_aware):
     """Placements with the floors are those of looking at every held request after every report,
-    at any hold-freeness, with mixed block sizes, as instances leave, prefix-aware or not."""
+    at any hold-freeness, with mixed block sizes, as instances leave, prefix-aware or not, with
+    choices placed together."""
     sizes = (BLOCK_SIZE, BLOCK_SIZE, third_block_size)
 
     def run(queue: type[HeldRequests]) -> list:
@@ -438,8 +456,8 @@ def test_floors_turn_away_only_requests_a_full_look_would_not_place(steps, hold,
                 if f"i{step[1]}" in gs.members()[0] and len(gs.members()[0]) > 1:
                     gs.remove_instance(f"i{step[1]}")
             else:
-                _, blocks, anchors = step
-                out.append(gs.dispatch(req(f"r{k}", blocks, block_hashes=anchors), float(k)))
+                _, blocks, anchors, count = step
+                out.append(gs.dispatch(req(f"r{k}", blocks, block_hashes=anchors, count=count), float(k)))
             out.append([(info.request_id, target) for info, target in gs.release(float(k))])
         return out
 

@@ -580,8 +580,9 @@ def test_the_candidate_table_follows_a_class_arriving_and_leaving_after_it_was_b
                        st.booleans()), min_size=1, max_size=6),
     st.integers(1, 2000),
     st.sampled_from(list(Priority)),
+    st.integers(1, 4),
 )
-def test_the_candidate_table_computes_what_the_dispatch_load_says(specs, prompt, priority):
+def test_the_candidate_table_computes_what_the_dispatch_load_says(specs, prompt, priority, copies):
     headroom = {Priority.HIGH: 30, Priority.NORMAL: 0}
     views = []
     for k, (used, running, waiting, pending_blocks, pending, high) in enumerate(specs):
@@ -591,11 +592,11 @@ def test_the_candidate_table_computes_what_the_dispatch_load_says(specs, prompt,
                             running_count={cls: running}, waiting_demand=3 * waiting)
         views.append(View(f"i{k}", load, num_pending=pending, pending_blocks=pending_blocks, headroom=headroom))
     table = CandidateTable(views)
-    got = table.dispatch_freeness(prompt, priority)
+    got = table.dispatch_freeness(prompt, priority, copies=copies)
     demand = -(-prompt // 16)
     for value, v in zip(got, table):
-        expected = dispatch_freeness(v.load, headroom, pending_blocks=v.pending_blocks + demand,
-                                     pending_requests=v.num_pending + 1, classes=(priority,))
+        expected = dispatch_freeness(v.load, headroom, pending_blocks=v.pending_blocks + copies * demand,
+                                     pending_requests=v.num_pending + copies, classes=(priority,))
         assert value == pytest.approx(expected)
 
 
@@ -620,8 +621,10 @@ def _spec_view(k: int, spec: tuple) -> View:
     st.integers(1, 2000),
     st.sampled_from(list(Priority)),
     st.booleans(),
+    st.integers(1, 3),
 )
-def test_the_candidate_tables_kept_answer_is_a_fresh_tables_after_every_change(specs, changes, prompt, priority, with_cache):
+def test_the_candidate_tables_kept_answer_is_a_fresh_tables_after_every_change(specs, changes, prompt, priority, with_cache,
+                                                                               copies):
     """The table keeps its last answer up to date as candidates change and slots are reserved,
     instead of computing it again: bit for bit what a table built now answers, freest slot too."""
     views = [_spec_view(k, spec) for k, spec in enumerate(specs)]
@@ -641,42 +644,60 @@ def test_the_candidate_tables_kept_answer_is_a_fresh_tables_after_every_change(s
         expected = fresh.dispatch_freeness(prompt, priority, cached)
         assert table.dispatch_freeness(prompt, priority, cached).tolist() == expected.tolist()
         assert table.freest(prompt, priority, cached) == int(np.argmax(expected))
+        # The same question with the request's copies is another question (its own kept answer),
+        # here against a table asked nothing else.
+        alone = CandidateTable(views)
+        alone.reserve(reserved)
+        together = alone.dispatch_freeness(prompt, priority, cached, copies)
+        assert table.dispatch_freeness(prompt, priority, cached, copies).tolist() == together.tolist()
+        assert table.freest(prompt, priority, cached, copies) == int(np.argmax(together))
         if fresh._uniform_block_size:  # the held queue's bound, kept between changes, is a fresh table's too
             assert table.could_keep(1.0, prompt, priority) == fresh.could_keep(1.0, prompt, priority)
 
 
 @given(st.lists(_SPEC, min_size=1, max_size=5), st.integers(1, 3000), st.sampled_from(list(Priority)),
        st.sampled_from([0.0, 0.5, 1.0, 2.0, 7.25]), st.one_of(st.none(), st.integers(0, 4)), st.integers(0, 12),
-       st.randoms(use_true_random=False))
+       st.randoms(use_true_random=False), st.integers(1, 3))
 def test_spare_tokens_bound_every_candidate_that_keeps_the_freeness_at_its_own_block_size(
-        specs, prompt, priority, hold, reserved, anchors, rng):
+        specs, prompt, priority, hold, reserved, anchors, rng, copies):
     """The held queue's floors are read against `spare_tokens`: where a candidate not reserved
-    keeps `hold` with the request, holding some prefix of its anchors, the prompt less every
-    anchor at the most tokens one stands for there fits, whatever the block sizes."""
+    keeps `hold` with the request's copies, holding some prefix of its anchors, the prompt less
+    every anchor at the most tokens one stands for there, once per copy, fits, whatever the block
+    sizes."""
     table = CandidateTable([_spec_view(k, spec) for k, spec in enumerate(specs)])
     table.reserve(None if reserved is None else reserved % len(specs))
     cached = np.array([rng.randint(0, anchors) * anchor_stride(spec[-1]) for spec in specs], dtype=float)
-    if table.dispatch_freeness(prompt, priority, cached).max() >= hold:
-        assert prompt - anchors * table.most_anchor_tokens <= table.spare_tokens(hold, priority)
+    if table.dispatch_freeness(prompt, priority, cached, copies).max() >= hold:
+        assert copies * (prompt - anchors * table.most_anchor_tokens) <= table.spare_tokens(hold, priority)
     assert table.most_anchor_tokens == max(anchor_stride(spec[-1]) * spec[-1] for spec in specs)
+
+
+def test_could_keep_counts_each_copy_as_a_request_sharing_the_room():
+    table = CandidateTable([_spec_view(0, (80, 2, 0, 0, 0, False, 16))])  # 20 blocks free, 2 requests
+    # One copy of 4 blocks keeps (20 - 4) / 3 = 5.3 blocks per request; four keep (20 - 16) / 6 = 0.7, though
+    # their blocks alone (16) would fit in what one more request could take keeping 1 (20 - 3).
+    assert table.could_keep(1.0, 64, Priority.NORMAL) and table.dispatch_freeness(64, Priority.NORMAL).max() >= 1
+    assert not table.could_keep(1.0, 64, Priority.NORMAL, copies=4)
+    assert table.dispatch_freeness(64, Priority.NORMAL, copies=4).max() < 1
 
 
 @given(st.lists(_SPEC, min_size=1, max_size=5), st.integers(1, 3000), st.sampled_from(list(Priority)),
        st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 7.25]), st.one_of(st.none(), st.integers(0, 4)),
-       st.integers(0, 40), st.randoms(use_true_random=False))
+       st.integers(0, 40), st.randoms(use_true_random=False), st.integers(1, 3))
 def test_could_keep_turns_away_only_requests_no_candidate_keeps_the_freeness_for(specs, prompt, priority, hold, reserved,
-                                                                                 most_cached, rng):
+                                                                                 most_cached, rng, copies):
     """The held queue's cheap bound: never False where some unreserved candidate would keep `hold`
-    (uniform block sizes: the bound's case), none caching more than `most_cached` blocks of the
-    prompt; where it says True with each caching that much, one keeps nearly as much."""
+    with the request's copies (uniform block sizes: the bound's case), none caching more than
+    `most_cached` blocks of the prompt; where it says True with each caching that much, one keeps
+    nearly as much."""
     views = [_spec_view(k, (*spec[:-1], 16)) for k, spec in enumerate(specs)]
     table = CandidateTable(views)
     table.reserve(None if reserved is None else reserved % len(views))
     cached = np.array([rng.randint(0, most_cached) for _ in views], dtype=float)
-    if not table.could_keep(hold, prompt, priority, most_cached):
-        assert table.dispatch_freeness(prompt, priority, cached).max() < hold
-    freeness = table.dispatch_freeness(prompt, priority, np.full(len(views), float(most_cached)))
-    if table.could_keep(hold, prompt, priority, most_cached):
+    if not table.could_keep(hold, prompt, priority, most_cached, copies):
+        assert table.dispatch_freeness(prompt, priority, cached, copies).max() < hold
+    freeness = table.dispatch_freeness(prompt, priority, np.full(len(views), float(most_cached)), copies)
+    if table.could_keep(hold, prompt, priority, most_cached, copies):
         assert freeness.max() >= hold * (1 - 1e-6) - 1e-6
     else:
         assert freeness.max() < hold

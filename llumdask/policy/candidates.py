@@ -44,15 +44,17 @@ class Candidate(Protocol):
 
 
 class _Answer:
-    """One question to `dispatch_freeness` (a prompt, its class, its cached blocks), its answer and
-    the answer's freest slot (None until asked)."""
+    """One question to `dispatch_freeness` (a prompt, its class, its cached blocks, its copies), its
+    answer and the answer's freest slot (None until asked)."""
 
-    __slots__ = ("prompt_tokens", "priority", "cached", "freeness", "best")
+    __slots__ = ("prompt_tokens", "priority", "cached", "copies", "freeness", "best")
 
-    def __init__(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None, freeness: np.ndarray) -> None:
+    def __init__(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None, copies: int,
+                 freeness: np.ndarray) -> None:
         self.prompt_tokens = prompt_tokens
         self.priority = priority
         self.cached = cached
+        self.copies = copies
         self.freeness = freeness
         self.best: int | None = None
 
@@ -120,12 +122,12 @@ class CandidateTable(Sequence[Candidate]):
         """The candidate's position in the table (None if it is not one)."""
         return self._slots.get(instance_id)
 
-    def empty_room_blocks(self, prompt_tokens: int) -> int:
-        """The most blocks any candidate would have to spare with this prompt alone on it (its
-        whole memory less the prompt's blocks): what it could ever offer the request."""
+    def empty_room_blocks(self, prompt_tokens: int, copies: int = 1) -> int:
+        """The most blocks any candidate would have to spare with this prompt's `copies` alone on
+        it (its whole memory less their blocks): what it could ever offer the request."""
         if self._uniform_block_size:
-            return self._most_blocks - -(-prompt_tokens // self._uniform_block_size)
-        return int((self._total_blocks - -(-prompt_tokens // self._block_size)).max())
+            return self._most_blocks - copies * -(-prompt_tokens // self._uniform_block_size)
+        return int((self._total_blocks - copies * -(-prompt_tokens // self._block_size)).max())
 
     def reserve(self, slot: int | None) -> None:
         """Keep the candidate at `slot` for a held request (None: for none): its dispatch freeness
@@ -138,28 +140,32 @@ class CandidateTable(Sequence[Candidate]):
         """`reserve(slot)` for the length of a with block."""
         return Reservation(self, slot)
 
-    def dispatch_freeness(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None = None) -> np.ndarray:
-        """Each candidate's dispatch freeness with this request added (its prompt blocks as demand,
-        less the `cached` blocks each holds already; one more request; its class's headroom where
-        absent; -inf where reserved), aligned with the table's order. Callers must not change the
-        array (the next identical question gets it again)."""
-        return self._answer(prompt_tokens, priority, cached).freeness
+    def dispatch_freeness(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None = None,
+                          copies: int = 1) -> np.ndarray:
+        """Each candidate's dispatch freeness with this request's `copies` added (each its prompt
+        blocks as demand, less the `cached` blocks each candidate holds already, and one more
+        request; its class's headroom where absent; -inf where reserved), aligned with the table's
+        order. Callers must not change the array (the next identical question gets it again)."""
+        return self._answer(prompt_tokens, priority, cached, copies).freeness
 
-    def freest(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None = None) -> int:
+    def freest(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None = None, copies: int = 1) -> int:
         """The slot of the highest `dispatch_freeness` with this request (the first of equals)."""
-        answer = self._answer(prompt_tokens, priority, cached)
+        answer = self._answer(prompt_tokens, priority, cached, copies)
         if answer.best is None:
             answer.best = int(np.argmax(answer.freeness))
         return answer.best
 
-    def could_keep(self, freeness: float, prompt_tokens: int, priority: Priority, cached: float = 0) -> bool:
-        """Whether some candidate not reserved might keep `freeness` with this request, were
-        `cached` blocks of it (`most_cached_bound`) cached everywhere: False only where
+    def could_keep(self, freeness: float, prompt_tokens: int, priority: Priority, cached: float = 0,
+                   copies: int = 1) -> bool:
+        """Whether some candidate not reserved might keep `freeness` with this request's `copies`,
+        were `cached` blocks of it (`most_cached_bound`) cached everywhere: False only where
         `dispatch_freeness` is below it everywhere (mixed block sizes: always True)."""
         size = self._uniform_block_size
         if size is None:
             return True
-        return -(-prompt_tokens // size) - cached <= self._spare_of(freeness, priority)[0]
+        # Each copy past the first is one more request the room is shared by (widened as `_spare_of`).
+        need = copies * (-(-prompt_tokens // size) - cached) + max(freeness, 0) * (copies - 1) * (1 - 1e-9)
+        return need <= self._spare_of(freeness, priority)[0]
 
     def spare_tokens(self, freeness: float, priority: Priority) -> float:
         """The most prompt tokens, none of them cached, that a request of `priority` could bring to
@@ -189,24 +195,27 @@ class CandidateTable(Sequence[Candidate]):
         """The most prompt tokens an anchor of the prefix index stands for on any candidate (0: none)."""
         return self._most_anchor_tokens
 
-    def _answer(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None) -> _Answer:
+    def _answer(self, prompt_tokens: int, priority: Priority, cached: np.ndarray | None, copies: int) -> _Answer:
         last = self._last
-        if last is not None and last.prompt_tokens == prompt_tokens and last.priority is priority and last.cached is cached:
+        if (last is not None and last.prompt_tokens == prompt_tokens and last.priority is priority
+                and last.cached is cached and last.copies == copies):
             return last
         # As few passes over the columns as the request needs: right after a burst of reports they
         # are out of the CPU's caches, and each pass costs several times what it does warm.
         size = self._uniform_block_size
-        surplus = self._surplus - (-(-prompt_tokens // (size or self._block_size)))
+        blocks = -(-prompt_tokens // (size or self._block_size))
+        surplus = self._surplus - (blocks if copies == 1 else copies * blocks)
         if self._charged[priority]:
             surplus -= self._charge[priority]
         if cached is not None:
-            surplus += cached
-        freeness = surplus / self._shared_by
+            surplus += cached if copies == 1 else copies * cached
+        shared_by = self._shared_by if copies == 1 else self._shared_by + (copies - 1)
+        freeness = surplus / shared_by
         # A deficit is multiplied by the requests instead (`load.per_request`).
-        np.multiply(surplus, self._shared_by, out=freeness, where=surplus < 0)
+        np.multiply(surplus, shared_by, out=freeness, where=surplus < 0)
         if self._reserved is not None:
             freeness[self._reserved] = -np.inf
-        self._last = _Answer(prompt_tokens, priority, cached, freeness)
+        self._last = _Answer(prompt_tokens, priority, cached, copies, freeness)
         return self._last
 
     def interference(self, prompt_tokens: int, cached: np.ndarray | None = None) -> np.ndarray:

@@ -37,7 +37,8 @@ class DispatchInfo:
     # () if unknown.
     block_hashes: tuple[int, ...] = ()
     # Requests placed together, this one and count - 1 like it (the choices of one completion):
-    # placed where this one would go, and all pending there.
+    # placed where this one would go, all pending there, their room counted together (each copy
+    # its prompt's blocks and one more request), as vLLM runs each choice as a request.
     count: int = 1
 
     def __post_init__(self) -> None:
@@ -94,7 +95,7 @@ class LlumnixDispatch(DispatchPolicy):
         # Prefix-aware: a block an instance caches already is demand it need not pay, and prefill
         # it need not do; load still decides, so a crowded instance loses to a free one.
         cached = candidates.cached_blocks(info.block_hashes) if self._prefix_aware else None
-        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, cached)
+        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, cached, info.count)
         roomy = freeness >= self._roomy
         if np.count_nonzero(roomy) > 1:
             interference = np.where(roomy, candidates.interference(info.num_prompt_tokens, cached), np.inf)
@@ -170,7 +171,7 @@ class PowerOfTwoDispatch(DispatchPolicy):
         if len(candidates) == 1:
             return candidates[0].instance_id
         pair = sorted(self._rng.sample(range(len(candidates)), 2))
-        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority)[pair]
+        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, copies=info.count)[pair]
         return candidates[pair[_last_max(freeness)]].instance_id
 
 
@@ -179,7 +180,7 @@ class PrefixAffinityDispatch(DispatchPolicy):
     included) go to the highest dispatch freeness, then the larger id."""
 
     def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
-        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority)
+        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, copies=info.count)
         cached = candidates.cached_blocks(info.block_hashes)
         if cached is None:
             return candidates[_last_max(freeness)].instance_id
@@ -247,7 +248,7 @@ class PriorityPoolsDispatch(DispatchPolicy):
         return cls(config.priority_pool_instances)
 
     def choose(self, candidates: CandidateTable, info: DispatchInfo) -> str:
-        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority)
+        freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, copies=info.count)
         split = min(self._high_instances, len(candidates))
         pool = range(split) if info.execution_priority is Priority.HIGH else range(split, len(candidates))
         if not pool:
