@@ -149,6 +149,17 @@ def test_a_held_request_whose_prefix_is_cached_after_it_was_held_takes_only_what
     assert [(i.request_id, target) for i, target in gs.release(2.0)] == [("shared", "i1")]
 
 
+def test_held_choices_whose_prefix_is_cached_after_they_were_held_take_only_what_each_lacks():
+    gs = scheduler(2)
+    gs.report(load("i0", used=60, running=4), 0.0)
+    gs.report(load("i1", used=95, running=4), 0.0)
+    assert gs.dispatch(req("big", 80), 1.0) is None
+    assert gs.dispatch(req("shared", 40, block_hashes=PROMPT_ANCHORS, count=2), 1.0) is None
+    # i1 frees 20 blocks and caches the prompt's first 32: each copy lacks 8, (25 - 16) / 6 = 1.5 with both.
+    gs.report(load("i1", used=75, running=4), 2.0, CACHED)
+    assert [(i.request_id, target) for i, target in gs.release(2.0)] == [("shared", "i1")]
+
+
 def test_floors_follow_what_an_anchor_takes_when_the_instances_change():
     gs = scheduler(1)
     gs.report(load("i0", used=95, running=4), 0.0)
@@ -298,6 +309,13 @@ def test_choices_placed_together_wait_for_room_for_every_copy():
     assert gs.instances()[0].num_pending == 4
 
 
+def test_choices_placed_together_go_where_all_of_them_keep_room():
+    gs = scheduler(2)
+    gs.report(load("i0", used=76, running=1), 0.0)  # one copy of 5 blocks: (24 - 5) / 2 = 9.5; four: 4 / 5 = 0.8
+    gs.report(load("i1", used=40, running=9), 0.0)  # one: 55 / 10 = 5.5; four: 40 / 13 = 3.1
+    assert gs.dispatch(req("n4", 5, count=4), 1.0) == "i1"
+
+
 def test_a_withdrawn_request_is_never_placed():
     gs = scheduler(1)
     gs.report(load("i0", used=99, running=4), 0.0)
@@ -400,6 +418,7 @@ def test_high_priority_requests_and_ones_no_instance_could_ever_take_are_not_hel
     assert gs.dispatch(req("huge", BLOCKS), 1.0) == "i0"  # even an empty instance keeps no block to spare
     assert gs.dispatch(req("fits-later", BLOCKS - 2), 1.0) is None
     assert gs.dispatch(req("four", 25, count=4), 1.0) == "i0"  # four copies fill an empty instance
+    assert gs.dispatch(req("thirds", 33, count=3), 1.0) == "i0"  # three keep 1 / 3 there
     assert gs.dispatch(req("three", 30, count=3), 1.0) is None  # three keep (100 - 90) / 3 there
 
 

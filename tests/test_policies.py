@@ -188,6 +188,15 @@ def test_llumnix_goes_where_it_interferes_least_when_memory_is_plentiful():
     assert choose(LlumnixDispatch(16.0), [a, b], DispatchInfo("r", 16 * 720, 10)) == "a"
 
 
+def test_llumnix_interference_counts_each_choice_placed_together():
+    # Memory plentiful: a runs 6 decodes with nothing queued, b runs 4 behind 50 queued prefill tokens.
+    a = view("a", total=1000, used=60, running=6)
+    b = view("b", total=1000, used=40, running=4, prefill=50, queued=4)
+    assert choose(LlumnixDispatch(16.0), [a, b], DispatchInfo("r", 100, 10)) == "a"  # 100 x 7 against 150 x 5
+    # Four copies: four prefills, each stalling the decodes and the other copies: 400 x 10 against 450 x 8.
+    assert choose(LlumnixDispatch(16.0), [a, b], DispatchInfo("r", 100, 10, count=4)) == "b"
+
+
 def test_llumnix_interference_choice_counts_unreported_work():
     a, b = view("a", total=1000), view("b", total=1000, num_pending=1, pending_blocks=5, pending_prompt_tokens=80)
     assert choose(LlumnixDispatch(16.0), [a, b]) == "a"

@@ -218,15 +218,17 @@ class CandidateTable(Sequence[Candidate]):
         self._last = _Answer(prompt_tokens, priority, cached, copies, freeness)
         return self._last
 
-    def interference(self, prompt_tokens: int, cached: np.ndarray | None = None) -> np.ndarray:
+    def interference(self, prompt_tokens: int, cached: np.ndarray | None = None, copies: int = 1) -> np.ndarray:
         """How much this request would interfere with each candidate's work, LMetric's measure:
         (prefill tokens it waits behind + its own not `cached` there) x (the decodes its prefill
-        stalls + itself)."""
+        stalls + itself), each of its `copies` a request with its own prefill."""
         if cached is None:
             own = prompt_tokens
         else:
             own = np.maximum(prompt_tokens - cached * (self._uniform_block_size or self._block_size), 1)
-        return (self._prefill_tokens + own) * self._stalled
+        if copies == 1:
+            return (self._prefill_tokens + own) * self._stalled
+        return (self._prefill_tokens + copies * own) * (self._stalled + (copies - 1))
 
     def cached_blocks(self, hashes: tuple[int, ...]) -> np.ndarray | None:
         """Blocks of the longest prefix each candidate holds in its prefix cache, as its reports

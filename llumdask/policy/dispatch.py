@@ -98,7 +98,7 @@ class LlumnixDispatch(DispatchPolicy):
         freeness = candidates.dispatch_freeness(info.num_prompt_tokens, info.execution_priority, cached, info.count)
         roomy = freeness >= self._roomy
         if np.count_nonzero(roomy) > 1:
-            interference = np.where(roomy, candidates.interference(info.num_prompt_tokens, cached), np.inf)
+            interference = np.where(roomy, candidates.interference(info.num_prompt_tokens, cached, info.count), np.inf)
             return candidates[int(np.argmin(interference))].instance_id
         return candidates[_last_max(freeness)].instance_id
 

@@ -188,13 +188,13 @@ def test_chat(server):
     assert result.usage.prompt_tokens == len(chat_prompt(server, MESSAGES))
 
 
-def cached_blocks(server: Server) -> dict[str, int]:
-    """What the scheduler's prefix index holds for each instance."""
+def scheduler_rows(server: Server) -> dict[str, dict]:
+    """The scheduler's view of each instance (its prefix index's blocks there among them)."""
     from distributed import Client
 
     with Client(server.scheduler, timeout=30) as client:
         rows = client.sync(client.scheduler.llumnix_status)["instances"]
-    return {row["instance"]: row["cached_blocks"] for row in rows}
+    return {row["instance"]: row for row in rows}
 
 
 def test_a_repeated_prompt_goes_where_it_is_cached_and_usage_says_so(server):
@@ -202,18 +202,20 @@ def test_a_repeated_prompt_goes_where_it_is_cached_and_usage_says_so(server):
     length = len(server.tokenizer.encode(prompt))
     client = server.openai()
     cached = []
-    before = cached_blocks(server)
+    before = {i: row["cached_blocks"] for i, row in scheduler_rows(server).items()}
     anchors = (length // 16) // 8 * 8  # the prompt's anchor blocks, one block in 8
 
-    def learnt() -> bool:
-        after = cached_blocks(server)
-        return max(after[i] - before.get(i, 0) for i in after) >= anchors
+    def settled() -> bool:
+        """The index learnt the prompt's blocks, and every instance reported idle since."""
+        rows = scheduler_rows(server)
+        idle = all(r["num_running"] == r["num_waiting"] == r["num_pending"] == 0 for r in rows.values())
+        return idle and max(r["cached_blocks"] - before.get(i, 0) for i, r in rows.items()) >= anchors
 
     for _ in range(3):
         answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
         cached.append(answer.usage.prompt_tokens_details.cached_tokens)
-        # The scheduler's index learns the prompt's blocks from the serving instance's load reports.
-        wait_until(learnt, 10, what="the prefix index learning the prompt's blocks")
+        # The scheduler learns both from the serving instance's load reports.
+        wait_until(settled, 10, what="the prefix index learning the prompt's blocks, the instance idle")
     # The repeats find every full block of 16 tokens cached but the one holding the prompt's last
     # token. (Two idle instances tie, so this would hold without prefix-aware dispatch too: that
     # dispatch follows the index is tests/test_global_scheduler.py's to show; here, the plumbing.)
