@@ -379,6 +379,11 @@ class TokenListener:
                     self._route(batch)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the owner closed its end (or died)
+        except asyncio.CancelledError:
+            # Cancelled with its loop (a client's process exiting without close()): end as a closed
+            # connection does. Nobody awaits this task, and Python 3.11's start_server prints a
+            # traceback for a handler that ends cancelled.
+            pass
         except (ValueError, TypeError, KeyError) as exc:  # msgpack's unpack errors are ValueErrors
             logger.warning("token listener closed a connection that sent a bad frame: %s", exc)
         finally:

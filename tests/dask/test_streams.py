@@ -298,6 +298,30 @@ def test_listener_reports_a_closed_sender_and_survives_a_bad_frame():
     asyncio.run(main())
 
 
+def test_a_connection_cancelled_with_its_loop_ends_as_a_closed_one_without_a_traceback():
+    """A client's process exiting without close() cancels the listener's connection handlers with
+    its loop: each ends as a closed connection would, and asyncio reports no error (Python 3.11's
+    start_server prints a traceback for a handler that ends cancelled)."""
+    async def main():
+        reported: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: reported.append(context))
+        closed: list[str] = []
+        listener = await TokenListener(on_sender_closed=closed.append).start()
+        stream = listener.open("r")
+        pusher = TokenPusher("owner")
+        await _push(pusher, [(listener.address, TokenOutput("r", 0, (1,)))])
+        assert await asyncio.wait_for(stream.next_tokens(), 10) == [1]
+        (handler,) = [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "_handle_connection"]
+        handler.cancel()
+        await asyncio.sleep(0.1)  # the server's done-callback runs
+        assert handler.done() and not handler.cancelled() and closed == ["owner"]
+        pusher.close()
+        await listener.close()
+        return reported
+
+    assert asyncio.run(main()) == []
+
+
 def test_a_connection_without_the_listeners_key_is_refused_and_changes_no_stream(caplog):
     async def main():
         listener = await TokenListener().start()
