@@ -435,7 +435,12 @@ class GlobalScheduler:
         while held and self._has_candidates():
             candidates = self._table()
             chosen = held.first
-            target = self._place_held(candidates, chosen.info, now, self._first_hold(chosen, now))
+            if not self._could_ever_leave_room(candidates, chosen.info):
+                # The instances it waited for have left: it goes as dispatch sends one that no
+                # instance could take with room to spare, rather than wait forever.
+                target = self._place(candidates, chosen.info, self._dispatch_policy.choose(candidates, chosen.info), now)
+            else:
+                target = self._place_held(candidates, chosen.info, now, self._first_hold(chosen, now))
             if target is None:
                 with self._reserved_for(candidates, chosen.info, now):
                     # Only those whose floor fits the room some instance keeps (held ones are

@@ -422,6 +422,20 @@ def test_high_priority_requests_and_ones_no_instance_could_ever_take_are_not_hel
     assert gs.dispatch(req("three", 30, count=3), 1.0) is None  # three keep (100 - 90) / 3 there
 
 
+def test_a_held_request_that_only_a_departed_instance_could_take_goes_at_once_instead_of_waiting_forever():
+    gs = scheduler(1)  # i0: 100 blocks
+    gs.register_instance("big", 2 * BLOCKS, BLOCK_SIZE, 0.0)
+    gs.mark_ready("big", 0.0)
+    gs.report(load("i0", used=10, running=1), 0.0)
+    gs.report(InstanceLoad("big", 2 * BLOCKS, BLOCK_SIZE, 2 * BLOCKS - 190, 5, 0, running_blocks={Priority.NORMAL: 190},
+                           running_count={Priority.NORMAL: 5}), 0.0)
+    assert gs.dispatch(req("large", 150), 1.0) is None  # only "big" could ever keep room for it
+    assert gs.release(2.0) == []
+    gs.remove_instance("big")
+    assert [(i.request_id, t) for i, t in gs.release(3.0)] == [("large", "i0")]  # where a new one would go
+    assert not gs.held
+
+
 def test_a_request_dispatched_but_never_received_stops_counting_after_a_while():
     """Refused by the instance, or its requester died on the way: without expiry its demand would
     stay pending there, and holding would keep every later request off an empty instance."""
