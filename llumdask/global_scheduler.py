@@ -139,9 +139,9 @@ class _Instance:
         self.room_trend = RoomTrend()
         # `handed`: requests the instance has received or is about to, as far as we know. Each
         # pending entry is (its position in that count, prompt blocks, prompt tokens, execution
-        # priority, when it was dispatched).
+        # priority, when it was dispatched, its request id).
         self.handed = 0
-        self.pending: deque[tuple[int, int, int, Priority, float]] = deque()
+        self.pending: deque[tuple[int, int, int, Priority, float, str]] = deque()
         self.num_pending = 0
         self.pending_blocks = 0
         self.pending_prompt_tokens = 0
@@ -176,13 +176,40 @@ class _Instance:
     def add_pending(self, info: DispatchInfo, now: float) -> None:
         blocks = blocks_for(info.num_prompt_tokens, self.block_size)
         priority = info.execution_priority
-        self.pending.append((self.handed, blocks, info.num_prompt_tokens, priority, now))
+        self.pending.append((self.handed, blocks, info.num_prompt_tokens, priority, now, info.request_id))
         self.handed += 1
         self.num_pending += 1
         self.pending_blocks += blocks
         self.pending_prompt_tokens += info.num_prompt_tokens
         self.pending_classes[priority] = self.pending_classes.get(priority, 0) + 1
         self.refresh()
+
+    def cancel_pending(self, request_id: str) -> bool:
+        """Forget a request placed here that will never arrive (its requester gave up before
+        handing it over); those placed after it move up in the count the instance reports."""
+        kept: deque[tuple[int, int, int, Priority, float, str]] = deque()
+        gone = 0
+        for position, blocks, tokens, priority, when, entry_id in self.pending:
+            if entry_id == request_id:
+                gone += 1
+                self._drop_pending(blocks, tokens, priority)
+            else:
+                kept.append((position - gone, blocks, tokens, priority, when, entry_id))
+        if gone:
+            self.pending = kept
+            self.handed -= gone
+            self.refresh()
+        return bool(gone)
+
+    def _drop_pending(self, blocks: int, tokens: int, priority: Priority) -> None:
+        self.num_pending -= 1
+        self.pending_blocks -= blocks
+        self.pending_prompt_tokens -= tokens
+        left = self.pending_classes[priority] - 1
+        if left:
+            self.pending_classes[priority] = left
+        else:
+            del self.pending_classes[priority]
 
     def absorb(self, load: InstanceLoad, now: float) -> None:
         """Take a new report; drop the pending requests it shows the instance has received, and
@@ -195,17 +222,10 @@ class _Instance:
             )
         pending = self.pending
         while pending and (pending[0][0] < received or pending[0][4] < now - PENDING_EXPIRY):
-            position, blocks, tokens, priority, _ = pending.popleft()
+            position, blocks, tokens, priority, _, _ = pending.popleft()
             if position < received:
                 self.room_trend.received(blocks, now)
-            self.num_pending -= 1
-            self.pending_blocks -= blocks
-            self.pending_prompt_tokens -= tokens
-            left = self.pending_classes[priority] - 1
-            if left:
-                self.pending_classes[priority] = left
-            else:
-                del self.pending_classes[priority]
+            self._drop_pending(blocks, tokens, priority)
         # Requests handed to it by someone else (e.g. before this scheduler started) move the count on.
         self.handed = max(self.handed, received)
         if self.drain_order == 0 < load.drain_order:
@@ -432,7 +452,7 @@ class GlobalScheduler:
         placed: list[tuple[DispatchInfo, str]] = []
         held = self._held
         hold = self._config.dispatch.hold_freeness
-        while held and self._has_candidates():
+        while held and self.has_candidates():
             candidates = self._table()
             chosen = held.first
             if not self._could_ever_leave_room(candidates, chosen.info):
@@ -461,6 +481,17 @@ class GlobalScheduler:
     def withdraw(self, request_id: str) -> bool:
         """Forget a held request (its client gave up); False if it is not held."""
         return self._held.remove(request_id) is not None
+
+    def unplace(self, request_id: str, instance_id: str) -> bool:
+        """Forget a placement on `instance_id` that will never be handed over (a held request
+        placed after its requester gave up), so that the instance is not charged for it; False if
+        nothing of it is pending there any more."""
+        instance = self._instances.get(instance_id)
+        if instance is None or not instance.cancel_pending(request_id):
+            return False
+        if self._candidates is not None:
+            self._candidates.update(instance)
+        return True
 
     @property
     def held(self) -> HeldRequests:
@@ -538,7 +569,8 @@ class GlobalScheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _has_candidates(self) -> bool:
+    def has_candidates(self) -> bool:
+        """Whether any instance may take a request now (ready, not draining)."""
         return bool(self._candidate_table())
 
     def _candidate_table(self) -> CandidateTable:

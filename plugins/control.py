@@ -67,6 +67,7 @@ class Op(enum.StrEnum):
     READY = "llumnix_ready"
     UNREGISTER = "llumnix_unregister"
     DISPATCH = "llumnix_dispatch"
+    WITHDRAW = "llumnix_withdraw"
     STATUS = "llumnix_status"
     MEMBERS = "llumnix_members"
     MIGRATIONS = "llumnix_migrations"
@@ -116,9 +117,19 @@ class Removed:
 @dataclass(frozen=True)
 class Placed:
     """The instance a request goes to; None while the scheduler holds it for room
-    (`dispatch.hold-freeness`): the requester asks again with the same id and keeps its place."""
+    (`dispatch.hold-freeness`): the requester asks again with the same id and keeps its place.
+    `no_instance`: held while no instance at all may take a request (the requester bounds that
+    wait as it bounds any placement's)."""
 
     instance: str | None
+    no_instance: bool = False
+
+
+@dataclass(frozen=True)
+class Withdrawn:
+    """Whether a held request was forgotten (False: it was not held, or had been placed)."""
+
+    withdrawn: bool
 
 
 @dataclass(frozen=True)
@@ -173,7 +184,8 @@ class Whereabouts:
 
 # Each op's reply type; ops not named answer a table (status rows, migration events).
 REPLIES: dict[Op, type] = {
-    Op.REGISTER: Registered, Op.READY: Ready, Op.UNREGISTER: Removed, Op.DISPATCH: Placed, Op.MEMBERS: Members,
+    Op.REGISTER: Registered, Op.READY: Ready, Op.UNREGISTER: Removed, Op.DISPATCH: Placed, Op.WITHDRAW: Withdrawn,
+    Op.MEMBERS: Members,
     Op.DRAIN: Draining, Op.MIGRATE: MigrationStarted, Op.MIGRATE_OUT: MigrationStarted,
     Op.ADAPTIVE_TARGET: AdaptiveTarget, Op.ADD: Accepted, Op.ABORT: Aborted, Op.WHERE: Whereabouts,
 }

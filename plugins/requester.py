@@ -34,8 +34,9 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlparse
 
 from distributed import Client
@@ -89,6 +90,10 @@ class Requester:
         self._listener_lock = asyncio.Lock()
         self._open: dict[str, _Open] = {}
         self._watchdog: asyncio.Task | None = None
+        # Resubmissions under way, and withdrawals of held requests given up on on their way to
+        # the scheduler: closing cancels the first and lets the second finish.
+        self._resubmissions: set[asyncio.Task] = set()
+        self._withdrawals: set[asyncio.Task] = set()
         self._check_now = asyncio.Event()
         # Holders whose token connection closed, each asked about again every `SUSPECT_RECHECK`
         # until this monotonic time (its next regular check).
@@ -169,6 +174,10 @@ class Requester:
         return None if self._listener is None else without_key(self._listener.address)
 
     async def close(self) -> None:
+        for task in self._resubmissions:
+            task.cancel()
+        await asyncio.gather(*self._resubmissions, return_exceptions=True)
+        await asyncio.gather(*self._withdrawals, return_exceptions=True)
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
@@ -218,23 +227,53 @@ class Requester:
     async def _dispatch(self, request: Request, admitted: bool, count: int) -> str:
         """The scheduler's placement. Each answer comes within `dispatch_timeout` or the scheduler
         counts as silent; one that holds the request for room is asked again (it keeps its place
-        in the scheduler's queue) for as long as it holds it, like a queue on an instance."""
+        in the scheduler's queue) for as long as it holds it, like a queue on an instance, but
+        held with no instance to go to no longer than `placement_timeout`, as a request that
+        finds none is placed. A held request given up on (that, silence, a cancelled caller) is
+        withdrawn, so that it takes no room later."""
         # The scheduler sees block hashes, never tokens: enough to find a cached prefix.
         hashes = dispatch_keys(request.prompt_token_ids + request.output_token_ids, self._block_size,
                                request.cache_salt)
-        while True:
-            reply = await asyncio.wait_for(call(
-                self._client.scheduler, Op.DISPATCH,
-                request_id=request.request_id,
-                num_prompt_tokens=request.num_tokens,
-                max_tokens=request.remaining_tokens,
-                execution_priority=int(request.execution_priority),
-                admitted=admitted,
-                count=count,
-                block_hashes=hashes,
-            ), self._config.dispatch_timeout)
-            if reply.instance is not None:
-                return reply.instance
+        loop = asyncio.get_running_loop()
+        held = False
+        alone_since: float | None = None  # held with no instance to go to, since
+        try:
+            while True:
+                reply = await asyncio.wait_for(call(
+                    self._client.scheduler, Op.DISPATCH,
+                    request_id=request.request_id,
+                    num_prompt_tokens=request.num_tokens,
+                    max_tokens=request.remaining_tokens,
+                    execution_priority=int(request.execution_priority),
+                    admitted=admitted,
+                    count=count,
+                    block_hashes=hashes,
+                ), self._config.dispatch_timeout)
+                if reply.instance is not None:
+                    return reply.instance
+                held = True
+                if not reply.no_instance:
+                    alone_since = None
+                elif alone_since is None:
+                    alone_since = loop.time()
+                elif loop.time() - alone_since > self._config.placement_timeout:
+                    raise NoInstanceAvailable(f"request {request.request_id} held with no instance to go to for "
+                                              f"{self._config.placement_timeout} s")
+        except BaseException:
+            if held:
+                self._withdraw_soon(request.request_id)
+            raise
+
+    def _withdraw_soon(self, request_id: str) -> None:
+        """Tell the scheduler, without waiting for its answer, that a held request is given up."""
+        _keep_until_done(self._withdrawals, self._withdraw(request_id))
+
+    async def _withdraw(self, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(call(self._client.scheduler, Op.WITHDRAW, request_id=request_id),
+                                   self._config.dispatch_timeout)
+        except Exception as exc:  # the scheduler forgets it anyway once its lease runs out
+            logger.debug("withdrawing held request %s failed: %s", request_id, exc)
 
     async def _hand_over(self, requests: Sequence[Request], instance: str, resubmission: bool) -> None:
         """In one call, all or none (the instance adds them between the same two steps).
@@ -308,7 +347,7 @@ class Requester:
         for entry in list(self._open.values()):
             if not entry.recovering and not entry.stream.sequence.done and entry.holder not in alive:
                 entry.recovering = True
-                asyncio.ensure_future(self._resubmit(entry))
+                _keep_until_done(self._resubmissions, self._resubmit(entry))
 
     async def _ask_about_stalled(self) -> None:
         """Open requests without a new token for `stall_timeout`: ask their instance whether it
@@ -342,7 +381,7 @@ class Requester:
                     logger.info("request %s is no longer on %s, which ended it unseen: resubmitting", request_id,
                                 holder)
                     entry.recovering = True
-                    asyncio.ensure_future(self._resubmit(entry))
+                    _keep_until_done(self._resubmissions, self._resubmit(entry))
 
     async def _resubmit(self, entry: _Open) -> None:
         """Hand prompt + tokens so far to another instance; it recomputes them and goes on."""
@@ -375,6 +414,13 @@ class Requester:
                         len(request.output_token_ids))
         finally:
             entry.recovering = False
+
+
+def _keep_until_done(tasks: set[asyncio.Task], work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` in the background, kept in `tasks` until it is done (for close to find)."""
+    task = asyncio.ensure_future(work)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
 
 
 def _finished_by(request: Request) -> FinishReason | None:

@@ -10,10 +10,13 @@ RPC handlers (`plugins/control.py` names them; a refusal, in brackets, is raised
     llumnix_ready(instance)                              -> {"ready": bool}
     llumnix_unregister(instance)                         -> {"removed": bool}
     llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, execution_priority,
-                     admitted=False)                     -> {"instance": str | None} [NoInstanceAvailable,
-                                                                               ClusterOverloaded]
+                     admitted=False)                     -> {"instance": str | None, "no_instance": bool}
+                                                            [NoInstanceAvailable, ClusterOverloaded]
         (None: held for room; asked again with the same id it answers once placed, waiting up
-        to HOLD_ANSWER s each time; a held request not asked about for HOLD_LEASE s is withdrawn)
+        to HOLD_ANSWER s each time; a held request not asked about for HOLD_LEASE s is withdrawn;
+        no_instance: held while no instance may take a request)
+    llumnix_withdraw(request_id)                         -> {"withdrawn": bool} (a held request's
+        requester gave up: it, or a placement made since its last ask, is forgotten)
     llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
     llumnix_members(epoch=None)                          -> {"epoch": str, "alive": [id, ...] | None,
                                                              "placeable": [id, ...] | None} (None: unchanged)
@@ -67,6 +70,7 @@ from llumdask.plugins.control import (
     Ready,
     Registered,
     Removed,
+    Withdrawn,
     call,
     refusal,
     reply,
@@ -150,6 +154,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                 Op.READY: self.ready,
                 Op.UNREGISTER: self.unregister,
                 Op.DISPATCH: self.dispatch,
+                Op.WITHDRAW: self.withdraw,
                 Op.STATUS: self.status,
                 Op.MEMBERS: self.members,
                 Op.MIGRATIONS: self.migrations,
@@ -233,9 +238,15 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         try:
             instance = await asyncio.wait_for(asyncio.shield(waiting.placement), HOLD_ANSWER)
         except asyncio.TimeoutError:
-            return reply(Placed(None))
+            return reply(Placed(None, no_instance=not self._scheduler().has_candidates()))
         self._waiting.pop(request_id, None)
         return reply(Placed(instance))
+
+    def withdraw(self, request_id: str) -> dict:
+        """The requester of a held request gave up on it: forget it, and a placement made for it
+        since its last ask (it will never be handed over)."""
+        waiting = self._waiting.pop(request_id, None)
+        return reply(Withdrawn(waiting is not None and self._forget_held(request_id, waiting)))
 
     def release(self) -> None:
         """Held requests that have room now go where the scheduler puts them."""
@@ -251,8 +262,17 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         for request_id, waiting in list(self._waiting.items()):
             if waiting.lease < now:
                 del self._waiting[request_id]
-                if self._scheduler().withdraw(request_id):
-                    waiting.placement.cancel()
+                self._forget_held(request_id, waiting)
+
+    def _forget_held(self, request_id: str, waiting: _Waiting) -> bool:
+        """Withdraw a held request, or, placed already but never fetched, its placement's charge."""
+        if self._scheduler().withdraw(request_id):
+            waiting.placement.cancel()
+            return True
+        placement = waiting.placement
+        if placement.done() and not placement.cancelled() and placement.result() is not None:
+            return self._scheduler().unplace(request_id, placement.result())
+        return False
 
     def status(self) -> dict:
         metrics = self._metrics()

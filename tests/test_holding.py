@@ -436,6 +436,20 @@ def test_a_held_request_that_only_a_departed_instance_could_take_goes_at_once_in
     assert not gs.held
 
 
+def test_a_placement_never_handed_over_is_forgotten_and_later_ones_are_counted_as_received():
+    gs = scheduler(1)
+    gs.report(load("i0", used=99, running=1), 0.0)
+    assert gs.dispatch(req("abandoned", 2), 1.0) is None
+    gs.report(load("i0", used=10, running=1), 2.0)
+    assert [i.request_id for i, _ in gs.release(2.0)] == ["abandoned"]  # its requester gave up meanwhile
+    assert gs.dispatch(req("next", 2), 2.5) == "i0"
+    assert gs.instances()[0].num_pending == 2
+    assert gs.unplace("abandoned", "i0") and not gs.unplace("abandoned", "i0") and not gs.unplace("next", "nowhere")
+    assert gs.instances()[0].num_pending == 1
+    gs.report(load("i0", used=12, running=2, received=1), 3.0)  # "next", the first request it received
+    assert gs.instances()[0].num_pending == 0
+
+
 def test_a_request_dispatched_but_never_received_stops_counting_after_a_while():
     """Refused by the instance, or its requester died on the way: without expiry its demand would
     stay pending there, and holding would keep every later request off an empty instance."""

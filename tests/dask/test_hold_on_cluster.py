@@ -11,6 +11,7 @@ from daskhelpers import assert_workers_clean, prompt_of, reference_tokens, wait_
 from llumdask.api.client import connect
 from llumdask.clusters.local import local_cluster
 from llumdask.config import load_config
+from llumdask.global_scheduler import NoInstanceAvailable
 
 pytestmark = pytest.mark.slow
 
@@ -36,3 +37,20 @@ def test_a_request_without_room_waits_at_the_scheduler_then_runs_where_room_appe
         assert generation.instance == only["instance"]
         assert llum.instances().held == {"requests": 0, "oldest_s": 0.0}
         assert_workers_clean(llum.dask_client)
+
+
+def test_a_held_request_whose_instances_all_leave_fails_after_the_placement_timeout_and_is_withdrawn():
+    """A request finding no instance is refused after `requester.placement-timeout`; one held when
+    the last instance leaves waits no longer, and the scheduler forgets it at once."""
+    overrides = {"sim-engine": {"total-blocks": 64}}
+    long_prompt, held_prompt = prompt_of(3, 600), prompt_of(4, 500)  # 38 + 32 blocks of 64
+    with local_cluster(1, config_overrides=overrides) as cluster, connect(cluster, placement_timeout=2.0) as llum, \
+            ThreadPoolExecutor(1) as pool:
+        running = llum.stream(long_prompt, max_tokens=300)
+        next(running)
+        held = pool.submit(llum.generate, held_prompt, max_tokens=40, timeout=120)
+        wait_until(lambda: llum.instances().held.get("requests") == 1, 10, what="a held request")
+        cluster.scale(0)
+        with pytest.raises(NoInstanceAvailable, match="held with no instance to go to"):
+            held.result(timeout=30)
+        wait_until(lambda: llum.instances().held.get("requests") == 0, 5, what="the held request withdrawn")

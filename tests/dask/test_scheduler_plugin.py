@@ -216,3 +216,37 @@ def test_a_held_request_is_answered_once_a_report_makes_room_and_withdrawn_when_
         assert plugin.status()["instances"][0]["num_pending"] == 1  # the withdrawn one never placed
 
     run_plugin(check)
+
+
+def test_a_held_request_given_up_on_is_withdrawn_and_a_placement_it_never_fetched_uncharged(monkeypatch):
+    monkeypatch.setattr(scheduler_plugin, "HOLD_ANSWER", 0.05)
+    full = dict(free_blocks=2, num_running=4, running_blocks={0: 98}, running_count={0: 4})
+    roomy = dict(free_blocks=80, num_running=1, running_blocks={0: 20}, running_count={0: 1})
+
+    async def check(plugin, scheduler):
+        plugin.register("a", 100, 16)
+        plugin.ready("a")
+        plugin.on_load(load("a", **full))
+        assert (await plugin.dispatch("r", 64, 10)) == {"instance": None, "no_instance": False}
+        assert plugin.withdraw("r") == {"withdrawn": True} and plugin.withdraw("r") == {"withdrawn": False}
+        assert "r" not in plugin.global_scheduler.held
+        # Placed by a report after its requester's last ask: never fetched, so not charged.
+        assert (await plugin.dispatch("late", 64, 10))["instance"] is None
+        plugin.on_load(load("a", **roomy))
+        assert plugin.status()["instances"][0]["num_pending"] == 1
+        assert plugin.withdraw("late") == {"withdrawn": True}
+        assert plugin.status()["instances"][0]["num_pending"] == 0
+        # The same when its requester is gone without a word: the lease runs out.
+        plugin.on_load(load("a", **full))
+        assert (await plugin.dispatch("silent", 64, 10))["instance"] is None
+        plugin.on_load(load("a", **roomy))
+        plugin._waiting["silent"].lease = 0.0
+        plugin.expire_held()
+        assert plugin.status()["instances"][0]["num_pending"] == 0 and not plugin._waiting
+        # Held while no instance may take a request: the answer says so.
+        plugin.on_load(load("a", **full))
+        assert (await plugin.dispatch("alone", 64, 10))["instance"] is None
+        plugin.unregister("a")
+        assert (await plugin.dispatch("alone", 64, 10)) == {"instance": None, "no_instance": True}
+
+    run_plugin(check)
