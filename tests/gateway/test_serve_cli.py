@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from dataclasses import replace
@@ -188,6 +189,15 @@ def test_an_instance_that_cannot_start_stops_serve_at_once_with_its_error(capsys
                        "--profile", "no-such-profile"]) == 1
     assert time.monotonic() - started < 60  # not the 600 s startup timeout
     assert "failed to start: ValueError: unknown latency profile 'no-such-profile'" in capsys.readouterr().err
+
+
+def test_a_port_in_use_fails_before_any_instance_starts_and_says_what_to_do(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert serve_main(["--port", str(port), "--engine", "sim", "--dashboard-address", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port 0 any free one" in err and "starting" not in err
 
 
 def test_without_vllm_the_default_falls_back_to_sim_and_says_why(capsys):
