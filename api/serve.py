@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import multiprocessing
@@ -398,11 +399,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         None if args.scheduler is not None else engine), args.override_generation_config)
 
     with contextlib.ExitStack() as stack:
-        # Bound before any instance starts: a port in use fails now, not after the start-up.
-        listening = stack.enter_context(gateway_socket(args.host, args.port))
-        if settings.send_buffer_bytes is not None:
-            # Set on the listening socket, the size every accepted connection inherits.
-            listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.send_buffer_bytes)
+        check_port_free(args.host, args.port)  # before any instance starts, not after
         if args.scheduler is None:
             from llumdask.clusters.instances import InstanceStartupError
             from llumdask.clusters.local import local_cluster
@@ -449,12 +446,18 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                         timeout_graceful_shutdown=5)
         server = uvicorn.Server(uvicorn_config)
+        sockets = None
+        if settings.send_buffer_bytes is not None:
+            # Set on the listening socket, the size every accepted connection inherits.
+            listening = uvicorn_config.bind_socket()
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.send_buffer_bytes)
+            sockets = [listening]
 
         def on_started(port: int) -> None:
             print(banner(model_info.name, where, f"http://{_url_host(args.host)}:{port}", address, dashboard,
                          bool(settings.api_keys)), flush=True)
 
-        asyncio.run(_run(server, on_started, [listening]))
+        asyncio.run(_run(server, on_started, sockets))
         if not server.started:
             print("llumdask serve: the gateway did not start (see the log above)", file=sys.stderr)
             return 1
@@ -477,24 +480,26 @@ class IgnoreTerminalInterrupt(WorkerPlugin):
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def gateway_socket(host: str, port: int) -> socket.socket:
-    """The gateway's socket, bound to `host`:`port` (0: any free port) as uvicorn binds its own; a
-    port in use is an OSError that says what to do."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"cannot listen on {_url_host(host)}:{port}: {exc.strerror} "
-                                 "(--port chooses another, --port 0 any free one)") from None
-    sock.set_inheritable(True)
-    return sock
+def check_port_free(host: str, port: int) -> None:
+    """Listen on `host`:`port` as uvicorn will (every address the host resolves to) and let go:
+    a port in use is an OSError that says what to do, before the instances' start-up rather
+    than after it. Port 0 (any free port) needs no check."""
+    async def listen_once() -> None:
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, host, port)
+        server.close()
+        await server.wait_closed()
+
+    if port:
+        try:
+            asyncio.run(listen_once())
+        except OSError as exc:
+            hint = " (--port chooses another, --port 0 any free one)" if exc.errno == errno.EADDRINUSE else ""
+            raise OSError(exc.errno, f"cannot listen on {_url_host(host)}:{port}: {exc.strerror}{hint}") from None
 
 
-async def _run(server: Any, on_started: Callable[[int], None], sockets: list[socket.socket]) -> None:
-    """Serve on `sockets` (bound already) until stopped; call `on_started(port)` once they
-    listen (port 0 resolved)."""
+async def _run(server: Any, on_started: Callable[[int], None], sockets: list[socket.socket] | None = None) -> None:
+    """Serve (on `sockets`, if bound already) until stopped; call `on_started(port)` once the
+    socket listens (port 0 resolved)."""
     serving = asyncio.ensure_future(server.serve(sockets))
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)

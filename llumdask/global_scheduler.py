@@ -184,22 +184,25 @@ class _Instance:
         self.pending_classes[priority] = self.pending_classes.get(priority, 0) + 1
         self.refresh()
 
-    def cancel_pending(self, request_id: str) -> bool:
-        """Forget a request placed here that will never arrive (its requester gave up before
-        handing it over); those placed after it move up in the count the instance reports."""
+    def cancel_pending(self, request_id: str, count: int) -> None:
+        """Forget the `count` requests placed here together that will never arrive (their
+        requester gave up before handing them over): those placed after them move up in the
+        count the instance reports. Entries of theirs the count already took as received (a
+        later request arrived first) are gone from the queue, but not from the count."""
+        # The placement's first position still queued; none: every entry queued is later.
+        first = next((e[0] for e in self.pending if e[5] == request_id), -math.inf)
         kept: deque[tuple[int, int, int, Priority, float, str]] = deque()
-        gone = 0
-        for position, blocks, tokens, priority, when, entry_id in self.pending:
+        for entry in self.pending:
+            position, blocks, tokens, priority, when, entry_id = entry
             if entry_id == request_id:
-                gone += 1
                 self._drop_pending(blocks, tokens, priority)
+            elif position > first:
+                kept.append((position - count, blocks, tokens, priority, when, entry_id))
             else:
-                kept.append((position - gone, blocks, tokens, priority, when, entry_id))
-        if gone:
-            self.pending = kept
-            self.handed -= gone
-            self.refresh()
-        return bool(gone)
+                kept.append(entry)
+        self.pending = kept
+        self.handed -= count
+        self.refresh()
 
     def _drop_pending(self, blocks: int, tokens: int, priority: Priority) -> None:
         self.num_pending -= 1
@@ -482,13 +485,14 @@ class GlobalScheduler:
         """Forget a held request (its client gave up); False if it is not held."""
         return self._held.remove(request_id) is not None
 
-    def unplace(self, request_id: str, instance_id: str) -> bool:
-        """Forget a placement on `instance_id` that will never be handed over (a held request
-        placed after its requester gave up), so that the instance is not charged for it; False if
-        nothing of it is pending there any more."""
+    def unplace(self, request_id: str, instance_id: str, count: int) -> bool:
+        """Forget a placement of `count` requests on `instance_id` that will never be handed over
+        (a held request placed after its requester gave up), so that the instance is not charged
+        for it; False if that instance is gone."""
         instance = self._instances.get(instance_id)
-        if instance is None or not instance.cancel_pending(request_id):
+        if instance is None:
             return False
+        instance.cancel_pending(request_id, count)
         if self._candidates is not None:
             self._candidates.update(instance)
         return True

@@ -127,7 +127,8 @@ class Placed:
 
 @dataclass(frozen=True)
 class Withdrawn:
-    """Whether a held request was forgotten (False: it was not held, or had been placed)."""
+    """Whether a held request, or the placement made for it since its requester last asked, was
+    forgotten (False: nothing of it was waiting here)."""
 
     withdrawn: bool
 

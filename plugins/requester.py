@@ -43,7 +43,7 @@ from distributed import Client
 from distributed.utils import get_ip
 
 from llumdask.config import RequesterConfig, load_config
-from llumdask.global_scheduler import NoInstanceAvailable
+from llumdask.global_scheduler import ClusterOverloaded, NoInstanceAvailable
 from llumdask.plugins.control import NoLlumdaskScheduler, Op, RequestRejected, call
 from llumdask.plugins.streams import TokenBatch, TokenListener, TokenStream, without_key
 from llumdask.plugins.wire import request_to_msg
@@ -91,9 +91,9 @@ class Requester:
         self._open: dict[str, _Open] = {}
         self._watchdog: asyncio.Task | None = None
         # Resubmissions under way, and withdrawals of held requests given up on on their way to
-        # the scheduler: closing cancels the first and lets the second finish.
+        # the scheduler (by request id): closing cancels the first and lets the second finish.
         self._resubmissions: set[asyncio.Task] = set()
-        self._withdrawals: set[asyncio.Task] = set()
+        self._withdrawals: dict[str, asyncio.Task] = {}
         self._check_now = asyncio.Event()
         # Holders whose token connection closed, each asked about again every `SUSPECT_RECHECK`
         # until this monotonic time (its next regular check).
@@ -174,14 +174,14 @@ class Requester:
         return None if self._listener is None else without_key(self._listener.address)
 
     async def close(self) -> None:
-        for task in self._resubmissions:
-            task.cancel()
-        await asyncio.gather(*self._resubmissions, return_exceptions=True)
-        await asyncio.gather(*self._withdrawals, return_exceptions=True)
-        if self._watchdog is not None:
+        if self._watchdog is not None:  # first: it starts resubmissions
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
             self._watchdog = None
+        for task in self._resubmissions:
+            task.cancel()
+        await asyncio.gather(*self._resubmissions, return_exceptions=True)
+        await asyncio.gather(*self._withdrawals.values(), return_exceptions=True)
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
@@ -235,23 +235,29 @@ class Requester:
         hashes = dispatch_keys(request.prompt_token_ids + request.output_token_ids, self._block_size,
                                request.cache_salt)
         loop = asyncio.get_running_loop()
-        held = False
+        earlier = self._withdrawals.get(request.request_id)
+        if earlier is not None:  # an earlier attempt's withdrawal goes first, or it would take this one's place
+            await asyncio.wait({earlier})
+        refused = False  # the scheduler refused it outright: it holds nothing to withdraw
         alone_since: float | None = None  # held with no instance to go to, since
         try:
             while True:
-                reply = await asyncio.wait_for(call(
-                    self._client.scheduler, Op.DISPATCH,
-                    request_id=request.request_id,
-                    num_prompt_tokens=request.num_tokens,
-                    max_tokens=request.remaining_tokens,
-                    execution_priority=int(request.execution_priority),
-                    admitted=admitted,
-                    count=count,
-                    block_hashes=hashes,
-                ), self._config.dispatch_timeout)
+                try:
+                    reply = await asyncio.wait_for(call(
+                        self._client.scheduler, Op.DISPATCH,
+                        request_id=request.request_id,
+                        num_prompt_tokens=request.num_tokens,
+                        max_tokens=request.remaining_tokens,
+                        execution_priority=int(request.execution_priority),
+                        admitted=admitted,
+                        count=count,
+                        block_hashes=hashes,
+                    ), self._config.dispatch_timeout)
+                except (NoInstanceAvailable, ClusterOverloaded):
+                    refused = True
+                    raise
                 if reply.instance is not None:
                     return reply.instance
-                held = True
                 if not reply.no_instance:
                     alone_since = None
                 elif alone_since is None:
@@ -260,13 +266,19 @@ class Requester:
                     raise NoInstanceAvailable(f"request {request.request_id} held with no instance to go to for "
                                               f"{self._config.placement_timeout} s")
         except BaseException:
-            if held:
+            if not refused:  # any ask may have left it held
                 self._withdraw_soon(request.request_id)
             raise
 
     def _withdraw_soon(self, request_id: str) -> None:
         """Tell the scheduler, without waiting for its answer, that a held request is given up."""
-        _keep_until_done(self._withdrawals, self._withdraw(request_id))
+        task = self._withdrawals[request_id] = asyncio.ensure_future(self._withdraw(request_id))
+
+        def done(_: asyncio.Task) -> None:
+            if self._withdrawals.get(request_id) is task:
+                del self._withdrawals[request_id]
+
+        task.add_done_callback(done)
 
     async def _withdraw(self, request_id: str) -> None:
         try:

@@ -91,10 +91,12 @@ HOLD_LEASE = 5.0
 
 @dataclass
 class _Waiting:
-    """A held request's placement to come, and until when its requester is taken to be there."""
+    """A held request's placement to come, until when its requester is taken to be there, and
+    how many requests it places (its choices)."""
 
     placement: asyncio.Future
     lease: float
+    count: int
 
 
 def instance_row(view: InstanceView, state: InstanceState) -> dict[str, Any]:
@@ -233,7 +235,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                 self._metrics().dispatches["placed"] += count
                 return reply(Placed(instance))
             self._metrics().dispatches["held"] += count
-            waiting = self._waiting[request_id] = _Waiting(asyncio.get_running_loop().create_future(), 0.0)
+            waiting = self._waiting[request_id] = _Waiting(asyncio.get_running_loop().create_future(), 0.0, count)
         waiting.lease = time.monotonic() + HOLD_LEASE
         try:
             instance = await asyncio.wait_for(asyncio.shield(waiting.placement), HOLD_ANSWER)
@@ -243,10 +245,13 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         return reply(Placed(instance))
 
     def withdraw(self, request_id: str) -> dict:
-        """The requester of a held request gave up on it: forget it, and a placement made for it
-        since its last ask (it will never be handed over)."""
+        """The requester of a held request gave up on it: forget it, or a placement made for it
+        since its last ask (it will never be handed over); the requests behind it may go now."""
         waiting = self._waiting.pop(request_id, None)
-        return reply(Withdrawn(waiting is not None and self._forget_held(request_id, waiting)))
+        forgotten = waiting is not None and self._forget_held(request_id, waiting)
+        if forgotten:
+            self.release()
+        return reply(Withdrawn(forgotten))
 
     def release(self) -> None:
         """Held requests that have room now go where the scheduler puts them."""
@@ -271,7 +276,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             return True
         placement = waiting.placement
         if placement.done() and not placement.cancelled() and placement.result() is not None:
-            return self._scheduler().unplace(request_id, placement.result())
+            return self._scheduler().unplace(request_id, placement.result(), waiting.count)
         return False
 
     def status(self) -> dict:

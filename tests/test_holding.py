@@ -439,14 +439,31 @@ def test_a_held_request_that_only_a_departed_instance_could_take_goes_at_once_in
 def test_a_placement_never_handed_over_is_forgotten_and_later_ones_are_counted_as_received():
     gs = scheduler(1)
     gs.report(load("i0", used=99, running=1), 0.0)
-    assert gs.dispatch(req("abandoned", 2), 1.0) is None
-    gs.report(load("i0", used=10, running=1), 2.0)
+    assert gs.dispatch(req("abandoned", 2, count=2), 1.0) is None
+    gs.report(load("i0", used=80, running=1), 2.0)
     assert [i.request_id for i, _ in gs.release(2.0)] == ["abandoned"]  # its requester gave up meanwhile
-    assert gs.dispatch(req("next", 2), 2.5) == "i0"
-    assert gs.instances()[0].num_pending == 2
-    assert gs.unplace("abandoned", "i0") and not gs.unplace("abandoned", "i0") and not gs.unplace("next", "nowhere")
+    # Two pending for it: with a 10-block prompt, (20 - 4 - 10) / 4 = 1.5.
+    assert gs.dispatch(req("next", 10), 2.5) == "i0" and gs.instances()[0].num_pending == 3
+    assert gs.dispatch(req("held", 5), 2.5) is None  # (20 - 14 - 5) / 5 = 0.2
+    assert gs.unplace("abandoned", "i0", 2) and not gs.unplace("abandoned", "nowhere", 2)
     assert gs.instances()[0].num_pending == 1
-    gs.report(load("i0", used=12, running=2, received=1), 3.0)  # "next", the first request it received
+    assert [i.request_id for i, _ in gs.release(2.6)] == ["held"]  # (20 - 10 - 5) / 3 = 1.7
+    gs.report(load("i0", used=100, running=3, received=2), 3.0)  # "next" and "held", the first two it received
+    assert gs.instances()[0].num_pending == 0
+
+
+def test_a_placement_taken_for_received_before_it_was_forgotten_leaves_the_count_right():
+    """A later request arrived first and the count took the abandoned one's entry for received:
+    forgetting it still moves every later entry up by its copies."""
+    gs = scheduler(1)
+    gs.report(load("i0", used=10, running=1), 0.0)
+    assert gs.dispatch(req("abandoned", 2, count=2), 1.0) == "i0"  # positions 0 and 1
+    assert gs.dispatch(req("a", 2), 1.0) == "i0" and gs.dispatch(req("b", 2), 1.0) == "i0"  # 2 and 3
+    gs.report(load("i0", used=12, running=2, received=1), 2.0)  # "a" arrived: position 0 taken as received
+    assert gs.instances()[0].num_pending == 3
+    gs.unplace("abandoned", "i0", 2)
+    assert gs.instances()[0].num_pending == 2  # "a" and "b", now positions 0 and 1
+    gs.report(load("i0", used=14, running=3, received=2), 3.0)
     assert gs.instances()[0].num_pending == 0
 
 
