@@ -252,6 +252,7 @@ class Requester:
                         admitted=admitted,
                         count=count,
                         block_hashes=hashes,
+                        answer_within=self._config.dispatch_timeout,
                     ), self._config.dispatch_timeout)
                 except (NoInstanceAvailable, ClusterOverloaded):
                     refused = True

@@ -10,10 +10,12 @@ RPC handlers (`plugins/control.py` names them; a refusal, in brackets, is raised
     llumnix_ready(instance)                              -> {"ready": bool}
     llumnix_unregister(instance)                         -> {"removed": bool}
     llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, execution_priority,
-                     admitted=False)                     -> {"instance": str | None, "no_instance": bool}
+                     admitted=False, count=1, block_hashes=(),
+                     answer_within=None)                 -> {"instance": str | None, "no_instance": bool}
                                                             [NoInstanceAvailable, ClusterOverloaded]
         (None: held for room; asked again with the same id it answers once placed, waiting up
-        to HOLD_ANSWER s each time; a held request not asked about for HOLD_LEASE s is withdrawn;
+        to HOLD_ANSWER s each time (half of answer_within, the asker's timeout, at most); a held
+        request not asked about for HOLD_LEASE s is withdrawn;
         no_instance: held while no instance may take a request)
     llumnix_withdraw(request_id)                         -> {"withdrawn": bool} (a held request's
         requester gave up: it, or a placement made since its last ask, is forgotten)
@@ -82,8 +84,8 @@ from llumdask.plugins.metrics import SchedulerMetrics
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "llumdask"
-# How long a dispatch of a held request waits for its placement before answering "held" (well
-# within a requester's dispatch timeout, so a held request never looks like a silent scheduler),
+# How long a dispatch of a held request waits for its placement before answering "held" (and at
+# most half the asker's dispatch timeout, so a held request never looks like a silent scheduler),
 # and how long a held request is kept without being asked about (its requester is gone).
 HOLD_ANSWER = 1.0
 HOLD_LEASE = 5.0
@@ -221,7 +223,10 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         admitted: bool = False,
         block_hashes: Sequence[int] = (),
         count: int = 1,
+        answer_within: float | None = None,
     ) -> dict:
+        """`answer_within`: the requester's dispatch timeout; a held request's answer comes in half
+        of it at most, or it would read as a silent scheduler."""
         waiting = self._waiting.get(request_id)
         if waiting is None:
             info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, execution_priority, admitted,
@@ -238,7 +243,8 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             waiting = self._waiting[request_id] = _Waiting(asyncio.get_running_loop().create_future(), 0.0, count)
         waiting.lease = time.monotonic() + HOLD_LEASE
         try:
-            instance = await asyncio.wait_for(asyncio.shield(waiting.placement), HOLD_ANSWER)
+            wait = HOLD_ANSWER if answer_within is None else min(HOLD_ANSWER, answer_within / 2)
+            instance = await asyncio.wait_for(asyncio.shield(waiting.placement), wait)
         except asyncio.TimeoutError:
             return reply(Placed(None, no_instance=not self._scheduler().has_candidates()))
         self._waiting.pop(request_id, None)

@@ -250,3 +250,20 @@ def test_a_held_request_given_up_on_is_withdrawn_and_a_placement_it_never_fetche
         assert (await plugin.dispatch("alone", 64, 10)) == {"instance": None, "no_instance": True}
 
     run_plugin(check)
+
+
+def test_a_held_request_is_answered_within_half_the_askers_timeout():
+    """However long the scheduler would wait for a placement, a held ask is answered well within
+    the requester's dispatch timeout, or the requester would take the scheduler for silent."""
+    full = dict(free_blocks=2, num_running=4, running_blocks={0: 98}, running_count={0: 4})
+
+    async def check(plugin, scheduler):
+        plugin.register("a", 100, 16)
+        plugin.ready("a")
+        plugin.on_load(load("a", **full))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert (await plugin.dispatch("r", 64, 10, answer_within=0.2))["instance"] is None
+        assert loop.time() - started < scheduler_plugin.HOLD_ANSWER / 2
+
+    run_plugin(check)
