@@ -43,7 +43,8 @@ HANDED_OVER = "handed_over"
 
 # (name, help, label, the SchedulerMetrics count it reads)
 COUNTERS = (
-    ("dispatches", "Dispatch decisions, by outcome (placed, held for room before being placed, or refused)",
+    ("dispatches", "Dispatch decisions, by outcome (placed, held for room before being placed, refused, or "
+                   "withdrawn: held and given up on by its requester, whether placed since or not)",
      "outcome", "dispatches"),
     ("migrations", "Migrations started, committed (running requests, their KV moved live), handed over "
                    "(waiting requests, nothing to move) and aborted", "outcome", "migrations"),
@@ -61,7 +62,7 @@ class SchedulerMetrics:
     def __init__(self, instances: Callable[[], Iterable[InstanceView]], held: Callable[[], int] = lambda: 0) -> None:
         self._instances = instances
         self._held = held
-        self.dispatches: Counter[str] = Counter()  # by outcome: placed, held, refused
+        self.dispatches: Counter[str] = Counter()  # by outcome: placed, held, refused, withdrawn
         self.migrations: Counter[str] = Counter()  # started, committed, handed_over, aborted
         self.aborted: Counter[str] = Counter()  # by reason
         self.refused: Counter[str] = Counter()  # operator migrations, by reason: pinned, not_started

@@ -277,13 +277,14 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
 
     def _forget_held(self, request_id: str, waiting: _Waiting) -> bool:
         """Withdraw a held request, or, placed already but never fetched, its placement's charge."""
-        if self._scheduler().withdraw(request_id):
-            waiting.placement.cancel()
-            return True
         placement = waiting.placement
-        if placement.done() and not placement.cancelled() and placement.result() is not None:
-            return self._scheduler().unplace(request_id, placement.result(), waiting.count)
-        return False
+        if self._scheduler().withdraw(request_id):
+            placement.cancel()
+        elif not (placement.done() and not placement.cancelled() and placement.result() is not None
+                  and self._scheduler().unplace(request_id, placement.result(), waiting.count)):
+            return False
+        self._metrics().dispatches["withdrawn"] += waiting.count
+        return True
 
     def status(self) -> dict:
         metrics = self._metrics()

@@ -243,6 +243,7 @@ def test_a_held_request_given_up_on_is_withdrawn_and_a_placement_it_never_fetche
         plugin._waiting["silent"].lease = 0.0
         plugin.expire_held()
         assert plugin.status()["instances"][0]["num_pending"] == 0 and not plugin._waiting
+        assert plugin.metrics.dispatches["withdrawn"] == 3  # "r", "late" and "silent"
         # Held while no instance may take a request: the answer says so.
         plugin.on_load(load("a", **full))
         assert (await plugin.dispatch("alone", 64, 10))["instance"] is None
