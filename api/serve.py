@@ -481,7 +481,8 @@ class IgnoreTerminalInterrupt(WorkerPlugin):
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Listen on `host`:`port` as uvicorn will (every address the host resolves to) and let go:
+    """Listen on `host`:`port` as uvicorn will by default (every address the host resolves to;
+    with `send-buffer-bytes`, one socket of the host's family) and let go:
     a port in use is an OSError that says what to do, before the instances' start-up rather
     than after it. Port 0 (any free port) needs no check."""
     async def listen_once() -> None:

@@ -184,11 +184,12 @@ class _Instance:
         self.pending_classes[priority] = self.pending_classes.get(priority, 0) + 1
         self.refresh()
 
-    def cancel_pending(self, request_id: str, count: int) -> None:
+    def cancel_pending(self, request_id: str, count: int, now: float) -> None:
         """Forget the `count` requests placed here together that will never arrive (their
         requester gave up before handing them over): those placed after them move up in the
-        count the instance reports. Entries of theirs the count already took as received (a
-        later request arrived first) are gone from the queue, but not from the count."""
+        count the instance reports, and those it has received by then leave the queue. Entries of
+        theirs the count already took as received (a later request arrived first) are gone from
+        the queue, but not from the count."""
         # The placement's first position still queued; none: every entry queued is later.
         first = next((e[0] for e in self.pending if e[5] == request_id), -math.inf)
         kept: deque[tuple[int, int, int, Priority, float, str]] = deque()
@@ -202,7 +203,18 @@ class _Instance:
                 kept.append(entry)
         self.pending = kept
         self.handed -= count
+        self._drop_settled(self.load.num_received, now)
         self.refresh()
+
+    def _drop_settled(self, received: int, now: float) -> None:
+        """Drop the pending requests among the first `received` the instance has had, and those
+        dispatched more than PENDING_EXPIRY ago that it never received."""
+        pending = self.pending
+        while pending and (pending[0][0] < received or pending[0][4] < now - PENDING_EXPIRY):
+            position, blocks, tokens, priority, _, _ = pending.popleft()
+            if position < received:
+                self.room_trend.received(blocks, now)
+            self._drop_pending(blocks, tokens, priority)
 
     def _drop_pending(self, blocks: int, tokens: int, priority: Priority) -> None:
         self.num_pending -= 1
@@ -223,12 +235,7 @@ class _Instance:
                 f"instance {self.instance_id}: num_received went back from {self.load.num_received} to {received}; "
                 "a restarted instance must be removed and registered again"
             )
-        pending = self.pending
-        while pending and (pending[0][0] < received or pending[0][4] < now - PENDING_EXPIRY):
-            position, blocks, tokens, priority, _, _ = pending.popleft()
-            if position < received:
-                self.room_trend.received(blocks, now)
-            self._drop_pending(blocks, tokens, priority)
+        self._drop_settled(received, now)
         # Requests handed to it by someone else (e.g. before this scheduler started) move the count on.
         self.handed = max(self.handed, received)
         if self.drain_order == 0 < load.drain_order:
@@ -436,7 +443,7 @@ class GlobalScheduler:
             # A high-priority request goes at once: its headroom, which migration then clears on
             # its instance, is the room kept for it. One that no instance could take with room
             # to spare even empty queues there (or is refused by the engine) rather than wait forever.
-            return self._place(candidates, info, self._dispatch_policy.choose(candidates, info), now)
+            return self._place_anywhere(candidates, info, now)
         # In line with the held requests: first if it outranks them, else only where it delays
         # none of them (every other change of state was followed by a `release`).
         hold = self._config.dispatch.hold_freeness
@@ -461,7 +468,7 @@ class GlobalScheduler:
             if not self._could_ever_leave_room(candidates, chosen.info):
                 # The instances it waited for have left: it goes as dispatch sends one that no
                 # instance could take with room to spare, rather than wait forever.
-                target = self._place(candidates, chosen.info, self._dispatch_policy.choose(candidates, chosen.info), now)
+                target = self._place_anywhere(candidates, chosen.info, now)
             else:
                 target = self._place_held(candidates, chosen.info, now, self._first_hold(chosen, now))
             if target is None:
@@ -485,14 +492,14 @@ class GlobalScheduler:
         """Forget a held request (its client gave up); False if it is not held."""
         return self._held.remove(request_id) is not None
 
-    def unplace(self, request_id: str, instance_id: str, count: int) -> bool:
+    def unplace(self, request_id: str, instance_id: str, count: int, now: float) -> bool:
         """Forget a placement of `count` requests on `instance_id` that will never be handed over
         (a held request placed after its requester gave up), so that the instance is not charged
         for it; False if that instance is gone."""
         instance = self._instances.get(instance_id)
         if instance is None:
             return False
-        instance.cancel_pending(request_id, count)
+        instance.cancel_pending(request_id, count, now)
         if self._candidates is not None:
             self._candidates.update(instance)
         return True
@@ -617,6 +624,10 @@ class GlobalScheduler:
         candidates.update(instance)
         return chosen
 
+    def _place_anywhere(self, candidates: CandidateTable, info: DispatchInfo, now: float) -> str:
+        """Put the request where the policy chooses, room to spare or not."""
+        return self._place(candidates, info, self._dispatch_policy.choose(candidates, info), now)
+
     def _place_held(self, candidates: CandidateTable, info: DispatchInfo, now: float, hold: float) -> str | None:
         """Place a held request on the policy's choice where it leaves `hold` dispatch freeness,
         the prefix that instance caches not charged (as dispatch charges it); None while there is
@@ -665,7 +676,7 @@ class GlobalScheduler:
         only requests)."""
         hold = self._config.dispatch.hold_freeness
         assert hold is not None
-        return candidates.empty_room_blocks(info.num_prompt_tokens, info.count) >= hold * info.count
+        return candidates.could_ever_keep(hold, info.num_prompt_tokens, info.count)
 
     def _reserved_for(self, candidates: CandidateTable, first: DispatchInfo, now: float) -> Reservation:
         """Keep for the first held request the instance where it is closest to fitting unless its

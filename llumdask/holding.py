@@ -24,11 +24,14 @@ default), once the first has waited that long since it was held it needs only ro
 behind an instance's queue (read when the scheduler next looks, after a report): room to spare
 protects the running requests' growth at the cost of a first token, and past the limit the first
 token wins. Later ones still need room to spare to pass it, and memory itself may be short
-everywhere.
+everywhere. A first that only instances since gone could ever take with room to spare goes at
+once where dispatch would send a new one; a request given up on by its requester is withdrawn.
+A request's choices (`DispatchInfo.count`) are held and placed together: room for them is room
+for each copy's prompt and one request each.
 
 Past capacity thousands may be held, and the scheduler looks for a later one to pass the first
 after every report. Each is kept with its floor, at most the prompt tokens it could take anywhere
-(the prompt less the most any instance might cache of it), so that a look reads only the requests
+(the prompt less the most any instance might cache of it, once per copy), so that a look reads only the requests
 whose floor fits the room there is. What a request could take grows as caches evict (the floor
 stays below it) and shrinks only when one of the prompt's anchors cached nowhere is cached
 somewhere: those anchors are watched, and each lowers the floor to what is left past it.

@@ -128,7 +128,7 @@ class Placed:
 @dataclass(frozen=True)
 class Withdrawn:
     """Whether a held request, or the placement made for it since its requester last asked, was
-    forgotten (False: nothing of it was waiting here)."""
+    forgotten (False: nothing of it was waiting here, or its placement's instance is gone)."""
 
     withdrawn: bool
 

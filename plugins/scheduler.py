@@ -10,7 +10,7 @@ RPC handlers (`plugins/control.py` names them; a refusal, in brackets, is raised
     llumnix_ready(instance)                              -> {"ready": bool}
     llumnix_unregister(instance)                         -> {"removed": bool}
     llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, execution_priority,
-                     admitted=False, count=1, block_hashes=(),
+                     admitted=False, block_hashes=(), count=1,
                      answer_within=None)                 -> {"instance": str | None, "no_instance": bool}
                                                             [NoInstanceAvailable, ClusterOverloaded]
         (None: held for room; asked again with the same id it answers once placed, waiting up
@@ -281,7 +281,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         if self._scheduler().withdraw(request_id):
             placement.cancel()
         elif not (placement.done() and not placement.cancelled() and placement.result() is not None
-                  and self._scheduler().unplace(request_id, placement.result(), waiting.count)):
+                  and self._scheduler().unplace(request_id, placement.result(), waiting.count, time.time())):
             return False
         self._metrics().dispatches["withdrawn"] += waiting.count
         return True

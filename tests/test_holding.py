@@ -445,7 +445,7 @@ def test_a_placement_never_handed_over_is_forgotten_and_later_ones_are_counted_a
     # Two pending for it: with a 10-block prompt, (20 - 4 - 10) / 4 = 1.5.
     assert gs.dispatch(req("next", 10), 2.5) == "i0" and gs.instances()[0].num_pending == 3
     assert gs.dispatch(req("held", 5), 2.5) is None  # (20 - 14 - 5) / 5 = 0.2
-    assert gs.unplace("abandoned", "i0", 2) and not gs.unplace("abandoned", "nowhere", 2)
+    assert gs.unplace("abandoned", "i0", 2, 2.6) and not gs.unplace("abandoned", "nowhere", 2, 2.6)
     assert gs.instances()[0].num_pending == 1
     assert [i.request_id for i, _ in gs.release(2.6)] == ["held"]  # (20 - 10 - 5) / 3 = 1.7
     gs.report(load("i0", used=100, running=3, received=2), 3.0)  # "next" and "held", the first two it received
@@ -461,8 +461,8 @@ def test_a_placement_taken_for_received_before_it_was_forgotten_leaves_the_count
     assert gs.dispatch(req("a", 2), 1.0) == "i0" and gs.dispatch(req("b", 2), 1.0) == "i0"  # 2 and 3
     gs.report(load("i0", used=12, running=2, received=1), 2.0)  # "a" arrived: position 0 taken as received
     assert gs.instances()[0].num_pending == 3
-    gs.unplace("abandoned", "i0", 2)
-    assert gs.instances()[0].num_pending == 2  # "a" and "b", now positions 0 and 1
+    gs.unplace("abandoned", "i0", 2, 2.5)
+    assert gs.instances()[0].num_pending == 1  # "b": "a", now position 0, was received
     gs.report(load("i0", used=14, running=3, received=2), 3.0)
     assert gs.instances()[0].num_pending == 0
 

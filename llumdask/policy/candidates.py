@@ -122,12 +122,14 @@ class CandidateTable(Sequence[Candidate]):
         """The candidate's position in the table (None if it is not one)."""
         return self._slots.get(instance_id)
 
-    def empty_room_blocks(self, prompt_tokens: int, copies: int = 1) -> int:
-        """The most blocks any candidate would have to spare with this prompt's `copies` alone on
-        it (its whole memory less their blocks): what it could ever offer the request."""
+    def could_ever_keep(self, freeness: float, prompt_tokens: int, copies: int = 1) -> bool:
+        """Whether some candidate, empty, would keep `freeness` with this request's `copies` alone
+        on it (its whole memory less their blocks, shared by them): what it could ever offer."""
         if self._uniform_block_size:
-            return self._most_blocks - copies * -(-prompt_tokens // self._uniform_block_size)
-        return int((self._total_blocks - copies * -(-prompt_tokens // self._block_size)).max())
+            room = self._most_blocks - copies * -(-prompt_tokens // self._uniform_block_size)
+        else:
+            room = int((self._total_blocks - copies * -(-prompt_tokens // self._block_size)).max())
+        return room >= freeness * copies
 
     def reserve(self, slot: int | None) -> None:
         """Keep the candidate at `slot` for a held request (None: for none): its dispatch freeness
@@ -203,8 +205,7 @@ class CandidateTable(Sequence[Candidate]):
         # As few passes over the columns as the request needs: right after a burst of reports they
         # are out of the CPU's caches, and each pass costs several times what it does warm.
         size = self._uniform_block_size
-        blocks = -(-prompt_tokens // (size or self._block_size))
-        surplus = self._surplus - (blocks if copies == 1 else copies * blocks)
+        surplus = self._surplus - copies * -(-prompt_tokens // (size or self._block_size))
         if self._charged[priority]:
             surplus -= self._charge[priority]
         if cached is not None:

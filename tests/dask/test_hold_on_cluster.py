@@ -3,6 +3,7 @@ scheduler (not in an instance's queue) and runs, exactly, once room appears."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -50,8 +51,10 @@ def test_a_held_request_whose_instances_all_leave_fails_after_the_placement_time
         next(running)
         held = pool.submit(llum.generate, held_prompt, max_tokens=40, timeout=120)
         wait_until(lambda: llum.instances().held.get("requests") == 1, 10, what="a held request")
+        left = time.monotonic()
         cluster.scale(0)
         with pytest.raises(NoInstanceAvailable, match="held with no instance to go to"):
             held.result(timeout=30)
+        assert 2.0 < time.monotonic() - left < 20  # the placement timeout, not at once nor never
         # Withdrawn by its requester, well before the scheduler's lease on it would run out.
         wait_until(lambda: llum.instances().held.get("requests") == 0, 2, what="the held request withdrawn")

@@ -12,11 +12,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from llumdask.clusters.instances import worker_statuses
 
@@ -49,14 +49,6 @@ KILLED_DESTINATION = ("destination-killed", 2000, 2000)
 def prompt_of(name: str, length: int) -> list[int]:
     seed = sum(map(ord, name))
     return [10 + (seed * 31 + 7 * i) % 480 for i in range(length)]
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout} s")
-        time.sleep(0.05)
 
 
 def migration_events(client, instance: str, migration_id: str) -> list[dict]:
@@ -111,7 +103,7 @@ def clean(llum, initial_free_blocks):
     def idle() -> bool:
         return all(not s["has_work"] and s["migrations_in_flight"] == 0 for s in worker_statuses(client).values())
 
-    wait_until(idle, 30, "all instances idle")
+    wait_until(idle, 30, what="all instances idle")
     for worker, status in worker_statuses(client).items():
         assert status["integrity_error"] is None, f"{worker}: {status['integrity_error']}"
         assert status["free_blocks"] == initial_free_blocks.get(worker, status["total_blocks"]), (
@@ -150,7 +142,7 @@ def test_forced_migrations_keep_the_tokens_of_plain_vllm(clean, reference, name,
         wait_until(lambda destination=destination, source=source, migration_id=migration_id:
                    stream.instance == destination
                    or any(e["kind"] == "aborted" for e in migration_events(clean.dask_client, source, migration_id)),
-                   30, f"migration {migration_id} settled")
+                   30, what=f"migration {migration_id} settled")
     tokens += list(stream)
     assert tokens == reference[name]
     for migration_id, source, destination in migrations:
@@ -231,7 +223,7 @@ def test_destination_killed_mid_migration_the_request_completes_on_the_source(ll
         status = worker_statuses(client)[source]
         return not status["has_work"] and status["migrations_in_flight"] == 0
 
-    wait_until(source_idle, 30, "the source idle")
+    wait_until(source_idle, 30, what="the source idle")
     status = worker_statuses(client)[source]
     assert status["integrity_error"] is None
     assert status["free_blocks"] == initial_free_blocks[source] and status["reserved_blocks"] == 0
@@ -265,7 +257,7 @@ def test_the_scheduler_indexes_what_an_instance_caches_under_the_requesters_hash
     first = list(stream)
     assert stream.cached_tokens == 0
     wait_until(lambda: client.run_on_scheduler(_index_matches, hashes) == {stream.instance: 9}, 10,
-               "the prompt's nine anchors indexed for its instance")
+               what="the prompt's nine anchors indexed for its instance")
     again = clean.generate(prompt, max_tokens=2, ignore_eos=True)
     assert again.usage["prompt_tokens_details"]["cached_tokens"] == 9 * 128
     assert again.token_ids == first
@@ -285,7 +277,7 @@ def test_a_salted_prompt_is_indexed_and_found_under_its_salt_only(clean):
     assert stream.cached_tokens == 0
     salted = dispatch_keys(prompt, 128, "tenant-a")
     wait_until(lambda: client.run_on_scheduler(_index_matches, salted) == {stream.instance: 9}, 10,
-               "the salted prompt's nine anchors indexed for its instance")
+               what="the salted prompt's nine anchors indexed for its instance")
     assert client.run_on_scheduler(_index_matches, dispatch_keys(prompt, 128, None)) == {}
     again = clean.generate(prompt, max_tokens=2, ignore_eos=True, cache_salt="tenant-a")
     assert again.usage["prompt_tokens_details"]["cached_tokens"] == 9 * 128 and again.instance == stream.instance
