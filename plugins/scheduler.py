@@ -280,9 +280,10 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         placement = waiting.placement
         if self._scheduler().withdraw(request_id):
             placement.cancel()
-        elif not (placement.done() and not placement.cancelled() and placement.result() is not None
-                  and self._scheduler().unplace(request_id, placement.result(), waiting.count, time.time())):
+        elif not placement.done() or placement.cancelled():
             return False
+        elif not self._scheduler().unplace(request_id, placement.result(), waiting.count, time.time()):
+            return False  # its instance is gone, and the charge with it
         self._metrics().dispatches["withdrawn"] += waiting.count
         return True
 
