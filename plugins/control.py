@@ -127,8 +127,9 @@ class Placed:
 
 @dataclass(frozen=True)
 class Withdrawn:
-    """Whether a held request, or the placement made for it since its requester last asked, was
-    forgotten (False: nothing of it was waiting here, or its placement's instance is gone)."""
+    """Whether a held request, or a placement its requester never got (made since it last asked,
+    or answered lately), was forgotten (False: nothing of it was waiting here, it was answered
+    long ago, or its placement's instance is gone)."""
 
     withdrawn: bool
 

@@ -9,7 +9,10 @@ it is held. If the scheduler does not answer within `dispatch_timeout`, the requ
 `bypass_period`: it hands requests to known instances itself, in turn (no migration, no load
 balance beyond rotation), and tries the scheduler again afterwards, or as soon as no known
 instance is left (they died with a killed scheduler). Transient failures (no
-instance ready yet, an instance that just died) are retried until `placement_timeout`.
+instance ready yet, an instance that just died) are retried until `placement_timeout`; a
+hand-over left unanswered may still come through, so the request is aborted there first, and
+placed again as admitted (it had its turn). A caller cancelled meanwhile (a gateway's client gone)
+leaves nothing behind: its held request is withdrawn, its hand-over aborted.
 
 Recovery: the requester keeps every open request (prompt, sampling, tokens received so far).
 When the instance holding one is gone from the scheduler's instance table (checked every
@@ -90,10 +93,12 @@ class Requester:
         self._listener_lock = asyncio.Lock()
         self._open: dict[str, _Open] = {}
         self._watchdog: asyncio.Task | None = None
-        # Resubmissions under way, and withdrawals of held requests given up on on their way to
-        # the scheduler (by request id): closing cancels the first and lets the second finish.
+        # Resubmissions under way, and what undoes a placement step given up on (the withdrawal of a
+        # held request at the scheduler, None here, the abort of a hand-over left unanswered at its
+        # instance), by request id and where: closing cancels the first and lets the second finish;
+        # the request's next step there waits for it.
         self._resubmissions: set[asyncio.Task] = set()
-        self._withdrawals: dict[str, asyncio.Task] = {}
+        self._undoing: dict[tuple[str, str | None], asyncio.Task] = {}
         self._check_now = asyncio.Event()
         # Holders whose token connection closed, each asked about again every `SUSPECT_RECHECK`
         # until this monotonic time (its next regular check).
@@ -150,7 +155,7 @@ class Requester:
     async def _abort_on(self, instance: str, request_id: str) -> None:
         try:
             await asyncio.wait_for(call(self._client.rpc(instance), Op.ABORT, request_id=request_id), self._config.rpc_timeout)
-        except (OSError, asyncio.TimeoutError):
+        except (OSError, asyncio.TimeoutError, NoLlumdaskScheduler):
             logger.info("could not abort %s on %s", request_id, instance)
 
     async def status(self) -> dict:
@@ -181,7 +186,7 @@ class Requester:
         for task in self._resubmissions:
             task.cancel()
         await asyncio.gather(*self._resubmissions, return_exceptions=True)
-        await asyncio.gather(*self._withdrawals.values(), return_exceptions=True)
+        await asyncio.gather(*self._undoing.values(), return_exceptions=True)
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
@@ -191,13 +196,15 @@ class Requester:
     async def _place(self, requests: Sequence[Request], *, admitted: bool = False) -> str:
         """Choose one instance for requests sharing a prompt and hand them over in one call (all or
         none): the instance that took them; after a transient failure they are placed again until
-        `placement_timeout`. A refusal for load (ClusterOverloaded) is
-        not retried: the caller answers it; `admitted` requests (resubmissions) are never refused for load."""
+        `placement_timeout`. A refusal for load (ClusterOverloaded) is not retried: the caller
+        answers it; `admitted` requests (resubmissions, and requests placed once whose hand-over
+        failed: they had their turn) are never refused for load nor held again."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.placement_timeout
         while True:
             try:
                 instance = await self._choose(requests[0], admitted, len(requests))
+                admitted = True
                 await self._hand_over(requests, instance, admitted)
                 return instance
             except (OSError, asyncio.TimeoutError, NoInstanceAvailable) as exc:
@@ -235,9 +242,7 @@ class Requester:
         hashes = dispatch_keys(request.prompt_token_ids + request.output_token_ids, self._block_size,
                                request.cache_salt)
         loop = asyncio.get_running_loop()
-        earlier = self._withdrawals.get(request.request_id)
-        if earlier is not None:  # an earlier attempt's withdrawal goes first, or it would take this one's place
-            await asyncio.wait({earlier})
+        await self._undone([request], None)  # an earlier attempt's withdrawal goes first, or it would take this one's place
         refused = False  # the scheduler refused it outright: it holds nothing to withdraw
         alone_since: float | None = None  # held with no instance to go to, since
         try:
@@ -268,18 +273,26 @@ class Requester:
                                               f"{self._config.placement_timeout} s")
         except BaseException:
             if not refused:  # any ask may have left it held
-                self._withdraw_soon(request.request_id)
+                self._undo_soon(request.request_id, None, self._withdraw(request.request_id))
             raise
 
-    def _withdraw_soon(self, request_id: str) -> None:
-        """Tell the scheduler, without waiting for its answer, that a held request is given up."""
-        task = self._withdrawals[request_id] = asyncio.ensure_future(self._withdraw(request_id))
+    def _undo_soon(self, request_id: str, where: str | None, work: Coroutine[Any, Any, None]) -> None:
+        """Undo a placement step given up on, at the scheduler (`where` None) or an instance, by
+        `work`, without waiting for the answer; the request's next step there waits for it (`_undone`)."""
+        key = (request_id, where)
+        task = self._undoing[key] = asyncio.ensure_future(work)
 
         def done(_: asyncio.Task) -> None:
-            if self._withdrawals.get(request_id) is task:
-                del self._withdrawals[request_id]
+            if self._undoing.get(key) is task:
+                del self._undoing[key]
 
         task.add_done_callback(done)
+
+    async def _undone(self, requests: Sequence[Request], where: str | None) -> None:
+        """Once what undoes the requests' earlier steps at `where` (None: the scheduler) is done."""
+        earlier = {task for r in requests if (task := self._undoing.get((r.request_id, where))) is not None}
+        if earlier:
+            await asyncio.wait(earlier)
 
     async def _withdraw(self, request_id: str) -> None:
         try:
@@ -290,21 +303,29 @@ class Requester:
 
     async def _hand_over(self, requests: Sequence[Request], instance: str, resubmission: bool) -> None:
         """In one call, all or none (the instance adds them between the same two steps).
-        `resubmission`: the instance may hold a request already (it moved there), and then keeps
-        it running."""
+        `resubmission`: the instance may hold a request already (it moved there, or an earlier
+        hand-over there came through after all), and then keeps it running. A hand-over without an answer
+        (timed out, the connection lost, the caller cancelled) may have added them all the same:
+        they are aborted there, after the add (an instance runs calls in order), so that none runs
+        unseen beside its placement elsewhere."""
+        await self._undone(requests, instance)  # an earlier hand-over's abort there goes first, or it would end this one
         try:
             await asyncio.wait_for(
                 call(self._client.rpc(instance), Op.ADD, requests=[request_to_msg(r) for r in requests],
                      reply_to=self._listener.address, resubmission=resubmission),
                 self._config.rpc_timeout,
             )
-        except (OSError, asyncio.TimeoutError):
-            if instance in self._known:
+        except NoLlumdaskScheduler:
+            raise RequestRejected(f"{instance} runs no llumlet (its worker plugin is gone)") from None
+        except RequestRejected:
+            raise  # refused, all of them: nothing of them runs there
+        except BaseException as exc:
+            for request in requests:
+                self._undo_soon(request.request_id, instance, self._abort_on(instance, request.request_id))
+            if isinstance(exc, (OSError, asyncio.TimeoutError)) and instance in self._known:
                 self._known.remove(instance)
                 self._epoch = None  # the next poll brings the lists again, whatever the epoch
             raise
-        except NoLlumdaskScheduler:
-            raise RequestRejected(f"{instance} runs no llumlet (its worker plugin is gone)") from None
 
     # ------------------------------------------------------------------ recovery
     async def _ensure_listener(self) -> TokenListener:

@@ -17,8 +17,9 @@ RPC handlers (`plugins/control.py` names them; a refusal, in brackets, is raised
         to HOLD_ANSWER s each time (half of answer_within, the asker's timeout, at most); a held
         request not asked about for HOLD_LEASE s is withdrawn;
         no_instance: held while no instance may take a request)
-    llumnix_withdraw(request_id)                         -> {"withdrawn": bool} (a held request's
-        requester gave up: it, or a placement made since its last ask, is forgotten)
+    llumnix_withdraw(request_id)                         -> {"withdrawn": bool} (a dispatch's
+        requester gave up: the held request, or a placement it never got (made since its last
+        ask, or answered within ANSWER_KEPT s), is forgotten)
     llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
     llumnix_members(epoch=None)                          -> {"epoch": str, "alive": [id, ...] | None,
                                                              "placeable": [id, ...] | None} (None: unchanged)
@@ -89,6 +90,9 @@ PLUGIN_NAME = "llumdask"
 # and how long a held request is kept without being asked about (its requester is gone).
 HOLD_ANSWER = 1.0
 HOLD_LEASE = 5.0
+# How long a placement told to its requester can still be withdrawn: an answer lost on its way (the
+# requester timed out first) would otherwise charge its instance for a request it never gets.
+ANSWER_KEPT = 5.0
 
 
 @dataclass
@@ -99,6 +103,15 @@ class _Waiting:
     placement: asyncio.Future
     lease: float
     count: int
+
+
+@dataclass
+class _Answered:
+    """A placement told to its requester, withdrawable until `until` (monotonic)."""
+
+    instance: str
+    count: int
+    until: float
 
 
 def instance_row(view: InstanceView, state: InstanceState) -> dict[str, Any]:
@@ -145,6 +158,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         # Epochs of a restarted scheduler must not match the ones a requester saw before.
         self._incarnation = uuid.uuid4().hex[:12]
         self._waiting: dict[str, _Waiting] = {}  # held requests, by id
+        self._answered: dict[str, _Answered] = {}  # placements told lately, by request id
         self.history = ClusterHistory()
 
     # ------------------------------------------------------------------ plugin hooks
@@ -238,7 +252,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                 return refusal(exc)
             if instance is not None:
                 self._metrics().dispatches["placed"] += count
-                return reply(Placed(instance))
+                return self._answer(request_id, instance, count)
             self._metrics().dispatches["held"] += count
             waiting = self._waiting[request_id] = _Waiting(asyncio.get_running_loop().create_future(), 0.0, count)
         waiting.lease = time.monotonic() + HOLD_LEASE
@@ -248,13 +262,24 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         except asyncio.TimeoutError:
             return reply(Placed(None, no_instance=not self._scheduler().has_candidates()))
         self._waiting.pop(request_id, None)
+        return self._answer(request_id, instance, waiting.count)
+
+    def _answer(self, request_id: str, instance: str, count: int) -> dict:
+        """The placement's answer, remembered for ANSWER_KEPT s in case its requester withdraws it."""
+        self._answered.pop(request_id, None)  # kept in the order they expire
+        self._answered[request_id] = _Answered(instance, count, time.monotonic() + ANSWER_KEPT)
         return reply(Placed(instance))
 
     def withdraw(self, request_id: str) -> dict:
-        """The requester of a held request gave up on it: forget it, or a placement made for it
-        since its last ask (it will never be handed over); the requests behind it may go now."""
+        """The requester gave up on a dispatch (it timed out, or its caller left): forget the held
+        request, or the placement made for it that it never got (since its last ask, or an
+        answer lost on its way), which will never be handed over; the requests behind it may go now."""
         waiting = self._waiting.pop(request_id, None)
-        forgotten = waiting is not None and self._forget_held(request_id, waiting)
+        answered = self._answered.pop(request_id, None)
+        if waiting is not None:
+            forgotten = self._forget_held(request_id, waiting)
+        else:
+            forgotten = answered is not None and self._unplace(request_id, answered.instance, answered.count)
         if forgotten:
             self.release()
         return reply(Withdrawn(forgotten))
@@ -268,12 +293,15 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                 waiting.placement.set_result(instance)
 
     def expire_held(self) -> None:
-        """Withdraw held requests whose requester stopped asking (and forget answered ones it never fetched)."""
+        """Withdraw held requests whose requester stopped asking (and forget answered ones it never
+        fetched); placements told long enough ago are no longer withdrawable."""
         now = time.monotonic()
         for request_id, waiting in list(self._waiting.items()):
             if waiting.lease < now:
                 del self._waiting[request_id]
                 self._forget_held(request_id, waiting)
+        while self._answered and next(iter(self._answered.values())).until < now:  # oldest first
+            del self._answered[next(iter(self._answered))]
 
     def _forget_held(self, request_id: str, waiting: _Waiting) -> bool:
         """Withdraw a held request, or, placed already but never fetched, its placement's charge."""
@@ -282,9 +310,16 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             placement.cancel()
         elif not placement.done() or placement.cancelled():
             return False
-        elif not self._scheduler().unplace(request_id, placement.result(), waiting.count, time.time()):
-            return False  # its instance is gone, and the charge with it
+        else:
+            return self._unplace(request_id, placement.result(), waiting.count)
         self._metrics().dispatches["withdrawn"] += waiting.count
+        return True
+
+    def _unplace(self, request_id: str, instance: str, count: int) -> bool:
+        """Uncharge a placement never handed over; False if its instance is gone, and the charge with it."""
+        if not self._scheduler().unplace(request_id, instance, count, time.time()):
+            return False
+        self._metrics().dispatches["withdrawn"] += count
         return True
 
     def status(self) -> dict:

@@ -88,7 +88,9 @@ class Backend(Protocol):
         once instances accepted them all, their batches in the same order.
 
         Raises BackendUnavailable (no instance now), BackendOverloaded (every instance would queue
-        them) or BackendRejected (never fits); then none of them runs.
+        them) or BackendRejected (never fits); then none of them runs. Cancelled (the client left
+        while they wait for room or are being handed over), none of them runs either, nor keeps
+        a place.
         """
         ...
 

@@ -9,7 +9,6 @@ refusal gets its own status; what fails after the first streamed byte arrives as
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import logging
@@ -241,9 +240,8 @@ async def generate(request: Request, gateway: Gateway, name: str, fmt: ResponseF
         gateway.in_flight.release(len(generations))
         raise
     try:
-        # Not cancelled by a disconnect: until it returns there is no request id to abort with.
-        # A client gone meanwhile is noticed right after, while waiting for tokens.
-        await Generation.start_all(generations)
+        # A client gone while its request waits for room (held at the scheduler) gives up its place.
+        await until_disconnect(request.receive, Generation.start_all(generations))
         if options.stream:
             async def on_close(complete: bool) -> None:
                 if not complete:
@@ -300,15 +298,10 @@ async def generate_beams(request: Request, gateway: Gateway, fmt: ResponseFormat
         g = Generation(gateway.backend, gateway.metrics, "beam_search", f"{request_id}-beam{len(tokens)}-{index}",
                        [*prompt_ids, *tokens], step_sampling, priority, IncrementalText(gateway.tokenizer, ()),
                        gateway.settings.retry_after, options.cache_salt)
-        start = asyncio.ensure_future(Generation.start_all([g]))
         try:
-            await asyncio.shield(start)
+            await Generation.start_all([g])  # cancelled while placed: the backend runs nothing of it
             await g.text()
         finally:
-            # Cancelled while it was being placed (however often): abort it once it is.
-            while not start.done():
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await asyncio.shield(start)
             await g.close()
         if not g.token_ids:
             if g.finish_reason == "abort":  # the engine gave up on it: vLLM ends the search

@@ -253,6 +253,42 @@ def test_a_held_request_given_up_on_is_withdrawn_and_a_placement_it_never_fetche
     run_plugin(check)
 
 
+def test_a_placement_whose_answer_was_lost_is_uncharged_when_withdrawn_until_it_is_kept_no_longer(monkeypatch):
+    """The requester timed out before the answer came (it withdraws, and places the request
+    elsewhere): the instance is not charged for a request it never gets, held first or not; once
+    ANSWER_KEPT passed a withdrawal changes nothing (the answer surely arrived, and was used)."""
+    monkeypatch.setattr(scheduler_plugin, "HOLD_ANSWER", 0.05)
+    full = dict(free_blocks=2, num_running=4, running_blocks={0: 98}, running_count={0: 4})
+    roomy = dict(free_blocks=80, num_running=1, running_blocks={0: 20}, running_count={0: 1})
+
+    async def check(plugin, scheduler):
+        plugin.register("a", 100, 16)
+        plugin.ready("a")
+        plugin.on_load(load("a", **roomy))
+        assert (await plugin.dispatch("lost", 64, 10, count=2))["instance"] == "a"
+        assert (await plugin.dispatch("used", 64, 10))["instance"] == "a"
+        assert plugin.status()["instances"][0]["num_pending"] == 3
+        assert plugin.withdraw("lost") == {"withdrawn": True} and plugin.withdraw("lost") == {"withdrawn": False}
+        assert plugin.status()["instances"][0]["num_pending"] == 1
+        # Held, then placed and fetched: the fetch's answer may be lost too.
+        plugin.on_load(load("a", **full))
+        assert (await plugin.dispatch("held", 64, 10))["instance"] is None
+        plugin.on_load(load("a", **roomy))
+        assert (await plugin.dispatch("held", 64, 10))["instance"] == "a"
+        assert plugin.status()["instances"][0]["num_pending"] == 2
+        assert plugin.withdraw("held") == {"withdrawn": True}
+        assert plugin.status()["instances"][0]["num_pending"] == 1
+        assert plugin.withdraw("used") == {"withdrawn": True}
+        monkeypatch.setattr(scheduler_plugin, "ANSWER_KEPT", -1.0)  # as if it was told long ago
+        assert (await plugin.dispatch("late", 64, 10))["instance"] == "a"
+        plugin.expire_held()
+        assert plugin.withdraw("late") == {"withdrawn": False}
+        assert plugin.status()["instances"][0]["num_pending"] == 1  # "late" still charged
+        assert plugin.metrics.dispatches["withdrawn"] == 4  # both of "lost", "held", "used"
+
+    run_plugin(check)
+
+
 def test_a_held_request_is_answered_within_half_the_askers_timeout():
     """However long the scheduler would wait for a placement, a held ask is answered well within
     the requester's dispatch timeout, or the requester would take the scheduler for silent."""

@@ -131,7 +131,11 @@ class FakeBackend:
         self.placements.append([request_id for request_id, _ in choices])
         self.submitted += [Submitted(request_id, list(prompt_token_ids), sampling, priority, cache_salt)
                            for request_id, sampling in choices]
-        await asyncio.sleep(self.submit_delay(list(prompt_token_ids)))
+        try:
+            await asyncio.sleep(self.submit_delay(list(prompt_token_ids)))
+        except asyncio.CancelledError:  # as the Dask backend: nothing it placed runs on
+            self.aborted += [request_id for request_id, _ in choices]
+            raise
         return [ScriptedBatches(self, request_id, sampling, list(prompt_token_ids)) for request_id, sampling in choices]
 
     async def abort(self, request_id: str) -> None:

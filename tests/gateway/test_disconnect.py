@@ -68,10 +68,22 @@ def test_non_streaming_request_is_aborted_when_the_client_leaves(backend, tokeni
     assert sent[0]["status"] == 499  # nobody reads it; the point is that nothing hangs
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_while_its_request_waits_for_room_gives_up_its_place(backend, tokenizer, stream):
+    """Past capacity a request may wait long before an instance takes it (held at the scheduler):
+    a client gone meanwhile is answered at once, and the backend's placement is cancelled (the
+    Dask backend withdraws it, or aborts it where it was being handed over)."""
+    backend.submit_delay = lambda prompt: 60.0
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 20, "stream": stream}
+    sent = leave_when(create_app(backend.open, tokenizer), body, lambda: bool(backend.submitted))
+    assert backend.aborted == [backend.submitted[0].request_id]
+    assert sent[0]["status"] == 499
+
+
 def test_a_beam_search_left_mid_placement_aborts_every_request_it_placed(backend, tokenizer):
     """The client leaves while both beams' second steps are being placed, one placement slower
-    than the other: each is aborted once placed, however often its step is cancelled meanwhile
-    (the search ends when the quicker one is, while the slower is still being placed)."""
+    than the other: the quicker is aborted once placed, the slower's placement is cancelled (the
+    search ends when the quicker one is, while the slower is still being placed)."""
     backend.next_token = lambda prompt: (40, TokenLogprob(-0.5, ((40, -0.5), (41, -0.9)), rank=1))
     backend.submit_delay = lambda prompt: {40: 0.05, 41: 0.3}.get(prompt[-1], 0.0)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "n": 2, "use_beam_search": True}
