@@ -172,8 +172,10 @@ class Llumlet:
         finally:
             self._received += 1
 
-    def refuse(self, count: int) -> None:
-        """Requests handed over and refused unseen (with another of their call): received too."""
+    def received_unadded(self, count: int) -> None:
+        """Requests handed over that the engine did not add (refused unseen with another of their
+        call, or running here already): received too, so that the scheduler stops counting them
+        as on their way."""
         self._received += count
 
     def abort_request(self, request_id: str) -> None:

@@ -207,19 +207,21 @@ class LlumletDriver:
         """Requests handed over together, all or none: if the engine refuses one (ValueError), those
         added before it are aborted. A resubmission of a request this instance runs already goes
         on here (it moved here while its requester took its source for dead, e.g. the source died
-        once it had handed the request over): only its route is renewed. Any other request id it
-        knows is an error."""
+        once it had handed the request over; or an earlier hand-over whose answer was lost came
+        through): only its route is renewed. Any other request id it knows is an error."""
         llumlet = self._llumlet()
         added: list[str] = []
         for index, request in enumerate(requests):
             try:
-                if not (resubmission and llumlet.engine.get_request(request.request_id) is not None):
+                if resubmission and llumlet.engine.get_request(request.request_id) is not None:
+                    llumlet.received_unadded(1)
+                else:
                     llumlet.add_request(request)
                     added.append(request.request_id)
             except ValueError:
                 for request_id in added:
                     self.abort(request_id)
-                llumlet.refuse(len(requests) - index - 1)
+                llumlet.received_unadded(len(requests) - index - 1)
                 raise
             self.routes.owned[request.request_id] = reply_to
 

@@ -12,7 +12,11 @@ instance is left (they died with a killed scheduler). Transient failures (no
 instance ready yet, an instance that just died) are retried until `placement_timeout`; a
 hand-over left unanswered may still come through, so the request is aborted there first, and
 placed again as admitted (it had its turn). A caller cancelled meanwhile (a gateway's client gone)
-leaves nothing behind: its held request is withdrawn, its hand-over aborted.
+leaves nothing behind: its held request is withdrawn, a placement it never handed over is
+uncharged, its hand-over aborted. (An add and its abort travel on two connections: the abort
+follows the add on the instance's engine thread unless both arrive in the same moment, when the
+request runs on unread; its requester's listener drops its tokens, and it ends with its
+max_tokens.)
 
 Recovery: the requester keeps every open request (prompt, sampling, tokens received so far).
 When the instance holding one is gone from the scheduler's instance table (checked every
@@ -99,6 +103,7 @@ class Requester:
         # the request's next step there waits for it.
         self._resubmissions: set[asyncio.Task] = set()
         self._undoing: dict[tuple[str, str | None], asyncio.Task] = {}
+        self._attempts = itertools.count()  # numbers the scheduler's dispatches
         self._check_now = asyncio.Event()
         # Holders whose token connection closed, each asked about again every `SUSPECT_RECHECK`
         # until this monotonic time (its next regular check).
@@ -155,8 +160,8 @@ class Requester:
     async def _abort_on(self, instance: str, request_id: str) -> None:
         try:
             await asyncio.wait_for(call(self._client.rpc(instance), Op.ABORT, request_id=request_id), self._config.rpc_timeout)
-        except (OSError, asyncio.TimeoutError, NoLlumdaskScheduler):
-            logger.info("could not abort %s on %s", request_id, instance)
+        except Exception as exc:  # best effort: an instance gone or going drops it anyway
+            logger.info("could not abort %s on %s: %s", request_id, instance, exc)
 
     async def status(self) -> dict:
         """The scheduler's `llumnix_status` (the whole instance table and the migration counts)."""
@@ -186,7 +191,8 @@ class Requester:
         for task in self._resubmissions:
             task.cancel()
         await asyncio.gather(*self._resubmissions, return_exceptions=True)
-        await asyncio.gather(*self._undoing.values(), return_exceptions=True)
+        while self._undoing:  # one finishing may start another (a withdrawal after an abort)
+            await asyncio.gather(*self._undoing.values(), return_exceptions=True)
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
@@ -197,15 +203,19 @@ class Requester:
         """Choose one instance for requests sharing a prompt and hand them over in one call (all or
         none): the instance that took them; after a transient failure they are placed again until
         `placement_timeout`. A refusal for load (ClusterOverloaded) is not retried: the caller
-        answers it; `admitted` requests (resubmissions, and requests placed once whose hand-over
-        failed: they had their turn) are never refused for load nor held again."""
+        answers it; `admitted` requests (resubmissions, and requests the scheduler placed once
+        whose hand-over failed: they had their turn) are never refused for load nor held again."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.placement_timeout
+        resubmission = admitted  # an instance may hold them already: moved there, or a hand-over came through
         while True:
             try:
-                instance = await self._choose(requests[0], admitted, len(requests))
-                admitted = True
-                await self._hand_over(requests, instance, admitted)
+                instance, attempt = await self._choose(requests[0], admitted, len(requests))
+                admitted = admitted or attempt is not None
+                try:
+                    await self._hand_over(requests, instance, resubmission, attempt)
+                finally:
+                    resubmission = True
                 return instance
             except (OSError, asyncio.TimeoutError, NoInstanceAvailable) as exc:
                 if loop.time() > deadline:
@@ -215,29 +225,32 @@ class Requester:
                 logger.debug("placing %s failed (%s); retrying", requests[0].request_id, exc)
                 await asyncio.sleep(0.2)
 
-    async def _choose(self, request: Request, admitted: bool, count: int) -> str:
-        """The instance for `request` and the `count` - 1 others placed with it (its prompt's)."""
+    async def _choose(self, request: Request, admitted: bool, count: int) -> tuple[str, int | None]:
+        """The instance for `request` and the `count` - 1 others placed with it (its prompt's), and
+        the number of the scheduler's dispatch that chose it (None: bypass mode chose it)."""
         loop = asyncio.get_running_loop()
         # With no instance left to bypass to (they died with a killed scheduler), only the
         # scheduler can place it: ask it again rather than wait out the bypass period.
         if loop.time() >= self._bypass_until or not self._known:
+            attempt = next(self._attempts)
             try:
-                return await self._dispatch(request, admitted, count)
+                return await self._dispatch(request, admitted, count, attempt), attempt
             except (OSError, asyncio.TimeoutError):
                 logger.warning("the scheduler does not answer: dispatching directly for %s s", self._config.bypass_period)
                 self._bypass_until = loop.time() + self._config.bypass_period
         if not self._known:
             raise NoInstanceAvailable("the scheduler does not answer and no instance is known")
         self.bypassed += 1
-        return self._known[next(self._rotation) % len(self._known)]
+        return self._known[next(self._rotation) % len(self._known)], None
 
-    async def _dispatch(self, request: Request, admitted: bool, count: int) -> str:
+    async def _dispatch(self, request: Request, admitted: bool, count: int, attempt: int) -> str:
         """The scheduler's placement. Each answer comes within `dispatch_timeout` or the scheduler
         counts as silent; one that holds the request for room is asked again (it keeps its place
         in the scheduler's queue) for as long as it holds it, like a queue on an instance, but
         held with no instance to go to no longer than `placement_timeout`, as a request that
         finds none is placed. A held request given up on (that, silence, a cancelled caller) is
-        withdrawn, so that it takes no room later."""
+        withdrawn, so that it takes no room later, and so is a placement whose answer did not
+        come. `attempt` names this dispatch, so that its withdrawal forgets nothing of another."""
         # The scheduler sees block hashes, never tokens: enough to find a cached prefix.
         hashes = dispatch_keys(request.prompt_token_ids + request.output_token_ids, self._block_size,
                                request.cache_salt)
@@ -258,6 +271,7 @@ class Requester:
                         count=count,
                         block_hashes=hashes,
                         answer_within=self._config.dispatch_timeout,
+                        attempt=attempt,
                     ), self._config.dispatch_timeout)
                 except (NoInstanceAvailable, ClusterOverloaded):
                     refused = True
@@ -273,7 +287,7 @@ class Requester:
                                               f"{self._config.placement_timeout} s")
         except BaseException:
             if not refused:  # any ask may have left it held
-                self._undo_soon(request.request_id, None, self._withdraw(request.request_id))
+                self._undo_soon(request.request_id, None, self._withdraw(request.request_id, attempt))
             raise
 
     def _undo_soon(self, request_id: str, where: str | None, work: Coroutine[Any, Any, None]) -> None:
@@ -294,21 +308,29 @@ class Requester:
         if earlier:
             await asyncio.wait(earlier)
 
-    async def _withdraw(self, request_id: str) -> None:
+    async def _withdraw(self, request_id: str, attempt: int) -> None:
         try:
-            await asyncio.wait_for(call(self._client.scheduler, Op.WITHDRAW, request_id=request_id),
+            await asyncio.wait_for(call(self._client.scheduler, Op.WITHDRAW, request_id=request_id, attempt=attempt),
                                    self._config.dispatch_timeout)
         except Exception as exc:  # the scheduler forgets it anyway once its lease runs out
             logger.debug("withdrawing held request %s failed: %s", request_id, exc)
 
-    async def _hand_over(self, requests: Sequence[Request], instance: str, resubmission: bool) -> None:
+    async def _hand_over(self, requests: Sequence[Request], instance: str, resubmission: bool,
+                         attempt: int | None) -> None:
         """In one call, all or none (the instance adds them between the same two steps).
         `resubmission`: the instance may hold a request already (it moved there, or an earlier
         hand-over there came through after all), and then keeps it running. A hand-over without an answer
         (timed out, the connection lost, the caller cancelled) may have added them all the same:
         they are aborted there, after the add (an instance runs calls in order), so that none runs
-        unseen beside its placement elsewhere."""
-        await self._undone(requests, instance)  # an earlier hand-over's abort there goes first, or it would end this one
+        unseen beside its placement elsewhere. Given up on before the call (waiting for such an
+        abort), the placement by dispatch `attempt` is withdrawn: it charges the instance nothing."""
+        try:
+            await self._undone(requests, instance)  # an earlier hand-over's abort there goes first, or it would end this one
+        except BaseException:
+            if attempt is not None:
+                request_id = requests[0].request_id
+                self._undo_soon(request_id, None, self._withdraw(request_id, attempt))
+            raise
         try:
             await asyncio.wait_for(
                 call(self._client.rpc(instance), Op.ADD, requests=[request_to_msg(r) for r in requests],

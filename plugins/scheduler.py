@@ -11,15 +11,15 @@ RPC handlers (`plugins/control.py` names them; a refusal, in brackets, is raised
     llumnix_unregister(instance)                         -> {"removed": bool}
     llumnix_dispatch(request_id, num_prompt_tokens, max_tokens, execution_priority,
                      admitted=False, block_hashes=(), count=1,
-                     answer_within=None)                 -> {"instance": str | None, "no_instance": bool}
+                     answer_within=None, attempt=None)   -> {"instance": str | None, "no_instance": bool}
                                                             [NoInstanceAvailable, ClusterOverloaded]
         (None: held for room; asked again with the same id it answers once placed, waiting up
         to HOLD_ANSWER s each time (half of answer_within, the asker's timeout, at most); a held
         request not asked about for HOLD_LEASE s is withdrawn;
         no_instance: held while no instance may take a request)
-    llumnix_withdraw(request_id)                         -> {"withdrawn": bool} (a dispatch's
-        requester gave up: the held request, or a placement it never got (made since its last
-        ask, or answered within ANSWER_KEPT s), is forgotten)
+    llumnix_withdraw(request_id, attempt=None)           -> {"withdrawn": bool} (the requester gave
+        up on its dispatch numbered `attempt`: the held request, or a placement it never got
+        (made since its last ask, or answered lately), is forgotten; nothing of another attempt)
     llumnix_status()                                     -> {"instances": [row, ...], "migrations": {...}}
     llumnix_members(epoch=None)                          -> {"epoch": str, "alive": [id, ...] | None,
                                                              "placeable": [id, ...] | None} (None: unchanged)
@@ -90,27 +90,30 @@ PLUGIN_NAME = "llumdask"
 # and how long a held request is kept without being asked about (its requester is gone).
 HOLD_ANSWER = 1.0
 HOLD_LEASE = 5.0
-# How long a placement told to its requester can still be withdrawn: an answer lost on its way (the
-# requester timed out first) would otherwise charge its instance for a request it never gets.
+# How long a placement told to its requester can still be withdrawn (at least; three times the
+# asker's timeout where that is longer): an answer lost on its way (the requester timed out first)
+# would otherwise charge its instance for a request it never gets.
 ANSWER_KEPT = 5.0
 
 
 @dataclass
 class _Waiting:
-    """A held request's placement to come, until when its requester is taken to be there, and
-    how many requests it places (its choices)."""
+    """A held request's placement to come, until when its requester is taken to be there, how
+    many requests it places (its choices), and the requester's number for its latest ask."""
 
     placement: asyncio.Future
     lease: float
     count: int
+    attempt: int | None
 
 
 @dataclass
 class _Answered:
-    """A placement told to its requester, withdrawable until `until` (monotonic)."""
+    """A placement told to its requester's dispatch `attempt`, withdrawable until `until` (monotonic)."""
 
     instance: str
     count: int
+    attempt: int | None
     until: float
 
 
@@ -238,9 +241,11 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         block_hashes: Sequence[int] = (),
         count: int = 1,
         answer_within: float | None = None,
+        attempt: int | None = None,
     ) -> dict:
         """`answer_within`: the requester's dispatch timeout; a held request's answer comes in half
-        of it at most, or it would read as a silent scheduler."""
+        of it at most, or it would read as a silent scheduler. `attempt`: the requester's number
+        for this dispatch, which its withdrawal names."""
         waiting = self._waiting.get(request_id)
         if waiting is None:
             info = DispatchInfo(request_id, num_prompt_tokens, max_tokens, execution_priority, admitted,
@@ -252,34 +257,43 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                 return refusal(exc)
             if instance is not None:
                 self._metrics().dispatches["placed"] += count
-                return self._answer(request_id, instance, count)
+                return self._answer(request_id, instance, count, attempt, answer_within)
             self._metrics().dispatches["held"] += count
-            waiting = self._waiting[request_id] = _Waiting(asyncio.get_running_loop().create_future(), 0.0, count)
+            waiting = self._waiting[request_id] = _Waiting(asyncio.get_running_loop().create_future(), 0.0, count,
+                                                           attempt)
         waiting.lease = time.monotonic() + HOLD_LEASE
+        waiting.attempt = attempt  # asked again after a withdrawal that never came: the latest asker's
         try:
             wait = HOLD_ANSWER if answer_within is None else min(HOLD_ANSWER, answer_within / 2)
             instance = await asyncio.wait_for(asyncio.shield(waiting.placement), wait)
         except asyncio.TimeoutError:
             return reply(Placed(None, no_instance=not self._scheduler().has_candidates()))
         self._waiting.pop(request_id, None)
-        return self._answer(request_id, instance, waiting.count)
+        return self._answer(request_id, instance, waiting.count, attempt, answer_within)
 
-    def _answer(self, request_id: str, instance: str, count: int) -> dict:
-        """The placement's answer, remembered for ANSWER_KEPT s in case its requester withdraws it."""
-        self._answered.pop(request_id, None)  # kept in the order they expire
-        self._answered[request_id] = _Answered(instance, count, time.monotonic() + ANSWER_KEPT)
+    def _answer(self, request_id: str, instance: str, count: int, attempt: int | None,
+                answer_within: float | None) -> dict:
+        """The placement's answer, remembered in case its requester withdraws it (the answer lost)."""
+        kept = max(ANSWER_KEPT, 3 * answer_within) if answer_within is not None else ANSWER_KEPT
+        self._answered.pop(request_id, None)
+        self._answered[request_id] = _Answered(instance, count, attempt, time.monotonic() + kept)
         return reply(Placed(instance))
 
-    def withdraw(self, request_id: str) -> dict:
-        """The requester gave up on a dispatch (it timed out, or its caller left): forget the held
-        request, or the placement made for it that it never got (since its last ask, or an
-        answer lost on its way), which will never be handed over; the requests behind it may go now."""
-        waiting = self._waiting.pop(request_id, None)
-        answered = self._answered.pop(request_id, None)
-        if waiting is not None:
+    def withdraw(self, request_id: str, attempt: int | None = None) -> dict:
+        """The requester gave up on its dispatch `attempt` (it timed out, or its caller left):
+        forget the held request, or the placement made for it that it never got (since its last
+        ask, or an answer lost on its way), which will never be handed over; the requests behind
+        it may go now. Nothing of another attempt is forgotten (a placement handed over before)."""
+        waiting = self._waiting.get(request_id)
+        answered = self._answered.get(request_id)
+        if waiting is not None and waiting.attempt == attempt:
+            del self._waiting[request_id]
             forgotten = self._forget_held(request_id, waiting)
+        elif waiting is None and answered is not None and answered.attempt == attempt:
+            del self._answered[request_id]
+            forgotten = self._unplace(request_id, answered.instance, answered.count)
         else:
-            forgotten = answered is not None and self._unplace(request_id, answered.instance, answered.count)
+            forgotten = False
         if forgotten:
             self.release()
         return reply(Withdrawn(forgotten))
@@ -300,8 +314,8 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             if waiting.lease < now:
                 del self._waiting[request_id]
                 self._forget_held(request_id, waiting)
-        while self._answered and next(iter(self._answered.values())).until < now:  # oldest first
-            del self._answered[next(iter(self._answered))]
+        self._answered = {request_id: answered for request_id, answered in self._answered.items()
+                          if answered.until >= now}
 
     def _forget_held(self, request_id: str, waiting: _Waiting) -> bool:
         """Withdraw a held request, or, placed already but never fetched, its placement's charge."""

@@ -319,7 +319,7 @@ def test_load_report_follows_algorithm_inputs():
     # same, so the scheduler stops counting them as on their way.
     with pytest.raises(ValueError):
         llumlet.add_request(make_request("huge", 4 * llumlet.engine.total_blocks + 1, 1))
-    llumlet.refuse(2)
+    llumlet.received_unadded(2)
     assert llumlet.load_report().num_received == 6
 
 

@@ -55,7 +55,7 @@ class FakeLlumlet:
     def abort_request(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def refuse(self, count: int) -> None:
+    def received_unadded(self, count: int) -> None:
         self.unseen += count
 
     def add_request(self, request) -> None:
@@ -285,6 +285,7 @@ def test_a_resubmission_of_a_request_already_here_goes_on_here_with_its_route_re
     llumlet.engine.get_request = lambda request_id: object() if request_id in running else None
     driver.add([Request("moved-here", [1, 2])], "tcp://gateway:2", resubmission=True)
     assert llumlet.added == [] and driver.routes.owned["moved-here"] == "tcp://gateway:2"
+    assert llumlet.unseen == 1  # received all the same: the scheduler's charge for it is settled
     driver.add([Request("new", [1, 2])], "tcp://gateway:2", resubmission=True)
     driver.add([Request("moved-here", [1, 2])], "tcp://gateway:3")  # not a resubmission: the engine decides
     assert llumlet.added == ["new", "moved-here"]

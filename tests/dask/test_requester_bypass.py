@@ -23,7 +23,7 @@ def test_bypass_uses_known_instances_and_asks_the_scheduler_again_when_none_is_l
     async def scenario() -> list[object]:
         requester = Requester(client=None)  # no cluster: the scheduler's answers are scripted
 
-        async def dispatch(req: Request, admitted: bool, count: int) -> str:
+        async def dispatch(req: Request, admitted: bool, count: int, attempt: int) -> str:
             asked.append(req.request_id)
             answer = answers.pop(0)
             if isinstance(answer, BaseException):
@@ -35,13 +35,14 @@ def test_bypass_uses_known_instances_and_asks_the_scheduler_again_when_none_is_l
         got: list[object] = [await requester._choose(request(0), False, 1)]  # no answer: bypass
         got.append(await requester._choose(request(1), False, 1))  # still bypassing: not asked
         requester._known.clear()  # both died with the scheduler (their hand-overs failed)
-        got.append(await requester._choose(request(2), False, 1))  # asked again: its answer
+        got.append(await requester._choose(request(2), False, 1))  # asked again: its answer, its dispatch's number
         with pytest.raises(NoInstanceAvailable):
             await requester._choose(request(3), False, 1)  # asked, no answer, nothing known
         got.append(requester.bypassed)
         return got
 
-    assert asyncio.run(scenario()) == ["old-a", "old-b", "new", 2]
+    # Bypass mode's choices are no dispatch of the scheduler's: nothing of them to withdraw there.
+    assert asyncio.run(scenario()) == [("old-a", None), ("old-b", None), ("new", 1), 2]
     assert asked == ["r0", "r2", "r3"]
 
 

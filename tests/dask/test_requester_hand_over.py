@@ -18,23 +18,29 @@ from llumdask.request import Request, SamplingParams
 
 class ScriptedCluster:
     """The scheduler's choices in turn, and the instances' answers to ADD and ABORT, logged as
-    (instance, op, when it ended)."""
+    (instance, op) when it ended (ADD: when it started, with its resubmission flag), and the
+    scheduler's withdrawals as ("scheduler", "withdraw", dispatch number)."""
 
     def __init__(self, choices: list[str], add: dict[str, object], abort_takes: float = 0.0) -> None:
         self.choices = choices
         self.add = add  # by instance: "ok", "hang", or an exception to raise
         self.abort_takes = abort_takes
         self.admitted: list[bool] = []
+        self.attempts: list[int] = []
         self.log: list[tuple[str, str]] = []
         self.adding = asyncio.Event()
 
-    async def dispatch(self, request: Request, admitted: bool, count: int) -> str:
+    async def dispatch(self, request: Request, admitted: bool, count: int, attempt: int) -> str:
         self.admitted.append(admitted)
+        self.attempts.append(attempt)
         return self.choices.pop(0)
 
     async def call(self, instance: str, op: Op, **kwargs: object) -> object:
+        if op is Op.WITHDRAW:
+            self.log.append((instance, "withdraw", kwargs["attempt"]))
+            return SimpleNamespace(withdrawn=True)
         if op is Op.ADD:
-            self.log.append((instance, "add"))
+            self.log.append((instance, "add", kwargs["resubmission"]))
             self.adding.set()
             answer = self.add[instance]
             if answer == "hang":
@@ -58,7 +64,7 @@ class Listener:
 def requester_on(cluster: ScriptedCluster, monkeypatch) -> Requester:
     monkeypatch.setattr(requester_module, "call", cluster.call)
     config = load_config({"requester": {"rpc-timeout": 1.0, "placement-timeout": 30}}).requester
-    requester = Requester(client=SimpleNamespace(rpc=lambda instance: instance), config=config)
+    requester = Requester(client=SimpleNamespace(rpc=lambda instance: instance, scheduler="scheduler"), config=config)
     requester._dispatch, requester._listener = cluster.dispatch, Listener()
     return requester
 
@@ -80,7 +86,8 @@ def test_an_unanswered_hand_over_is_aborted_there_before_the_request_is_handed_o
         return await asyncio.wait_for(placing, 10)
 
     assert asyncio.run(scenario()) == "a"
-    assert cluster.log == [("a", "add"), ("a", "abort"), ("a", "add")]
+    # The second hand-over may find the first one's request there (its abort failed): it goes on then.
+    assert cluster.log == [("a", "add", False), ("a", "abort"), ("a", "add", True)]
     assert cluster.admitted == [False, True]  # placed again as admitted: never refused for load nor held again
 
 
@@ -94,7 +101,7 @@ def test_a_hand_over_elsewhere_does_not_wait_for_an_abort_at_an_unanswering_inst
         return instance
 
     assert asyncio.run(scenario()) == "b"
-    assert cluster.log == [("a", "add"), ("b", "add"), ("a", "abort")]
+    assert cluster.log == [("a", "add", False), ("b", "add", True), ("a", "abort")]
 
 
 def test_a_caller_cancelled_mid_hand_over_leaves_nothing_running_there(monkeypatch):
@@ -112,7 +119,29 @@ def test_a_caller_cancelled_mid_hand_over_leaves_nothing_running_there(monkeypat
         await requester.close()
 
     asyncio.run(scenario())
-    assert cluster.log == [("a", "add"), ("a", "abort")]
+    assert cluster.log == [("a", "add", False), ("a", "abort")]
+
+
+def test_a_caller_cancelled_before_its_hand_over_started_withdraws_the_placement(monkeypatch):
+    """Placed on an instance where an earlier hand-over's abort is still on its way: the caller
+    leaves while the hand-over waits for it. Nothing reaches the instance, and the scheduler is
+    told to forget that dispatch's placement (by its number), so the instance is not charged."""
+    cluster = ScriptedCluster(["a", "a"], {"a": "hang"}, abort_takes=0.5)
+
+    async def scenario() -> None:
+        requester = requester_on(cluster, monkeypatch)
+        placing = asyncio.ensure_future(requester._place([request()]))
+        await cluster.adding.wait()  # the first hand-over, unanswered: aborted after the timeout
+        while cluster.attempts != [0, 1]:
+            await asyncio.sleep(0.01)
+        placing.cancel()  # placed again on "a", waiting for the abort there
+        with pytest.raises(asyncio.CancelledError):
+            await placing
+        await requester.close()
+
+    asyncio.run(scenario())
+    assert cluster.log[0] == ("a", "add", False)
+    assert sorted(cluster.log[1:]) == [("a", "abort"), ("scheduler", "withdraw", 1)]
 
 
 def test_a_refused_hand_over_is_not_aborted(monkeypatch):
@@ -126,4 +155,4 @@ def test_a_refused_hand_over_is_not_aborted(monkeypatch):
         await requester.close()
 
     asyncio.run(scenario())
-    assert cluster.log == [("a", "add")]
+    assert cluster.log == [("a", "add", False)]
