@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 from typing import Any, Callable
 
+import dask
 from distributed import Client, SpecCluster
 
 from llumdask.config import load_config
@@ -32,6 +33,17 @@ def install_plugins(client: Client, config_overrides: dict[str, Any] | None = No
     client.register_plugin(LlumletWorkerPlugin(config_overrides))
 
 
+def at_most(config_overrides: dict[str, Any] | None, maximum: int) -> dict[str, Any]:
+    """`config_overrides` with scaling's instance bounds at most `maximum`, the most the cluster
+    can start (its GPUs, say): instances asked for beyond it would count as on their way until
+    given up on, and no other would be asked for meanwhile."""
+    scaling = load_config(config_overrides).scaling
+    if maximum >= scaling.max_instances:
+        return dict(config_overrides or {})
+    return dask.config.merge(config_overrides or {}, {"scaling": {
+        "max-instances": maximum, "min-instances": min(scaling.min_instances, maximum)}})
+
+
 def start_instances(cluster: SpecCluster, config_overrides: dict[str, Any], instances: int, timeout: float, *,
                     scale: Callable[[], None] | None = None, adaptive: bool | None = None,
                     maximum: int | None = None, interval: str = "1s") -> SpecCluster:
@@ -40,6 +52,8 @@ def start_instances(cluster: SpecCluster, config_overrides: dict[str, Any], inst
     ready, then, with `adaptive` (default ``scaling.enabled``), let `LlumnixAdaptive` size it
     between ``scaling.min-instances`` and ``scaling.max-instances`` (or `maximum`). The cluster
     is closed if any of it fails."""
+    if maximum is not None:
+        config_overrides = at_most(config_overrides, maximum)
     scaling = load_config(config_overrides).scaling
     try:
         with Client(cluster) as client:

@@ -83,6 +83,7 @@ class ScalingConfig:
     min_instances: int = 1
     max_instances: int = 16
     startup_delay: float = 0.0
+    startup_timeout: float = 600.0
 
 
 @dataclass(frozen=True)

@@ -322,8 +322,10 @@ class GlobalScheduler:
         # How fast requests leave, and when each request refused for load should come back.
         self._departures = DepartureRate()
         self._retry = RetryQueue()
-        # Instances a scale-out asked for that have not registered yet: capacity on its way.
+        # Instances a scale-out asked for that have not registered yet: capacity on its way, and
+        # when they were asked for.
         self.requested = 0
+        self._requested_at = 0.0
         # Every instance's prefix cache as its reports tell (empty where engines report none).
         self.prefix = PrefixIndex()
         # Requests waiting here for an instance with room (`dispatch.hold-freeness`).
@@ -523,7 +525,8 @@ class GlobalScheduler:
 
         Drained terminating instances are listed in `remove` once each (and in `drained()` until
         they are gone); the host closes them and calls `remove_instance`. With scaling disabled
-        only `remove` is ever filled. No instance is added while requested ones are on their way.
+        only `remove` is ever filled. No instance is added while requested ones are on their way
+        (for `scaling.startup-timeout` at most: one not registered by then failed to start).
         Instances taken back (`resume`) are live again here already; the host tells each one.
         """
         remove = []
@@ -534,6 +537,8 @@ class GlobalScheduler:
         scaling = self._config.scaling
         if not scaling.enabled:
             return ScaleDecision(remove=tuple(remove))
+        if self.requested and now - self._requested_at > scaling.startup_timeout:
+            self.requested = 0
         live = [i for i in self._instances.values() if i.ready and not i.terminating]
         pool = self.pooled_load()
         # Never drain an instance that has just joined: it would be added and removed in turn.
@@ -555,7 +560,9 @@ class GlobalScheduler:
             taken, pool = self._take_back(returnable, pool, low)
             short = pool.instances_short(low)
             add = 0 if self.requested else max(0, min(room, short if taken else max(1, short)))
-            self.requested += add
+            if add:
+                self.requested += add
+                self._requested_at = now
             return ScaleDecision(add=add, remove=tuple(remove), resume=tuple(i.instance_id for i in taken))
         if action is ScaleAction.TERMINATE:
             victims = _to_drain(settled, pool, scaling.band[1], len(live) - scaling.min_instances)
@@ -566,8 +573,10 @@ class GlobalScheduler:
         return ScaleDecision(remove=tuple(remove))
 
     def drained(self) -> list[str]:
-        """Terminating instances found drained (each listed once in a `remove`), not yet gone."""
-        return [i.instance_id for i in self._instances.values() if i.removal_decided]
+        """Terminating instances found drained (each listed once in a `remove`), not yet gone, and
+        still drained: work that reached one since (a requester cut off from this scheduler hands
+        requests to the instances it knew) keeps it from closing until that work has moved away."""
+        return [i.instance_id for i in self._instances.values() if i.removal_decided and i.drained]
 
     def pooled_load(self) -> PooledLoad:
         """The cluster as one instance, what scaling keeps in its band: live instances and those

@@ -25,8 +25,27 @@ class LlumnixAdaptive(Adaptive):
     async def _plan(self) -> AdaptiveTarget:
         return await call(self.scheduler, Op.ADAPTIVE_TARGET)
 
+    def _closable(self, plan: AdaptiveTarget) -> list[str]:
+        """The drained workers whose whole job is drained: those that may close now."""
+        return whole_jobs(plan.drained, getattr(self.cluster, "worker_spec", {}), len(plan.drained))
+
     async def target(self) -> int:
-        return (await self._plan()).target
+        """The plugin's target, counting as kept the drained workers that cannot close yet (the
+        rest of their job still serves): Dask would otherwise close a worker still starting in
+        their place."""
+        plan = await self._plan()
+        return plan.target + len(plan.drained) - len(self._closable(plan))
+
+    async def recommendations(self, target: int) -> dict:
+        """Drained workers close first, whatever the target; then Dask's rule. Left to Dask's
+        rule, a drained worker and an instance asked for cancel out (the target equals the
+        plan: neither closes nor starts, for good), or a worker still starting closes in the
+        drained one's place."""
+        closing = self._closable(await self._plan())
+        if closing:
+            self.close_counts.clear()
+            return {"status": "down", "workers": closing}
+        return await super().recommendations(target)
 
     async def workers_to_close(self, target: int) -> list:
         """Names of drained workers only (never more than it takes to reach `target`), whole jobs

@@ -225,6 +225,10 @@ class LlumletDriver:
                 raise
             self.routes.owned[request.request_id] = reply_to
 
+    def received_unread(self, count: int) -> None:
+        """Requests handed over that could not be read (malformed): received, never added."""
+        self._llumlet().received_unadded(count)
+
     def abort(self, request_id: str) -> bool:
         """Abort a request here; whether this instance knew it."""
         llumlet = self._llumlet()

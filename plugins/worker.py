@@ -286,6 +286,8 @@ class LlumletHost:
         try:
             parsed = [request_from_msg(request) for request in requests]
         except (KeyError, TypeError, ValueError) as exc:
+            # Received all the same, so that the scheduler stops counting them as on their way.
+            await self._call(self.driver.received_unread, len(requests) if isinstance(requests, list) else 1)
             return refusal(RequestRejected(f"malformed request: {exc}"))
         try:
             await self._call(self.driver.add, parsed, reply_to, bool(resubmission))

@@ -61,3 +61,17 @@ def test_instances_sharing_a_gpu_divide_vllms_default_memory_share_only():
 def test_bad_gpu_cluster_settings_fail_before_any_worker_starts(overrides, per_gpu, match):
     with pytest.raises(ValueError, match=match):
         cuda_overrides(overrides, per_gpu)
+
+
+def test_scaling_asks_for_no_more_instances_than_the_cluster_can_start():
+    """A GPU cluster starts one instance per GPU at most: the scheduler plugin's bounds follow, or
+    an instance asked for beyond them would count as on its way, and no other be asked for."""
+    from llumdask.clusters.instances import at_most
+    from llumdask.config import load_config
+
+    overrides = {"sim-engine": {"total-blocks": 64}, "scaling": {"min-instances": 4}}
+    scaling = load_config(at_most(overrides, 3)).scaling
+    assert (scaling.max_instances, scaling.min_instances) == (3, 3)
+    assert load_config(at_most(overrides, 3)).sim_engine.total_blocks == 64
+    assert at_most(overrides, 16) == overrides and at_most(None, 16) == {}
+    assert overrides == {"sim-engine": {"total-blocks": 64}, "scaling": {"min-instances": 4}}  # not changed

@@ -616,8 +616,28 @@ def test_drained_terminating_instances_are_removed_once():
     assert gs.scale(4.0) == ScaleDecision(remove=("i1",))
     assert gs.scale(5.0) == ScaleDecision()
     assert gs.drained() == ["i1"]  # until its host has closed it
+    # Work that reached it since (a requester cut off from the scheduler hands requests to the
+    # instances it knew) keeps it from closing until that work has moved away.
+    gs.report(load("i1", used=10, running=1, terminating=True, order=1), 6.0)
+    assert gs.drained() == [] and gs.scale(6.0) == ScaleDecision()
+    gs.report(load("i1", terminating=True, order=1), 7.0)
+    assert gs.drained() == ["i1"] and gs.scale(7.0) == ScaleDecision()  # listed in a remove once only
     gs.remove_instance("i1")
     assert [v.instance_id for v in gs.instances()] == ["i0"] and gs.drained() == []
+
+
+def test_instances_asked_for_that_never_register_are_no_longer_waited_for():
+    """One that failed to start (its job died, its engine did not load) would keep scaling from
+    ever adding again: after `scaling.startup-timeout` it no longer counts."""
+    config = ScalingConfig(enabled=True, band=(10.0, 60.0), max_instances=8, scale_out_period=5.0,
+                           startup_timeout=100.0)
+    gs = scheduler(2, scaling=config)
+    busy(gs, "i0")
+    busy(gs, "i1")
+    assert run_scale(gs, 5.0) == [(5.0, ScaleDecision(add=2))]
+    assert run_scale(gs, 105.0, start=6.0) == []  # on their way, within the timeout
+    # Given up on; the band, short all along, asks again.
+    assert gs.scale(106.0) == ScaleDecision(add=2) and gs.requested == 2
 
 
 def test_a_terminating_instance_with_unreported_requests_is_not_drained():

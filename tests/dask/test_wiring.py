@@ -98,6 +98,15 @@ async def test_refusals_are_raised_again_where_the_call_was_made(c, s, a, b):
     with pytest.raises(RequestRejected, match="can never"):
         huge = Request("huge", list(range(1, 3000)), SamplingParams(max_tokens=10))
         await call(c.rpc(a.address), Op.ADD, requests=[request_to_msg(huge)], reply_to="tcp://127.0.0.1:1")
+    with pytest.raises(RequestRejected, match="malformed"):
+        await call(c.rpc(a.address), Op.ADD, requests=[{"request_id": "bad"}], reply_to="tcp://127.0.0.1:1")
+
+    async def received() -> int:
+        return next(row["num_received"] for row in (await call(c.scheduler, Op.STATUS))["instances"]
+                    if row["instance"] == a.address)
+
+    while await received() < 2:  # both received (as the scheduler counts them on their way), neither runs
+        await asyncio.sleep(0.05)
     for worker in (a, b):
         await call(c.scheduler, Op.DRAIN, instance=worker.address)
     with pytest.raises(NoInstanceAvailable):
