@@ -22,9 +22,11 @@ import math
 import numbers
 import os
 import time
+import weakref
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import (
-    TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence, TypeVar,
+    TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Self, Sequence, TypeVar,
 )
 
 from distributed import Client
@@ -141,11 +143,35 @@ class MigrationTable(_Table):
     COLUMNS = ("time", "kind", "request_id", "source", "destination", "stages", "blocks", "downtime_ms", "reason")
 
 
-class TokenIterator:
+class _Closing(ABC):
+    """A stream in a `with` / `async with` block: closed (its request aborted unless it finished) at the end."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+class TokenIterator(_Closing):
     """Tokens of one request, in order, as they arrive; iterate with `for` or `async for`.
 
     The request is submitted on first iteration; `request_id` is known before that, so an
-    operator can migrate it while it streams.
+    operator can migrate it while it streams. A stream left before its end (`close()`, the end of
+    a `with` block, an error or interrupt while waiting, or the iterator dropped) aborts the
+    request, so that it does not hold its instance's blocks until its max_tokens.
     """
 
     def __init__(self, client: "LlumdaskClient", request: Request) -> None:
@@ -154,6 +180,7 @@ class TokenIterator:
         self._stream: TokenStream | None = None
         self._buffer: list[int] = []
         self.finish_reason: FinishReason | None = None
+        self._abandoned: weakref.finalize | None = None
 
     @property
     def request_id(self) -> str:
@@ -186,13 +213,43 @@ class TokenIterator:
 
     async def _next_tokens(self) -> list[int]:
         """On the client's loop."""
+        requester = self._client.requester
         if self._stream is None:
-            self._stream = await self._client.requester.submit(self.request)
-        tokens = await self._stream.next_tokens()
+            self._stream = await requester.submit(self.request)
+            self._abandoned = weakref.finalize(self, _abort_dropped, self._client._client.loop, requester,
+                                               self.request_id)
+            self._abandoned.atexit = False
+        try:
+            tokens = await self._stream.next_tokens()
+        except BaseException:  # the stream failed, or its reader was cancelled or interrupted
+            self._end()
+            raise
         if not tokens:
             self.finish_reason = self._stream.sequence.finish_reason
-            self._client.requester.forget(self.request_id)
+            self._end(finished=True)
         return tokens
+
+    def _end(self, finished: bool = False) -> None:
+        """No more reading: forget a finished request, abort any other (on the client's loop)."""
+        if self._abandoned is not None:
+            self._abandoned.detach()
+        if finished:
+            self._client.requester.forget(self.request_id)
+        else:
+            self._client.requester.abort_soon(self.request_id)
+
+    async def _close(self) -> None:
+        if self._stream is not None and self.finish_reason is None:
+            self._end()
+
+    def close(self) -> None:
+        """Stop reading: an unfinished request is aborted (at once, not at its max_tokens)."""
+        if self._client.asynchronous:
+            raise TypeError("with an asynchronous Dask client use `await stream.aclose()`")
+        self._client._client.sync(self._close)
+
+    async def aclose(self) -> None:
+        await self._client._on_loop(self._close)
 
     def __iter__(self) -> Iterator[int]:
         return self
@@ -217,7 +274,16 @@ class TokenIterator:
         return self._buffer.pop(0)
 
 
-class TextIterator:
+def _abort_dropped(loop: Any, requester: Requester, request_id: str) -> None:
+    """A stream dropped unfinished: abort its request from the client's loop (the collector may
+    run on any thread), unless that loop is gone (the client closed, and its requests with it)."""
+    try:
+        loop.add_callback(requester.abort_soon, request_id)
+    except RuntimeError:
+        pass
+
+
+class TextIterator(_Closing):
     """Text deltas of one request as they arrive (`for` or `async for`), stop strings applied;
     `token_ids` holds the tokens received so far. A stop string aborts the request."""
 
@@ -272,6 +338,13 @@ class TextIterator:
             if delta.text:
                 return delta.text
         return None
+
+    def close(self) -> None:
+        """Stop reading: an unfinished request is aborted (at once, not at its max_tokens)."""
+        self._tokens.close()
+
+    async def aclose(self) -> None:
+        await self._tokens.aclose()
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -492,8 +565,9 @@ class LlumdaskClient:
         except asyncio.TimeoutError:
             raise TimeoutError(f"request {request.request_id} did not finish within {timeout} s") from None
         finally:
-            # Still open only if it did not finish (timeout, cancellation, error).
-            await self.requester.abort(request.request_id)
+            # Still open only if it did not finish (timeout, cancellation, error); the caller does
+            # not wait for an instance that may be dead.
+            self.requester.abort_soon(request.request_id)
 
     async def _run_to_end(self, request: Request, text: IncrementalText | None) -> Generation:
         tokens = TokenIterator(self, request)

@@ -98,9 +98,9 @@ class Requester:
         self._open: dict[str, _Open] = {}
         self._watchdog: asyncio.Task | None = None
         # Resubmissions under way, and what undoes a placement step given up on (the withdrawal of a
-        # held request at the scheduler, None here, the abort of a hand-over left unanswered at its
-        # instance), by request id and where: closing cancels the first and lets the second finish;
-        # the request's next step there waits for it.
+        # held request at the scheduler, None here, the abort of a hand-over left unanswered or of
+        # a request its caller left at its instance), by request id and where: closing cancels the
+        # first and lets the second finish; the request's next step there waits for it.
         self._resubmissions: set[asyncio.Task] = set()
         self._undoing: dict[tuple[str, str | None], asyncio.Task] = {}
         self._attempts = itertools.count()  # numbers the scheduler's dispatches
@@ -156,6 +156,15 @@ class Requester:
         self.forget(request_id)
         if holder is not None:
             await self._abort_on(holder, request_id)
+
+    def abort_soon(self, request_id: str) -> None:
+        """`abort` without waiting for the instance's answer: for a caller that is going (cancelled,
+        timed out), which an instance that died must not hold up for `rpc_timeout`; closing
+        waits for it."""
+        holder = self.holder(request_id)
+        self.forget(request_id)
+        if holder is not None:
+            self._undo_soon(request_id, holder, self._abort_on(holder, request_id))
 
     async def _abort_on(self, instance: str, request_id: str) -> None:
         try:
@@ -449,7 +458,7 @@ class Requester:
         reason = _finished_by(request)
         try:
             if reason is None and request.output_token_ids and (breaks := request.sampling.resume_breaks):
-                entry.stream.fail(RuntimeError(
+                self._fail(entry, RuntimeError(
                     f"request {request.request_id}: its instance died after {len(request.output_token_ids)} tokens, "
                     f"and it cannot go on elsewhere: {breaks}; send it again"))
                 return
@@ -461,7 +470,10 @@ class Requester:
             try:
                 instance = await self._place([request], admitted=True)
             except RuntimeError as exc:  # not placed in time, refused, no llumdask scheduler
-                entry.stream.fail(exc)
+                self._fail(entry, exc)
+                return
+            if self._open.get(request.request_id) is not entry:  # aborted meanwhile: it must not run on
+                self._undo_soon(request.request_id, instance, self._abort_on(instance, request.request_id))
                 return
             entry.instance = instance
             sequence.owner = None
@@ -470,6 +482,12 @@ class Requester:
                         len(request.output_token_ids))
         finally:
             entry.recovering = False
+
+    def _fail(self, entry: _Open, exc: Exception) -> None:
+        """End an open request with `exc` for its reader; it is no longer open (never resubmitted)."""
+        entry.stream.fail(exc)
+        if self._open.get(entry.request.request_id) is entry:
+            del self._open[entry.request.request_id]
 
 
 def _keep_until_done(tasks: set[asyncio.Task], work: Coroutine[Any, Any, None]) -> None:

@@ -28,7 +28,8 @@ def recover(sampling: SamplingParams, delivered: int) -> tuple[TokenStream, list
         stream = TokenStream("r")
         if delivered:
             stream.push(TokenBatch("r", 0, tuple(range(10, 10 + delivered)), "dead"))
-        await requester._resubmit(_Open(Request("r", [1, 2, 3], sampling), stream, "dead"))
+        entry = requester._open["r"] = _Open(Request("r", [1, 2, 3], sampling), stream, "dead")
+        await requester._resubmit(entry)
         return stream
 
     return asyncio.run(scenario()), placed
@@ -58,3 +59,48 @@ def test_a_structured_output_fails_rather_than_start_a_second_document(structure
 def test_a_structured_output_with_no_token_yet_simply_starts_elsewhere():
     _, placed = recover(SamplingParams(max_tokens=8, json_object=True), delivered=0)
     assert len(placed) == 1 and placed[0].output_token_ids == []
+
+
+def test_a_request_that_could_not_go_on_is_no_longer_open():
+    """Its stream failed (not placed in time): it is never resubmitted again later, when an
+    instance appears, to run with nobody reading."""
+
+    async def scenario() -> Requester:
+        requester = Requester(client=None)
+
+        async def place(requests: list[Request], *, admitted: bool = False) -> str:
+            raise RuntimeError("not placed within 0.5 s")
+
+        requester._place = place
+        entry = requester._open["r"] = _Open(Request("r", [1, 2, 3], SamplingParams(max_tokens=8)), TokenStream("r"),
+                                             "dead")
+        await requester._resubmit(entry)
+        with pytest.raises(RuntimeError, match="not placed"):
+            await entry.stream.next_tokens()
+        return requester
+
+    assert "r" not in asyncio.run(scenario())._open
+
+
+def test_a_request_aborted_while_it_is_being_resubmitted_is_aborted_where_it_went():
+    aborted: list[tuple[str, str]] = []
+
+    async def scenario() -> Requester:
+        requester = Requester(client=None)
+
+        async def place(requests: list[Request], *, admitted: bool = False) -> str:
+            requester.abort_soon("r")  # its caller left meanwhile (its holder, dead, is not asked)
+            return "alive"
+
+        async def abort_on(instance: str, request_id: str) -> None:
+            aborted.append((instance, request_id))
+
+        requester._place, requester._abort_on = place, abort_on
+        entry = requester._open["r"] = _Open(Request("r", [1, 2, 3], SamplingParams(max_tokens=8)), TokenStream("r"),
+                                             "dead")
+        await requester._resubmit(entry)
+        await asyncio.gather(*requester._undoing.values())
+        return requester
+
+    requester = asyncio.run(scenario())
+    assert ("alive", "r") in aborted and "r" not in requester._open and requester.resubmissions == 0
