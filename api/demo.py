@@ -61,9 +61,12 @@ def main(argv: Sequence[str]) -> int:
     for time, what in timeline(outcome):
         print(f"{time:8.3f}s  {what}")
     committed = sum(e.kind is MigrationEventKind.COMMITTED for e in outcome.migrations)
-    print(f"\n{len(outcome.requests)} requests finished in {outcome.duration:.2f} simulated seconds, "
+    finished = sum(r.timing.finished is not None for r in outcome.requests)
+    print(f"\n{finished} of {len(DEMO_WORKLOAD)} requests finished in {outcome.duration:.2f} simulated seconds, "
           f"{_plural(committed, 'live migration')}, {_plural(preemptions(outcome), 'preemption')}, no block leaked "
           "(checked on every instance).")
+    if outcome.rejected:
+        print(f"Refused, as they could never fit in {args.blocks} blocks: {', '.join(outcome.rejected)}.")
     pinned = run(replace(config, migration=replace(config.migration, enabled=False)), args.instances)
     print(f"Without migration: {_plural(preemptions(pinned), 'preemption')} (a preempted request recomputes its KV), "
           f"finished in {pinned.duration:.2f} simulated seconds.")
