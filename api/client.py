@@ -455,9 +455,12 @@ class LlumdaskClient:
         expiry it is aborted and TimeoutError raised (returned, in a list). `cache_salt`: the
         prompt shares cached blocks only with requests given the same salt (vLLM's, for tenants).
         """
+        if _is_messages(prompt):
+            raise ValueError("generate takes text or token ids: a conversation (messages) goes to chat()")
         if _is_batch(prompt):
             return self.generate_batch(prompt, max_tokens, priority=priority, timeout=timeout, stop=stop,
                                        concurrency=concurrency, progress=progress, cache_salt=cache_salt, **sampling)
+        _positive("concurrency", concurrency)  # unused for one prompt, but a bad value is still an error
         return self._sync(self._generate, *self._job(prompt, max_tokens, priority, stop, sampling, cache_salt),
                           _timeout(timeout))
 
@@ -721,6 +724,12 @@ def _is_batch(prompt: Any) -> bool:
     if not isinstance(prompt, Sequence) or not prompt:
         raise ValueError("prompt must be text, a non-empty list of token ids, or a non-empty list of prompts")
     return not isinstance(prompt[0], numbers.Integral)
+
+
+def _is_messages(prompt: Any) -> bool:
+    """Whether `prompt` is a chat conversation (a list of message dicts), given where a prompt goes."""
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) \
+        and isinstance(prompt[0], Mapping)
 
 
 def _is_conversation_batch(messages: Any) -> bool:

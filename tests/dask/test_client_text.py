@@ -149,6 +149,10 @@ def test_bad_input_is_refused_before_anything_is_sent(clean):
         clean.generate([1, 2, 3], stop=["x"])
     with pytest.raises(ValueError, match="concurrency"):
         clean.generate(["a", "b"], concurrency=0)
+    with pytest.raises(ValueError, match="concurrency"):
+        clean.generate("a", concurrency=0)
+    with pytest.raises(ValueError, match="goes to chat"):
+        clean.generate([{"role": "user", "content": "Hi"}])
     with pytest.raises(ValueError, match="prompt must"):
         clean.generate([])
     with pytest.raises(ValueError, match="temperature"):
