@@ -550,6 +550,8 @@ class LlumdaskClient:
         return self._sync(self._close)
 
     def __enter__(self) -> "LlumdaskClient":
+        if self.asynchronous:  # its close is a coroutine, which a plain `with` never awaits
+            raise TypeError("with an asynchronous Dask client use `async with`")
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -57,6 +57,9 @@ def test_an_async_stream_left_in_an_async_with_block_aborts_its_request():
         async def scenario() -> None:
             async with Client(cluster.scheduler_address, asynchronous=True) as dask_client, \
                     connect(dask_client) as llum:
+                with pytest.raises(TypeError, match="async with"):  # a plain `with` would never close it
+                    with llum:
+                        pass
                 async with llum.stream(prompt_of(5, 20), max_tokens=LONG) as stream:
                     await anext(stream)
 
