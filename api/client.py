@@ -170,8 +170,9 @@ class TokenIterator(_Closing):
 
     The request is submitted on first iteration; `request_id` is known before that, so an
     operator can migrate it while it streams. A stream left before its end (`close()`, the end of
-    a `with` block, an error or interrupt while waiting, or the iterator dropped) aborts the
-    request, so that it does not hold its instance's blocks until its max_tokens.
+    a `with` block, an error, interrupt or cancelled read while waiting, a read timed out with
+    `asyncio.wait_for` among them, or the iterator dropped) aborts the request, so that it does
+    not hold its instance's blocks until its max_tokens; reading it again raises.
     """
 
     def __init__(self, client: "LlumdaskClient", request: Request) -> None:
@@ -230,13 +231,15 @@ class TokenIterator(_Closing):
         return tokens
 
     def _end(self, finished: bool = False) -> None:
-        """No more reading: forget a finished request, abort any other (on the client's loop)."""
+        """No more reading: forget a finished request, abort any other (on the client's loop); a
+        later read of an aborted one raises rather than wait for tokens that never come."""
         if self._abandoned is not None:
             self._abandoned.detach()
         if finished:
             self._client.requester.forget(self.request_id)
         else:
             self._client.requester.abort_soon(self.request_id)
+            self._stream.fail(RuntimeError(f"request {self.request_id} was aborted: its stream was left"))
 
     async def _close(self) -> None:
         if self._stream is not None and self.finish_reason is None:
@@ -246,7 +249,8 @@ class TokenIterator(_Closing):
         """Stop reading: an unfinished request is aborted (at once, not at its max_tokens)."""
         if self._client.asynchronous:
             raise TypeError("with an asynchronous Dask client use `await stream.aclose()`")
-        self._client._client.sync(self._close)
+        if self._stream is not None and self.finish_reason is None:  # else nothing to do (the loop may be gone)
+            self._client._client.sync(self._close)
 
     async def aclose(self) -> None:
         await self._client._on_loop(self._close)

@@ -184,17 +184,14 @@ class _Instance:
         self.pending_classes[priority] = self.pending_classes.get(priority, 0) + 1
         self.refresh()
 
-    def cancel_pending(self, request_id: str, count: int, now: float) -> bool:
+    def cancel_pending(self, request_id: str, count: int, now: float) -> None:
         """Forget the `count` requests placed here together that will never arrive (their
         requester gave up before handing them over): those placed after them move up in the
         count the instance reports, and those it has received by then leave the queue. Entries of
         theirs the count already took as received (a later request arrived first) are gone from
-        the queue, but not from the count. None of them queued, nothing changes (the instance may
-        have counted them: received after all); False then."""
-        # The placement's first position still queued.
-        first = next((e[0] for e in self.pending if e[5] == request_id), None)
-        if first is None:
-            return False
+        the queue, but not from the count."""
+        # The placement's first position still queued; none: every entry queued is later.
+        first = next((e[0] for e in self.pending if e[5] == request_id), -math.inf)
         kept: deque[tuple[int, int, int, Priority, float, str]] = deque()
         for entry in self.pending:
             position, blocks, tokens, priority, when, entry_id = entry
@@ -208,7 +205,6 @@ class _Instance:
         self.handed -= count
         self._drop_settled(self.load.num_received, now)
         self.refresh()
-        return True
 
     def _drop_settled(self, received: int, now: float) -> None:
         """Drop the pending requests among the first `received` the instance has had, and those
@@ -501,10 +497,11 @@ class GlobalScheduler:
     def unplace(self, request_id: str, instance_id: str, count: int, now: float) -> bool:
         """Forget a placement of `count` requests on `instance_id` that will never be handed over
         (a held request placed after its requester gave up), so that the instance is not charged
-        for it; False if that instance is gone, or counts none of them as still on its way."""
+        for it; False if that instance is gone."""
         instance = self._instances.get(instance_id)
-        if instance is None or not instance.cancel_pending(request_id, count, now):
+        if instance is None:
             return False
+        instance.cancel_pending(request_id, count, now)
         if self._candidates is not None:
             self._candidates.update(instance)
         return True

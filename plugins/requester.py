@@ -12,8 +12,7 @@ instance is left (they died with a killed scheduler). Transient failures (no
 instance ready yet, an instance that just died) are retried until `placement_timeout`; a
 hand-over left unanswered may still come through, so the request is aborted there first, and
 placed again as admitted (it had its turn). A caller cancelled meanwhile (a gateway's client gone)
-leaves nothing behind: its held request is withdrawn, a placement it never handed over is
-uncharged, its hand-over aborted. (An add and its abort travel on two connections: the abort
+leaves nothing behind: its held request is withdrawn, its hand-over aborted. (An add and its abort travel on two connections: the abort
 follows the add on the instance's engine thread unless both arrive in the same moment, when the
 request runs on unread; its requester's listener drops its tokens, and it ends with its
 max_tokens.)
@@ -222,7 +221,7 @@ class Requester:
                 instance, attempt = await self._choose(requests[0], admitted, len(requests))
                 admitted = admitted or attempt is not None
                 try:
-                    await self._hand_over(requests, instance, resubmission, attempt)
+                    await self._hand_over(requests, instance, resubmission)
                 finally:
                     resubmission = True
                 return instance
@@ -324,22 +323,16 @@ class Requester:
         except Exception as exc:  # the scheduler forgets it anyway once its lease runs out
             logger.debug("withdrawing held request %s failed: %s", request_id, exc)
 
-    async def _hand_over(self, requests: Sequence[Request], instance: str, resubmission: bool,
-                         attempt: int | None) -> None:
+    async def _hand_over(self, requests: Sequence[Request], instance: str, resubmission: bool) -> None:
         """In one call, all or none (the instance adds them between the same two steps).
         `resubmission`: the instance may hold a request already (it moved there, or an earlier
         hand-over there came through after all), and then keeps it running. A hand-over without an answer
         (timed out, the connection lost, the caller cancelled) may have added them all the same:
         they are aborted there, after the add (an instance runs calls in order), so that none runs
-        unseen beside its placement elsewhere. Given up on before the call (waiting for such an
-        abort), the placement by dispatch `attempt` is withdrawn: it charges the instance nothing."""
-        try:
-            await self._undone(requests, instance)  # an earlier hand-over's abort there goes first, or it would end this one
-        except BaseException:
-            if attempt is not None:
-                request_id = requests[0].request_id
-                self._undo_soon(request_id, None, self._withdraw(request_id, attempt))
-            raise
+        unseen beside its placement elsewhere. (Given up on before the call, while it waits for
+        such an abort, its placement's charge there stays until the scheduler's pending expiry:
+        withdrawing it would take the earlier hand-over's entry, of the same request there, too.)"""
+        await self._undone(requests, instance)  # an earlier hand-over's abort there goes first, or it would end this one
         try:
             await asyncio.wait_for(
                 call(self._client.rpc(instance), Op.ADD, requests=[request_to_msg(r) for r in requests],

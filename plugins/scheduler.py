@@ -91,9 +91,9 @@ PLUGIN_NAME = "llumdask"
 HOLD_ANSWER = 1.0
 HOLD_LEASE = 5.0
 # How long a placement told to its requester can still be withdrawn (at least; three times the
-# asker's timeout where that is longer): an answer lost on its way (the requester timed out first)
-# would otherwise charge its instance for a request it never gets.
-ANSWER_KEPT = 5.0
+# asker's timeout where that is longer, up to the most): an answer lost on its way (the requester
+# timed out first) would otherwise charge its instance for a request it never gets.
+ANSWER_KEPT, ANSWER_KEPT_MOST = 5.0, 60.0
 
 
 @dataclass
@@ -274,7 +274,7 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
     def _answer(self, request_id: str, instance: str, count: int, attempt: int | None,
                 answer_within: float | None) -> dict:
         """The placement's answer, remembered in case its requester withdraws it (the answer lost)."""
-        kept = max(ANSWER_KEPT, 3 * answer_within) if answer_within is not None else ANSWER_KEPT
+        kept = min(max(ANSWER_KEPT, 3 * answer_within), ANSWER_KEPT_MOST) if answer_within is not None else ANSWER_KEPT
         self._answered.pop(request_id, None)
         self._answered[request_id] = _Answered(instance, count, attempt, time.monotonic() + kept)
         return reply(Placed(instance))
@@ -314,8 +314,10 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             if waiting.lease < now:
                 del self._waiting[request_id]
                 self._forget_held(request_id, waiting)
-        self._answered = {request_id: answered for request_id, answered in self._answered.items()
-                          if answered.until >= now}
+        # Oldest first: one kept longer at the front keeps those behind it as long (harmless: only
+        # the dispatch that never got them would withdraw them), and an expiry costs no sweep.
+        while self._answered and next(iter(self._answered.values())).until < now:
+            del self._answered[next(iter(self._answered))]
 
     def _forget_held(self, request_id: str, waiting: _Waiting) -> bool:
         """Withdraw a held request, or, placed already but never fetched, its placement's charge."""

@@ -30,6 +30,8 @@ def test_a_stream_left_before_its_end_aborts_its_request():
         next(stream)
         stream.close()
         assert_workers_clean(llum.dask_client, GONE_WITHIN)
+        with pytest.raises(RuntimeError, match="aborted"):
+            next(stream)
 
         with llum.stream(prompt_of(2, 20), max_tokens=LONG) as stream:
             next(stream)
@@ -62,7 +64,10 @@ def test_an_async_stream_left_in_an_async_with_block_aborts_its_request():
                         pass
                 async with llum.stream(prompt_of(5, 20), max_tokens=LONG) as stream:
                     await anext(stream)
+                # While the client is still there (closing it ends its requests anyway).
+                await asyncio.to_thread(assert_workers_clean, sync_client, GONE_WITHIN)
+                with pytest.raises(RuntimeError, match="aborted"):  # read again: no wait for ever
+                    await anext(stream)
 
-        asyncio.run(scenario())
-        with connect(cluster) as llum:
-            assert_workers_clean(llum.dask_client, GONE_WITHIN)
+        with Client(cluster) as sync_client:
+            asyncio.run(scenario())

@@ -89,7 +89,7 @@ def test_a_request_aborted_while_it_is_being_resubmitted_is_aborted_where_it_wen
         requester = Requester(client=None)
 
         async def place(requests: list[Request], *, admitted: bool = False) -> str:
-            requester.abort_soon("r")  # its caller left meanwhile (its holder, dead, is not asked)
+            requester.abort_soon("r")  # its caller left meanwhile (aborted at its dead holder too, in vain)
             return "alive"
 
         async def abort_on(instance: str, request_id: str) -> None:

@@ -279,22 +279,23 @@ def test_a_placement_whose_answer_was_lost_is_uncharged_when_withdrawn_until_it_
         assert plugin.withdraw("held") == {"withdrawn": True}
         assert plugin.status()["instances"][0]["num_pending"] == 1
         assert plugin.withdraw("used") == {"withdrawn": True}
-        # A withdrawal names the dispatch given up on: one handed over before (received here),
-        # dispatched again and given up on, is not forgotten with it, nor are those behind it.
+        # A withdrawal names the dispatch given up on: a later one's, dispatched again and given up
+        # on before it reached here, forgets nothing of one handed over (received here), which would
+        # move those behind it up as if it never came.
         assert (await plugin.dispatch("moved", 64, 10, attempt=1))["instance"] == "a"
         plugin.on_load(load("a", **roomy, num_received=1))
         assert (await plugin.dispatch("behind", 64, 10, attempt=7))["instance"] == "a"
         assert plugin.status()["instances"][0]["num_pending"] == 1
         assert plugin.withdraw("moved", attempt=2) == {"withdrawn": False}
-        # Its own attempt: the instance counts it received already, so nothing is uncharged either.
-        assert plugin.withdraw("moved", attempt=1) == {"withdrawn": False}
         assert plugin.status()["instances"][0]["num_pending"] == 1  # "behind" still on its way
         assert plugin.withdraw("behind", attempt=8) == {"withdrawn": False}  # a later dispatch's
         assert plugin.status()["instances"][0]["num_pending"] == 1
         assert plugin.withdraw("behind", attempt=7) == {"withdrawn": True}
-        monkeypatch.setattr(scheduler_plugin, "ANSWER_KEPT", -1.0)  # as if it was told long ago
         assert (await plugin.dispatch("late", 64, 10))["instance"] == "a"
+        for answered in plugin._answered.values():
+            answered.until = 0.0  # as if every answer was told long ago
         plugin.expire_held()
+        assert not plugin._answered
         assert plugin.withdraw("late") == {"withdrawn": False}
         assert plugin.status()["instances"][0]["num_pending"] == 1  # "late" still charged
         assert plugin.metrics.dispatches["withdrawn"] == 5  # both of "lost", "held", "used", "behind"
