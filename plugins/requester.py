@@ -11,11 +11,11 @@ balance beyond rotation), and tries the scheduler again afterwards, or as soon a
 instance is left (they died with a killed scheduler). Transient failures (no
 instance ready yet, an instance that just died) are retried until `placement_timeout`; a
 hand-over left unanswered may still come through, so the request is aborted there first, and
-placed again as admitted (it had its turn). A caller cancelled meanwhile (a gateway's client gone)
-leaves nothing behind: its held request is withdrawn, its hand-over aborted. (An add and its abort travel on two connections: the abort
-follows the add on the instance's engine thread unless both arrive in the same moment, when the
-request runs on unread; its requester's listener drops its tokens, and it ends with its
-max_tokens.)
+placed again as admitted (it had its turn). A caller cancelled meanwhile (a gateway's client
+gone) leaves nothing behind: its held request is withdrawn, its hand-over aborted. (An add and
+its abort travel on two connections: the abort follows the add on the instance's engine thread
+unless both arrive in the same moment, when the request runs on unread; its requester's listener
+drops its tokens, and it ends with its max_tokens.)
 
 Recovery: the requester keeps every open request (prompt, sampling, tokens received so far).
 When the instance holding one is gone from the scheduler's instance table (checked every
@@ -199,7 +199,7 @@ class Requester:
         for task in self._resubmissions:
             task.cancel()
         await asyncio.gather(*self._resubmissions, return_exceptions=True)
-        while self._undoing:  # one finishing may start another (a withdrawal after an abort)
+        while self._undoing:  # including those started meanwhile
             await asyncio.gather(*self._undoing.values(), return_exceptions=True)
         if self._listener is not None:
             await self._listener.close()
@@ -326,12 +326,13 @@ class Requester:
     async def _hand_over(self, requests: Sequence[Request], instance: str, resubmission: bool) -> None:
         """In one call, all or none (the instance adds them between the same two steps).
         `resubmission`: the instance may hold a request already (it moved there, or an earlier
-        hand-over there came through after all), and then keeps it running. A hand-over without an answer
-        (timed out, the connection lost, the caller cancelled) may have added them all the same:
-        they are aborted there, after the add (an instance runs calls in order), so that none runs
-        unseen beside its placement elsewhere. (Given up on before the call, while it waits for
-        such an abort, its placement's charge there stays until the scheduler's pending expiry:
-        withdrawing it would take the earlier hand-over's entry, of the same request there, too.)"""
+        hand-over there came through after all), and then keeps it running. A hand-over without
+        an answer (timed out, the connection lost, the caller cancelled) may have added them all
+        the same: they are aborted there, after the add (an instance runs calls in order), so
+        that none runs unseen beside its placement elsewhere. (Given up on before the call, while
+        it waits for such an abort, its placement's charge there stays until the scheduler's
+        pending expiry: withdrawing it would take the earlier hand-over's entry, of the same
+        request there, too.)"""
         await self._undone(requests, instance)  # an earlier hand-over's abort there goes first, or it would end this one
         try:
             await asyncio.wait_for(
