@@ -241,19 +241,25 @@ class TokenIterator(_Closing):
             self._client.requester.abort_soon(self.request_id)
             self._stream.fail(RuntimeError(f"request {self.request_id} was aborted: its stream was left"))
 
+    @property
+    def _running(self) -> bool:
+        """Submitted and not finished, on a client still open (closing one ends its requests)."""
+        return self._stream is not None and self.finish_reason is None and not self._client._closed
+
     async def _close(self) -> None:
-        if self._stream is not None and self.finish_reason is None:
+        if self._running:
             self._end()
 
     def close(self) -> None:
         """Stop reading: an unfinished request is aborted (at once, not at its max_tokens)."""
         if self._client.asynchronous:
             raise TypeError("with an asynchronous Dask client use `await stream.aclose()`")
-        if self._stream is not None and self.finish_reason is None:  # else nothing to do (the loop may be gone)
+        if self._running:  # else nothing to do, and the client's loop may be gone
             self._client._client.sync(self._close)
 
     async def aclose(self) -> None:
-        await self._client._on_loop(self._close)
+        if self._running:
+            await self._client._on_loop(self._close)
 
     def __iter__(self) -> Iterator[int]:
         return self
@@ -416,6 +422,7 @@ class LlumdaskClient:
         self._chat_template = chat_template
         self._trust_remote_code = trust_remote_code
         self.requester = Requester(client, load_config({"requester": requester_options}).requester)
+        self._closed = False
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
@@ -635,11 +642,19 @@ class LlumdaskClient:
         await call(self._client.scheduler, Op.DRAIN, instance=instance)
 
     async def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         await self.requester.close()
         if self._owns_client:
             await self._client.close()
 
     # ------------------------------------------------------------------ plumbing
+    def _check_open(self, fn: Callable[..., Any]) -> None:
+        """Anything but closing again needs the client open (its requester and loop may be gone)."""
+        if self._closed and fn != self._close:
+            raise RuntimeError("this LlumdaskClient is closed")
+
     def _check_options(self, max_tokens: int, priority: Priority | str, timeout: float | None, stop: Sequence[str],
                        concurrency: int, cache_salt: str | None, sampling: dict[str, Any]) -> int:
         """A batch's options, checked once before any prompt is: a ValueError naming the first
@@ -690,10 +705,12 @@ class LlumdaskClient:
 
     def _sync(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T | Awaitable[T]:
         """Blocking with a synchronous Dask client, an awaitable with an asynchronous one."""
+        self._check_open(fn)
         return self._client.sync(fn, *args)
 
     async def _on_loop(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Await `fn(*args)` on the client's loop from whatever loop we are on."""
+        self._check_open(fn)
         loop = self._client.loop.asyncio_loop
         if asyncio.get_running_loop() is loop:
             return await fn(*args)

@@ -52,6 +52,14 @@ def test_a_stream_left_before_its_end_aborts_its_request():
         finished.close()  # nothing to abort
         assert finished.finish_reason is not None and not llum.requester._open
 
+        left = llum.stream(prompt_of(5, 20), max_tokens=LONG)
+        next(left)
+        llum.close()  # ends its requests
+        with pytest.raises(RuntimeError, match="LlumdaskClient is closed"):
+            llum.generate([1, 2, 3])
+        left.close()  # nothing left to do
+        llum.close()  # closing again is harmless
+
 
 def test_an_async_stream_left_in_an_async_with_block_aborts_its_request():
     overrides = {"sim-engine": {"total-blocks": 256, "real-time": True}}
