@@ -5,6 +5,7 @@ the request goes anywhere again, and placed again as admitted (it had its turn).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -69,6 +70,23 @@ def requester_on(cluster: ScriptedCluster, monkeypatch) -> Requester:
     return requester
 
 
+def cancel_placing(cluster: ScriptedCluster, monkeypatch, when: Callable[[], bool]) -> None:
+    """Place a request, cancel its caller once a hand-over started and `when()` holds, then close."""
+
+    async def scenario() -> None:
+        requester = requester_on(cluster, monkeypatch)
+        placing = asyncio.ensure_future(requester._place([request()]))
+        await cluster.adding.wait()
+        while not when():
+            await asyncio.sleep(0.01)
+        placing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await placing
+        await requester.close()
+
+    asyncio.run(scenario())
+
+
 def request() -> Request:
     return Request("r", [1, 2, 3], SamplingParams(max_tokens=4))
 
@@ -108,17 +126,7 @@ def test_a_caller_cancelled_mid_hand_over_leaves_nothing_running_there(monkeypat
     """A gateway's client left while its request was being handed over: the request is aborted
     there (the add may still come through), and closing waits for that abort."""
     cluster = ScriptedCluster(["a"], {"a": "hang"}, abort_takes=0.2)
-
-    async def scenario() -> None:
-        requester = requester_on(cluster, monkeypatch)
-        placing = asyncio.ensure_future(requester._place([request()]))
-        await cluster.adding.wait()
-        placing.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await placing
-        await requester.close()
-
-    asyncio.run(scenario())
+    cancel_placing(cluster, monkeypatch, lambda: True)
     assert cluster.log == [("a", "add", False), ("a", "abort")]
 
 
@@ -126,19 +134,9 @@ def test_a_caller_cancelled_before_its_hand_over_started_sends_nothing_more_ther
     """Placed again on an instance where an earlier hand-over's abort is still on its way: the
     caller leaves while the hand-over waits for it. Only that abort reaches the instance."""
     cluster = ScriptedCluster(["a", "a"], {"a": "hang"}, abort_takes=0.5)
-
-    async def scenario() -> None:
-        requester = requester_on(cluster, monkeypatch)
-        placing = asyncio.ensure_future(requester._place([request()]))
-        await cluster.adding.wait()  # the first hand-over, unanswered: aborted after the timeout
-        while cluster.attempts != [0, 1]:
-            await asyncio.sleep(0.01)
-        placing.cancel()  # placed again on "a", waiting for the abort there
-        with pytest.raises(asyncio.CancelledError):
-            await placing
-        await requester.close()
-
-    asyncio.run(scenario())
+    # The first hand-over, unanswered, is aborted after the timeout; cancelled once placed again on
+    # "a", waiting for the abort there.
+    cancel_placing(cluster, monkeypatch, lambda: cluster.attempts == [0, 1])
     assert cluster.log == [("a", "add", False), ("a", "abort")]
 
 

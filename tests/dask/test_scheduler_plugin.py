@@ -39,6 +39,11 @@ def run_plugin(test, workers=("a", "b"), overrides=None):
     asyncio.run(main())
 
 
+# One instance of 100 blocks with no room to spare, and with room.
+FULL = dict(free_blocks=2, num_running=4, running_blocks={0: 98}, running_count={0: 4})
+ROOMY = dict(free_blocks=80, num_running=1, running_blocks={0: 20}, running_count={0: 1})
+
+
 def load(instance: str, **kw) -> dict:
     fields = dict(instance_id=instance, total_blocks=100, block_size=16, free_blocks=100, num_running=0, num_waiting=0)
     fields.update(kw)
@@ -190,12 +195,11 @@ def test_members_answer_lists_only_when_membership_changed():
 
 def test_a_held_request_is_answered_once_a_report_makes_room_and_withdrawn_when_nobody_asks(monkeypatch):
     monkeypatch.setattr(scheduler_plugin, "HOLD_ANSWER", 0.05)
-    full = dict(free_blocks=2, num_running=4, running_blocks={0: 98}, running_count={0: 4})
 
     async def check(plugin, scheduler):
         plugin.register("a", 100, 16)
         plugin.ready("a")
-        plugin.on_load(load("a", **full))
+        plugin.on_load(load("a", **FULL))
         assert (await plugin.dispatch("r", 64, 10))["instance"] is None  # held: asked again later
         assert plugin.status()["held"]["requests"] == 1
         asking = asyncio.ensure_future(plugin.dispatch("r", 64, 10))  # keeps its place in line
@@ -205,7 +209,7 @@ def test_a_held_request_is_answered_once_a_report_makes_room_and_withdrawn_when_
         assert dict(plugin.metrics.dispatches) == {"held": 1, "placed": 1}
         assert plugin.status()["held"]["requests"] == 0 and plugin.status()["instances"][0]["num_pending"] == 1
 
-        plugin.on_load(load("a", **full))
+        plugin.on_load(load("a", **FULL))
         assert (await plugin.dispatch("gone", 64, 10))["instance"] is None
         plugin.expire_held()  # asked about within the lease: kept
         assert "gone" in plugin.global_scheduler.held
@@ -220,32 +224,30 @@ def test_a_held_request_is_answered_once_a_report_makes_room_and_withdrawn_when_
 
 def test_a_held_request_given_up_on_is_withdrawn_and_a_placement_it_never_fetched_uncharged(monkeypatch):
     monkeypatch.setattr(scheduler_plugin, "HOLD_ANSWER", 0.05)
-    full = dict(free_blocks=2, num_running=4, running_blocks={0: 98}, running_count={0: 4})
-    roomy = dict(free_blocks=80, num_running=1, running_blocks={0: 20}, running_count={0: 1})
 
     async def check(plugin, scheduler):
         plugin.register("a", 100, 16)
         plugin.ready("a")
-        plugin.on_load(load("a", **full))
+        plugin.on_load(load("a", **FULL))
         assert (await plugin.dispatch("r", 64, 10)) == {"instance": None, "no_instance": False}
         assert plugin.withdraw("r") == {"withdrawn": True} and plugin.withdraw("r") == {"withdrawn": False}
         assert "r" not in plugin.global_scheduler.held
         # Placed by a report after its requester's last ask (two choices): never fetched, so not charged.
         assert (await plugin.dispatch("late", 64, 10, count=2))["instance"] is None
-        plugin.on_load(load("a", **roomy))
+        plugin.on_load(load("a", **ROOMY))
         assert plugin.status()["instances"][0]["num_pending"] == 2
         assert plugin.withdraw("late") == {"withdrawn": True}
         assert plugin.status()["instances"][0]["num_pending"] == 0
         # The same when its requester is gone without a word: the lease runs out.
-        plugin.on_load(load("a", **full))
+        plugin.on_load(load("a", **FULL))
         assert (await plugin.dispatch("silent", 64, 10))["instance"] is None
-        plugin.on_load(load("a", **roomy))
+        plugin.on_load(load("a", **ROOMY))
         plugin._waiting["silent"].lease = 0.0
         plugin.expire_held()
         assert plugin.status()["instances"][0]["num_pending"] == 0 and not plugin._waiting
         assert plugin.metrics.dispatches["withdrawn"] == 4  # "r", both of "late", "silent"
         # Held while no instance may take a request: the answer says so.
-        plugin.on_load(load("a", **full))
+        plugin.on_load(load("a", **FULL))
         assert (await plugin.dispatch("alone", 64, 10))["instance"] is None
         plugin.unregister("a")
         assert (await plugin.dispatch("alone", 64, 10)) == {"instance": None, "no_instance": True}
@@ -258,22 +260,20 @@ def test_a_placement_whose_answer_was_lost_is_uncharged_when_withdrawn_until_it_
     elsewhere): the instance is not charged for a request it never gets, held first or not; once
     ANSWER_KEPT passed a withdrawal changes nothing (the answer surely arrived, and was used)."""
     monkeypatch.setattr(scheduler_plugin, "HOLD_ANSWER", 0.05)
-    full = dict(free_blocks=2, num_running=4, running_blocks={0: 98}, running_count={0: 4})
-    roomy = dict(free_blocks=80, num_running=1, running_blocks={0: 20}, running_count={0: 1})
 
     async def check(plugin, scheduler):
         plugin.register("a", 100, 16)
         plugin.ready("a")
-        plugin.on_load(load("a", **roomy))
+        plugin.on_load(load("a", **ROOMY))
         assert (await plugin.dispatch("lost", 64, 10, count=2))["instance"] == "a"
         assert (await plugin.dispatch("used", 64, 10))["instance"] == "a"
         assert plugin.status()["instances"][0]["num_pending"] == 3
         assert plugin.withdraw("lost") == {"withdrawn": True} and plugin.withdraw("lost") == {"withdrawn": False}
         assert plugin.status()["instances"][0]["num_pending"] == 1
         # Held, then placed and fetched: the fetch's answer may be lost too.
-        plugin.on_load(load("a", **full))
+        plugin.on_load(load("a", **FULL))
         assert (await plugin.dispatch("held", 64, 10))["instance"] is None
-        plugin.on_load(load("a", **roomy))
+        plugin.on_load(load("a", **ROOMY))
         assert (await plugin.dispatch("held", 64, 10))["instance"] == "a"
         assert plugin.status()["instances"][0]["num_pending"] == 2
         assert plugin.withdraw("held") == {"withdrawn": True}
@@ -283,7 +283,7 @@ def test_a_placement_whose_answer_was_lost_is_uncharged_when_withdrawn_until_it_
         # on before it reached here, forgets nothing of one handed over (received here), which would
         # move those behind it up as if it never came.
         assert (await plugin.dispatch("moved", 64, 10, attempt=1))["instance"] == "a"
-        plugin.on_load(load("a", **roomy, num_received=1))
+        plugin.on_load(load("a", **ROOMY, num_received=1))
         assert (await plugin.dispatch("behind", 64, 10, attempt=7))["instance"] == "a"
         assert plugin.status()["instances"][0]["num_pending"] == 1
         assert plugin.withdraw("moved", attempt=2) == {"withdrawn": False}
@@ -306,12 +306,11 @@ def test_a_placement_whose_answer_was_lost_is_uncharged_when_withdrawn_until_it_
 def test_a_held_request_is_answered_within_half_the_askers_timeout():
     """However long the scheduler would wait for a placement, a held ask is answered well within
     the requester's dispatch timeout, or the requester would take the scheduler for silent."""
-    full = dict(free_blocks=2, num_running=4, running_blocks={0: 98}, running_count={0: 4})
 
     async def check(plugin, scheduler):
         plugin.register("a", 100, 16)
         plugin.ready("a")
-        plugin.on_load(load("a", **full))
+        plugin.on_load(load("a", **FULL))
         loop = asyncio.get_running_loop()
         started = loop.time()
         assert (await plugin.dispatch("r", 64, 10, answer_within=0.2))["instance"] is None
