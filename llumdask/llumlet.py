@@ -187,13 +187,16 @@ class Llumlet:
     def step(self) -> StepResult:
         """One engine iteration; forward tokens; abort migrations whose request finished or was preempted."""
         result = self.engine.step()
-        for output in result.outputs:
-            self._on_tokens(output)
-        for out in list(self._outgoing.values()):
-            if out.state is None:
-                reason = self._source_lost_reason(out)
-                if reason:
-                    self._abort_outgoing(out, reason, notify=True)
+        on_tokens = self._on_tokens
+        if on_tokens is not _noop:
+            for output in result.outputs:
+                on_tokens(output)
+        if self._outgoing:
+            for out in list(self._outgoing.values()):
+                if out.state is None:
+                    reason = self._source_lost_reason(out)
+                    if reason:
+                        self._abort_outgoing(out, reason, notify=True)
         return result
 
     def set_terminating(self, flag: bool, order: int = 0) -> None:

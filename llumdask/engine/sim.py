@@ -49,7 +49,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -122,17 +122,19 @@ class _Seq:
     rng: np.random.Generator | None
 
 
-class _Chunk:
-    """What one sequence computes in one step: its tokens [start, start + count)."""
+class _Chunk(NamedTuple):
+    """What one sequence computes in one step: its tokens [start, start + count). A tuple: one
+    is made per sequence per step, and the step unpacks it."""
 
-    __slots__ = ("seq", "start", "count", "is_decode")
+    seq: _Seq
+    start: int
+    count: int
+    # The last sampled token only: priced as a decode, whatever phase came before.
+    is_decode: bool
 
-    def __init__(self, seq: _Seq, start: int, count: int) -> None:
-        self.seq = seq
-        self.start = start
-        self.count = count
-        # The last sampled token only: priced as a decode, whatever phase came before.
-        self.is_decode = start == seq.num_tokens - 1
+
+def _chunk(seq: _Seq, start: int, count: int) -> _Chunk:
+    return _Chunk(seq, start, count, start == seq.num_tokens - 1)
 
 
 def _new_seq(request: Request, rng_state: dict[str, Any] | None = None) -> _Seq:
@@ -335,7 +337,7 @@ class SimEngine:
 
     def step(self) -> StepResult:
         """Schedule (running requests first, preempting if needed; then admissions), run, postprocess."""
-        if not self.has_work():
+        if not self._running and not self._waiting:
             return StepResult()
         self._snapshot = None
         now = self._clock()
@@ -343,25 +345,32 @@ class SimEngine:
         # As vLLM: no admissions in a step that preempted, or the victim would bounce straight back.
         if not preempted:
             self._admit(chunks, now)
-        duration = self._step_time(chunks)
-        # Only a sequence whose chunk reaches its last token samples one; the others were mid-prefill.
-        sampling = [c for c in chunks if c.start + c.count == c.seq.num_tokens]
+        # One pass for the step's price and who samples: only a sequence whose chunk reaches its
+        # last token samples one; the others were mid-prefill.
+        sampling: list[_Chunk] = []
+        prefills: list[tuple[int, int]] = []
+        context = 0
+        for chunk in chunks:
+            seq, start, count, is_decode = chunk
+            if is_decode:
+                context += seq.num_tokens
+                sampling.append(chunk)
+            else:
+                prefills.append((start, count))
+                if start + count == seq.num_tokens:
+                    sampling.append(chunk)
+        duration = self.profile.step_time(prefills, len(chunks) - len(prefills), context)
         tokens = self._forward(chunks, sampling) if sampling else []
         end = now + duration
-        for chunk in chunks:
-            chunk.seq.num_computed = chunk.start + chunk.count
+        for seq, start, count, is_decode in chunks:
+            seq.num_computed = start + count
             # Prompt blocks are cached as soon as their prefill fills them (a request arriving
             # meanwhile shares them); blocks that decoding fills, when the request lets go of them.
-            if self._prefix_caching and not chunk.is_decode:
-                self._register_full_blocks(chunk.seq)
-        outputs = [self._append_token(chunk.seq, token, end) for chunk, token in zip(sampling, tokens)]
-        for chunk in sampling:
-            timing = chunk.seq.request.timing
-            if timing.preempted_at is not None:
-                timing.preemption_loss += end - timing.preempted_at
-                timing.preempted_at = None
-        # Requests that finished this step have left _seqs but are still in the batch list.
-        if any(output.finished for output in outputs):
+            if not is_decode and self._prefix_caching:
+                self._register_full_blocks(seq)
+        outputs, finished = self._append_tokens(sampling, tokens, end)
+        if finished:
+            # They have left _seqs but are still in the batch list.
             self._running = [s for s in self._running if s.request_id in self._seqs]
         if self._real_time and duration > 0:
             time.sleep(duration)
@@ -369,9 +378,9 @@ class SimEngine:
             outputs=tuple(outputs),
             preempted=tuple(preempted),
             duration=duration,
-            num_prefill_tokens=sum(c.count for c in chunks if not c.is_decode),
+            num_prefill_tokens=sum(count for _, count in prefills),
             batch_size=len(chunks),
-            finished=tuple(chunk.seq.request for chunk, output in zip(sampling, outputs) if output.finished),
+            finished=tuple(finished),
         )
 
     def prefix_events(self) -> PrefixEvents | None:
@@ -592,19 +601,22 @@ class SimEngine:
         budget = self._max_batched_tokens
         chunks: list[_Chunk] = []
         preempted: list[str] = []
+        free = blocks.free_blocks  # kept current below: read once per sequence otherwise
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             computed = seq.num_computed
-            count = seq.num_tokens - computed
+            tokens = seq.num_tokens
+            count = tokens - computed
             if count > budget:
                 count = budget
             needed = -(-(computed + count) // size) - seq.num_blocks
-            while needed > blocks.free_blocks:
+            while needed > free:
                 victim = max(running, key=_queue_key)
                 index = running.index(victim)
                 del running[index]
                 preempted.append(self._preempt(victim, now))
+                free = blocks.free_blocks
                 if victim is seq:
                     return chunks, preempted
                 if index < i:
@@ -614,7 +626,8 @@ class SimEngine:
                     budget += chunk.count
             if needed > 0:
                 self._allocate(seq, needed)
-            chunks.append(_Chunk(seq, computed, count))
+                free -= needed
+            chunks.append(_Chunk(seq, computed, count, computed == tokens - 1))
             budget -= count
             i += 1
         return chunks, preempted
@@ -642,7 +655,7 @@ class SimEngine:
                 if self._prefix_caching:
                     timing.cached_tokens = computed
             running.append(seq)
-            chunks.append(_Chunk(seq, computed, count))
+            chunks.append(_chunk(seq, computed, count))
             budget -= count
 
     def _cached_prefix(self, seq: _Seq) -> list[int]:
@@ -681,12 +694,6 @@ class SimEngine:
         for index in range(seq.registered, full):
             self._blocks.register(table[index], keys[index], reported=is_anchor(index, self.block_size))
         seq.registered = full
-
-    def _step_time(self, chunks: list[_Chunk]) -> float:
-        prefills = [(c.start, c.count) for c in chunks if not c.is_decode]
-        decodes = len(chunks) - len(prefills)
-        context = sum(c.seq.num_tokens for c in chunks if c.is_decode)
-        return self.profile.step_time(prefills, decodes, context)
 
     def _preempt(self, seq: _Seq, now: float) -> str:
         """Recompute later: free the blocks, back to waiting (its queue key puts it ahead of later arrivals)."""
@@ -728,7 +735,7 @@ class SimEngine:
         which dominates a step of a few sequences."""
         vocab, tokens = int(self._vocab), []
         for chunk in sampling:
-            seq = chunk.seq
+            seq = chunk[0]
             n = seq.num_tokens
             logit = mix_int(seq.prompt_hash ^ ((n * _K_POS_INT) & _MASK64))
             if not seq.greedy:
@@ -786,30 +793,44 @@ class SimEngine:
         return ((h[:, None] * self._spread[None, :]) >> _U64(56)).astype(np.uint8)
 
     # ------------------------------------------------------------------ helpers
-    def _append_token(self, seq: _Seq, token: int, now: float) -> TokenOutput:
-        request = seq.request
-        sampling = request.sampling
-        output = request.output_token_ids
-        if len(output) < sampling.min_tokens and token in sampling.stop_token_ids:
-            token = _unstopped(token, sampling.stop_token_ids, int(self._vocab))
-        output.append(token)
-        seq.num_tokens += 1
-        timing = request.timing
-        if timing.first_token is None:
-            timing.first_token = now
-        timing.last_token = now
-        reason = None
-        if token in sampling.stop_token_ids:
-            reason = FinishReason.STOP
-        elif len(output) >= sampling.max_tokens:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            del self._seqs[seq.request_id]
-            self._free(seq)
-            self._finish(seq, RequestStatus.FINISHED, reason, now)
-        if len(output) == 1 and timing.cached_tokens is not None:
-            return TokenOutput(seq.request_id, 0, (token,), reason is not None, reason, cached_tokens=timing.cached_tokens)
-        return TokenOutput(seq.request_id, len(output) - 1, (token,), reason is not None, reason)
+    def _append_tokens(self, sampling: list[_Chunk], tokens: list[int], now: float) -> tuple[list[TokenOutput], list[Request]]:
+        """Each sampling sequence's new token, sampled at `now`: the outputs, and the requests it
+        finished (their blocks freed). One loop per step: it runs once per token of a simulation."""
+        outputs: list[TokenOutput] = []
+        finished: list[Request] = []
+        for chunk, token in zip(sampling, tokens):
+            seq = chunk[0]
+            request = seq.request
+            sampling_params = request.sampling
+            output = request.output_token_ids
+            stops = sampling_params.stop_token_ids
+            if stops and len(output) < sampling_params.min_tokens and token in stops:
+                token = _unstopped(token, stops, int(self._vocab))
+            output.append(token)
+            seq.num_tokens += 1
+            timing = request.timing
+            if timing.first_token is None:
+                timing.first_token = now
+            timing.last_token = now
+            if timing.preempted_at is not None:
+                timing.preemption_loss += now - timing.preempted_at
+                timing.preempted_at = None
+            reason = None
+            if stops and token in stops:
+                reason = FinishReason.STOP
+            elif len(output) >= sampling_params.max_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                del self._seqs[seq.request_id]
+                self._free(seq)
+                self._finish(seq, RequestStatus.FINISHED, reason, now)
+                finished.append(request)
+            if len(output) == 1 and timing.cached_tokens is not None:
+                outputs.append(TokenOutput(seq.request_id, 0, (token,), reason is not None, reason,
+                                           cached_tokens=timing.cached_tokens))
+            else:
+                outputs.append(TokenOutput(seq.request_id, len(output) - 1, (token,), reason is not None, reason))
+        return outputs, finished
 
     def _finish(self, seq: _Seq, status: RequestStatus, reason: FinishReason, now: float) -> None:
         seq.request.status = status
