@@ -222,7 +222,7 @@ class Llumlet:
             terminating=self._terminating,
             drain_order=self._drain_order,
             timestamp=self._clock(),
-            **vars(totals),
+            **totals._asdict(),
         )
 
     def prefix_events(self) -> PrefixEvents | None:

@@ -130,6 +130,9 @@ class PrefixEvents:
                    bool(d.get("reset", False)))
 
 
+NO_PREFIX_EVENTS = PrefixEvents()
+
+
 class PrefixChangeLog:
     """An engine's side of `PrefixEvents`: the last state of each hash cached or evicted since
     the last drain. Past twice the pool the log is longer than the cache it describes, so it
@@ -155,6 +158,8 @@ class PrefixChangeLog:
     def drain(self, whole: Callable[[], Iterable[int]]) -> PrefixEvents:
         """The changes since the last drain, or `whole()` (every reported hash cached now) after
         an overflow."""
+        if not self._changes and not self._overflowed:
+            return NO_PREFIX_EVENTS  # most reports: nothing changed
         if self._overflowed:
             events = PrefixEvents(stored=tuple(whole()), reset=True)
         else:

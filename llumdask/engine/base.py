@@ -53,8 +53,10 @@ class TokenOutput(NamedTuple):
     cached_tokens: int | None = None
 
 
-@dataclass(frozen=True)
-class StepResult:
+class StepResult(NamedTuple):
+    """What one engine step did. A named tuple, as `TokenOutput`: one is made per step of every
+    instance, the second most made object of a simulation."""
+
     outputs: tuple[TokenOutput, ...] = ()
     preempted: tuple[str, ...] = ()
     # Seconds the step took (modeled by the sim engine, measured by a real one).
@@ -93,8 +95,7 @@ class EngineSnapshot:
     num_preemptions: int = 0
 
 
-@dataclass(frozen=True)
-class LoadTotals:
+class LoadTotals(NamedTuple):
     """An instance's load as sums: exactly what Algorithm 1 and the load report read.
 
     Why it exists: a llumlet reports load after every step, and the snapshot builds one
@@ -106,7 +107,7 @@ class LoadTotals:
     Running requests are counted by execution priority, paused ones (the last stage of a
     migration out) included: they still hold their blocks. Priorities with no running request
     are absent from both maps. Every field is the `InstanceLoad` field of the same name (the
-    llumlet copies them over by name).
+    llumlet copies them over by name). A named tuple: one is made per load report.
     """
 
     total_blocks: int

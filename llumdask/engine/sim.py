@@ -345,30 +345,30 @@ class SimEngine:
         # As vLLM: no admissions in a step that preempted, or the victim would bounce straight back.
         if not preempted:
             self._admit(chunks, now)
-        # One pass for the step's price and who samples: only a sequence whose chunk reaches its
-        # last token samples one; the others were mid-prefill.
+        # One pass for the step's price, who samples (only a sequence whose chunk reaches its last
+        # token; the others were mid-prefill) and what is computed once it ran (the forward pass
+        # reads neither).
         sampling: list[_Chunk] = []
         prefills: list[tuple[int, int]] = []
         context = 0
+        caching = self._prefix_caching
         for chunk in chunks:
             seq, start, count, is_decode = chunk
+            seq.num_computed = start + count
             if is_decode:
                 context += seq.num_tokens
                 sampling.append(chunk)
-            else:
-                prefills.append((start, count))
-                if start + count == seq.num_tokens:
-                    sampling.append(chunk)
-        duration = self.profile.step_time(prefills, len(chunks) - len(prefills), context)
-        tokens = self._forward(chunks, sampling) if sampling else []
-        end = now + duration
-        for seq, start, count, is_decode in chunks:
-            seq.num_computed = start + count
+                continue
+            prefills.append((start, count))
+            if start + count == seq.num_tokens:
+                sampling.append(chunk)
             # Prompt blocks are cached as soon as their prefill fills them (a request arriving
             # meanwhile shares them); blocks that decoding fills, when the request lets go of them.
-            if not is_decode and self._prefix_caching:
+            if caching:
                 self._register_full_blocks(seq)
-        outputs, finished = self._append_tokens(sampling, tokens, end)
+        duration = self.profile.step_time(prefills, len(chunks) - len(prefills), context)
+        tokens = self._forward(chunks, sampling) if sampling else []
+        outputs, finished = self._append_tokens(sampling, tokens, now + duration)
         if finished:
             # They have left _seqs but are still in the batch list.
             self._running = [s for s in self._running if s.request_id in self._seqs]
@@ -635,8 +635,10 @@ class SimEngine:
     def _admit(self, chunks: list[_Chunk], now: float) -> None:
         """Head of the queue first while the budget lasts and its whole prompt fits (FCFS: a head
         that does not fit blocks the rest); the last one admitted may get only a first chunk."""
-        budget = self._max_batched_tokens - sum(c.count for c in chunks)
         running, waiting, size = self._running, self._waiting, self.block_size
+        if not waiting:
+            return
+        budget = self._max_batched_tokens - sum(c.count for c in chunks)
         while waiting and budget > 0 and len(running) < self._max_num_seqs:
             seq = waiting[0]
             hit = self._cached_prefix(seq)
