@@ -425,8 +425,15 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
                               tuple(workers[w].name for w in drained))
 
     def dask_adaptive_target(self, target_duration: Any = None) -> int:
-        """Dask's `adaptive_target` handler, answered from the freeness band."""
-        return self._adaptive_target().target
+        """Dask's `adaptive_target` handler, answered from the freeness band. An autoscaler that
+        reads only this number (the Kubernetes operator) retires workers only while it is below
+        their count, so drained instances close first: until they are gone the instances asked for
+        are left out, or one of each would cancel out (neither retired nor started) until the ask
+        expired (`scaling.startup-timeout`)."""
+        plan = self._adaptive_target()
+        if plan.drained:
+            return len(self.scheduler.workers) - len(plan.drained)
+        return plan.target
 
     # ------------------------------------------------------------------ stream handlers
     # A stream handler that raises makes Dask drop the sending worker: these log and go on.

@@ -88,8 +88,11 @@ def test_the_operators_autoscaler_gets_the_band_and_retires_drained_instances_on
         assert httpx.post(f"{api}/retire_workers", json={"n": 1}).json() == {}  # nothing drained: nothing goes
         victim = llum.instances().rows[0]["instance"]
         llum.drain(victim)
-        target_becomes(2)  # the drained one leaves the target, the one asked for stays
+        # The drained one leaves the target and the one asked for waits: counted together they
+        # would leave it at the worker count, where the operator neither retires nor starts one.
+        target_becomes(1)
         retired = httpx.post(f"{api}/retire_workers", json={"n": 2}).json()
         assert list(retired) == [victim]  # asked for two, given the drained one
         assert [r["instance"] for r in llum.instances().rows] != [victim]
+        target_becomes(2)  # the one asked for, now that nothing drained is left
         assert len(llum.generate([1, 2, 3], max_tokens=4).token_ids) == 4  # the rest still serves

@@ -161,6 +161,31 @@ def test_with_scaling_enabled_dask_adaptive_target_is_answered():
     run_plugin(check, overrides=overrides)
 
 
+def test_dask_adaptive_target_retires_drained_instances_before_counting_those_asked_for():
+    """The Kubernetes operator's autoscaler reads one number and retires only below its worker
+    count: a drained instance and one asked for must not cancel out."""
+    overrides = {"migration": {"interval": 60.0}, "scaling": {"enabled": True, "scale-out-period": 0.0, "scale-in-period": 0.0,
+                                                              "min-instances": 1, "max-instances": 3}}
+
+    async def check(plugin, scheduler):
+        for w in ("a", "b"):
+            plugin.register(w, 100, 16)
+            plugin.ready(w)
+        plugin.on_load(load("b", **FULL))
+        assert plugin.drain("a") == {"draining": True}
+        plugin.on_load(load("a", terminating=True, drain_order=1))
+        plugin.scale()
+        plugin.scale()
+        assert plugin.status()["scaling"]["adds_wanted"] == 1
+        assert plugin.adaptive_target() == {"target": 2, "drained": ("name-a",)}
+        assert scheduler.handlers["adaptive_target"]() == 1  # below the two workers: a is retired
+        plugin.remove_worker(scheduler, "a", stimulus_id="retired")
+        del scheduler.workers["a"]
+        assert scheduler.handlers["adaptive_target"]() == 2  # now the one asked for starts
+
+    run_plugin(check, overrides=overrides)
+
+
 def test_members_tell_the_instances_block_size_not_the_configured_one():
     """vLLM's CPU blocks are 128 tokens whatever the configuration says: a requester cutting
     prompts by the configured 4 (or the default 16) would match no block an engine caches."""
