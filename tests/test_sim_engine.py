@@ -230,6 +230,50 @@ def test_the_first_admission_of_a_step_is_chunked_to_the_budget(make_engine):
     assert engine.snapshot().free_blocks == engine.total_blocks
 
 
+@pytest.mark.parametrize("budget", [7, 8, 8192])
+def test_kv_content_does_not_depend_on_the_token_budget(make_engine, budget):
+    """A chunk in a step where nobody samples writes its KV too: the tokens read it."""
+    req = request("r", prompt_len=30, max_tokens=6)
+    engine = make_engine(max_num_batched_tokens=budget)
+    engine.add_request(replace_request(req))
+    assert tokens_by_request(run(engine))["r"] == reference(make_engine, req)
+
+
+def test_a_prompt_chunked_to_one_token_short_of_its_end_is_still_prefilling(make_engine):
+    """Every token but the last has its KV, as when decoding, but no token was sampled yet."""
+    engine = make_engine(max_num_batched_tokens=8)
+    engine.add_request(request("r", prompt_len=9, max_tokens=4))
+    engine.step()
+    assert [r.migratable for r in engine.snapshot().running] == [False]
+    with pytest.raises(MigrationRefused, match="prefilling"):
+        engine.pause("r")
+    engine.step()
+    assert [r.migratable for r in engine.snapshot().running] == [True]
+
+
+def test_a_failed_forward_pass_leaves_nothing_computed_or_cached(make_engine):
+    """The step's KV was never written: counting it computed, or caching its blocks for other
+    requests to share, would make later tokens come from garbage."""
+    req = request("r", prompt_len=30, max_tokens=6)
+    engine = make_engine()
+    engine.add_request(replace_request(req))
+    write = engine._kv.write
+
+    def broken(*args):
+        engine._kv.write = write
+        raise RuntimeError("device error")
+
+    engine._kv.write = broken
+    with pytest.raises(RuntimeError, match="device error"):
+        engine.step()
+    engine.abort_request("r")  # as a llumlet does with the requests of a failed step
+    engine.check_integrity()
+    engine.add_request(replace_request(req))  # sent again: no cached prefix of it to share
+    results = run(engine)
+    assert results[0].num_prefill_tokens == 30
+    assert tokens_by_request(results)["r"] == reference(make_engine, req)
+
+
 def test_admission_needs_room_for_the_whole_prompt_not_only_its_first_chunk(make_engine):
     engine = make_engine(total_blocks=8, block_size=4, max_num_batched_tokens=8)
     engine.add_request(request("a", prompt_len=16, max_tokens=4))  # 4 blocks, prefilled in two chunks

@@ -217,8 +217,9 @@ def _queue_key(seq: _Seq) -> tuple[int, float, str]:
 
 
 def _decoding(seq: _Seq) -> bool:
-    """Prefill done: every token but the last sampled one has its KV (what a migration moves)."""
-    return seq.num_computed == seq.num_tokens - 1
+    """Prefill done: every token but the last sampled one has its KV (what a migration moves).
+    A prompt chunked to end one token short of its last has no sampled token yet."""
+    return seq.num_computed == seq.num_tokens - 1 and bool(seq.request.output_token_ids)
 
 
 class SimEngine:
@@ -345,29 +346,30 @@ class SimEngine:
         # As vLLM: no admissions in a step that preempted, or the victim would bounce straight back.
         if not preempted:
             self._admit(chunks, now)
-        # One pass for the step's price, who samples (only a sequence whose chunk reaches its last
-        # token; the others were mid-prefill) and what is computed once it ran (the forward pass
-        # reads neither).
+        # One pass for the step's price and who samples: only a sequence whose chunk reaches its
+        # last token; the others were mid-prefill.
         sampling: list[_Chunk] = []
         prefills: list[tuple[int, int]] = []
         context = 0
-        caching = self._prefix_caching
         for chunk in chunks:
             seq, start, count, is_decode = chunk
-            seq.num_computed = start + count
             if is_decode:
                 context += seq.num_tokens
                 sampling.append(chunk)
-                continue
-            prefills.append((start, count))
-            if start + count == seq.num_tokens:
-                sampling.append(chunk)
+            else:
+                prefills.append((start, count))
+                if start + count == seq.num_tokens:
+                    sampling.append(chunk)
+        duration = self.profile.step_time(prefills, len(chunks) - len(prefills), context)
+        tokens = self._forward(chunks, sampling)
+        # Computed once the forward pass ran (one that fails leaves nothing counted or cached).
+        caching = self._prefix_caching
+        for seq, start, count, is_decode in chunks:
+            seq.num_computed = start + count
             # Prompt blocks are cached as soon as their prefill fills them (a request arriving
             # meanwhile shares them); blocks that decoding fills, when the request lets go of them.
-            if caching:
+            if not is_decode and caching:
                 self._register_full_blocks(seq)
-        duration = self.profile.step_time(prefills, len(chunks) - len(prefills), context)
-        tokens = self._forward(chunks, sampling) if sampling else []
         outputs, finished = self._append_tokens(sampling, tokens, now + duration)
         if finished:
             # They have left _seqs but are still in the batch list.
@@ -716,14 +718,18 @@ class SimEngine:
         A chunk computes the request's tokens [start, start + count): part or all of a prompt (or
         of prompt + output when it recomputes after a preemption), or the last sampled token of a
         decode. The token at position q comes from the content of slot q - 1 and three earlier
-        slots picked by q.
+        slots picked by q. A step where nobody samples (prompts mid-prefill) writes their KV all the same.
         """
-        if not self._kv.shape[2] and len(sampling) <= _SMALL_BATCH:
+        content = self._kv.shape[2]
+        if content and chunks:
+            self._write_kv(chunks)
+        if not sampling:
+            return []
+        if not content and len(sampling) <= _SMALL_BATCH:
             return self._tokens_without_content(sampling)
         n = _u64([c.seq.num_tokens for c in sampling])
         hashes = np.fromiter((c.seq.prompt_hash for c in sampling), dtype=_U64, count=len(sampling))
-        if self._kv.shape[2]:
-            self._write_kv(chunks)
+        if content:
             logits = self._read_kv(sampling, n, hashes)
         else:
             logits = mix(hashes ^ (n * _K_POS))
