@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 # Requests that left by migration whose destination an instance remembers: a requester asks about
 # a stalled stream within seconds, and an instance sends hundreds of requests away in that time.
 MOVED_MEMORY = 4096
+# Hand-overs aborted here that an instance remembers, in case their add comes after the abort: the
+# two travel on different connections, and a requester aborts a hand-over within its RPC timeout.
+ABORTED_HAND_OVERS = 4096
 # A load report that says nothing new (an idle instance, or one whose queues stand still) goes out
 # this often, not every report interval: a report that differs goes out at its interval. Idle
 # instances so cost the scheduler one report a second each, not twenty.
@@ -103,6 +106,7 @@ class LlumletDriver:
         self.routes = Routes(route_expiry)
         # Where requests that left by migration went (the latest MOVED_MEMORY), for `whereabouts`.
         self._moved: OrderedDict[str, str] = OrderedDict()
+        self._aborted_hand_overs: OrderedDict[str, None] = OrderedDict()
         self.llumlet: Llumlet | None = None
         # Off until the instance is registered: handshakes still expire, but no report is sent.
         self.reporting = False
@@ -203,13 +207,19 @@ class LlumletDriver:
         return report
 
     # ------------------------------------------------------------------ requests
-    def add(self, requests: Sequence[Request], reply_to: str, resubmission: bool = False) -> None:
+    def add(self, requests: Sequence[Request], reply_to: str, resubmission: bool = False,
+            hand_over: str | None = None) -> None:
         """Requests handed over together, all or none: if the engine refuses one (ValueError), those
         added before it are aborted. A resubmission of a request this instance runs already goes
         on here (it moved here while its requester took its source for dead, e.g. the source died
         once it had handed the request over; or an earlier hand-over whose answer was lost came
-        through): only its route is renewed. Any other request id it knows is an error."""
+        through): only its route is renewed. Any other request id it knows is an error. A
+        hand-over its requester aborted already (`hand_over`, the id of this hand-over; the abort
+        came first) is received and refused: nobody would read it."""
         llumlet = self._llumlet()
+        if hand_over is not None and hand_over in self._aborted_hand_overs:
+            llumlet.received_unadded(len(requests))
+            raise ValueError(f"hand-over {hand_over} was aborted before it arrived")
         added: list[str] = []
         for index, request in enumerate(requests):
             try:
@@ -229,8 +239,14 @@ class LlumletDriver:
         """Requests handed over that could not be read (malformed): received, never added."""
         self._llumlet().received_unadded(count)
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request here; whether this instance knew it."""
+    def abort(self, request_id: str, hand_over: str | None = None) -> bool:
+        """Abort a request here; whether this instance knew it. `hand_over`: the hand-over that
+        brought it, whose add may come only after this abort (it is refused then)."""
+        if hand_over is not None:
+            self._aborted_hand_overs[hand_over] = None
+            self._aborted_hand_overs.move_to_end(hand_over)
+            if len(self._aborted_hand_overs) > ABORTED_HAND_OVERS:
+                self._aborted_hand_overs.popitem(last=False)
         llumlet = self._llumlet()
         known = llumlet.engine.get_request(request_id) is not None
         llumlet.abort_request(request_id)

@@ -13,9 +13,8 @@ instance ready yet, an instance that just died) are retried until `placement_tim
 hand-over left unanswered may still come through, so the request is aborted there first, and
 placed again as admitted (it had its turn). A caller cancelled meanwhile (a gateway's client
 gone) leaves nothing behind: its held request is withdrawn, its hand-over aborted. (An add and
-its abort travel on two connections: the abort follows the add on the instance's engine thread
-unless both arrive in the same moment, when the request runs on unread; its requester's listener
-drops its tokens, and it ends with its max_tokens.)
+its abort travel on two connections and may arrive in either order: the abort names the hand-over,
+and an instance refuses a hand-over aborted before it arrived.)
 
 Recovery: the requester keeps every open request (prompt, sampling, tokens received so far).
 When the instance holding one is gone from the scheduler's instance table (checked every
@@ -40,6 +39,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,9 +165,11 @@ class Requester:
         if holder is not None:
             self._undo_soon(request_id, holder, self._abort_on(holder, request_id))
 
-    async def _abort_on(self, instance: str, request_id: str) -> None:
+    async def _abort_on(self, instance: str, request_id: str, hand_over: str | None = None) -> None:
+        """`hand_over`: the hand-over given up on, whose add the instance refuses should it come later."""
         try:
-            await asyncio.wait_for(call(self._client.rpc(instance), Op.ABORT, request_id=request_id), self._config.rpc_timeout)
+            await asyncio.wait_for(call(self._client.rpc(instance), Op.ABORT, request_id=request_id, hand_over=hand_over),
+                                   self._config.rpc_timeout)
         except Exception as exc:  # best effort: an instance gone or going drops it anyway
             logger.info("could not abort %s on %s: %s", request_id, instance, exc)
 
@@ -328,16 +330,17 @@ class Requester:
         `resubmission`: the instance may hold a request already (it moved there, or an earlier
         hand-over there came through after all), and then keeps it running. A hand-over without
         an answer (timed out, the connection lost, the caller cancelled) may have added them all
-        the same: they are aborted there, after the add (an instance runs calls in order), so
-        that none runs unseen beside its placement elsewhere. (Given up on before the call, while
-        it waits for such an abort, its placement's charge there stays until the scheduler's
-        pending expiry: withdrawing it would take the earlier hand-over's entry, of the same
-        request there, too.)"""
+        the same: they are aborted there, naming the hand-over (its add, should it arrive after
+        the abort on its own connection, is refused), so that none runs unseen beside its
+        placement elsewhere. (Given up on before the call, while it waits for such an abort, its
+        placement's charge there stays until the scheduler's pending expiry: withdrawing it
+        would take the earlier hand-over's entry, of the same request there, too.)"""
         await self._undone(requests, instance)  # an earlier hand-over's abort there goes first, or it would end this one
+        hand_over = uuid.uuid4().hex
         try:
             await asyncio.wait_for(
                 call(self._client.rpc(instance), Op.ADD, requests=[request_to_msg(r) for r in requests],
-                     reply_to=self._listener.address, resubmission=resubmission),
+                     reply_to=self._listener.address, resubmission=resubmission, hand_over=hand_over),
                 self._config.rpc_timeout,
             )
         except NoLlumdaskScheduler:
@@ -346,7 +349,7 @@ class Requester:
             raise  # refused, all of them: nothing of them runs there
         except BaseException as exc:
             for request in requests:
-                self._undo_soon(request.request_id, instance, self._abort_on(instance, request.request_id))
+                self._undo_soon(request.request_id, instance, self._abort_on(instance, request.request_id, hand_over))
             if isinstance(exc, (OSError, asyncio.TimeoutError)) and instance in self._known:
                 self._known.remove(instance)
                 self._epoch = None  # the next poll brings the lists again, whatever the epoch

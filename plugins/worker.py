@@ -20,8 +20,10 @@ says where each request's tokens go, the report cadence) is `LlumletDriver`'s, w
 I/O; this host wires it to the worker: thread, comms, handlers, registration.
 
 Worker RPC handlers (a refusal, in brackets, is raised again at the caller; see plugins/control.py):
-    llumnix_add(requests, reply_to, resubmission) -> {"accepted": True} [RequestRejected] (all or none)
-    llumnix_abort(request_id)                  -> {"aborted": bool}
+    llumnix_add(requests, reply_to, resubmission, hand_over=None)
+                                               -> {"accepted": True} [RequestRejected] (all or none;
+                                                  refused if its hand-over was aborted first)
+    llumnix_abort(request_id, hand_over=None)  -> {"aborted": bool}
     llumnix_where(request_ids)                 -> {"here": [id, ...], "moved": {id: destination}, "gone": [id, ...]}
     llumnix_migrate_out(request_id, destination) -> {"migration_id": str} [MigrationNotStarted]
     llumnix_worker_status()                    -> see `LlumletHost.status`
@@ -280,23 +282,29 @@ class LlumletHost:
             self.worker.batched_send({"op": Op.EVENT, "event": msg})
 
     # ------------------------------------------------------------------ RPC handlers
-    async def add(self, requests: list[dict], reply_to: str, resubmission: bool = False) -> dict:
+    async def add(self, requests: list[dict], reply_to: str, resubmission: bool = False,
+                  hand_over: str | None = None) -> dict:
         """Requests placed together (the choices of one completion) come in one call, so that the
-        engine thread adds them between the same two steps and one step prefills them all."""
+        engine thread adds them between the same two steps and one step prefills them all.
+        `hand_over`: the requester's id of this hand-over, named again by its abort should it give
+        up on it (`LlumletDriver.add`)."""
         try:
+            if hand_over is not None and not isinstance(hand_over, str):
+                raise TypeError(f"hand_over must be a string, got {type(hand_over).__name__}")
             parsed = [request_from_msg(request) for request in requests]
         except (KeyError, TypeError, ValueError) as exc:
             # Received all the same, so that the scheduler stops counting them as on their way.
             await self._call(self.driver.received_unread, len(requests) if isinstance(requests, list) else 1)
             return refusal(RequestRejected(f"malformed request: {exc}"))
         try:
-            await self._call(self.driver.add, parsed, reply_to, bool(resubmission))
+            await self._call(self.driver.add, parsed, reply_to, bool(resubmission), hand_over)
         except ValueError as exc:
             return refusal(RequestRejected(str(exc)))
         return reply(Accepted(True))
 
-    async def abort(self, request_id: str) -> dict:
-        return reply(Aborted(await self._call(self.driver.abort, request_id)))
+    async def abort(self, request_id: str, hand_over: str | None = None) -> dict:
+        return reply(Aborted(await self._call(self.driver.abort, request_id,
+                                              hand_over if isinstance(hand_over, str) else None)))
 
     async def where(self, request_ids: list[str]) -> dict:
         return reply(await self._call(self.driver.whereabouts, list(request_ids)))

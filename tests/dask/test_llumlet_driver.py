@@ -275,6 +275,37 @@ def test_requests_handed_over_together_are_added_all_or_none(driver):
     assert llumlet.added[2:] == ["d", "e"] and driver.routes.owned["e"] == "tcp://gateway:2"
 
 
+def test_a_hand_over_aborted_before_its_add_arrived_is_refused_and_only_that_one(driver):
+    """The add and its abort come on two connections; the abort names the hand-over it gives up on."""
+    from llumdask.request import Request
+
+    llumlet = start(driver, steps=0)
+    driver.abort("a", hand_over="h1")
+    driver.abort("b", hand_over="h1")  # the other choice placed with it
+    with pytest.raises(ValueError, match="hand-over h1 was aborted before it arrived"):
+        driver.add([Request("a", [1, 2]), Request("b", [1, 2])], "tcp://gateway:2", hand_over="h1")
+    assert llumlet.added == [] and llumlet.unseen == 2  # received all the same: the scheduler's charge settles
+    assert not {"a", "b"} & set(driver.routes.owned)
+    driver.add([Request("a", [1, 2])], "tcp://gateway:2", hand_over="h2")  # placed again: runs
+    driver.add([Request("c", [1, 2])], "tcp://gateway:2")
+    assert llumlet.added == ["a", "c"]
+
+
+def test_aborted_hand_overs_are_remembered_up_to_a_bound(driver, monkeypatch):
+    from llumdask.plugins import llumlet_driver
+    from llumdask.request import Request
+
+    monkeypatch.setattr(llumlet_driver, "ABORTED_HAND_OVERS", 2)
+    llumlet = start(driver, steps=0)
+    for name in ("h1", "h2", "h1", "h3"):  # h1 named again: the latest two are h1 and h3
+        driver.abort("r", hand_over=name)
+    driver.add([Request("r", [1, 2])], "tcp://gateway:2", hand_over="h2")
+    for name in ("h1", "h3"):
+        with pytest.raises(ValueError):
+            driver.add([Request("r", [1, 2])], "tcp://gateway:2", hand_over=name)
+    assert llumlet.added == ["r"]
+
+
 def test_a_resubmission_of_a_request_already_here_goes_on_here_with_its_route_renewed(driver):
     """Its source died once it had handed the request over: the requester resubmits it, and the
     scheduler may send it where it already runs."""

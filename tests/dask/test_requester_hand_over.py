@@ -29,6 +29,7 @@ class ScriptedCluster:
         self.admitted: list[bool] = []
         self.attempts: list[int] = []
         self.log: list[tuple[str, str]] = []
+        self.hand_overs: list[tuple[str, object]] = []  # (op, the hand-over it names) of each ADD and ABORT
         self.adding = asyncio.Event()
 
     async def dispatch(self, request: Request, admitted: bool, count: int, attempt: int) -> str:
@@ -42,6 +43,7 @@ class ScriptedCluster:
             return SimpleNamespace(withdrawn=True)
         if op is Op.ADD:
             self.log.append((instance, "add", kwargs["resubmission"]))
+            self.hand_overs.append(("add", kwargs["hand_over"]))
             self.adding.set()
             answer = self.add[instance]
             if answer == "hang":
@@ -50,6 +52,7 @@ class ScriptedCluster:
                 raise answer
             return SimpleNamespace(accepted=True)
         assert op is Op.ABORT
+        self.hand_overs.append(("abort", kwargs["hand_over"]))
         await asyncio.sleep(self.abort_takes)
         self.log.append((instance, "abort"))
         return SimpleNamespace(aborted=True)
@@ -107,6 +110,25 @@ def test_an_unanswered_hand_over_is_aborted_there_before_the_request_is_handed_o
     # The second hand-over may find the first one's request there (its abort failed): it goes on then.
     assert cluster.log == [("a", "add", False), ("a", "abort"), ("a", "add", True)]
     assert cluster.admitted == [False, True]  # placed again as admitted: never refused for load nor held again
+
+
+def test_the_abort_of_an_unanswered_hand_over_names_it_so_that_its_late_add_is_refused(monkeypatch):
+    """The instance may read the abort before the add (two connections): naming the hand-over lets
+    it refuse the add then, and a later hand-over of the same request is another one."""
+    cluster = ScriptedCluster(["a", "a"], {"a": "hang"})
+
+    async def scenario() -> None:
+        requester = requester_on(cluster, monkeypatch)
+        placing = asyncio.ensure_future(requester._place([request()]))
+        await cluster.adding.wait()
+        cluster.add["a"] = "ok"
+        await asyncio.wait_for(placing, 10)
+        await requester.close()
+
+    asyncio.run(scenario())
+    (add1, first), (abort, named), (add2, second) = cluster.hand_overs
+    assert (add1, abort, add2) == ("add", "abort", "add")
+    assert isinstance(first, str) and named == first and second not in (None, first)
 
 
 def test_a_hand_over_elsewhere_does_not_wait_for_an_abort_at_an_unanswering_instance(monkeypatch):

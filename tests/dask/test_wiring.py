@@ -113,6 +113,32 @@ async def test_refusals_are_raised_again_where_the_call_was_made(c, s, a, b):
         await call(c.scheduler, Op.DISPATCH, request_id="r", num_prompt_tokens=4, max_tokens=4)
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_a_hand_over_aborted_before_it_arrived_is_refused_and_counted_received(c, s, a):
+    """An add and its abort travel on two connections: where the abort of an unanswered hand-over
+    came first, the add, arriving after, must not run unread."""
+    await install(c, s)
+    worker = c.rpc(a.address)
+    assert (await call(worker, Op.ABORT, request_id="r", hand_over="h1")).aborted is False  # nothing here yet
+    with pytest.raises(RequestRejected, match="hand-over h1 was aborted"):
+        await call(worker, Op.ADD, requests=[request_to_msg(request("r", 8))], reply_to="tcp://127.0.0.1:1",
+                   hand_over="h1")
+    with pytest.raises(RequestRejected, match="malformed"):
+        await call(worker, Op.ADD, requests=[request_to_msg(request("r", 8))], reply_to="tcp://127.0.0.1:1",
+                   hand_over=7)
+    status = await call(worker, Op.WORKER_STATUS)
+    assert status["num_running"] == status["num_waiting"] == 0
+    # Another hand-over of the same request (placed again after the abort) is taken.
+    assert (await call(worker, Op.ADD, requests=[request_to_msg(request("r", 8))], reply_to="tcp://127.0.0.1:1",
+                       hand_over="h2")).accepted
+
+    async def received() -> int:
+        return next(row["num_received"] for row in (await call(c.scheduler, Op.STATUS))["instances"])
+
+    while await received() < 3:  # the refused and the malformed ones too: the scheduler's charge settles
+        await asyncio.sleep(0.05)
+
+
 def test_a_refusal_for_load_keeps_its_retry_after_through_a_call():
     class Scheduler:  # what an rpc to the scheduler plugin answers for a refused dispatch
         async def llumnix_dispatch(self, **_: object) -> dict:
