@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -113,7 +114,7 @@ class _Instance:
         "instance_id", "order", "total_blocks", "block_size", "headroom", "ready", "joined_at", "terminating",
         "drain_order", "heard", "removal_decided", "scaled_in", "load", "last_report_at", "room_trend", "handed",
         "pending", "num_pending", "pending_blocks", "pending_prompt_tokens", "pending_classes", "freeness", "key",
-        "dispatch_freeness", "dispatch_surplus",
+        "dispatch_freeness", "dispatch_surplus", "job",
     )
 
     def __init__(self, instance_id: str, total_blocks: int, block_size: int, headroom: dict[Priority, int]) -> None:
@@ -133,6 +134,9 @@ class _Instance:
         self.removal_decided = False
         # Draining because scaling chose it: scaling may take it back (an operator's drain never).
         self.scaled_in = False
+        # The batch job holding it with others (a SLURM job of several instances), which closes
+        # only once all of them are drained; None: it closes on its own.
+        self.job: str | None = None
         # Until its first report an instance is known to be empty.
         self.load = InstanceLoad(instance_id, total_blocks, block_size, free_blocks=total_blocks, num_running=0, num_waiting=0)
         self.last_report_at: float | None = None
@@ -357,6 +361,14 @@ class GlobalScheduler:
         self.requested = max(self.requested - 1, 0)
         self._membership_changed()
 
+    def set_jobs(self, jobs: Mapping[str, str]) -> None:
+        """Name the batch job of each instance that shares one with others (instance id -> job):
+        scale-in drains such a job whole and takes it back whole. Unknown instances are ignored."""
+        for instance_id, job in jobs.items():
+            instance = self._instances.get(instance_id)
+            if instance is not None:
+                instance.job = job
+
     def mark_ready(self, instance_id: str, now: float) -> None:
         instance = self._get(instance_id)
         instance.ready = True
@@ -562,10 +574,11 @@ class GlobalScheduler:
                 self._requested_at = now
             return ScaleDecision(add=add, remove=tuple(remove), resume=tuple(i.instance_id for i in taken))
         if action is ScaleAction.TERMINATE:
-            victims = _to_drain(settled, pool, scaling.band[1], len(live) - scaling.min_instances)
+            victims = _to_drain(_units(settled, live), pool, scaling.band, len(live) - scaling.min_instances)
             for victim in victims:
                 victim.drain(by_scaling=True)
-            self._membership_changed()
+            if victims:
+                self._membership_changed()
             return ScaleDecision(terminate=tuple(i.instance_id for i in victims), remove=tuple(remove))
         return ScaleDecision(remove=tuple(remove))
 
@@ -699,16 +712,20 @@ class GlobalScheduler:
 
     def _take_back(self, returnable: list[_Instance], pool: PooledLoad, low: float) -> tuple[list[_Instance], PooledLoad]:
         """Take back instances a scale-in is draining, those holding the most requests first (the
-        most left to move, and the least yet moved): at least one, then more while the pooled
-        freeness with them counted stays below `low`; and the pool with them."""
+        most left to move, and the least yet moved), each with the rest of its batch job: at least
+        one, then more while the pooled freeness with them counted stays below `low`; and the pool
+        with them."""
         ordered = sorted(returnable, key=lambda i: (-(i.load.num_running + i.load.num_waiting + i.num_pending), i.order))
         taken: list[_Instance] = []
         for instance in ordered:
+            if instance in taken:
+                continue
             if taken and pool.freeness >= low:
                 break
-            instance.resume()
-            taken.append(instance)
-            pool += PooledLoad.of([instance.pooled])
+            for back in [instance] + [m for m in ordered if m is not instance and m.job is not None and m.job == instance.job]:
+                back.resume()
+                taken.append(back)
+                pool += PooledLoad.of([back.pooled])
         if taken:
             self._membership_changed()
         return taken, pool
@@ -724,16 +741,45 @@ class GlobalScheduler:
             raise UnknownInstance(f"unknown instance {instance_id!r}: never registered, or already removed") from None
 
 
-def _to_drain(settled: list[_Instance], pool: PooledLoad, high: float, most: int) -> list[_Instance]:
-    """Instances to drain, the cheapest first (fewest running requests, then the freest: one total
-    order): at least one, then as many more as leave the pooled freeness at least `high`, each
-    counted with its own capacity; never more than `most`."""
-    freest_first = sorted(settled, key=lambda i: i.key, reverse=True)
-    ordered = sorted(freest_first, key=lambda i: i.load.num_running + i.num_pending)[:most]
-    victims, leaving = [ordered[0]], ordered[0].total_blocks
-    for instance in ordered[1:]:
-        leaving += instance.total_blocks
-        if not pool.keeps(high, leaving):
+def _units(settled: list[_Instance], live: list[_Instance]) -> list[list[_Instance]]:
+    """What scale-in may drain, each unit whole: an instance on its own, or every live instance of
+    a batch job (`_Instance.job`) where all of them have been here a whole period (one drained
+    alone could not close: it would sit idle until its job-mates drained too)."""
+    jobs: dict[str, list[_Instance]] = {}
+    for instance in live:
+        if instance.job is not None:
+            jobs.setdefault(instance.job, []).append(instance)
+    eligible = {id(i) for i in settled}
+    units, seen = [], set()
+    for instance in settled:
+        if instance.job is None:
+            units.append([instance])
+        elif instance.job not in seen:
+            seen.add(instance.job)
+            if all(id(mate) in eligible for mate in jobs[instance.job]):
+                units.append(jobs[instance.job])
+    return units
+
+
+def _to_drain(units: list[list[_Instance]], pool: PooledLoad, band: tuple[float, float], most: int) -> list[_Instance]:
+    """Instances to drain, whole units (`_units`) the cheapest first (fewest running requests, then
+    the freest: one total order): at least one, then as many more as leave the pooled freeness at
+    least the band's high, each counted with its own capacity; never more than `most` instances.
+    A job of several goes first only where the pooled freeness keeps the band's low without it
+    (else the next scale-out would start one again)."""
+    low, high = band
+    freest_first = sorted(units, key=lambda u: max(i.key for i in u), reverse=True)
+    ordered = sorted(freest_first, key=lambda u: sum(i.load.num_running + i.num_pending for i in u))
+    victims: list[_Instance] = []
+    leaving = 0
+    for unit in ordered:
+        blocks = sum(i.total_blocks for i in unit)
+        if len(victims) + len(unit) > most:
+            continue
+        if victims and not pool.keeps(high, leaving + blocks):
             break
-        victims.append(instance)
+        if not victims and len(unit) > 1 and not pool.keeps(low, blocks):
+            continue
+        victims += unit
+        leaving += blocks
     return victims

@@ -23,7 +23,9 @@ class LlumnixAdaptive(Adaptive):
     """`Adaptive` whose target and victims come from the llumdask scheduler plugin."""
 
     async def _plan(self) -> AdaptiveTarget:
-        return await call(self.scheduler, Op.ADAPTIVE_TARGET)
+        """The plugin's plan; it learns meanwhile which workers share a job, which it drains and
+        takes back whole."""
+        return await call(self.scheduler, Op.ADAPTIVE_TARGET, jobs=jobs_of(getattr(self.cluster, "worker_spec", {})))
 
     def _closable(self, plan: AdaptiveTarget) -> list[str]:
         """The drained workers whose whole job is drained: those that may close now."""
@@ -56,15 +58,22 @@ class LlumnixAdaptive(Adaptive):
                           max(len(self.observed) - target, 0))
 
 
+def jobs_of(worker_spec: Mapping[str, Mapping]) -> dict[str, str]:
+    """Worker name -> job name, for the workers of jobs of several (a SpecCluster spec with a
+    "group" is a job of several workers, named spec name + suffix)."""
+    return {f"{name}{suffix}": name for name, spec in worker_spec.items() if "group" in spec for suffix in spec["group"]}
+
+
 def whole_jobs(drained: Sequence[str], worker_spec: Mapping[str, Mapping], excess: int) -> list[str]:
-    """Of the `drained` worker names, those whose whole job is drained (a SpecCluster spec with a
-    "group" is a job of several workers, named spec name + suffix), at most `excess` workers."""
-    jobs = {f"{name}{suffix}": [f"{name}{s}" for s in spec["group"]]
-            for name, spec in worker_spec.items() if "group" in spec for suffix in spec["group"]}
+    """Of the `drained` worker names, those whose whole job is drained, at most `excess` workers."""
+    job_of = jobs_of(worker_spec)
+    members: dict[str, list[str]] = {}
+    for worker, job in job_of.items():
+        members.setdefault(job, []).append(worker)
     done = set(drained)
     chosen: list[str] = []
     for name in drained:
-        job = jobs.get(name, [name])
+        job = members[job_of[name]] if name in job_of else [name]
         if name not in chosen and done.issuperset(job) and len(chosen) + len(job) <= excess:
             chosen += job
     return chosen

@@ -26,7 +26,8 @@ RPC handlers (`plugins/control.py` names them; a refusal, in brackets, is raised
     llumnix_migrations(limit=50)                         -> [event, ...] (the latest outcomes, oldest first)
     llumnix_drain(instance)                              -> {"draining": True} [UnknownInstance]
     llumnix_migrate(request_id, destination, source=None) -> {"migration_id": str} [MigrationNotStarted]
-    llumnix_adaptive_target()                            -> {"target": int, "drained": [worker name, ...]}
+    llumnix_adaptive_target(jobs=None)                   -> {"target": int, "drained": [worker name, ...]}
+        (`jobs`: worker name -> its batch job, where jobs hold several; drained and taken back whole)
 With `scaling.enabled` the plugin also answers Dask's own `adaptive_target` (an int), for
 autoscalers that take no Adaptive class (the Kubernetes operator); `valid_workers_downscaling`
 offers only drained instances to any retirement, so scale-in never drops a request.
@@ -410,7 +411,12 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
         self._metrics().refused["pinned" if isinstance(exc, MigrationPinned) else "not_started"] += 1
         return refusal(exc)
 
-    def adaptive_target(self) -> dict:
+    def adaptive_target(self, jobs: dict | None = None) -> dict:
+        """`jobs`: worker name -> the name of the batch job it shares with others (the caller's
+        cluster knows them), which scale-in drains and takes back whole."""
+        if isinstance(jobs, dict):
+            self._scheduler().set_jobs({ws.address: str(jobs[str(ws.name)]) for ws in self.scheduler.workers.values()
+                                        if str(ws.name) in jobs})
         return reply(self._adaptive_target())
 
     def _adaptive_target(self) -> AdaptiveTarget:
@@ -427,13 +433,14 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
     def dask_adaptive_target(self, target_duration: Any = None) -> int:
         """Dask's `adaptive_target` handler, answered from the freeness band. An autoscaler that
         reads only this number (the Kubernetes operator) retires workers only while it is below
-        their count, so drained instances close first: until they are gone the instances asked for
-        are left out, or one of each would cancel out (neither retired nor started) until the ask
-        expired (`scaling.startup-timeout`)."""
+        their count and starts them only while it is above: while no more instances are asked for
+        than are drained, the drained close first (the asked for are left out until they are
+        gone; counted together one of each would cancel out until the ask expired,
+        `scaling.startup-timeout`); more asked for start first (the target is above the count,
+        and the operator's minimum cannot hold it at the count)."""
         plan = self._adaptive_target()
-        if plan.drained:
-            return len(self.scheduler.workers) - len(plan.drained)
-        return plan.target
+        kept = len(self.scheduler.workers) - len(plan.drained)
+        return kept if plan.drained and plan.target - kept <= len(plan.drained) else plan.target
 
     # ------------------------------------------------------------------ stream handlers
     # A stream handler that raises makes Dask drop the sending worker: these log and go on.

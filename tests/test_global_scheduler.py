@@ -603,6 +603,56 @@ def test_take_back_the_instance_holding_the_most_requests_first_and_stop_at_the_
     assert sorted(gs.members()[1]) == sorted(("i0", "i1") + taken)
 
 
+def test_scale_in_drains_a_batch_job_whole_and_only_one_whose_instances_all_settled():
+    """A job of several instances closes only once all are drained: one drained alone would sit
+    idle while its job-mates serve."""
+    gs = scheduler(5, scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), max_instances=8))
+    gs.set_jobs({"i0": "a", "i1": "a", "i2": "b", "i3": "b", "nobody": "c"})
+    for instance_id, running in (("i0", 1), ("i1", 3), ("i2", 1), ("i3", 1), ("i4", 3)):
+        gs.report(load(instance_id, used=2 * running, running=running), 0.0)
+    # Pooled 482 / 9: job b (2 requests) is the cheapest unit, then job a and i4 (4 and 3).
+    # Without b 282 / 9 >= 40; without i4 too 182 / 9 < 40.
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i2", "i3")))]
+    fresh = scheduler(3, scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), max_instances=8))
+    fresh.register_instance("i3", BLOCKS, BLOCK_SIZE, 0.0)
+    fresh.mark_ready("i3", 20.0)  # joined 10 s before the decision: its job waits with it
+    fresh.set_jobs({"i0": "a", "i3": "a"})
+    for instance_id, running in (("i0", 1), ("i1", 2), ("i2", 3), ("i3", 0)):
+        fresh.report(load(instance_id, used=running, running=running), 0.0)
+    assert run_scale(fresh, 30.0) == [(30.0, ScaleDecision(terminate=("i1",)))]
+
+
+@pytest.mark.parametrize(("jobs", "drained"), [({}, ("i3",)), ({"i0": "a", "i1": "a", "i2": "b", "i3": "b"}, ())])
+def test_a_batch_job_is_drained_only_where_the_rest_keeps_the_band(jobs, drained):
+    """Draining a whole job takes several instances' memory at once: where that would leave the
+    pool below the band's low, the next scale-out would start one again."""
+    gs = scheduler(4, scaling=ScalingConfig(enabled=True, band=(10.0, 20.0), max_instances=8))
+    gs.set_jobs(jobs)
+    for instance_id in ("i0", "i1", "i2", "i3"):
+        gs.report(load(instance_id, used=30, running=3), 0.0)
+    # Pooled 280 / 12 = 23.3, above the band; one instance fewer 180 / 12 = 15, inside it; a job of
+    # two fewer 80 / 12 = 6.7, below it.
+    assert run_scale(gs, 30.0) == ([(30.0, ScaleDecision(terminate=drained))] if drained else [])
+    assert [i.instance_id for i in gs.instances() if i.terminating] == list(drained)
+
+
+def test_a_due_scale_out_takes_back_a_draining_batch_job_whole():
+    gs = scheduler(4, scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), scale_out_period=5.0, scale_in_period=30.0,
+                                            max_instances=4))
+    gs.set_jobs({"i2": "b", "i3": "b"})
+    for instance_id, running in (("i0", 2), ("i1", 2), ("i2", 1), ("i3", 1)):
+        gs.report(load(instance_id, used=2 * running, running=running), 0.0)
+    # Pooled 388 / 6; without job b 188 / 6 >= 10 (its low) and not much above 40.
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i2", "i3")))]
+    gs.report(load("i2", used=2, running=1, terminating=True, order=1), 31.0)
+    gs.report(load("i3", used=2, running=1, terminating=True, order=1), 31.0)
+    for instance_id in ("i0", "i1"):
+        gs.report(load(instance_id, used=80, running=5), 31.0)  # pooled 40 / 10, below the band
+    # i2 alone would do (138 / 11 inside the band), but it comes back with its job-mate.
+    assert run_scale(gs, 36.0, start=31.0) == [(36.0, ScaleDecision(resume=("i2", "i3")))]
+    assert gs.members()[1] == ["i0", "i1", "i2", "i3"]
+
+
 def test_drained_terminating_instances_are_removed_once():
     gs = scheduler(2)  # scaling disabled: removal still happens
     gs.report(load("i1", used=10, running=1), 0.0)

@@ -69,3 +69,21 @@ def test_a_drained_worker_whose_job_still_serves_is_kept_and_nothing_closes_in_i
 def test_without_drained_workers_dask_s_rule_decides():
     assert recommend(adaptive(AdaptiveTarget(3, ()), {"w1", "w2"}, {"w1", "w2"})) == {"status": "up", "n": 3}
     assert recommend(adaptive(AdaptiveTarget(2, ()), {"w1", "w2"}, {"w1", "w2"})) == {"status": "same"}
+
+
+def test_the_plan_tells_the_plugin_which_workers_share_a_job(monkeypatch):
+    """So that scale-in drains a job whole (one drained alone waits for its job-mates)."""
+    import llumdask.plugins.adaptive as adaptive_module
+
+    asked: list[dict] = []
+
+    async def call(scheduler, op, **kwargs) -> AdaptiveTarget:
+        asked.append(kwargs)
+        return AdaptiveTarget(3, ())
+
+    monkeypatch.setattr(adaptive_module, "call", call)
+    a = LlumnixAdaptive.__new__(LlumnixAdaptive)
+    a.cluster = SimpleNamespace(worker_spec={"job-a": {"group": ["-0", "-1"]}, "w3": {}}, scheduler_comm="scheduler")
+    a.state = "stopped"  # no periodic loop to stop when it goes
+    assert asyncio.run(LlumnixAdaptive._plan(a)) == AdaptiveTarget(3, ())
+    assert asked == [{"jobs": {"job-a-0": "job-a", "job-a-1": "job-a"}}]

@@ -186,6 +186,50 @@ def test_dask_adaptive_target_retires_drained_instances_before_counting_those_as
     run_plugin(check, overrides=overrides)
 
 
+def test_dask_adaptive_target_starts_first_where_more_are_asked_for_than_are_drained():
+    """The operator holds its count at its minimum: a target of workers less drained could be held
+    at the count, where neither would happen; two asked for, one drained: one starts."""
+    overrides = {"migration": {"interval": 60.0}, "scaling": {"enabled": True, "scale-out-period": 0.0, "scale-in-period": 0.0,
+                                                              "min-instances": 1, "max-instances": 4}}
+
+    async def check(plugin, scheduler):
+        for w in ("a", "b"):
+            plugin.register(w, 100, 16)
+            plugin.ready(w)
+        plugin.on_load(load("b", free_blocks=0, num_running=40, running_blocks={0: 100}, running_count={0: 40}))
+        assert plugin.drain("a") == {"draining": True}
+        plugin.on_load(load("a", terminating=True, drain_order=1))
+        plugin.scale()
+        plugin.scale()
+        assert plugin.status()["scaling"]["adds_wanted"] == 2
+        assert scheduler.handlers["adaptive_target"]() == 3
+
+    run_plugin(check, overrides=overrides)
+
+
+def test_workers_named_as_sharing_a_job_are_drained_together():
+    """The adaptive's call names the jobs (by worker name); scale-in then drains a job whole."""
+    overrides = {"migration": {"interval": 60.0}, "scaling": {"enabled": True, "scale-out-period": 0.0, "scale-in-period": 0.0,
+                                                              "min-instances": 1, "max-instances": 3}}
+
+    async def check(plugin, scheduler):
+        for w in ("a", "b", "c"):
+            plugin.register(w, 100, 16)
+            plugin.ready(w)
+        # Pooled 240 free blocks for 2 requests: one instance fewer keeps the band's high (60), two
+        # only its low (10); drained one by one, a would stay.
+        plugin.on_load(load("c", free_blocks=40, num_running=2, running_blocks={0: 60}, running_count={0: 2}))
+        assert plugin.adaptive_target(jobs={"name-a": "job", "name-b": "job", "name-zzz": "job"}) == {
+            "target": 3, "drained": ()}
+        plugin.scale()
+        plugin.scale()
+        draining = {w for w in ("a", "b", "c")
+                    if {"op": "llumnix_set_terminating", "flag": True, "order": 1} in scheduler.stream_comms[w].sent}
+        assert draining == {"a", "b"}
+
+    run_plugin(check, workers=("a", "b", "c"), overrides=overrides)
+
+
 def test_members_tell_the_instances_block_size_not_the_configured_one():
     """vLLM's CPU blocks are 128 tokens whatever the configuration says: a requester cutting
     prompts by the configured 4 (or the default 16) would match no block an engine caches."""
