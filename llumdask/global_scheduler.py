@@ -266,8 +266,8 @@ class _Instance:
 
     def resume(self) -> None:
         """Taken back from a scale-in's drain: live again, placeable, counted in the pool, no
-        longer a migration source."""
-        self.terminating = self.scaled_in = False
+        longer a migration source (nor to be removed, where it was found drained meanwhile)."""
+        self.terminating = self.scaled_in = self.removal_decided = False
         self.load = replace(self.load, terminating=False)
         self._new_order()
 
@@ -558,11 +558,16 @@ class GlobalScheduler:
         # the drain is in) and not yet found drained: coming back costs no start-up.
         returnable = [i for i in self._instances.values()
                       if i.scaled_in and i.heard and not i.removal_decided]
+        # What a scale-in would drain now: none where nothing may (every job waiting on a member
+        # that has not settled), so that its timer runs on until something may.
+        members = [i for i in self._instances.values() if not i.terminating]
+        victims = (_to_drain(_units(settled, members), pool, scaling.band, len(live) - scaling.min_instances)
+                   if len(live) > scaling.min_instances else [])
         action = self._scaling_policy.observe(
             now,
             pool.freeness if live else None,
             can_add=(room > 0 and not self.requested) or bool(returnable),
-            can_terminate=len(live) > scaling.min_instances and bool(settled),
+            can_terminate=bool(victims),
         )
         if action is ScaleAction.ADD:
             low = scaling.band[0]
@@ -574,11 +579,9 @@ class GlobalScheduler:
                 self._requested_at = now
             return ScaleDecision(add=add, remove=tuple(remove), resume=tuple(i.instance_id for i in taken))
         if action is ScaleAction.TERMINATE:
-            victims = _to_drain(_units(settled, live), pool, scaling.band, len(live) - scaling.min_instances)
             for victim in victims:
                 victim.drain(by_scaling=True)
-            if victims:
-                self._membership_changed()
+            self._membership_changed()
             return ScaleDecision(terminate=tuple(i.instance_id for i in victims), remove=tuple(remove))
         return ScaleDecision(remove=tuple(remove))
 
@@ -712,9 +715,10 @@ class GlobalScheduler:
 
     def _take_back(self, returnable: list[_Instance], pool: PooledLoad, low: float) -> tuple[list[_Instance], PooledLoad]:
         """Take back instances a scale-in is draining, those holding the most requests first (the
-        most left to move, and the least yet moved), each with the rest of its batch job: at least
-        one, then more while the pooled freeness with them counted stays below `low`; and the pool
-        with them."""
+        most left to move, and the least yet moved), each with the rest of its batch job (a scale-in
+        drained it whole; a member found drained already is still there, since the job closes
+        only whole): at least one, then more while the pooled freeness with them counted stays
+        below `low`; and the pool with them."""
         ordered = sorted(returnable, key=lambda i: (-(i.load.num_running + i.load.num_waiting + i.num_pending), i.order))
         taken: list[_Instance] = []
         for instance in ordered:
@@ -722,7 +726,9 @@ class GlobalScheduler:
                 continue
             if taken and pool.freeness >= low:
                 break
-            for back in [instance] + [m for m in ordered if m is not instance and m.job is not None and m.job == instance.job]:
+            mates = [m for m in self._instances.values()
+                     if m is not instance and m.job is not None and m.job == instance.job and m.scaled_in]
+            for back in [instance] + mates:
                 back.resume()
                 taken.append(back)
                 pool += PooledLoad.of([back.pooled])
@@ -741,12 +747,13 @@ class GlobalScheduler:
             raise UnknownInstance(f"unknown instance {instance_id!r}: never registered, or already removed") from None
 
 
-def _units(settled: list[_Instance], live: list[_Instance]) -> list[list[_Instance]]:
-    """What scale-in may drain, each unit whole: an instance on its own, or every live instance of
-    a batch job (`_Instance.job`) where all of them have been here a whole period (one drained
-    alone could not close: it would sit idle until its job-mates drained too)."""
+def _units(settled: list[_Instance], members: list[_Instance]) -> list[list[_Instance]]:
+    """What scale-in may drain, each unit whole: an instance on its own, or every member (not
+    draining, ready or not) of a batch job (`_Instance.job`) where all of them have been here a
+    whole period (one drained alone could not close: it would sit idle until its job-mates
+    drained too)."""
     jobs: dict[str, list[_Instance]] = {}
-    for instance in live:
+    for instance in members:
         if instance.job is not None:
             jobs.setdefault(instance.job, []).append(instance)
     eligible = {id(i) for i in settled}
@@ -777,6 +784,8 @@ def _to_drain(units: list[list[_Instance]], pool: PooledLoad, band: tuple[float,
         if len(victims) + len(unit) > most:
             continue
         if victims and not pool.keeps(high, leaving + blocks):
+            if len(unit) > 1:
+                continue  # a smaller unit after it may still fit
             break
         if not victims and len(unit) > 1 and not pool.keeps(low, blocks):
             continue

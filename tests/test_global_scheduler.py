@@ -653,6 +653,40 @@ def test_a_due_scale_out_takes_back_a_draining_batch_job_whole():
     assert gs.members()[1] == ["i0", "i1", "i2", "i3"]
 
 
+def test_a_job_member_found_drained_comes_back_with_its_job_mate():
+    """A job drains whole but empties member by member: one found drained (its removal decided,
+    the job not closing) comes back with the mate still draining, or it would sit idle for good."""
+    gs = scheduler(4, scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), scale_out_period=5.0, scale_in_period=30.0,
+                                            max_instances=4))
+    gs.set_jobs({"i2": "b", "i3": "b"})
+    for instance_id, running in (("i0", 2), ("i1", 2), ("i2", 1), ("i3", 1)):
+        gs.report(load(instance_id, used=2 * running, running=running), 0.0)
+    assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i2", "i3")))]
+    gs.report(load("i2", used=2, running=1, terminating=True, order=1), 31.0)
+    gs.report(load("i3", terminating=True, order=1), 31.0)  # emptied: found drained
+    for instance_id in ("i0", "i1"):
+        gs.report(load(instance_id, used=80, running=5), 31.0)
+    assert run_scale(gs, 36.0, start=31.0) == [(31.0, ScaleDecision(remove=("i3",))),
+                                                (36.0, ScaleDecision(resume=("i2", "i3")))]
+    assert gs.members()[1] == ["i0", "i1", "i2", "i3"] and gs.drained() == []
+
+
+def test_a_job_with_a_member_still_starting_is_not_drained_and_the_scale_in_waits_for_what_may_go():
+    """Its ready members alone are not the job. With nothing else that may go yet, the scale-in's
+    timer runs on: the next instance to settle goes at once, not a whole period after a try that
+    drained nothing."""
+    gs = scheduler(1, scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), scale_in_period=30.0, max_instances=8))
+    for instance_id in ("i1", "i3"):
+        gs.register_instance(instance_id, BLOCKS, BLOCK_SIZE, 0.0)
+    gs.mark_ready("i1", 20.0)
+    gs.mark_ready("i3", 40.0)  # still starting at 30
+    gs.set_jobs({"i0": "a", "i3": "a"})
+    gs.report(load("i0", used=1, running=1), 0.0)
+    gs.report(load("i1", used=20, running=2), 0.0)  # pooled 279 / 3 from the start, above the band
+    # At 30 only i0 has been here a period, and its job-mate is starting; i1 settles at 50.
+    assert run_scale(gs, 50.0) == [(50.0, ScaleDecision(terminate=("i1",)))]
+
+
 def test_drained_terminating_instances_are_removed_once():
     gs = scheduler(2)  # scaling disabled: removal still happens
     gs.report(load("i1", used=10, running=1), 0.0)

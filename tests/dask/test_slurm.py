@@ -57,8 +57,9 @@ def slurm(tmp_path_factory: pytest.TempPathFactory):
         "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core_Memory", "SchedulerType=sched/builtin",
         "ReturnToService=2", "MpiDefault=none",
-        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=4000 State=UNKNOWN",
-        "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
+        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=8000 State=UNKNOWN",
+        # Jobs may share the node's cores: two jobs of two instances run at once on two cores.
+        "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4", ""]))
     env = {**os.environ, "SLURM_CONF": str(config)}
     processes = [subprocess.Popen([_program("munged"), "--foreground", "--force", f"--key-file={home / 'munge.key'}",
                                    f"--socket={home / 'munge.socket'}", f"--pid-file={home / 'munged.pid'}",
@@ -123,6 +124,25 @@ def test_a_slurm_cluster_scales_out_by_a_job_and_back_in_without_losing_a_reques
         plugin = cluster.scheduler.plugins["llumdask"]
         wait_for(lambda: len(jobs_queued()) == 1 and len(llum.instances().rows) == 1, 60,
                  lambda: f"the scale-in: jobs {jobs_queued()}, scaling {list(plugin.scaling_log)}")
+        assert len(llum.generate([1, 2, 3], max_tokens=4).token_ids) == 4
+
+
+def test_a_scale_in_drains_a_job_of_several_instances_whole_and_cancels_it(slurm):
+    """Two jobs of two instances, idle: the band drains one job's instances together (one drained
+    alone could not be cancelled while its job-mate serves) and the job goes."""
+    from llumdask.api.client import connect
+    from llumdask.clusters.slurm import slurm_cluster
+
+    overrides = {"sim-engine": {"total-blocks": 128},
+                 "scaling": {"enabled": True, "min-instances": 2, "max-instances": 4, "scale-out-period": 0.5,
+                             "scale-in-period": 2.0}}
+    with slurm_cluster(2, overrides, instances_per_job=2, memory_per_instance="1GB", walltime="00:30:00",
+                       log_directory=str(slurm), timeout=120) as cluster, connect(cluster) as llum:
+        plugin = cluster.scheduler.plugins["llumdask"]
+        wait_for(lambda: len(jobs_queued()) == 1 and len(llum.instances().rows) == 2, 90,
+                 lambda: f"the scale-in: jobs {jobs_queued()}, instances {len(llum.instances().rows)}, "
+                         f"scaling {list(plugin.scaling_log)}")
+        assert len(cluster.workers) == 1  # the job left holds both instances still serving
         assert len(llum.generate([1, 2, 3], max_tokens=4).token_ids) == 4
 
 
