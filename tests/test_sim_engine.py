@@ -811,6 +811,20 @@ def test_a_cached_prefix_is_shared_not_prefilled_again_and_tokens_stay_exact(mak
     assert second.timing.cached_tokens == 32
 
 
+def test_a_blocked_queue_head_finds_a_prefix_cached_after_it_was_first_looked_up(make_engine):
+    """The head that did not fit is looked up again only once the cache changed: a prefix cached
+    since (here by the request ahead of it, in the same step) lets it in by sharing."""
+    engine = make_engine(total_blocks=10, block_size=4)
+    shared = request("a", prompt_len=24).prompt_token_ids
+    engine.add_request(Request("a", shared, SamplingParams(max_tokens=8)))
+    engine.add_request(Request("b", shared[:20] + [7, 8, 9, 10], SamplingParams(max_tokens=2), arrival_time=1.0))
+    engine.step()  # "a" takes 6 of 10 blocks; "b" needs 6 of its own: it waits
+    assert [w.request_id for w in engine.snapshot().waiting] == ["b"]
+    engine.step()  # "a"'s 5 full prompt blocks are cached now: "b" shares them and needs 1
+    assert [w.request_id for w in engine.snapshot().waiting] == []
+    assert engine.get_request("b").timing.cached_tokens == 20
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_token(make_engine):
     engine = make_engine(block_size=4)
     prompt = request("p", prompt_len=41).prompt_token_ids

@@ -46,6 +46,8 @@ class BlockManager:
         self._reserved = 0
         # The prefix cache: hash -> block and back, for full blocks whose content is final.
         self._by_hash: dict[int, int] = {}
+        # Counts the changes of the hashes cached (`cached_prefix` answers alike while it stands).
+        self.cache_version = 0
         self._hash_of: dict[int, int] = {}
         self._evictions = 0
         self._changes = PrefixChangeLog(total_blocks)
@@ -155,6 +157,7 @@ class BlockManager:
         if block_hash in self._by_hash or block in self._hash_of:
             return
         self._by_hash[block_hash] = block
+        self.cache_version += 1
         self._hash_of[block] = block_hash
         if reported:
             self._reported.add(block)
@@ -274,6 +277,7 @@ class BlockManager:
             block, _ = self._evictable.popitem(last=False)
             evicted = self._hash_of.pop(block)
             del self._by_hash[evicted]
+            self.cache_version += 1
             if block in self._reported:
                 self._reported.discard(block)
                 self._changes.record(evicted, False)

@@ -120,6 +120,9 @@ class _Seq:
     # Temperature > 0: a key derived from the seed, or a per-request sampler when there is none.
     seed_key: int
     rng: np.random.Generator | None
+    # The last `_cached_prefix` answer while waiting: (cache version, blocks looked up, the blocks).
+    # A head of the queue that does not fit is looked up again every step, mostly in an unchanged cache.
+    prefix_memo: tuple[int, int, list[int]] | None = None
 
 
 class _Chunk(NamedTuple):
@@ -668,7 +671,13 @@ class SimEngine:
         if not self._prefix_caching:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
-        return self._blocks.cached_prefix(self._keys(seq, limit), limit)
+        version = self._blocks.cache_version
+        memo = seq.prefix_memo
+        if memo is not None and memo[0] == version and memo[1] == limit:
+            return memo[2]
+        hit = self._blocks.cached_prefix(self._keys(seq, limit), limit)
+        seq.prefix_memo = (version, limit, hit)
+        return hit
 
     def _hashes(self, seq: _Seq, num_blocks: int) -> list[int]:
         """The request's first `num_blocks` block hashes (its tokens cover them), computed once."""
