@@ -484,7 +484,10 @@ class GlobalScheduler:
                 # instance could take with room to spare, rather than wait forever.
                 target = self._place_anywhere(candidates, chosen.info, now)
             else:
-                target = self._place_held(candidates, chosen.info, now, self._first_hold(chosen, now))
+                first_hold = self._first_hold(chosen, now)
+                # Past capacity most reports leave no room for it: the bound spares the computation.
+                target = (self._place_held(candidates, chosen.info, now, first_hold)
+                          if self._might_keep_hold(candidates, chosen.info, first_hold) else None)
             if target is None:
                 with self._reserved_for(candidates, chosen.info, now):
                     # Only those whose floor fits the room some instance keeps (held ones are
