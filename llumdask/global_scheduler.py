@@ -536,7 +536,9 @@ class GlobalScheduler:
         instances to add are counted as `requested` until they register.
 
         Drained terminating instances are listed in `remove` once each (and in `drained()` until
-        they are gone); the host closes them and calls `remove_instance`. With scaling disabled
+        they are gone; a batch job's member until its job is taken back, which may be in the same
+        call: then it is not listed); the host closes them and calls `remove_instance` (a job
+        closes only once all its members are drained). With scaling disabled
         only `remove` is ever filled. No instance is added while requested ones are on their way
         (for `scaling.startup-timeout` at most: one not registered by then failed to start).
         Instances taken back (`resume`) are live again here already; the host tells each one.
@@ -580,7 +582,9 @@ class GlobalScheduler:
             if add:
                 self.requested += add
                 self._requested_at = now
-            return ScaleDecision(add=add, remove=tuple(remove), resume=tuple(i.instance_id for i in taken))
+            # A job's member found drained just now and taken back with its job stays.
+            resumed = tuple(i.instance_id for i in taken)
+            return ScaleDecision(add=add, remove=tuple(r for r in remove if r not in resumed), resume=resumed)
         if action is ScaleAction.TERMINATE:
             for victim in victims:
                 victim.drain(by_scaling=True)

@@ -669,6 +669,20 @@ def test_a_job_member_found_drained_comes_back_with_its_job_mate():
     assert run_scale(gs, 36.0, start=31.0) == [(31.0, ScaleDecision(remove=("i3",))),
                                                 (36.0, ScaleDecision(resume=("i2", "i3")))]
     assert gs.members()[1] == ["i0", "i1", "i2", "i3"] and gs.drained() == []
+    # Once more, i3 found drained in the very call that takes its job back: it stays, so it is
+    # not among those to close.
+    for instance_id in ("i0", "i1"):
+        gs.report(load(instance_id, used=4, running=2), 36.5)
+    gs.report(load("i2", used=2, running=1, order=2), 36.5)
+    gs.report(load("i3", order=2), 36.5)
+    assert run_scale(gs, 67.0, start=37.0) == [(67.0, ScaleDecision(terminate=("i2", "i3")))]
+    gs.report(load("i2", used=2, running=1, terminating=True, order=3), 67.5)
+    for instance_id in ("i0", "i1"):
+        gs.report(load(instance_id, used=80, running=5), 67.5)
+    assert run_scale(gs, 72.0, start=68.0) == []  # the scale-out is due at 73
+    gs.report(load("i3", terminating=True, order=3), 72.5)
+    assert gs.scale(73.0) == ScaleDecision(resume=("i2", "i3"))
+    assert gs.drained() == []
 
 
 def test_a_job_with_a_member_still_starting_is_not_drained_and_the_scale_in_waits_for_what_may_go():
