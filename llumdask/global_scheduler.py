@@ -563,11 +563,13 @@ class GlobalScheduler:
         # the drain is in) and not yet found drained: coming back costs no start-up.
         returnable = [i for i in self._instances.values()
                       if i.scaled_in and i.heard and not i.removal_decided]
-        # What a scale-in would drain now: none where nothing may (every job waiting on a member
-        # that has not settled), so that its timer runs on until something may.
-        members = [i for i in self._instances.values() if not i.terminating]
-        victims = (_to_drain(_units(settled, members), pool, scaling.band, len(live) - scaling.min_instances)
-                   if len(live) > scaling.min_instances else [])
+        # What a scale-in would drain now (looked for only above the band, where it may be due):
+        # none where nothing may (every job waiting on a member that has not settled), so that its
+        # timer runs on until something may.
+        victims = []
+        if live and pool.freeness > scaling.band[1] and len(live) > scaling.min_instances:
+            members = [i for i in self._instances.values() if not i.terminating]
+            victims = _to_drain(_units(settled, members), pool, scaling.band, len(live) - scaling.min_instances)
         action = self._scaling_policy.observe(
             now,
             pool.freeness if live else None,
