@@ -600,6 +600,14 @@ class GlobalScheduler:
         requests to the instances it knew) keeps it from closing until that work has moved away."""
         return [i.instance_id for i in self._instances.values() if i.removal_decided and i.drained]
 
+    def closable(self) -> list[str]:
+        """`drained()` less the members of a batch job not drained whole: a job closes with all its
+        members (what a retirement may pick, one worker at a time)."""
+        drained = self.drained()
+        done = set(drained)
+        jobs = {i.job for i in self._instances.values() if i.job is not None and i.instance_id not in done}
+        return [i for i in drained if self._instances[i].job not in jobs]
+
     def pooled_load(self) -> PooledLoad:
         """The cluster as one instance, what scaling keeps in its band: live instances and those
         still starting (capacity on its way, nothing on it yet); draining ones are leaving. The

@@ -204,9 +204,10 @@ class LlumnixSchedulerPlugin(SchedulerPlugin):
             self.metrics.uninstall()
 
     def valid_workers_downscaling(self, scheduler, workers: list) -> list:
-        """Only drained instances may be retired: closing any other would drop its requests."""
-        drained = set(self._scheduler().drained())
-        return [ws for ws in workers if ws.address in drained]
+        """Only drained instances may be retired, a batch job's only once all its members are:
+        closing any other would drop its requests (a job closes with all its workers)."""
+        closable = set(self._scheduler().closable())
+        return [ws for ws in workers if ws.address in closable]
 
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         """A worker left: forget its instance and tell the others, whose migrations with it abort."""

@@ -137,6 +137,25 @@ def test_drained_instances_are_the_only_ones_offered_for_downscaling():
     run_plugin(check)
 
 
+def test_a_batch_job_is_offered_for_downscaling_only_once_all_its_instances_are_drained():
+    """A retirement that picks one worker of a job closes the whole job: a member drained while
+    its job-mate serves must not be offered."""
+    async def check(plugin, scheduler):
+        for w in ("a", "b"):
+            plugin.register(w, 100, 16)
+            plugin.ready(w)
+        plugin.adaptive_target(jobs={"name-a": "job", "name-b": "job"})
+        workers = list(scheduler.workers.values())
+        for w in ("a", "b"):
+            plugin.drain(w)
+            plugin.on_load(load(w, terminating=True, drain_order=1))
+            plugin.scale()
+            offered = [ws.address for ws in plugin.valid_workers_downscaling(scheduler, workers)]
+            assert offered == ([] if w == "a" else ["a", "b"])
+
+    run_plugin(check)
+
+
 def test_with_scaling_enabled_dask_adaptive_target_is_answered():
     overrides = {"migration": {"interval": 60.0}, "scaling": {"enabled": True, "scale-out-period": 0.0, "scale-in-period": 0.0,
                                                               "min-instances": 1, "max-instances": 3}}
