@@ -636,13 +636,19 @@ def test_a_batch_job_is_drained_only_where_the_rest_keeps_the_band(jobs, drained
     assert [i.instance_id for i in gs.instances() if i.terminating] == list(drained)
 
 
-def test_a_due_scale_out_takes_back_a_draining_batch_job_whole():
+def with_job_b() -> GlobalScheduler:
+    """i0 .. i3, job b of i2 and i3, its members the cheapest to drain: pooled 388 / 6; without
+    job b 188 / 6 >= 10 (the band's low), not much above 40."""
     gs = scheduler(4, scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), scale_out_period=5.0, scale_in_period=30.0,
                                             max_instances=4))
     gs.set_jobs({"i2": "b", "i3": "b"})
     for instance_id, running in (("i0", 2), ("i1", 2), ("i2", 1), ("i3", 1)):
         gs.report(load(instance_id, used=2 * running, running=running), 0.0)
-    # Pooled 388 / 6; without job b 188 / 6 >= 10 (its low) and not much above 40.
+    return gs
+
+
+def test_a_due_scale_out_takes_back_a_draining_batch_job_whole():
+    gs = with_job_b()
     assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i2", "i3")))]
     gs.report(load("i2", used=2, running=1, terminating=True, order=1), 31.0)
     gs.report(load("i3", used=2, running=1, terminating=True, order=1), 31.0)
@@ -656,11 +662,7 @@ def test_a_due_scale_out_takes_back_a_draining_batch_job_whole():
 def test_a_job_member_found_drained_comes_back_with_its_job_mate():
     """A job drains whole but empties member by member: one found drained (its removal decided,
     the job not closing) comes back with the mate still draining, or it would sit idle for good."""
-    gs = scheduler(4, scaling=ScalingConfig(enabled=True, band=(10.0, 40.0), scale_out_period=5.0, scale_in_period=30.0,
-                                            max_instances=4))
-    gs.set_jobs({"i2": "b", "i3": "b"})
-    for instance_id, running in (("i0", 2), ("i1", 2), ("i2", 1), ("i3", 1)):
-        gs.report(load(instance_id, used=2 * running, running=running), 0.0)
+    gs = with_job_b()
     assert run_scale(gs, 30.0) == [(30.0, ScaleDecision(terminate=("i2", "i3")))]
     gs.report(load("i2", used=2, running=1, terminating=True, order=1), 31.0)
     gs.report(load("i3", terminating=True, order=1), 31.0)  # emptied: found drained
